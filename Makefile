@@ -1,0 +1,41 @@
+# outbox-relay — the two commands a newcomer needs are `make run` and `make test`.
+GO        ?= go
+BIN       := bin
+PKGS      := ./...
+STATICCHECK_VERSION := v0.8.2
+
+.PHONY: all build test vet fmt-check lint run bench clean
+
+all: build
+
+build:
+	$(GO) build -o $(BIN)/outbox-relay ./cmd/outbox-relay
+	$(GO) build -o $(BIN)/outbox-relay-dev ./cmd/outbox-relay-dev
+
+## test: gofmt and vet, then every test with the race detector. Integration
+## tests start their own PostgreSQL cluster (from `pg_config --bindir`) and an
+## embedded NATS server; set OUTBOX_RELAY_TEST_DATABASE_URL to use an existing
+## logical-WAL server instead.
+test: fmt-check vet
+	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+
+fmt-check:
+	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
+
+vet:
+	$(GO) vet $(PKGS)
+
+## lint: staticcheck, installed from the Go module proxy on first use.
+lint:
+	@command -v staticcheck >/dev/null 2>&1 || $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+	PATH="$$PATH:$$($(GO) env GOPATH)/bin" staticcheck $(PKGS)
+
+## run: with DATABASE_URL, attach to that database; without it, start a private
+## logical-WAL PostgreSQL from the local binaries. Then migrate and show what
+## the relay does (see README).
+run: build
+	$(BIN)/outbox-relay-dev --relay $(BIN)/outbox-relay
+
+clean:
+	rm -rf $(BIN) data

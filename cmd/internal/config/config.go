@@ -1,0 +1,479 @@
+// Package config loads the relay's configuration: a YAML file, RELAY_*
+// environment variables and command-line overrides, on top of defaults.
+//
+// Precedence, highest first: Options.Overrides (the CLI's flags), RELAY_*
+// variables, the file, defaults. A higher layer replaces the value it names,
+// whole: RELAY_DELIVERY_BACKOFF replaces the list, RELAY_SOURCE='{mode: poll}'
+// replaces the source section. Setting a secret or its *_file key in a higher
+// layer also discards the other one from lower layers.
+//
+// In the file, ${VAR} and ${VAR:-default} are expanded inside values (never
+// keys or comments), also inside flow mappings ({secret: ${SECRET}}); the
+// default applies when VAR is unset or empty, an unset ${VAR} without a
+// default is an error, and $$ is a literal $. A reference must close on its
+// line; a lone $ not followed by { or $ is kept as is. An expanded value is
+// always one scalar, never YAML structure; unquoted, it is typed like any
+// plain scalar, so an empty result leaves the key at its default.
+//
+// Every key can be set as RELAY_<PATH>: the key path upper-cased, parts joined
+// by "_", list elements by their index (RELAY_SOURCE_POLL_INTERVAL=2s,
+// RELAY_SINKS_0_URL=..., RELAY_SINKS_0_409_MEANS_DELIVERED=true). The value of
+// a single-valued key is taken verbatim, never parsed as YAML, so secrets need
+// no quoting. A list of single values is either a YAML flow sequence
+// ("[1s, 5s]") or comma-separated ("order.*,invoice.*"); a section, a map or
+// a list of sections is YAML ('{X-Api-Key: abc}'). An index one past the end
+// of a list appends an element and a larger one is an error; a list no lower
+// layer sets starts as its default, so RELAY_DELIVERY_BACKOFF_1=10s changes
+// the second default delay. Map entries (sink headers) cannot be addressed
+// one by one, because environment names cannot keep their case: set the
+// whole map. A RELAY_ variable that names no key is an error, except
+// EnvConfigFile; an empty one is ignored, so that RELAY_X=${X} in a compose
+// file with X unset changes nothing.
+//
+// Errors name the key path and where its value came from: "relay.yaml:12:
+// source.mode: ...", "RELAY_SOURCE_MODE: source.mode: ...", or
+// "command line: database_url: ...". Load reports every error it finds,
+// joined with errors.Join.
+package config
+
+import (
+	"bytes"
+	"fmt"
+	"net/url"
+	"reflect"
+	"strings"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+	"go.yaml.in/yaml/v3"
+)
+
+// EnvConfigFile is the environment variable the CLI reads the config file
+// path from. Load does not treat it as a key, so it is not reported as
+// unknown.
+const EnvConfigFile = "RELAY_CONFIG"
+
+// Config is the relay's configuration. The zero value is not useful: start
+// from Default or Load.
+type Config struct {
+	// DatabaseURL is a libpq connection string or URL. Load falls back to
+	// the DATABASE_URL environment variable when no layer sets it (or
+	// database_url_file); left empty, pgx applies libpq's PG* variables and
+	// defaults.
+	DatabaseURL     Secret         `yaml:"database_url"`
+	DatabaseURLFile string         `yaml:"database_url_file"`
+	Outbox          OutboxConfig   `yaml:"outbox"`
+	Source          SourceConfig   `yaml:"source"`
+	Delivery        DeliveryConfig `yaml:"delivery"`
+	// Sinks may be empty: the run command then adds an embedded NATS sink.
+	Sinks           []SinkConfig  `yaml:"sinks"`
+	HTTP            HTTPConfig    `yaml:"http"`
+	DataDir         string        `yaml:"data_dir"`
+	ShutdownTimeout Duration      `yaml:"shutdown_timeout"`
+	Log             LogConfig     `yaml:"log"`
+	Migrate         MigrateConfig `yaml:"migrate"`
+
+	// origins maps a key path ("sinks[0].url") to where its value came
+	// from, so Validate can name the file line or variable.
+	origins map[string]string
+}
+
+// OutboxConfig names the database objects the relay and its migrations use.
+// Each name may be schema-qualified ("app.outbox").
+type OutboxConfig struct {
+	Table           string `yaml:"table"`
+	LedgerTable     string `yaml:"ledger_table"`
+	CheckpointTable string `yaml:"checkpoint_table"`
+	// ConflictsTable empty means "<table>_conflicts" in the outbox table's
+	// schema; Load fills it in.
+	ConflictsTable  string `yaml:"conflicts_table"`
+	PublishFunction string `yaml:"publish_function"`
+}
+
+// SourceMode selects how the relay learns about new outbox rows.
+type SourceMode string
+
+// Source modes.
+const (
+	SourceAuto        SourceMode = "auto"
+	SourceReplication SourceMode = "replication"
+	SourcePoll        SourceMode = "poll"
+)
+
+// SourceConfig configures the replication and poll sources.
+type SourceConfig struct {
+	Mode              SourceMode `yaml:"mode"`
+	Slot              string     `yaml:"slot"`
+	Publication       string     `yaml:"publication"`
+	PollInterval      Duration   `yaml:"poll_interval"`
+	BatchSize         int        `yaml:"batch_size"`
+	SweepAfter        Duration   `yaml:"sweep_after"`
+	LockTimeout       Duration   `yaml:"lock_timeout"`
+	SlotMaxUnconsumed Duration   `yaml:"slot_max_unconsumed"`
+	SlotMaxRetained   ByteSize   `yaml:"slot_max_retained"`
+	NotifyTrigger     bool       `yaml:"notify_trigger"`
+}
+
+// Ordering says which events must be delivered in order.
+type Ordering string
+
+// Orderings.
+const (
+	OrderingAggregate Ordering = "aggregate"
+	OrderingNone      Ordering = "none"
+)
+
+// MarkDone says whether delivered rows are marked done in the outbox.
+type MarkDone string
+
+// MarkDone modes.
+const (
+	MarkDoneAsync MarkDone = "async"
+	MarkDoneOff   MarkDone = "off"
+)
+
+// DeliveryConfig configures retries and ordering.
+type DeliveryConfig struct {
+	Ordering       Ordering   `yaml:"ordering"`
+	InlineAttempts int        `yaml:"inline_attempts"`
+	MaxAttempts    int        `yaml:"max_attempts"`
+	Backoff        []Duration `yaml:"backoff"`
+	MarkDone       MarkDone   `yaml:"mark_done"`
+	LaneBlockMax   Duration   `yaml:"lane_block_max"`
+}
+
+// SinkType selects a sink implementation.
+type SinkType string
+
+// Sink types.
+const (
+	SinkWebhook SinkType = "webhook"
+	SinkNATS    SinkType = "nats"
+)
+
+// SinkConfig is one sink. Only the part matching Type may be set: Validate
+// refuses a NATS setting on a webhook sink and the reverse.
+type SinkConfig struct {
+	// Name identifies the sink in logs and metrics and is the ledger's
+	// action, so renaming a sink re-delivers everything.
+	Name string   `yaml:"name"`
+	Type SinkType `yaml:"type"`
+	// URL is the webhook's endpoint, or the NATS server URLs
+	// (comma-separated); empty for NATS runs an embedded server.
+	URL string `yaml:"url"`
+	// Events lists path.Match globs over the event type.
+	Events  []string      `yaml:"events"`
+	Webhook WebhookConfig `yaml:",inline"`
+	NATS    NATSConfig    `yaml:",inline"`
+}
+
+// BodyFormat selects what a webhook request carries.
+type BodyFormat string
+
+// Body formats.
+const (
+	BodyEnvelope BodyFormat = "envelope"
+	BodyNudge    BodyFormat = "nudge"
+)
+
+// OnUnknown says what to do when a request was written but its outcome is
+// unknown (timeout or reset after the write).
+type OnUnknown string
+
+// OnUnknown policies.
+const (
+	OnUnknownRetry OnUnknown = "retry"
+	OnUnknownHold  OnUnknown = "hold"
+)
+
+// WebhookConfig holds the settings of a webhook sink.
+type WebhookConfig struct {
+	Timeout           Duration          `yaml:"timeout"`
+	Concurrency       int               `yaml:"concurrency"`
+	Auth              AuthConfig        `yaml:"auth"`
+	Headers           map[string]string `yaml:"headers"`
+	Body              BodyFormat        `yaml:"body"`
+	OnUnknown         OnUnknown         `yaml:"on_unknown"`
+	MaxBody           ByteSize          `yaml:"max_body"`
+	PermanentStatuses []int             `yaml:"permanent_statuses"`
+	// Treat409AsDelivered counts a 409 as delivered instead of as an
+	// Idempotency-Key server still processing the original request.
+	Treat409AsDelivered bool `yaml:"409_means_delivered"`
+}
+
+// AuthType selects how a webhook request authenticates.
+type AuthType string
+
+// Auth types.
+const (
+	AuthNone             AuthType = "none"
+	AuthJWT              AuthType = "jwt"
+	AuthHeader           AuthType = "header"
+	AuthBasic            AuthType = "basic"
+	AuthStandardWebhooks AuthType = "standard-webhooks"
+)
+
+// AuthConfig holds a webhook's credentials. Each secret may instead be read
+// from the file its *_file key names; after Load the secret holds the file's
+// contents (one trailing newline removed) and the *_file key its path.
+type AuthConfig struct {
+	Type AuthType `yaml:"type,omitempty"`
+	// Secret signs requests (jwt: HS256 key; standard-webhooks: a
+	// "whsec_"-prefixed secret is base64-decoded to the key).
+	Secret     Secret `yaml:"secret,omitempty"`
+	SecretFile string `yaml:"secret_file,omitempty"`
+	// Header and Value form the header sent for type header.
+	Header    string `yaml:"header,omitempty"`
+	Value     Secret `yaml:"value,omitempty"`
+	ValueFile string `yaml:"value_file,omitempty"`
+	// Username and Password are sent for type basic.
+	Username     string `yaml:"username,omitempty"`
+	Password     Secret `yaml:"password,omitempty"`
+	PasswordFile string `yaml:"password_file,omitempty"`
+}
+
+// NATSConfig holds the settings of a NATS JetStream sink.
+type NATSConfig struct {
+	// Subject is a text/template executed per event.
+	Subject    string       `yaml:"subject"`
+	Stream     StreamConfig `yaml:"stream"`
+	MaxPending int          `yaml:"max_pending"`
+	CredsFile  string       `yaml:"creds_file"`
+	Token      Secret       `yaml:"token"`
+	TokenFile  string       `yaml:"token_file"`
+}
+
+// StreamConfig describes the JetStream stream that must capture the sink's
+// subjects.
+type StreamConfig struct {
+	Name     string   `yaml:"name"`
+	Subjects []string `yaml:"subjects"`
+	// DuplicateWindow is the minimum the stream's window must have.
+	DuplicateWindow Duration `yaml:"duplicate_window"`
+	// Create creates the stream when it does not exist.
+	Create bool `yaml:"create"`
+	// MaxMsgSize zero leaves the server's default.
+	MaxMsgSize ByteSize `yaml:"max_msg_size"`
+}
+
+// HTTPConfig configures the metrics and health endpoint.
+type HTTPConfig struct {
+	Listen string `yaml:"listen"`
+}
+
+// LogConfig configures zerolog. Level is one of trace, debug, info, warn,
+// error; Format one of json, console, auto (console on a terminal).
+type LogConfig struct {
+	Level  string `yaml:"level"`
+	Format string `yaml:"format"`
+}
+
+// MigrateConfig configures the migrate command.
+type MigrateConfig struct {
+	// LockTimeout bounds each attempt to take a table lock, so migrate
+	// never queues behind long transactions while blocking the writers
+	// queued behind it.
+	LockTimeout Duration `yaml:"lock_timeout"`
+	// Timeout is how long migrate keeps retrying lock timeouts in total.
+	Timeout Duration `yaml:"timeout"`
+}
+
+// Default returns the configuration used when no file, variable or override
+// sets a key. It has no sinks, and an empty Outbox.ConflictsTable, meaning
+// "<table>_conflicts".
+func Default() Config {
+	return Config{
+		Outbox: OutboxConfig{
+			Table:           "integration_outbox",
+			LedgerTable:     "integration_idempotency",
+			CheckpointTable: "relay_checkpoint",
+			PublishFunction: "outbox_publish",
+		},
+		Source: SourceConfig{
+			Mode:              SourceAuto,
+			Slot:              "outbox_relay",
+			Publication:       "outbox_relay",
+			PollInterval:      Duration(time.Second),
+			BatchSize:         500,
+			SweepAfter:        Duration(30 * time.Second),
+			LockTimeout:       Duration(5 * time.Minute),
+			SlotMaxUnconsumed: Duration(10 * time.Minute),
+			SlotMaxRetained:   GiB,
+		},
+		Delivery: DeliveryConfig{
+			Ordering:       OrderingAggregate,
+			InlineAttempts: 3,
+			MaxAttempts:    10,
+			Backoff: []Duration{
+				Duration(time.Second), Duration(5 * time.Second), Duration(30 * time.Second),
+				Duration(2 * time.Minute), Duration(5 * time.Minute), Duration(15 * time.Minute),
+				Duration(30 * time.Minute), Duration(time.Hour),
+			},
+			MarkDone:     MarkDoneAsync,
+			LaneBlockMax: Duration(2 * time.Second),
+		},
+		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187"},
+		DataDir:         "./data",
+		ShutdownTimeout: Duration(30 * time.Second),
+		Log:             LogConfig{Level: "info", Format: "auto"},
+		Migrate: MigrateConfig{
+			LockTimeout: Duration(time.Second),
+			Timeout:     Duration(10 * time.Minute),
+		},
+	}
+}
+
+// DefaultSink returns a sink of type typ with every setting of that type at
+// its default and no name. Load starts each configured sink from it; the run
+// command uses it for the embedded NATS sink. An unknown type gets only the
+// common defaults.
+func DefaultSink(typ SinkType) SinkConfig {
+	s := SinkConfig{Type: typ, Events: []string{"*"}}
+	switch typ {
+	case SinkWebhook:
+		s.Webhook = WebhookConfig{
+			Timeout:           Duration(10 * time.Second),
+			Concurrency:       8,
+			Auth:              AuthConfig{Type: AuthNone},
+			Body:              BodyEnvelope,
+			OnUnknown:         OnUnknownRetry,
+			MaxBody:           16 * MiB,
+			PermanentStatuses: []int{400, 413, 415, 422},
+		}
+	case SinkNATS:
+		s.NATS = NATSConfig{
+			Subject: "outbox.{{.AggregateType}}.{{.EventType}}",
+			Stream: StreamConfig{
+				Name:            "OUTBOX",
+				Subjects:        []string{"outbox.>"},
+				DuplicateWindow: Duration(2 * time.Minute),
+				Create:          true,
+			},
+			MaxPending: 4096,
+		}
+	}
+	return s
+}
+
+// Tables holds the parsed names of the database objects, for the migrations
+// and the queries that use them.
+type Tables struct {
+	Outbox          relay.QualifiedName
+	Ledger          relay.QualifiedName
+	Checkpoint      relay.QualifiedName
+	Conflicts       relay.QualifiedName
+	PublishFunction relay.QualifiedName
+	Publication     string
+}
+
+// Tables returns the parsed object names, deriving the conflicts table when
+// it is empty. It must only be called on a Config that passed Validate (Load
+// returns no other); it panics on a name Validate refuses.
+func (c *Config) Tables() Tables {
+	o := c.Outbox
+	t := Tables{
+		Outbox:          relay.MustParseQualifiedName(o.Table),
+		Ledger:          relay.MustParseQualifiedName(o.LedgerTable),
+		Checkpoint:      relay.MustParseQualifiedName(o.CheckpointTable),
+		PublishFunction: relay.MustParseQualifiedName(o.PublishFunction),
+		Publication:     c.Source.Publication,
+	}
+	if o.ConflictsTable == "" {
+		t.Conflicts = relay.MustParseQualifiedName(conflictsTableFor(o.Table))
+	} else {
+		t.Conflicts = relay.MustParseQualifiedName(o.ConflictsTable)
+	}
+	return t
+}
+
+// conflictsTableFor derives the default conflicts table: same schema as the
+// outbox table. It returns "" when table does not parse.
+func conflictsTableFor(table string) string {
+	n, err := relay.ParseQualifiedName(table)
+	if err != nil {
+		return ""
+	}
+	return n.Sibling(n.Name + "_conflicts").String()
+}
+
+// Redacted renders c as YAML for printing: secrets as "[redacted]", every
+// webhook header value as "[redacted]" (headers often carry API keys), and
+// the credentials in sink URLs as "xxxxx". database_url is a Secret and is
+// therefore redacted whole, since libpq strings carry passwords in more
+// places than a URL's userinfo. A sink shows only the settings of its type.
+func (c *Config) Redacted() ([]byte, error) {
+	r := *c
+	r.Sinks = make([]SinkConfig, len(c.Sinks))
+	for i, s := range c.Sinks {
+		s.URL = redactURLs(s.URL)
+		if s.Webhook.Headers != nil {
+			h := make(map[string]string, len(s.Webhook.Headers))
+			for k, v := range s.Webhook.Headers {
+				h[k] = Secret(v).String()
+			}
+			s.Webhook.Headers = h
+		}
+		r.Sinks[i] = s
+	}
+	var root yaml.Node
+	if err := root.Encode(&r); err != nil {
+		return nil, fmt.Errorf("render config: %w", err)
+	}
+	if k := findKey(&root, "sinks"); k >= 0 {
+		for i, sink := range root.Content[k+1].Content {
+			var other reflect.Type
+			switch r.Sinks[i].Type {
+			case SinkWebhook:
+				other = reflect.TypeFor[NATSConfig]()
+			case SinkNATS:
+				other = reflect.TypeFor[WebhookConfig]()
+			default:
+				continue
+			}
+			for _, f := range fieldsOf(other) {
+				if j := findKey(sink, f.name); j >= 0 {
+					sink.Content = append(sink.Content[:j], sink.Content[j+2:]...)
+				}
+			}
+		}
+	}
+	var buf bytes.Buffer
+	enc := yaml.NewEncoder(&buf)
+	enc.SetIndent(2)
+	if err := enc.Encode(&root); err != nil {
+		return nil, fmt.Errorf("render config: %w", err)
+	}
+	if err := enc.Close(); err != nil {
+		return nil, fmt.Errorf("render config: %w", err)
+	}
+	return buf.Bytes(), nil
+}
+
+// redactURLs redacts the credentials of each URL in a comma-separated list.
+func redactURLs(s string) string {
+	if s == "" {
+		return s
+	}
+	parts := strings.Split(s, ",")
+	for i, p := range parts {
+		parts[i] = redactURL(strings.TrimSpace(p))
+	}
+	return strings.Join(parts, ",")
+}
+
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		// Validate refuses it anyway; print nothing that might be a secret.
+		return redacted
+	}
+	if u.User == nil {
+		return raw
+	}
+	if _, ok := u.User.Password(); ok {
+		return u.Redacted()
+	}
+	// A lone user part is how NATS URLs carry a token (nats://TOKEN@host).
+	u.User = url.User("xxxxx")
+	return u.String()
+}

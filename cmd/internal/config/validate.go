@@ -1,0 +1,364 @@
+package config
+
+import (
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"maps"
+	"math"
+	"net"
+	"net/url"
+	"path"
+	"reflect"
+	"slices"
+	"strconv"
+	"strings"
+	"text/template"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// Validate checks every value and returns all problems joined with
+// errors.Join, or nil. Each error names the key path and, for a Config from
+// Load, where the value came from. A secret counts as set when its *_file
+// key is, since Load reads the file. Validate does not modify c.
+func (c *Config) Validate() error {
+	v := &validator{origins: c.origins}
+	v.outbox(c.Outbox)
+	v.source(c.Source)
+	v.delivery(c.Delivery)
+	names := map[string]string{}
+	for i := range c.Sinks {
+		v.sink(fmt.Sprintf("sinks[%d]", i), &c.Sinks[i], names)
+	}
+	v.listen("http.listen", c.HTTP.Listen)
+	if c.DataDir == "" {
+		v.fail("data_dir", "must not be empty")
+	}
+	v.positive("shutdown_timeout", c.ShutdownTimeout)
+	oneOf(v, "log.level", c.Log.Level, "trace", "debug", "info", "warn", "error")
+	oneOf(v, "log.format", c.Log.Format, "json", "console", "auto")
+	v.positive("migrate.lock_timeout", c.Migrate.LockTimeout)
+	v.positive("migrate.timeout", c.Migrate.Timeout)
+	return errors.Join(v.errs...)
+}
+
+type validator struct {
+	origins map[string]string
+	errs    []error
+}
+
+// fail records an error for the key at path, prefixed with the origin of
+// the nearest key on the path that has one: a missing key is reported where
+// its section was written.
+func (v *validator) fail(path, format string, args ...any) {
+	msg := path + ": " + fmt.Sprintf(format, args...)
+	for p := path; p != ""; {
+		if o, ok := v.origins[p]; ok {
+			msg = o + ": " + msg
+			break
+		}
+		i := strings.LastIndexAny(p, ".[")
+		if i < 0 {
+			break
+		}
+		p = p[:i]
+	}
+	v.errs = append(v.errs, errors.New(msg))
+}
+
+func (v *validator) positive(path string, d Duration) {
+	if d <= 0 {
+		v.fail(path, "must be greater than zero, got %s", d)
+	}
+}
+
+func (v *validator) atLeast(path string, n, lowest int) {
+	if n < lowest {
+		v.fail(path, "must be at least %d, got %d", lowest, n)
+	}
+}
+
+func oneOf[T ~string](v *validator, path string, got T, allowed ...T) {
+	if slices.Contains(allowed, got) {
+		return
+	}
+	names := make([]string, len(allowed))
+	for i, a := range allowed {
+		names[i] = string(a)
+	}
+	v.fail(path, "%q is not one of %s", got, strings.Join(names, ", "))
+}
+
+func (v *validator) outbox(o OutboxConfig) {
+	conflicts := o.ConflictsTable
+	if conflicts == "" {
+		conflicts = conflictsTableFor(o.Table)
+	}
+	tables := []struct{ key, name string }{
+		{"outbox.table", o.Table},
+		{"outbox.ledger_table", o.LedgerTable},
+		{"outbox.checkpoint_table", o.CheckpointTable},
+		{"outbox.conflicts_table", conflicts},
+	}
+	if conflicts == "" {
+		tables = tables[:3] // derived from an invalid table name, reported once
+	}
+	seen := map[string]string{}
+	for _, t := range tables {
+		n, err := relay.ParseQualifiedName(t.name)
+		if err != nil {
+			v.fail(t.key, "%v", err)
+			continue
+		}
+		if other, dup := seen[n.String()]; dup {
+			v.fail(t.key, "%q is also %s; each table needs its own name", t.name, other)
+			continue
+		}
+		seen[n.String()] = t.key
+	}
+	if _, err := relay.ParseQualifiedName(o.PublishFunction); err != nil {
+		v.fail("outbox.publish_function", "%v", err)
+	}
+}
+
+func (v *validator) source(s SourceConfig) {
+	oneOf(v, "source.mode", s.Mode, SourceAuto, SourceReplication, SourcePoll)
+	if err := relay.ValidateSlotName(s.Slot); err != nil {
+		v.fail("source.slot", "%v", err)
+	}
+	if err := relay.ValidateIdentifier(s.Publication); err != nil {
+		v.fail("source.publication", "%v", err)
+	}
+	v.positive("source.poll_interval", s.PollInterval)
+	v.atLeast("source.batch_size", s.BatchSize, 1)
+	v.positive("source.sweep_after", s.SweepAfter)
+	v.positive("source.lock_timeout", s.LockTimeout)
+	v.positive("source.slot_max_unconsumed", s.SlotMaxUnconsumed)
+	if s.SlotMaxRetained <= 0 {
+		v.fail("source.slot_max_retained", "must be greater than zero, got %s", s.SlotMaxRetained)
+	}
+}
+
+func (v *validator) delivery(d DeliveryConfig) {
+	oneOf(v, "delivery.ordering", d.Ordering, OrderingAggregate, OrderingNone)
+	v.atLeast("delivery.inline_attempts", d.InlineAttempts, 0)
+	v.atLeast("delivery.max_attempts", d.MaxAttempts, 1)
+	if len(d.Backoff) == 0 {
+		v.fail("delivery.backoff", "must list at least one duration")
+	}
+	for i, b := range d.Backoff {
+		v.positive(fmt.Sprintf("delivery.backoff[%d]", i), b)
+	}
+	oneOf(v, "delivery.mark_done", d.MarkDone, MarkDoneAsync, MarkDoneOff)
+	v.positive("delivery.lane_block_max", d.LaneBlockMax)
+}
+
+// sink checks one sink; names maps the names seen so far to their paths.
+func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
+	switch {
+	case s.Name == "":
+		v.fail(p+".name", "is required")
+	case strings.TrimSpace(s.Name) != s.Name || !isPrintable(s.Name):
+		v.fail(p+".name", "%q must be printable, without surrounding spaces", s.Name)
+	case names[s.Name] != "":
+		v.fail(p+".name", "%q is already the name of %s; sink names must be unique", s.Name, names[s.Name])
+	default:
+		names[s.Name] = p
+	}
+	if len(s.Events) == 0 {
+		v.fail(p+".events", "must list at least one pattern (leave it out for all events)")
+	}
+	for i, g := range s.Events {
+		if _, err := path.Match(g, "x"); err != nil || g == "" {
+			v.fail(fmt.Sprintf("%s.events[%d]", p, i), "%q is not a valid pattern (path.Match syntax: *, ?, [a-z])", g)
+		}
+	}
+	switch s.Type {
+	case SinkWebhook:
+		v.webhook(p, s)
+		v.otherType(p, reflect.ValueOf(s.NATS), s.Type)
+	case SinkNATS:
+		v.nats(p, s)
+		v.otherType(p, reflect.ValueOf(s.Webhook), s.Type)
+	case "":
+		v.fail(p+".type", "is required (webhook or nats)")
+	default:
+		oneOf(v, p+".type", s.Type, SinkWebhook, SinkNATS)
+	}
+}
+
+// otherType reports each setting of the other sink type that is set: it
+// would be ignored, which is almost certainly not what was meant.
+func (v *validator) otherType(p string, part reflect.Value, typ SinkType) {
+	for _, f := range fieldsOf(part.Type()) {
+		if !part.FieldByIndex(f.index).IsZero() {
+			v.fail(p+"."+f.name, "is not valid for a %s sink", typ)
+		}
+	}
+}
+
+func (v *validator) webhook(p string, s *SinkConfig) {
+	w := s.Webhook
+	if s.URL == "" {
+		v.fail(p+".url", "is required for a webhook sink")
+	} else if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		// Not err's text: it would print the URL's password.
+		v.fail(p+".url", "%s is not an absolute http:// or https:// URL", redactURL(s.URL))
+	}
+	v.positive(p+".timeout", w.Timeout)
+	v.atLeast(p+".concurrency", w.Concurrency, 1)
+	v.auth(p+".auth", w.Auth)
+	for _, name := range slices.Sorted(maps.Keys(w.Headers)) {
+		value := w.Headers[name]
+		if !isHeaderName(name) {
+			v.fail(p+".headers", "%q is not a valid header name", name)
+		}
+		if strings.ContainsAny(value, "\r\n\x00") {
+			v.fail(p+".headers."+name, "must not contain line breaks or NUL")
+		}
+	}
+	oneOf(v, p+".body", w.Body, BodyEnvelope, BodyNudge)
+	oneOf(v, p+".on_unknown", w.OnUnknown, OnUnknownRetry, OnUnknownHold)
+	if w.MaxBody <= 0 {
+		v.fail(p+".max_body", "must be greater than zero, got %s", w.MaxBody)
+	}
+	for i, code := range w.PermanentStatuses {
+		if code < 400 || code > 599 {
+			v.fail(fmt.Sprintf("%s.permanent_statuses[%d]", p, i), "%d is not an HTTP error status (400-599)", code)
+		}
+	}
+}
+
+func (v *validator) auth(p string, a AuthConfig) {
+	set := map[string]bool{
+		"secret": a.Secret != "", "secret_file": a.SecretFile != "",
+		"header": a.Header != "",
+		"value":  a.Value != "", "value_file": a.ValueFile != "",
+		"username": a.Username != "",
+		"password": a.Password != "", "password_file": a.PasswordFile != "",
+	}
+	var used []string
+	switch a.Type {
+	case AuthNone:
+	case AuthJWT, AuthStandardWebhooks:
+		used = []string{"secret", "secret_file"}
+		if !set["secret"] && !set["secret_file"] {
+			v.fail(p+".secret", "is required for auth type %s (or secret_file)", a.Type)
+		}
+		if rest, ok := strings.CutPrefix(a.Secret.Reveal(), "whsec_"); ok && a.Type == AuthStandardWebhooks {
+			if _, err := base64.StdEncoding.DecodeString(rest); err != nil {
+				v.fail(p+".secret", "a whsec_ secret must be base64 after the prefix")
+			}
+		}
+	case AuthHeader:
+		used = []string{"header", "value", "value_file"}
+		if !set["header"] {
+			v.fail(p+".header", "is required for auth type header: the header's name")
+		} else if !isHeaderName(a.Header) {
+			v.fail(p+".header", "%q is not a valid header name", a.Header)
+		}
+		if !set["value"] && !set["value_file"] {
+			v.fail(p+".value", "is required for auth type header (or value_file)")
+		}
+	case AuthBasic:
+		used = []string{"username", "password", "password_file"}
+		if !set["username"] {
+			v.fail(p+".username", "is required for auth type basic")
+		} else if strings.Contains(a.Username, ":") {
+			v.fail(p+".username", "must not contain a colon (RFC 7617)")
+		}
+		if !set["password"] && !set["password_file"] {
+			v.fail(p+".password", "is required for auth type basic (or password_file)")
+		}
+	default:
+		oneOf(v, p+".type", a.Type, AuthNone, AuthJWT, AuthHeader, AuthBasic, AuthStandardWebhooks)
+		return
+	}
+	for _, f := range fieldsOf(reflect.TypeFor[AuthConfig]()) {
+		if set[f.name] && !slices.Contains(used, f.name) {
+			v.fail(p+"."+f.name, "is not used by auth type %s", a.Type)
+		}
+	}
+}
+
+func (v *validator) nats(p string, s *SinkConfig) {
+	n := s.NATS
+	if s.URL != "" {
+		for _, part := range strings.Split(s.URL, ",") {
+			part = strings.TrimSpace(part)
+			u, err := url.Parse(part)
+			if err != nil || !slices.Contains([]string{"nats", "tls", "ws", "wss"}, u.Scheme) || u.Host == "" {
+				v.fail(p+".url", "%s is not a nats://, tls://, ws:// or wss:// URL (leave url empty for the embedded server)", redactURL(part))
+			}
+		}
+	}
+	if n.Subject == "" {
+		v.fail(p+".subject", "must not be empty")
+	} else if _, err := template.New("subject").Parse(n.Subject); err != nil {
+		v.fail(p+".subject", "invalid template: %v", err)
+	}
+	sp := p + ".stream"
+	if n.Stream.Name == "" {
+		v.fail(sp+".name", "must not be empty")
+	} else if strings.ContainsFunc(n.Stream.Name, func(r rune) bool {
+		return strings.ContainsRune(".*>/\\", r) || unicode.IsSpace(r) || !unicode.IsPrint(r)
+	}) {
+		v.fail(sp+".name", "%q may not contain spaces, '.', '*', '>', '/' or '\\'", n.Stream.Name)
+	}
+	if len(n.Stream.Subjects) == 0 {
+		v.fail(sp+".subjects", "must list at least one subject")
+	}
+	for i, subj := range n.Stream.Subjects {
+		if subj == "" || strings.ContainsFunc(subj, unicode.IsSpace) {
+			v.fail(fmt.Sprintf("%s.subjects[%d]", sp, i), "%q is not a NATS subject", subj)
+		}
+	}
+	v.positive(sp+".duplicate_window", n.Stream.DuplicateWindow)
+	if n.Stream.MaxMsgSize < 0 || n.Stream.MaxMsgSize > math.MaxInt32 {
+		v.fail(sp+".max_msg_size", "must be between 0 (server default) and 2GiB, got %s", n.Stream.MaxMsgSize)
+	}
+	v.atLeast(p+".max_pending", n.MaxPending, 1)
+}
+
+func (v *validator) listen(p, addr string) {
+	_, port, err := net.SplitHostPort(addr)
+	if err == nil {
+		var n int
+		n, err = strconv.Atoi(port)
+		if err == nil && (n < 0 || n > 65535) {
+			err = errors.New("port out of range")
+		}
+	}
+	if err != nil {
+		v.fail(p, "%q is not host:port (127.0.0.1:9187, :9187, [::1]:9187)", addr)
+	}
+}
+
+func isPrintable(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, r := range s {
+		if !unicode.IsPrint(r) {
+			return false
+		}
+	}
+	return true
+}
+
+// isHeaderName reports whether s is an HTTP token (RFC 9110 section 5.6.2).
+func isHeaderName(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, r := range s {
+		if !(r < utf8.RuneSelf && (r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' ||
+			strings.ContainsRune("!#$%&'*+-.^_`|~", r))) {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,151 @@
+// Command outbox-relay delivers the rows inserted into a transactional outbox
+// table to an n8n webhook and to NATS JetStream, from a logical replication
+// slot, with the polling claim as the fallback path.
+//
+// Exit codes: 0 success; 1 the command failed; 2 bad usage or configuration;
+// 3 the command is not available in this build yet.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/mattn/go-isatty"
+	"github.com/rs/zerolog"
+	"github.com/spf13/cobra"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+)
+
+// Exit codes, documented in the README.
+const (
+	exitOK             = 0
+	exitFailure        = 1
+	exitUsage          = 2
+	exitNotImplemented = 3
+)
+
+// usageError marks errors caused by the command line or the configuration.
+type usageError struct{ err error }
+
+func (e usageError) Error() string { return e.err.Error() }
+func (e usageError) Unwrap() error { return e.err }
+
+// errNotImplemented is returned by commands whose issue has not landed yet.
+var errNotImplemented = errors.New("not implemented yet")
+
+// version is set at build time with -ldflags "-X main.version=…".
+var version = "dev"
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := Execute(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func exitCode(err error) int {
+	var usage usageError
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.As(err, &usage):
+		return exitUsage
+	case errors.Is(err, errNotImplemented):
+		return exitNotImplemented
+	default:
+		return exitFailure
+	}
+}
+
+// globals are the flags every command takes.
+type globals struct {
+	configPath  string
+	databaseURL string
+	stdout      io.Writer
+	stderr      io.Writer
+}
+
+// loadConfig reads the configuration: flags > RELAY_* environment > file >
+// defaults.
+func (g *globals) loadConfig() (*config.Config, error) {
+	overrides := map[string]string{}
+	if g.databaseURL != "" {
+		overrides["database_url"] = g.databaseURL
+	}
+	cfg, err := config.Load(config.Options{Path: g.configPath, Overrides: overrides})
+	if err != nil {
+		return nil, usageError{err}
+	}
+	return cfg, nil
+}
+
+// logger builds the process logger from the log settings: console output on
+// a terminal with format auto, JSON otherwise.
+func (g *globals) logger(cfg *config.Config) zerolog.Logger {
+	level, err := zerolog.ParseLevel(cfg.Log.Level)
+	if err != nil {
+		level = zerolog.InfoLevel
+	}
+	var w io.Writer = g.stderr
+	console := cfg.Log.Format == "console"
+	if cfg.Log.Format == "auto" {
+		if f, ok := g.stderr.(*os.File); ok && isatty.IsTerminal(f.Fd()) {
+			console = true
+		}
+	}
+	if console {
+		w = zerolog.ConsoleWriter{Out: g.stderr, TimeFormat: "15:04:05.000"}
+	}
+	return zerolog.New(w).Level(level).With().Timestamp().Logger()
+}
+
+func newRootCommand(stdout, stderr io.Writer) *cobra.Command {
+	g := &globals{stdout: stdout, stderr: stderr}
+	root := &cobra.Command{
+		Use:   "outbox-relay",
+		Short: "Deliver transactional outbox rows to n8n webhooks and NATS JetStream within milliseconds of commit",
+		Long: `outbox-relay attaches to a PostgreSQL primary, reads outbox INSERTs from a logical
+replication slot and delivers each event to its sinks (an n8n webhook, NATS JetStream),
+with an idempotency ledger and the polling claim (FOR UPDATE SKIP LOCKED) as the fallback.
+
+Configuration: --config FILE (YAML), RELAY_<PATH> environment variables, flags.
+Exit codes: 0 success, 1 failure, 2 bad usage or configuration, 3 not available yet.`,
+		Version:       version,
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	root.PersistentFlags().StringVarP(&g.configPath, "config", "c", "", "configuration file (YAML)")
+	root.PersistentFlags().StringVar(&g.databaseURL, "database-url", "", "PostgreSQL connection URL (overrides database_url)")
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
+
+	root.AddCommand(
+		newRunCommand(g),
+		newMigrateCommand(g),
+		newDoctorCommand(g),
+		newStatusCommand(g),
+		newDLQCommand(g),
+		newReplayCommand(g),
+		newReconcileCommand(g),
+	)
+	return root
+}
+
+// Execute runs the command line args and returns the exit code; main and the
+// tests share it.
+func Execute(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	root := newRootCommand(stdout, stderr)
+	root.SetArgs(args)
+	err := root.ExecuteContext(ctx)
+	if err != nil {
+		fmt.Fprintf(stderr, "outbox-relay: %v\n", err)
+	}
+	return exitCode(err)
+}

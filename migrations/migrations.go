@@ -1,0 +1,526 @@
+// Package migrations holds the relay's schema as embedded SQL and applies it
+// with jackc/tern, rendered for the table names in the configuration.
+//
+// Each outbox table has its own version record (a tern version table named
+// after it), so two relays with different outbox tables can share a database.
+// Migrations are idempotent and never change existing rows. DDL that needs a
+// strong lock runs with a short lock_timeout and is retried, so writers queue
+// behind it for at most that long; indexes on the outbox are built
+// CONCURRENTLY, and an INVALID index left by a failed build is dropped and
+// rebuilt.
+package migrations
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"math/rand/v2"
+	"strings"
+	"text/template"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/tern/v2/migrate"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+//go:embed sql/*.sql
+var sqlFiles embed.FS
+
+// Names are the database objects the migrations create or adopt. Unqualified
+// names resolve like any SQL name: an existing relation is found through the
+// search_path, a new one is created in current_schema().
+type Names struct {
+	Outbox          relay.QualifiedName
+	Ledger          relay.QualifiedName
+	Checkpoint      relay.QualifiedName
+	Conflicts       relay.QualifiedName
+	PublishFunction relay.QualifiedName
+	Publication     string
+}
+
+// DefaultNames returns the names SPEC §3 uses.
+func DefaultNames() Names {
+	return Names{
+		Outbox:          relay.QualifiedName{Name: "integration_outbox"},
+		Ledger:          relay.QualifiedName{Name: "integration_idempotency"},
+		Checkpoint:      relay.QualifiedName{Name: "relay_checkpoint"},
+		Conflicts:       relay.QualifiedName{Name: "integration_outbox_conflicts"},
+		PublishFunction: relay.QualifiedName{Name: "outbox_publish"},
+		Publication:     "outbox_relay",
+	}
+}
+
+// Options configure Migrate. Zero values take the defaults in brackets.
+type Options struct {
+	Names Names
+
+	// LockTimeout bounds each wait for a lock that would queue writers [1s].
+	LockTimeout time.Duration
+
+	// Timeout bounds the total time spent retrying lock timeouts [10m].
+	Timeout time.Duration
+
+	Logger zerolog.Logger
+}
+
+// Result says what Migrate did.
+type Result struct {
+	// From and To are the schema versions before and after.
+	From, To int32
+	// Applied names the migrations run, in order.
+	Applied []string
+	// Retries counts attempts that ended in a lock timeout.
+	Retries int
+	// PublicationCreated is true when the publication did not exist and was created.
+	PublicationCreated bool
+	// PublicationSkipped, when not empty, says why the publication was not
+	// created and which statement the table owner must run.
+	PublicationSkipped string
+}
+
+// ShapeError reports an existing outbox table the relay cannot use.
+type ShapeError struct {
+	Table  string
+	Column string
+	Reason string
+}
+
+func (e *ShapeError) Error() string {
+	return fmt.Sprintf("table %s: column %q %s", e.Table, e.Column, e.Reason)
+}
+
+// Migrate brings the schema for opts.Names up to date on conn. It is safe to
+// repeat: a second run changes nothing. Concurrent runs serialise on tern's
+// advisory lock. It returns a *ShapeError when an existing outbox table lacks
+// a column the relay needs, and the last lock-timeout error when opts.Timeout
+// passes while writers' locks keep DDL waiting.
+func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) (Result, error) {
+	opts = withDefaults(opts)
+	log := opts.Logger
+
+	names, err := resolve(ctx, conn, opts.Names)
+	if err != nil {
+		return Result{}, err
+	}
+	data := templateData(names, opts.LockTimeout)
+
+	var res Result
+	deadline := time.Now().Add(opts.Timeout)
+	for {
+		err := migrateOnce(ctx, conn, names, data, &res, log)
+		if err == nil {
+			break
+		}
+		if !isLockTimeout(err) || time.Now().After(deadline) {
+			return res, err
+		}
+		res.Retries++
+		wait := retryDelay(res.Retries)
+		log.Warn().Err(err).Int("attempt", res.Retries).Dur("retry_in", wait).
+			Msg("migration waited longer than lock_timeout behind another transaction; retrying")
+		select {
+		case <-ctx.Done():
+			return res, ctx.Err()
+		case <-time.After(wait):
+		}
+	}
+
+	if err := checkShape(ctx, conn, names.Outbox); err != nil {
+		return res, err
+	}
+	if err := ensurePublication(ctx, conn, names, opts, &res); err != nil {
+		return res, err
+	}
+	return res, nil
+}
+
+func withDefaults(opts Options) Options {
+	if opts.LockTimeout <= 0 {
+		opts.LockTimeout = time.Second
+	}
+	if opts.Timeout <= 0 {
+		opts.Timeout = 10 * time.Minute
+	}
+	return opts
+}
+
+// migrateOnce runs one tern pass: the repair of INVALID indexes, then every
+// migration not yet applied.
+func migrateOnce(ctx context.Context, conn *pgx.Conn, names Names, data map[string]any, res *Result, log zerolog.Logger) error {
+	if err := dropInvalidIndexes(ctx, conn, names.Outbox, data, log); err != nil {
+		return err
+	}
+	m, err := migrate.NewMigrator(ctx, conn, versionTable(names.Outbox).Quoted())
+	if err != nil {
+		return fmt.Errorf("prepare version table: %w", err)
+	}
+	if err := load(m, names, data); err != nil {
+		return err
+	}
+	from, err := m.GetCurrentVersion(ctx)
+	if err != nil {
+		return fmt.Errorf("read schema version: %w", err)
+	}
+	if res.Retries == 0 {
+		res.From = from
+	}
+	m.OnStart = func(seq int32, name, _, _ string) {
+		log.Info().Int32("version", seq).Str("migration", name).Str("table", names.Outbox.String()).Msg("applying migration")
+	}
+	if err := m.Migrate(ctx); err != nil {
+		return fmt.Errorf("migrate %s: %w", names.Outbox, err)
+	}
+	res.To = int32(len(m.Migrations))
+	res.Applied = res.Applied[:0]
+	for _, mig := range m.Migrations[res.From:res.To] {
+		res.Applied = append(res.Applied, mig.Name)
+	}
+	return nil
+}
+
+// load renders the embedded SQL for these names. The outbox table itself is a
+// Go step: it is created only when absent, with its indexes built plainly
+// because nothing can be writing to a table that did not exist.
+func load(m *migrate.Migrator, names Names, data map[string]any) error {
+	render := func(file string) (string, error) {
+		b, err := sqlFiles.ReadFile("sql/" + file)
+		if err != nil {
+			return "", err
+		}
+		t, err := template.New(file).Option("missingkey=error").Parse(string(b))
+		if err != nil {
+			return "", fmt.Errorf("parse %s: %w", file, err)
+		}
+		var sb strings.Builder
+		if err := t.Execute(&sb, data); err != nil {
+			return "", fmt.Errorf("render %s: %w", file, err)
+		}
+		return sb.String(), nil
+	}
+
+	createOutbox, err := render("001_outbox_table.sql")
+	if err != nil {
+		return err
+	}
+	m.Migrations = append(m.Migrations, &migrate.Migration{
+		Sequence: 1,
+		Name:     "001_outbox_table",
+		UpFunc: func(ctx context.Context, conn *pgx.Conn) error {
+			var exists bool
+			if err := conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", names.Outbox.Quoted()).Scan(&exists); err != nil {
+				return fmt.Errorf("look up %s: %w", names.Outbox, err)
+			}
+			if exists {
+				return checkShape(ctx, conn, names.Outbox)
+			}
+			if _, err := conn.Exec(ctx, createOutbox); err != nil {
+				return fmt.Errorf("create %s: %w", names.Outbox, err)
+			}
+			return nil
+		},
+	})
+
+	for _, file := range []string{"002_relay_columns.sql", "003_relay_indexes.sql", "004_ledger.sql", "005_outbox_publish.sql"} {
+		up, err := render(file)
+		if err != nil {
+			return err
+		}
+		m.AppendMigration(strings.TrimSuffix(file, ".sql"), up, "")
+	}
+	return nil
+}
+
+// templateData quotes every name once; templates only ever see SQL-safe text.
+func templateData(n Names, lockTimeout time.Duration) map[string]any {
+	// The function body is dollar-quoted; pick a tag no name contains, so a
+	// hostile name cannot end the body early.
+	tag := "$relay$"
+	all := n.Outbox.Quoted() + n.Conflicts.Quoted() + n.PublishFunction.Quoted()
+	for i := 1; strings.Contains(all, tag); i++ {
+		tag = fmt.Sprintf("$relay%d$", i)
+	}
+	return map[string]any{
+		"Outbox":                n.Outbox.Quoted(),
+		"Ledger":                n.Ledger.Quoted(),
+		"Checkpoint":            n.Checkpoint.Quoted(),
+		"Conflicts":             n.Conflicts.Quoted(),
+		"PublishFunction":       n.PublishFunction.Quoted(),
+		"StatusIndex":           relay.QuoteIdentifier(derivedName(n.Outbox.Name, "_status_available_at_created_at_idx")),
+		"AggregateIndex":        relay.QuoteIdentifier(derivedName(n.Outbox.Name, "_aggregate_created_at_idx")),
+		"OrderIndexName":        relay.QuoteIdentifier(orderIndex(n.Outbox).Name),
+		"ClaimIndexName":        relay.QuoteIdentifier(claimIndex(n.Outbox).Name),
+		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
+		"LockTimeout":           relay.QuoteLiteral(fmt.Sprintf("%dms", lockTimeout.Milliseconds())),
+		"Tag":                   tag,
+	}
+}
+
+// OrderIndex is the partial index that answers "is a lower id of this
+// aggregate still unsettled?" for the claim path's ordering check.
+func orderIndex(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_order_idx"))
+}
+
+// claimIndex is the partial index that serves the claim query.
+func claimIndex(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_claim_idx"))
+}
+
+// versionTable holds the schema version of one outbox table's migrations.
+func versionTable(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_version"))
+}
+
+// derivedName appends suffix to base, shortening base (and adding a hash of
+// it, so two long names stay distinct) to fit PostgreSQL's 63-byte limit.
+func derivedName(base, suffix string) string {
+	const max = 63
+	if len(base)+len(suffix) <= max {
+		return base + suffix
+	}
+	h := fnv.New32a()
+	h.Write([]byte(base))
+	hash := fmt.Sprintf("_%08x", h.Sum32())
+	keep := max - len(suffix) - len(hash)
+	for keep > 0 && !utf8.RuneStart(base[keep]) {
+		keep--
+	}
+	return base[:keep] + hash + suffix
+}
+
+// resolve schema-qualifies every relation name: an existing relation keeps the
+// schema the search_path finds it in; a new one goes to current_schema().
+// Everything rendered afterwards names one schema explicitly, so the function
+// body does not depend on the caller's search_path.
+func resolve(ctx context.Context, conn *pgx.Conn, n Names) (Names, error) {
+	var current *string
+	if err := conn.QueryRow(ctx, "SELECT current_schema()").Scan(&current); err != nil {
+		return n, fmt.Errorf("read current_schema: %w", err)
+	}
+	// Relations are found with to_regclass, the function by its signature.
+	const findRelation = `SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.oid = to_regclass($1)`
+	const findFunction = `SELECT n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+		WHERE p.oid = to_regprocedure($1 || '(text, text, text, text, jsonb)')`
+	one := func(name *relay.QualifiedName, find string) error {
+		if name.Schema != "" {
+			return nil
+		}
+		var schema string
+		err := conn.QueryRow(ctx, find, name.Quoted()).Scan(&schema)
+		switch {
+		case err == nil:
+			name.Schema = schema
+		case !errors.Is(err, pgx.ErrNoRows):
+			return fmt.Errorf("look up %s: %w", name, err)
+		case current != nil:
+			name.Schema = *current
+		default:
+			return fmt.Errorf("create %s: no schema has been selected to create in (search_path is empty); qualify the name as schema.%s", name, name.Name)
+		}
+		return nil
+	}
+	for _, p := range []*relay.QualifiedName{&n.Outbox, &n.Ledger, &n.Checkpoint, &n.Conflicts} {
+		if err := one(p, findRelation); err != nil {
+			return n, err
+		}
+	}
+	if err := one(&n.PublishFunction, findFunction); err != nil {
+		return n, err
+	}
+	return n, nil
+}
+
+// dropInvalidIndexes removes the relay's own indexes that a failed
+// CREATE INDEX CONCURRENTLY left INVALID; IF NOT EXISTS would skip them.
+func dropInvalidIndexes(ctx context.Context, conn *pgx.Conn, outbox relay.QualifiedName, data map[string]any, log zerolog.Logger) error {
+	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox)} {
+		var invalid bool
+		err := conn.QueryRow(ctx, `SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)`, idx.Quoted()).Scan(&invalid)
+		if errors.Is(err, pgx.ErrNoRows) || !invalid {
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("check index %s: %w", idx, err)
+		}
+		log.Warn().Str("index", idx.String()).Msg("dropping INVALID index left by an interrupted concurrent build; it will be rebuilt")
+		if _, err := conn.Exec(ctx, "SET lock_timeout = "+data["LockTimeout"].(string)); err != nil {
+			return err
+		}
+		if _, err := conn.Exec(ctx, "DROP INDEX CONCURRENTLY IF EXISTS "+idx.Quoted()); err != nil {
+			return fmt.Errorf("drop invalid index %s: %w", idx, err)
+		}
+	}
+	return nil
+}
+
+// querier is the part of *pgx.Conn (and pgx.Tx) the checks use.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// column is what the relay needs of one outbox column. Text columns accept
+// varchar too; the rest must be exact, because the relay relies on their
+// semantics (jsonb equality, timestamptz in UTC).
+type column struct {
+	name  string
+	types []string
+}
+
+var outboxColumns = []column{
+	{"id", []string{"bigint", "integer"}},
+	{"event_type", []string{"text", "character varying"}},
+	{"aggregate_type", []string{"text", "character varying"}},
+	{"aggregate_id", []string{"text", "character varying"}},
+	{"event_key", []string{"text", "character varying"}},
+	{"payload", []string{"jsonb"}},
+	{"status", []string{"text", "character varying"}},
+	{"attempts", []string{"integer", "bigint", "smallint"}},
+	{"available_at", []string{"timestamp with time zone"}},
+	{"locked_at", []string{"timestamp with time zone"}},
+	{"locked_by", []string{"text", "character varying"}},
+	{"last_error", []string{"text", "character varying"}},
+	{"created_at", []string{"timestamp with time zone"}},
+	{"processed_at", []string{"timestamp with time zone"}},
+}
+
+// checkShape fails with the first column the relay cannot use, and when no
+// unique index on event_key alone exists (outbox_publish's ON CONFLICT and
+// the ledger both key on it).
+func checkShape(ctx context.Context, conn querier, outbox relay.QualifiedName) error {
+	rows, err := conn.Query(ctx, `
+		SELECT a.attname, regexp_replace(format_type(a.atttypid, a.atttypmod), '\(.*\)', '')
+		  FROM pg_attribute a
+		 WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, outbox.Quoted())
+	if err != nil {
+		return fmt.Errorf("read columns of %s: %w", outbox, err)
+	}
+	have := map[string]string{}
+	for rows.Next() {
+		var name, typ string
+		if err := rows.Scan(&name, &typ); err != nil {
+			return err
+		}
+		have[name] = typ
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("read columns of %s: %w", outbox, err)
+	}
+	if len(have) == 0 {
+		return fmt.Errorf("table %s does not exist", outbox)
+	}
+	for _, c := range outboxColumns {
+		typ, ok := have[c.name]
+		if !ok {
+			return &ShapeError{Table: outbox.String(), Column: c.name, Reason: "is missing"}
+		}
+		found := false
+		for _, want := range c.types {
+			found = found || typ == want
+		}
+		if !found {
+			return &ShapeError{Table: outbox.String(), Column: c.name,
+				Reason: fmt.Sprintf("has type %s, want %s", typ, strings.Join(c.types, " or "))}
+		}
+	}
+	var unique bool
+	err = conn.QueryRow(ctx, `
+		SELECT EXISTS (
+		  SELECT 1 FROM pg_index i
+		    JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+		   WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid
+		     AND i.indnkeyatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL
+		     AND a.attname = 'event_key')`, outbox.Quoted()).Scan(&unique)
+	if err != nil {
+		return fmt.Errorf("check unique event_key on %s: %w", outbox, err)
+	}
+	if !unique {
+		return &ShapeError{Table: outbox.String(), Column: "event_key", Reason: "has no unique index or constraint of its own"}
+	}
+	return nil
+}
+
+// ensurePublication creates the publication when it is absent. Only the
+// table's owner may; any other role gets a message naming the statement to
+// run, and migrate goes on. An existing publication must publish inserts of
+// the table: otherwise Migrate fails with the fix, because the relay would
+// stream nothing.
+func ensurePublication(ctx context.Context, conn *pgx.Conn, names Names, opts Options, res *Result) error {
+	create := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert')",
+		relay.QuoteIdentifier(names.Publication), names.Outbox.Quoted())
+
+	var exists, covers, inserts bool
+	err := conn.QueryRow(ctx, `
+		SELECT true,
+		       EXISTS (SELECT 1 FROM pg_publication_rel r WHERE r.prpubid = p.oid AND r.prrelid = to_regclass($2))
+		         OR p.puballtables,
+		       p.pubinsert
+		  FROM pg_publication p WHERE p.pubname = $1`, names.Publication, names.Outbox.Quoted()).Scan(&exists, &covers, &inserts)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("look up publication %s: %w", names.Publication, err)
+	}
+	if exists {
+		switch {
+		case !covers:
+			return fmt.Errorf("publication %s exists but does not include %s; as the table owner run: ALTER PUBLICATION %s ADD TABLE %s",
+				names.Publication, names.Outbox, relay.QuoteIdentifier(names.Publication), names.Outbox.Quoted())
+		case !inserts:
+			return fmt.Errorf("publication %s does not publish inserts; run: ALTER PUBLICATION %s SET (publish = 'insert')",
+				names.Publication, relay.QuoteIdentifier(names.Publication))
+		}
+		return nil
+	}
+
+	deadline := time.Now().Add(opts.Timeout)
+	for attempt := 1; ; attempt++ {
+		_, err = conn.Exec(ctx, "SET lock_timeout = "+relay.QuoteLiteral(fmt.Sprintf("%dms", opts.LockTimeout.Milliseconds())))
+		if err == nil {
+			_, err = conn.Exec(ctx, create)
+		}
+		if err == nil {
+			res.PublicationCreated = true
+			opts.Logger.Info().Str("publication", names.Publication).Msg("created publication")
+			_, err = conn.Exec(ctx, "RESET lock_timeout")
+			return err
+		}
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42501" { // insufficient_privilege
+			res.PublicationSkipped = fmt.Sprintf("publication %s not created: %s; as the owner of %s run: %s",
+				names.Publication, pgErr.Message, names.Outbox, create)
+			opts.Logger.Warn().Str("publication", names.Publication).Msg(res.PublicationSkipped)
+			return nil
+		}
+		if !isLockTimeout(err) || time.Now().After(deadline) {
+			return fmt.Errorf("create publication %s: %w", names.Publication, err)
+		}
+		res.Retries++
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(retryDelay(attempt)):
+		}
+	}
+}
+
+// isLockTimeout reports an error worth retrying: a lock_timeout (55P03) or a
+// deadlock victim (40P01) while waiting for writers.
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == "55P03" || pgErr.Code == "40P01")
+}
+
+// retryDelay grows from 200 ms to 5 s, with jitter so that two migrators do
+// not retry in step.
+func retryDelay(attempt int) time.Duration {
+	d := 200 * time.Millisecond << min(attempt-1, 5)
+	d = min(d, 5*time.Second)
+	return d + rand.N(d/4+1)
+}

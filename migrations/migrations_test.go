@@ -1,0 +1,538 @@
+package migrations_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// seedSQL is the table n8n pollers use, as users already have it.
+const seedSQL = `
+CREATE TABLE integration_outbox (
+  id bigserial PRIMARY KEY, event_type text, aggregate_type text, aggregate_id text,
+  event_key text NOT NULL UNIQUE, payload jsonb, status text DEFAULT 'pending',
+  attempts int DEFAULT 0, available_at timestamptz DEFAULT now(), locked_at timestamptz,
+  locked_by text, last_error text, created_at timestamptz DEFAULT now(), processed_at timestamptz);
+CREATE INDEX idx_outbox_status ON integration_outbox (status, available_at, created_at);
+CREATE INDEX idx_outbox_aggregate ON integration_outbox (aggregate_type, aggregate_id, created_at);
+INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, status, attempts)
+SELECT 'lead.created', 'lead', 'L' || (g % 7), 'seed-' || g, jsonb_build_object('n', g),
+       (ARRAY['pending','processing','done','failed'])[1 + g % 4], g % 3
+  FROM generate_series(1, 200) g;`
+
+func mustConnect(tb testing.TB, url string) *pgx.Conn {
+	tb.Helper()
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		tb.Fatalf("connect: %v", err)
+	}
+	tb.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
+}
+
+func mustExec(tb testing.TB, conn *pgx.Conn, sql string, args ...any) {
+	tb.Helper()
+	if _, err := conn.Exec(context.Background(), sql, args...); err != nil {
+		tb.Fatalf("%s: %v", sql, err)
+	}
+}
+
+func mustMigrate(tb testing.TB, conn *pgx.Conn, opts migrations.Options) migrations.Result {
+	tb.Helper()
+	if opts.Names == (migrations.Names{}) {
+		opts.Names = migrations.DefaultNames()
+	}
+	res, err := migrations.Migrate(context.Background(), conn, opts)
+	if err != nil {
+		tb.Fatalf("migrate: %v", err)
+	}
+	return res
+}
+
+// catalogState is everything migrate could change, as text: the relations,
+// their indexes and validity, the function, the publication and its tables.
+func catalogState(tb testing.TB, conn *pgx.Conn) string {
+	tb.Helper()
+	var state string
+	err := conn.QueryRow(context.Background(), `
+		SELECT concat_ws(E'\n',
+		  (SELECT string_agg(c.oid || ' ' || c.relname || ' ' || c.relkind::text || ' ' || c.relfilenode || ' ' || c.xmin, E'\n' ORDER BY c.relname)
+		     FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname NOT IN ('pg_catalog','information_schema','pg_toast')),
+		  (SELECT string_agg(i.indexrelid::regclass || ' ' || i.indisvalid, E'\n' ORDER BY i.indexrelid::regclass::text) FROM pg_index i
+		     JOIN pg_class c ON c.oid = i.indrelid JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = 'public'),
+		  (SELECT string_agg(p.oid || ' ' || p.proname || ' ' || p.xmin, E'\n' ORDER BY p.proname) FROM pg_proc p
+		     JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'),
+		  (SELECT string_agg(pubname || ' ' || p.xmin, E'\n' ORDER BY pubname) FROM pg_publication p),
+		  (SELECT string_agg(tablename, E'\n' ORDER BY tablename) FROM pg_publication_tables))`).Scan(&state)
+	if err != nil {
+		tb.Fatalf("read catalog: %v", err)
+	}
+	return state
+}
+
+// outboxRows returns every row with its xmin: an UPDATE, even one writing the
+// same values, gives a row a new xmin.
+func outboxRows(tb testing.TB, conn *pgx.Conn) string {
+	tb.Helper()
+	var rows string
+	err := conn.QueryRow(context.Background(),
+		`SELECT coalesce(string_agg(o.xmin || ' ' || (o.id, o.event_type, o.aggregate_type, o.aggregate_id, o.event_key, o.payload,
+		   o.status, o.attempts, o.available_at, o.locked_at, o.locked_by, o.last_error, o.created_at, o.processed_at)::text, E'\n' ORDER BY o.id), '')
+		   FROM integration_outbox o`).Scan(&rows)
+	if err != nil {
+		tb.Fatalf("read outbox: %v", err)
+	}
+	return rows
+}
+
+func TestMigrate_EmptyDatabase(t *testing.T) {
+	ctx := context.Background()
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+
+	res := mustMigrate(t, conn, migrations.Options{})
+	if res.From != 0 || res.To != 5 || len(res.Applied) != 5 {
+		t.Fatalf("first run: from %d to %d applied %v, want 0 → 5, five migrations", res.From, res.To, res.Applied)
+	}
+	if !res.PublicationCreated || res.PublicationSkipped != "" {
+		t.Fatalf("publication: created=%v skipped=%q", res.PublicationCreated, res.PublicationSkipped)
+	}
+
+	for _, rel := range []string{"integration_outbox", "integration_idempotency", "relay_checkpoint",
+		"integration_outbox_conflicts", "integration_outbox_relay_version",
+		"integration_outbox_relay_order_idx", "integration_outbox_relay_claim_idx",
+		"integration_outbox_status_available_at_created_at_idx", "integration_outbox_aggregate_created_at_idx"} {
+		var ok bool
+		if err := conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", rel).Scan(&ok); err != nil || !ok {
+			t.Errorf("%s missing (err %v)", rel, err)
+		}
+	}
+	var handoff bool
+	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'integration_outbox'::regclass
+		AND attname = 'handoff_at' AND NOT attnotnull)`).Scan(&handoff); err != nil || !handoff {
+		t.Errorf("nullable handoff_at column missing (err %v)", err)
+	}
+	var orderDef string
+	if err := conn.QueryRow(ctx, "SELECT pg_get_indexdef('integration_outbox_relay_order_idx'::regclass)").Scan(&orderDef); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(orderDef, "(aggregate_type, aggregate_id, id)") || !strings.Contains(orderDef, "'pending'::text, 'processing'::text, 'held'::text") {
+		t.Errorf("ordering index: %s", orderDef)
+	}
+	var pubInsert, pubUpdate, pubDelete bool
+	if err := conn.QueryRow(ctx, `SELECT pubinsert, pubupdate, pubdelete FROM pg_publication p
+		JOIN pg_publication_tables t ON t.pubname = p.pubname AND t.tablename = 'integration_outbox'
+		WHERE p.pubname = 'outbox_relay'`).Scan(&pubInsert, &pubUpdate, &pubDelete); err != nil {
+		t.Fatalf("publication: %v", err)
+	}
+	if !pubInsert || pubUpdate || pubDelete {
+		t.Errorf("publication publishes insert=%v update=%v delete=%v, want inserts only", pubInsert, pubUpdate, pubDelete)
+	}
+
+	before := catalogState(t, conn)
+	res = mustMigrate(t, conn, migrations.Options{})
+	if res.From != 5 || res.To != 5 || len(res.Applied) != 0 || res.PublicationCreated || res.Retries != 0 {
+		t.Fatalf("second run is not a no-op: %+v", res)
+	}
+	if after := catalogState(t, conn); after != before {
+		t.Fatalf("second run changed the catalog:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+}
+
+func TestMigrate_SeedTableRowsSurvive(t *testing.T) {
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustExec(t, conn, seedSQL)
+	before := outboxRows(t, conn)
+
+	mustMigrate(t, conn, migrations.Options{})
+	if after := outboxRows(t, conn); after != before {
+		t.Fatalf("migrate changed existing rows")
+	}
+	// The user's own indexes stay; the seed-shaped ones are not duplicated.
+	var indexes string
+	if err := conn.QueryRow(context.Background(), `SELECT string_agg(indexrelid::regclass::text || ':' || indisvalid, ' ' ORDER BY indexrelid::regclass::text)
+		FROM pg_index WHERE indrelid = 'integration_outbox'::regclass`).Scan(&indexes); err != nil {
+		t.Fatal(err)
+	}
+	want := "idx_outbox_aggregate:true idx_outbox_status:true integration_outbox_event_key_key:true integration_outbox_pkey:true " +
+		"integration_outbox_relay_claim_idx:true integration_outbox_relay_order_idx:true"
+	if indexes != want {
+		t.Fatalf("indexes:\n got %s\nwant %s", indexes, want)
+	}
+	var n int
+	if err := conn.QueryRow(context.Background(), "SELECT outbox_publish('lead.created', 'lead', 'L1', 'seed-1', '{\"n\": 1}')").Scan(new(string)); err != nil {
+		t.Fatal(err)
+	}
+	if err := conn.QueryRow(context.Background(), "SELECT count(*) FROM integration_outbox").Scan(&n); err != nil || n != 200 {
+		t.Fatalf("rows after publishing an existing key: %d (err %v)", n, err)
+	}
+}
+
+func TestMigrate_RefusesOtherShapes(t *testing.T) {
+	tests := []struct {
+		name   string
+		create string
+		column string
+	}{
+		{"missing column", `CREATE TABLE integration_outbox (id bigserial PRIMARY KEY, event_type text, aggregate_type text,
+			aggregate_id text, payload jsonb, status text, attempts int, available_at timestamptz, locked_at timestamptz,
+			locked_by text, last_error text, created_at timestamptz, processed_at timestamptz)`, "event_key"},
+		{"json not jsonb", `CREATE TABLE integration_outbox (id bigserial PRIMARY KEY, event_type text, aggregate_type text,
+			aggregate_id text, event_key text NOT NULL UNIQUE, payload json, status text, attempts int, available_at timestamptz,
+			locked_at timestamptz, locked_by text, last_error text, created_at timestamptz, processed_at timestamptz)`, "payload"},
+		{"timestamp without time zone", `CREATE TABLE integration_outbox (id bigserial PRIMARY KEY, event_type text, aggregate_type text,
+			aggregate_id text, event_key text NOT NULL UNIQUE, payload jsonb, status text, attempts int, available_at timestamptz,
+			locked_at timestamptz, locked_by text, last_error text, created_at timestamp, processed_at timestamptz)`, "created_at"},
+		{"event_key not unique", `CREATE TABLE integration_outbox (id bigserial PRIMARY KEY, event_type text, aggregate_type text,
+			aggregate_id text, event_key text NOT NULL, payload jsonb, status text, attempts int, available_at timestamptz,
+			locked_at timestamptz, locked_by text, last_error text, created_at timestamptz, processed_at timestamptz)`, "event_key"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			conn := mustConnect(t, pgtest.NewDatabase(t))
+			mustExec(t, conn, tt.create)
+			_, err := migrations.Migrate(context.Background(), conn, migrations.Options{Names: migrations.DefaultNames()})
+			var shape *migrations.ShapeError
+			if !errors.As(err, &shape) || shape.Column != tt.column {
+				t.Fatalf("err = %v, want a ShapeError naming %q", err, tt.column)
+			}
+			if !strings.Contains(err.Error(), `"`+tt.column+`"`) {
+				t.Fatalf("error %q does not name the column", err)
+			}
+		})
+	}
+}
+
+// TestMigrate_HostileNames shows that names with quotes, semicolons and spaces
+// are used as quoted identifiers: nothing is injected, and everything works.
+func TestMigrate_HostileNames(t *testing.T) {
+	ctx := context.Background()
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustExec(t, conn, `CREATE SCHEMA "my schema"`)
+	mustExec(t, conn, `CREATE TABLE canary (x int)`)
+
+	names := migrations.Names{
+		Outbox:          relay.MustParseQualifiedName(`my schema.out"; DROP TABLE canary; --`),
+		Ledger:          relay.MustParseQualifiedName(`my schema.led $relay$ ger`),
+		Checkpoint:      relay.MustParseQualifiedName(`check'point`),
+		Conflicts:       relay.MustParseQualifiedName(`my schema.con$relay$flicts`),
+		PublishFunction: relay.MustParseQualifiedName(`my schema.pub"lish`),
+		Publication:     `pub"; DROP TABLE canary; --`,
+	}
+	mustMigrate(t, conn, migrations.Options{Names: names})
+	mustMigrate(t, conn, migrations.Options{Names: names})
+
+	var result string
+	if err := conn.QueryRow(ctx, `SELECT "my schema"."pub""lish"('t', 'a', '1', 'k1', '{}')`).Scan(&result); err != nil || result != "inserted" {
+		t.Fatalf("publish: %q %v", result, err)
+	}
+	if err := conn.QueryRow(ctx, `SELECT "my schema"."pub""lish"('t', 'a', '1', 'k1', '{"x":1}')`).Scan(&result); err != nil || result != "conflict" {
+		t.Fatalf("publish conflict: %q %v", result, err)
+	}
+	var n int
+	if err := conn.QueryRow(ctx, `SELECT (SELECT count(*) FROM canary) + (SELECT count(*) FROM "my schema"."con$relay$flicts")`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("canary or conflicts table: n=%d err=%v", n, err)
+	}
+}
+
+func TestMigrate_RebuildsInvalidIndex(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	conn := mustConnect(t, url)
+	mustMigrate(t, conn, migrations.Options{})
+
+	// What an interrupted CREATE INDEX CONCURRENTLY leaves: the index is in
+	// the catalog but not valid, so IF NOT EXISTS alone would keep it.
+	mustExec(t, conn, `UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'integration_outbox_relay_claim_idx'::regclass`)
+	mustExec(t, conn, `UPDATE integration_outbox_relay_version SET version = 2`)
+	var oldOID uint32
+	if err := conn.QueryRow(ctx, "SELECT 'integration_outbox_relay_claim_idx'::regclass::oid").Scan(&oldOID); err != nil {
+		t.Fatal(err)
+	}
+
+	res := mustMigrate(t, conn, migrations.Options{})
+	if res.From != 2 || res.To != 5 {
+		t.Fatalf("from %d to %d, want 2 → 5", res.From, res.To)
+	}
+	var valid bool
+	var newOID uint32
+	if err := conn.QueryRow(ctx, `SELECT indisvalid, indexrelid FROM pg_index WHERE indexrelid = 'integration_outbox_relay_claim_idx'::regclass`).Scan(&valid, &newOID); err != nil {
+		t.Fatal(err)
+	}
+	if !valid || newOID == oldOID {
+		t.Fatalf("index valid=%v rebuilt=%v, want a new valid index", valid, newOID != oldOID)
+	}
+}
+
+// TestMigrate_DoesNotBlockWriters runs migrate on a seed table while a writer
+// keeps inserting and another session holds a transaction open on the table.
+// The DDL that needs a strong lock waits at most lock_timeout, so no insert
+// waits longer than that; migrate retries and completes after the long
+// transaction ends.
+func TestMigrate_DoesNotBlockWriters(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	conn := mustConnect(t, url)
+	mustExec(t, conn, seedSQL)
+
+	const lockTimeout = 500 * time.Millisecond
+	const holdFor = 4 * time.Second
+
+	// A reader that keeps its transaction (and ACCESS SHARE lock) open.
+	long := mustConnect(t, url)
+	mustExec(t, long, "BEGIN")
+	mustExec(t, long, "SELECT count(*) FROM integration_outbox")
+	var longEnded atomic.Int64
+	go func() {
+		time.Sleep(holdFor)
+		longEnded.Store(time.Now().UnixNano())
+		long.Exec(ctx, "COMMIT")
+	}()
+
+	writer := mustConnect(t, url)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var inserts, failures atomic.Int64
+	var maxWait atomic.Int64
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			start := time.Now()
+			_, err := writer.Exec(ctx, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+				VALUES ('w', 'w', 'w', $1, '{}')`, fmt.Sprintf("writer-%d", i))
+			if err != nil {
+				failures.Add(1)
+				t.Errorf("insert %d: %v", i, err)
+				continue
+			}
+			inserts.Add(1)
+			if d := int64(time.Since(start)); d > maxWait.Load() {
+				maxWait.Store(d)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+
+	time.Sleep(200 * time.Millisecond)
+	res, err := migrations.Migrate(ctx, conn, migrations.Options{
+		Names: migrations.DefaultNames(), LockTimeout: lockTimeout, Timeout: time.Minute,
+		Logger: zerolog.New(zerolog.NewTestWriter(t)),
+	})
+	finished := time.Now()
+	close(stop)
+	wg.Wait()
+	if err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	if res.Retries == 0 {
+		t.Fatalf("migrate never hit the lock timeout: the test did not exercise the retry")
+	}
+	if ended := longEnded.Load(); ended == 0 || finished.UnixNano() < ended {
+		t.Fatalf("migrate finished before the long transaction ended")
+	}
+	if failures.Load() != 0 || inserts.Load() < 50 {
+		t.Fatalf("inserts: %d ok, %d failed", inserts.Load(), failures.Load())
+	}
+	// A little slack over lock_timeout for the insert itself and scheduling.
+	if w := time.Duration(maxWait.Load()); w > lockTimeout+300*time.Millisecond {
+		t.Fatalf("an insert waited %v, longer than lock_timeout %v", w, lockTimeout)
+	}
+	t.Logf("migrate retried %d times; %d inserts, longest %v", res.Retries, inserts.Load(), time.Duration(maxWait.Load()))
+}
+
+func publish(ctx context.Context, q interface {
+	QueryRow(context.Context, string, ...any) pgx.Row
+}, key, payload string) (string, error) {
+	var result string
+	err := q.QueryRow(ctx, "SELECT outbox_publish('lead.created', 'lead', 'L1', $1, $2::jsonb)", key, payload).Scan(&result)
+	return result, err
+}
+
+// TestOutboxPublish_Protocol is the receiver protocol: inserted, duplicate,
+// conflict.
+func TestOutboxPublish_Protocol(t *testing.T) {
+	ctx := context.Background()
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustMigrate(t, conn, migrations.Options{})
+
+	steps := []struct {
+		name, key, payload, want string
+	}{
+		{"D1 new key", "A", `{"lead":"L1"}`, "inserted"},
+		{"D2 same key and payload", "A", `{"lead":"L1"}`, "duplicate"},
+		{"D3 same key, other payload", "A", `{"lead":"OTHER"}`, "conflict"},
+		{"D4 other key", "B", `{"lead":"L2"}`, "inserted"},
+		{"jsonb equality is semantic", "C", `{"n": 1.0, "a": [1]}`, "inserted"},
+		{"1.0 equals 1, key order ignored", "C", `{"a": [1], "n": 1}`, "duplicate"},
+	}
+	for _, s := range steps {
+		got, err := publish(ctx, conn, s.key, s.payload)
+		if err != nil || got != s.want {
+			t.Fatalf("%s: got %q (err %v), want %q", s.name, got, err, s.want)
+		}
+	}
+
+	var rows, conflicts int
+	var storedA string
+	if err := conn.QueryRow(ctx, `SELECT (SELECT count(*) FROM integration_outbox WHERE event_key IN ('A','B')),
+		(SELECT count(*) FROM integration_outbox_conflicts WHERE event_key = 'A' AND payload = '{"lead":"OTHER"}'),
+		(SELECT payload->>'lead' FROM integration_outbox WHERE event_key = 'A')`).Scan(&rows, &conflicts, &storedA); err != nil {
+		t.Fatal(err)
+	}
+	if rows != 2 || conflicts != 1 || storedA != "L1" {
+		t.Fatalf("after D1–D4: %d rows (want 2), %d conflict rows (want 1), stored A payload %q (want L1)", rows, conflicts, storedA)
+	}
+
+	// NULL fields compare with IS NOT DISTINCT FROM; a conflict rolls back
+	// with its caller's transaction.
+	var got string
+	if err := conn.QueryRow(ctx, "SELECT outbox_publish(NULL, NULL, NULL, 'N', NULL)").Scan(&got); err != nil || got != "inserted" {
+		t.Fatalf("null insert: %q %v", got, err)
+	}
+	if err := conn.QueryRow(ctx, "SELECT outbox_publish(NULL, NULL, NULL, 'N', NULL)").Scan(&got); err != nil || got != "duplicate" {
+		t.Fatalf("null duplicate: %q %v", got, err)
+	}
+	err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		if got, err := publish(ctx, tx, "N", "{}"); err != nil || got != "conflict" {
+			return fmt.Errorf("in tx: %q %v", got, err)
+		}
+		return errors.New("roll back")
+	})
+	if err == nil || err.Error() != "roll back" {
+		t.Fatal(err)
+	}
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM integration_outbox_conflicts WHERE event_key = 'N'").Scan(&conflicts); err != nil || conflicts != 0 {
+		t.Fatalf("conflict row survived its transaction's rollback: %d %v", conflicts, err)
+	}
+}
+
+// TestOutboxPublish_ConcurrentCallers: two callers with the same new key, at
+// READ COMMITTED, race many times; exactly one wins each round.
+func TestOutboxPublish_ConcurrentCallers(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	setup := mustConnect(t, url)
+	mustMigrate(t, setup, migrations.Options{})
+	a, b := mustConnect(t, url), mustConnect(t, url)
+
+	for round := range 60 {
+		key := fmt.Sprintf("race-%d", round)
+		results := make([]string, 2)
+		errs := make([]error, 2)
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i, conn := range []*pgx.Conn{a, b} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				results[i], errs[i] = publish(ctx, conn, key, `{"round": 1}`)
+			}()
+		}
+		close(start)
+		wg.Wait()
+		if errs[0] != nil || errs[1] != nil {
+			t.Fatalf("round %d: %v %v", round, errs[0], errs[1])
+		}
+		if !(results[0] == "inserted" && results[1] == "duplicate" || results[0] == "duplicate" && results[1] == "inserted") {
+			t.Fatalf("round %d: results %v, want one inserted and one duplicate", round, results)
+		}
+	}
+	var n int
+	if err := setup.QueryRow(ctx, "SELECT count(*) FROM integration_outbox WHERE event_key LIKE 'race-%'").Scan(&n); err != nil || n != 60 {
+		t.Fatalf("rows: %d (err %v), want one per round", n, err)
+	}
+}
+
+// TestOutboxPublish_SecondCallerWaits shows the wait explicitly: the second
+// caller is blocked (an ungranted lock in pg_locks) behind the first caller's
+// uncommitted insert, and answers 'duplicate' once the first commits. At
+// REPEATABLE READ the same wait ends in a retryable serialization failure.
+func TestOutboxPublish_SecondCallerWaits(t *testing.T) {
+	for _, iso := range []string{"READ COMMITTED", "REPEATABLE READ"} {
+		t.Run(iso, func(t *testing.T) {
+			ctx := context.Background()
+			url := pgtest.NewDatabase(t)
+			first := mustConnect(t, url)
+			mustMigrate(t, first, migrations.Options{})
+			second := mustConnect(t, url)
+			observer := mustConnect(t, url)
+
+			mustExec(t, first, "BEGIN")
+			if got, err := publish(ctx, first, "K", `{"v": 1}`); err != nil || got != "inserted" {
+				t.Fatalf("first: %q %v", got, err)
+			}
+			mustExec(t, second, "BEGIN ISOLATION LEVEL "+iso)
+			mustExec(t, second, "SELECT 1") // take the snapshot now, before the first commits
+			var secondPID uint32
+			if err := second.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&secondPID); err != nil {
+				t.Fatal(err)
+			}
+
+			type answer struct {
+				result string
+				err    error
+			}
+			done := make(chan answer, 1)
+			go func() {
+				r, err := publish(ctx, second, "K", `{"v": 1}`)
+				done <- answer{r, err}
+			}()
+
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				var waiting bool
+				if err := observer.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)", secondPID).Scan(&waiting); err != nil {
+					t.Fatal(err)
+				}
+				if waiting {
+					break
+				}
+				select {
+				case a := <-done:
+					t.Fatalf("second caller returned %q (%v) without waiting for the first", a.result, a.err)
+				default:
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("second caller never showed up waiting in pg_locks")
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+
+			mustExec(t, first, "COMMIT")
+			a := <-done
+			if iso == "READ COMMITTED" {
+				if a.err != nil || a.result != "duplicate" {
+					t.Fatalf("second: %q %v, want duplicate", a.result, a.err)
+				}
+				mustExec(t, second, "COMMIT")
+				return
+			}
+			var pgErr *pgconn.PgError
+			if !errors.As(a.err, &pgErr) || pgErr.Code != "40001" {
+				t.Fatalf("second at REPEATABLE READ: %q %v, want SQLSTATE 40001", a.result, a.err)
+			}
+			mustExec(t, second, "ROLLBACK")
+		})
+	}
+}
