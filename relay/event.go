@@ -18,6 +18,9 @@ type Event struct {
 	CreatedAt     time.Time
 	AvailableAt   time.Time // zero when unknown
 	Attempts      int       // attempts already made by the claim path
+	// Status is the row's status when it was inserted or claimed; "" is
+	// taken as pending. The stream skips rows inserted with another status.
+	Status string
 
 	// CommitLSN and EndLSN place a streamed event's transaction in the WAL;
 	// both are zero on the claim path.

@@ -109,8 +109,5 @@ func Classify(err error) (ErrorClass, time.Duration) {
 	if errors.As(err, &de) {
 		return de.Class, de.RetryAfter
 	}
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
-		return Unknown, 0
-	}
 	return Unknown, 0
 }

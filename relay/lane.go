@@ -1,0 +1,273 @@
+package relay
+
+import (
+	"context"
+	"path"
+	"sync"
+	"time"
+)
+
+// lane is one sink's share of the engine. It holds at most LaneCapacity
+// events; with ordering on, one event per aggregate is in flight and the
+// rest of that aggregate waits behind it in commit order. Events of
+// different aggregates go out concurrently, up to the sink's own window.
+type lane struct {
+	e     *Engine
+	route Route
+	name  string
+	sink  Sink
+
+	slots chan struct{} // one token per event the lane holds: back-pressure
+	ready chan *task    // to the dispatcher; never blocks (a task holds a slot)
+
+	mu       sync.Mutex
+	busy     map[AggregateKey]*aggQueue // aggregates with an event in flight
+	diverted map[AggregateKey]bool      // aggregates with an event at the claim path
+
+	// The circuit: open while the sink is down (credentials, not published,
+	// unreachable); events then go to the claim path at once.
+	openUntil time.Time
+	downCount int
+}
+
+type aggQueue struct{ waiting []*task }
+
+// task is one event on its way to one sink.
+type task struct {
+	st      *eventState
+	tries   int // sends made; the attempt header counts them
+	counted int // failed attempts that count against max_attempts
+}
+
+func newLane(e *Engine, r Route) *lane {
+	return &lane{
+		e:        e,
+		route:    r,
+		name:     r.Sink.Name(),
+		sink:     r.Sink,
+		slots:    make(chan struct{}, e.cfg.LaneCapacity),
+		ready:    make(chan *task, e.cfg.LaneCapacity),
+		busy:     map[AggregateKey]*aggQueue{},
+		diverted: map[AggregateKey]bool{},
+	}
+}
+
+// routes reports whether the sink takes this event type.
+func (l *lane) routes(ev *Event) bool {
+	if len(l.route.Events) == 0 {
+		return true
+	}
+	for _, g := range l.route.Events {
+		if g == "*" {
+			return true
+		}
+		if ev.EventType != nil {
+			if ok, _ := path.Match(g, *ev.EventType); ok {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func (l *lane) ordered(ev *Event) bool { return !l.e.cfg.Unordered && ev.Ordered() }
+
+// enqueue takes an event into the lane. It blocks while the lane is full —
+// back-pressure on decoding — but never longer than LaneBlockMax: then the
+// event is handed off and the stream moves on.
+func (l *lane) enqueue(ctx context.Context, t *task) error {
+	select {
+	case l.slots <- struct{}{}:
+	default:
+		timer := time.NewTimer(l.e.cfg.LaneBlockMax)
+		select {
+		case l.slots <- struct{}{}:
+			timer.Stop()
+		case <-timer.C:
+			l.divert(t.st.ev)
+			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "lane blocked longer than lane_block_max", availableAt: time.Now()})
+			return nil
+		case <-ctx.Done():
+			timer.Stop()
+			return ctx.Err()
+		}
+	}
+
+	ev := t.st.ev
+	l.mu.Lock()
+	if until := l.openUntil; time.Now().Before(until) {
+		l.mu.Unlock()
+		<-l.slots
+		l.divert(ev)
+		l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until})
+		return nil
+	}
+	if l.ordered(ev) {
+		agg := ev.AggregateKey()
+		if l.diverted[agg] {
+			l.mu.Unlock()
+			<-l.slots
+			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now()})
+			return nil
+		}
+		if q, ok := l.busy[agg]; ok {
+			q.waiting = append(q.waiting, t)
+			l.mu.Unlock()
+			return nil
+		}
+		l.busy[agg] = &aggQueue{}
+	}
+	l.mu.Unlock()
+	l.ready <- t
+	return nil
+}
+
+func (l *lane) divert(ev *Event) {
+	if !l.ordered(ev) {
+		return
+	}
+	l.mu.Lock()
+	l.diverted[ev.AggregateKey()] = true
+	l.mu.Unlock()
+}
+
+// dispatch sends ready events; Send blocks while the sink's window is full.
+func (l *lane) dispatch(ctx context.Context) {
+	for {
+		var t *task
+		select {
+		case <-ctx.Done():
+			return
+		case t = <-l.ready:
+		}
+		l.mu.Lock()
+		until := l.openUntil
+		l.mu.Unlock()
+		if time.Now().Before(until) {
+			l.complete(t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until, counted: t.counted})
+			continue
+		}
+		t.tries++
+		st := t.st
+		d := &Delivery{Event: st.ev, Body: st.body(l.route.Nudge), Attempt: st.ev.Attempts + t.tries}
+		l.sink.Send(ctx, d, func(err error) { l.result(t, err) })
+	}
+}
+
+// result decides what happens after one send.
+func (l *lane) result(t *task, err error) {
+	if err == nil {
+		l.closeCircuit()
+		l.complete(t, outcome{kind: outcomeDelivered})
+		return
+	}
+	class, retryAfter := Classify(err)
+	reason := firstLine(err.Error())
+	ev := t.st.ev
+	switch class {
+	case Permanent:
+		l.complete(t, outcome{kind: outcomeDeadLetter, reason: reason})
+		return
+	case SinkDown:
+		until := l.openCircuit(reason, retryAfter)
+		l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: until, counted: t.counted})
+		return
+	}
+
+	// Transient or unknown: an attempt that counts.
+	t.counted++
+	l.e.Stats.Retried.Add(1)
+	total := ev.Attempts + t.counted
+	if total >= l.e.cfg.MaxAttempts {
+		l.complete(t, outcome{kind: outcomeDeadLetter, reason: "max_attempts reached: " + reason, counted: t.counted})
+		return
+	}
+	delay := 100 * time.Millisecond << min(t.counted-1, 5)
+	delay = max(delay, retryAfter)
+	select {
+	case <-l.e.stopping:
+		l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: time.Now().Add(max(l.e.backoff(total), retryAfter)), counted: t.counted})
+		return
+	default:
+	}
+	if t.counted < l.e.cfg.InlineAttempts && delay <= l.e.cfg.LaneBlockMax {
+		time.AfterFunc(delay, func() {
+			select {
+			case <-l.e.stopping:
+				l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: time.Now().Add(l.e.backoff(total)), counted: t.counted})
+			default:
+				l.ready <- t
+			}
+		})
+		return
+	}
+	l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: time.Now().Add(max(l.e.backoff(total), retryAfter)), counted: t.counted})
+}
+
+// complete records the sink's outcome, frees the slot and lets the next
+// event of the aggregate go. A hand-off diverts the aggregate: the events
+// waiting behind it follow it to the claim path, so none overtakes it.
+func (l *lane) complete(t *task, o outcome) {
+	<-l.slots
+	ev := t.st.ev
+	var next *task
+	var follow []*task
+	if l.ordered(ev) {
+		agg := ev.AggregateKey()
+		l.mu.Lock()
+		q := l.busy[agg]
+		switch {
+		case o.kind == outcomeHandOff:
+			l.diverted[agg] = true
+			if q != nil {
+				follow = q.waiting
+			}
+			delete(l.busy, agg)
+		case q != nil && len(q.waiting) > 0:
+			next = q.waiting[0]
+			q.waiting = q.waiting[1:]
+		default:
+			delete(l.busy, agg)
+		}
+		l.mu.Unlock()
+	}
+	l.e.finish(l, t, o)
+	for _, w := range follow {
+		<-l.slots
+		l.e.finish(l, w, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now()})
+	}
+	if next != nil {
+		l.ready <- next
+	}
+}
+
+// openCircuit opens (or keeps open, longer) the sink's circuit and returns
+// when it closes: Retry-After when the sink said, else 1 s doubling to 30 s.
+func (l *lane) openCircuit(reason string, retryAfter time.Duration) time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.downCount++
+	cool := retryAfter
+	if cool <= 0 {
+		cool = min(time.Second<<min(l.downCount-1, 5), 30*time.Second)
+	}
+	now := time.Now()
+	until := now.Add(cool)
+	if !now.Before(l.openUntil) {
+		l.e.log.Warn().Str("sink", l.name).Str("error", reason).Dur("retry_in", cool).
+			Msg("sink is down: circuit open, its events go to the claim path")
+	}
+	if until.After(l.openUntil) {
+		l.openUntil = until
+	}
+	return l.openUntil
+}
+
+func (l *lane) closeCircuit() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.downCount > 0 {
+		l.e.log.Info().Str("sink", l.name).Msg("sink is back: circuit closed")
+		l.downCount = 0
+	}
+}

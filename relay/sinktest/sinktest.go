@@ -1,0 +1,205 @@
+// Package sinktest is the suite every relay.Sink implementation must pass,
+// run against a real destination (an HTTP receiver, a JetStream server).
+package sinktest
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// Message is one delivery as the destination stored it.
+type Message struct {
+	IdempotencyKey string // webhook-id / Nats-Msg-Id
+	Body           []byte
+	Attempt        int
+}
+
+// Harness connects the suite to one sink and its destination.
+type Harness struct {
+	Sink relay.Sink
+	// Received returns everything the destination has stored so far.
+	Received func() []Message
+	// Deduplicates is true when the destination drops a repeat of a key it
+	// has stored (JetStream within its duplicate window); false when it
+	// records every request (an HTTP receiver).
+	Deduplicates bool
+}
+
+// Run runs the suite; newHarness must return a fresh sink and destination
+// for each subtest, cleaned up with t.Cleanup.
+func Run(t *testing.T, newHarness func(t *testing.T) *Harness) {
+	t.Run("DeliversOnce", func(t *testing.T) { testDeliversOnce(t, newHarness(t)) })
+	t.Run("ConcurrentDeliveries", func(t *testing.T) { testConcurrent(t, newHarness(t)) })
+	t.Run("RepeatCarriesSameKeyAndBody", func(t *testing.T) { testRepeat(t, newHarness(t)) })
+	t.Run("CancelledContext", func(t *testing.T) { testCancelled(t, newHarness(t)) })
+	t.Run("CloseWaitsForInFlight", func(t *testing.T) { testClose(t, newHarness(t)) })
+}
+
+// Event returns a sample event with id n.
+func Event(n int) *relay.Event {
+	typ, aggType, aggID := "order.placed", "order", fmt.Sprintf("O%d", n%17)
+	return &relay.Event{
+		ID:            int64(n),
+		EventKey:      fmt.Sprintf("evt-%d", n),
+		EventType:     &typ,
+		AggregateType: &aggType,
+		AggregateID:   &aggID,
+		Payload:       []byte(fmt.Sprintf(`{"n": %d, "text": "é ✓ \"quoted\""}`, n)),
+		CreatedAt:     time.Date(2026, 12, 2, 16, 0, 0, 123456000, time.UTC),
+	}
+}
+
+// NewDelivery wraps Event(n) for its first attempt.
+func NewDelivery(n int) *relay.Delivery {
+	e := Event(n)
+	return &relay.Delivery{Event: e, Body: e.AppendEnvelope(nil), Attempt: 1}
+}
+
+// send delivers synchronously and checks that done is called exactly once.
+func send(t *testing.T, s relay.Sink, d *relay.Delivery) error {
+	t.Helper()
+	errs := make(chan error, 2)
+	s.Send(context.Background(), d, func(err error) { errs <- err })
+	select {
+	case err := <-errs:
+		select {
+		case <-errs:
+			t.Fatalf("done called twice for %s", d.Event.EventKey)
+		case <-time.After(50 * time.Millisecond):
+		}
+		return err
+	case <-time.After(30 * time.Second):
+		t.Fatalf("done not called within 30s for %s", d.Event.EventKey)
+		return nil
+	}
+}
+
+// waitReceived polls the destination until it holds at least n messages.
+func waitReceived(t *testing.T, h *Harness, n int) []Message {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		got := h.Received()
+		if len(got) >= n || time.Now().After(deadline) {
+			return got
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func testDeliversOnce(t *testing.T, h *Harness) {
+	d := NewDelivery(1)
+	if err := send(t, h.Sink, d); err != nil {
+		t.Fatalf("send: %v", err)
+	}
+	got := waitReceived(t, h, 1)
+	if len(got) != 1 {
+		t.Fatalf("destination holds %d messages, want 1", len(got))
+	}
+	if got[0].IdempotencyKey != d.Event.EventKey || !bytes.Equal(got[0].Body, d.Body) || got[0].Attempt != 1 {
+		t.Fatalf("stored %+v (body %s), want key %s, attempt 1, body %s", got[0], got[0].Body, d.Event.EventKey, d.Body)
+	}
+}
+
+func testConcurrent(t *testing.T, h *Harness) {
+	const n = 300
+	var wg sync.WaitGroup
+	var calls, failures atomic.Int64
+	for i := range n {
+		wg.Add(1)
+		h.Sink.Send(context.Background(), NewDelivery(1000+i), func(err error) {
+			calls.Add(1)
+			if err != nil {
+				failures.Add(1)
+				t.Errorf("delivery %d: %v", i, err)
+			}
+			wg.Done()
+		})
+	}
+	wg.Wait()
+	if calls.Load() != n || failures.Load() != 0 {
+		t.Fatalf("done calls %d (want %d), failures %d", calls.Load(), n, failures.Load())
+	}
+	got := waitReceived(t, h, n)
+	seen := map[string]int{}
+	for _, m := range got {
+		seen[m.IdempotencyKey]++
+	}
+	for i := range n {
+		if key := NewDelivery(1000 + i).Event.EventKey; seen[key] != 1 {
+			t.Fatalf("%s stored %d times, want once", key, seen[key])
+		}
+	}
+}
+
+func testRepeat(t *testing.T, h *Harness) {
+	first := NewDelivery(7)
+	again := NewDelivery(7)
+	again.Attempt = 2
+	if err := send(t, h.Sink, first); err != nil {
+		t.Fatal(err)
+	}
+	if err := send(t, h.Sink, again); err != nil {
+		t.Fatalf("repeat: %v", err)
+	}
+	want := 2
+	if h.Deduplicates {
+		want = 1
+	}
+	got := waitReceived(t, h, want)
+	time.Sleep(100 * time.Millisecond)
+	got = h.Received()
+	if len(got) != want {
+		t.Fatalf("destination holds %d messages, want %d", len(got), want)
+	}
+	for _, m := range got {
+		if m.IdempotencyKey != first.Event.EventKey || !bytes.Equal(m.Body, first.Body) {
+			t.Fatalf("repeat differs: key %q body %s", m.IdempotencyKey, m.Body)
+		}
+	}
+	if !h.Deduplicates && got[1].Attempt != 2 {
+		t.Fatalf("second request attempt %d, want 2", got[1].Attempt)
+	}
+}
+
+func testCancelled(t *testing.T, h *Harness) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	errs := make(chan error, 2)
+	h.Sink.Send(ctx, NewDelivery(9), func(err error) { errs <- err })
+	select {
+	case <-errs:
+		// Either outcome is allowed (the sink may have sent before seeing
+		// the cancellation); what matters is that done is called once.
+	case <-time.After(30 * time.Second):
+		t.Fatal("done not called for a cancelled context")
+	}
+	select {
+	case <-errs:
+		t.Fatal("done called twice")
+	case <-time.After(100 * time.Millisecond):
+	}
+}
+
+func testClose(t *testing.T, h *Harness) {
+	const n = 50
+	var calls atomic.Int64
+	for i := range n {
+		h.Sink.Send(context.Background(), NewDelivery(2000+i), func(error) { calls.Add(1) })
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := h.Sink.Close(ctx); err != nil {
+		t.Fatalf("close: %v", err)
+	}
+	if c := calls.Load(); c != n {
+		t.Fatalf("after Close, done was called %d times, want %d", c, n)
+	}
+}
