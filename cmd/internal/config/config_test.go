@@ -883,10 +883,11 @@ func TestLoad_InvalidValues(t *testing.T) {
 			`relay.yaml:5: sinks[0].events[2]: "" is not a valid pattern`,
 		}},
 		{"no events", hook + "    events: []\n", nil, []string{"relay.yaml:5: sinks[0].events: must list at least one pattern"}},
-		{"webhook limits", hook + "    timeout: 0s\n    concurrency: 0\n    permanent_statuses: [422, 200]\n", nil, []string{
+		{"webhook limits", hook + "    timeout: 0s\n    concurrency: 0\n    permanent_statuses: [422, 200, 401]\n", nil, []string{
 			"relay.yaml:5: sinks[0].timeout: must be greater than zero",
 			"relay.yaml:6: sinks[0].concurrency: must be at least 1",
 			"relay.yaml:7: sinks[0].permanent_statuses[1]: 200 is not an HTTP error status",
+			"relay.yaml:7: sinks[0].permanent_statuses[2]: 401 means the sink's credentials are wrong",
 		}},
 		{"bad headers", hook + "    headers: {\"Bad Header\": x, X-Ok: \"a\\nb\"}\n", nil, []string{
 			`relay.yaml:5: sinks[0].headers: "Bad Header" is not a valid header name`,

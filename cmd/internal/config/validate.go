@@ -226,8 +226,13 @@ func (v *validator) webhook(p string, s *SinkConfig) {
 		v.fail(p+".max_body", "must be greater than zero, got %s", w.MaxBody)
 	}
 	for i, code := range w.PermanentStatuses {
-		if code < 400 || code > 599 {
+		switch {
+		case code < 400 || code > 599:
 			v.fail(fmt.Sprintf("%s.permanent_statuses[%d]", p, i), "%d is not an HTTP error status (400-599)", code)
+		case code == 401 || code == 403:
+			// Sink-level: a credentials problem must open the circuit, not
+			// dead-letter every event.
+			v.fail(fmt.Sprintf("%s.permanent_statuses[%d]", p, i), "%d means the sink's credentials are wrong; it opens the sink's circuit and cannot be permanent", code)
 		}
 	}
 }

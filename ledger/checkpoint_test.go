@@ -1,0 +1,76 @@
+package ledger_test
+
+import (
+	"context"
+	"testing"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+func TestCheckpoint(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+
+	if lsn, err := f.store.LoadCheckpoint(ctx, "slot_a"); err != nil || lsn != 0 {
+		t.Fatalf("LoadCheckpoint(no row) = %v, %v; want 0, nil", lsn, err)
+	}
+	high := relay.LSN(0x16_B374D848)
+	steps := []struct {
+		name string
+		save relay.LSN
+		want relay.LSN
+	}{
+		{"first save", 0x1_00000000, 0x1_00000000},
+		{"forward", high, high},
+		{"repeat", high, high},
+		{"backwards is ignored", 0x1_00000000, high},
+		{"zero is ignored", 0, high},
+	}
+	for _, step := range steps {
+		if err := f.store.SaveCheckpoint(ctx, "slot_a", step.save); err != nil {
+			t.Fatalf("%s: SaveCheckpoint(%v): %v", step.name, step.save, err)
+		}
+		got, err := f.store.LoadCheckpoint(ctx, "slot_a")
+		if err != nil || got != step.want {
+			t.Errorf("%s: LoadCheckpoint = %v, %v; want %v", step.name, got, err, step.want)
+		}
+	}
+	var text string
+	if err := f.pool.QueryRow(ctx, "SELECT confirmed_lsn::text FROM relay_checkpoint WHERE slot_name = 'slot_a'").Scan(&text); err != nil || text != "16/B374D848" {
+		t.Errorf("stored confirmed_lsn = %q, %v; want 16/B374D848", text, err)
+	}
+
+	if lsn, err := f.store.LoadCheckpoint(ctx, "slot_b"); err != nil || lsn != 0 {
+		t.Errorf("LoadCheckpoint(other slot) = %v, %v; want 0, nil", lsn, err)
+	}
+}
+
+// TestSaveCheckpointSynchronous saves with synchronous_commit = off as the
+// database default and checks the setting the transaction ran with.
+func TestSaveCheckpointSynchronous(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	var db string
+	if err := f.pool.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	f.MustExec(t, "ALTER DATABASE "+relay.QuoteIdentifier(db)+" SET synchronous_commit = off")
+	f.pool.Reset() // new connections pick up the database default
+	f.MustExec(t, `CREATE TABLE commit_modes (mode text)`)
+	f.MustExec(t, `CREATE FUNCTION record_commit_mode() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN INSERT INTO commit_modes VALUES (current_setting('synchronous_commit')); RETURN NEW; END $$`)
+	f.MustExec(t, `CREATE TRIGGER record_commit_mode BEFORE INSERT OR UPDATE ON relay_checkpoint
+		FOR EACH ROW EXECUTE FUNCTION record_commit_mode()`)
+
+	var def string
+	if err := f.pool.QueryRow(ctx, "SHOW synchronous_commit").Scan(&def); err != nil || def != "off" {
+		t.Fatalf("database default synchronous_commit = %q, %v; want off", def, err)
+	}
+	if err := f.store.SaveCheckpoint(ctx, "slot", 1); err != nil {
+		t.Fatalf("SaveCheckpoint: %v", err)
+	}
+	var mode string
+	if err := f.pool.QueryRow(ctx, "SELECT mode FROM commit_modes").Scan(&mode); err != nil || mode != "on" {
+		t.Errorf("SaveCheckpoint ran with synchronous_commit = %q, %v; want on", mode, err)
+	}
+}

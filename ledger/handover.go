@@ -1,0 +1,115 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// MarkForClaim is the slot-creation hand-over (SPEC §3 "Slot creation"). In
+// the snapshot that CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported, it
+// marks for the claim path (handoff_at = now()) every row still pending and
+// not handed off: exactly the rows committed before the slot's consistent
+// point, which the new slot will never stream. Rows committed later are not
+// visible in the snapshot and stay the stream's. It returns how many rows it
+// marked.
+//
+// The replication connection that created the slot must stay open and run
+// nothing else until MarkForClaim returns: the snapshot exists only until
+// then. An error means the snapshot may be gone; rows already marked stay
+// marked, which is harmless for any later slot, so the caller drops the slot
+// and starts over. Safe to repeat with a fresh slot and snapshot.
+//
+// The marking is one UPDATE at REPEATABLE READ in the imported snapshot.
+// When a row changed after the snapshot (a claim by a poller still running)
+// that UPDATE fails with a serialization error; MarkForClaim then reads the
+// ids in the snapshot instead and marks those still pending and not handed
+// off, at READ COMMITTED.
+func (s *Store) MarkForClaim(ctx context.Context, snapshot string) (int64, error) {
+	if snapshot == "" {
+		return 0, errors.New("mark rows for the claim path: empty snapshot name")
+	}
+	// SET TRANSACTION SNAPSHOT takes no parameters. The simple protocol keeps
+	// this one-off text out of the connection's statement cache and makes it
+	// the transaction's first statement.
+	setSnapshot := "SET TRANSACTION SNAPSHOT " + relay.QuoteLiteral(snapshot)
+	repeatableRead := pgx.TxOptions{IsoLevel: pgx.RepeatableRead}
+
+	var marked int64
+	err := pgx.BeginTxFunc(ctx, s.pool, repeatableRead, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
+			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
+		}
+		tag, err := tx.Exec(ctx, s.sql.markForClaim)
+		marked = tag.RowsAffected()
+		return err
+	})
+	if err == nil {
+		return marked, nil
+	}
+	if !isSerializationFailure(err) {
+		return 0, fmt.Errorf("mark rows for the claim path in snapshot %s: %w", snapshot, err)
+	}
+
+	var ids []int64
+	readOnly := pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
+	err = pgx.BeginTxFunc(ctx, s.pool, readOnly, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
+			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
+		}
+		rows, err := tx.Query(ctx, s.sql.pendingUnmarked)
+		if err != nil {
+			return err
+		}
+		ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
+	}
+	marked = 0
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		for _, chunk := range chunks(ids) {
+			tag, err := tx.Exec(ctx, s.sql.markForClaimByID, chunk)
+			if err != nil {
+				return err
+			}
+			marked += tag.RowsAffected()
+		}
+		return nil
+	})
+	if err != nil {
+		return 0, fmt.Errorf("mark %d rows of snapshot %s for the claim path: %w", len(ids), snapshot, err)
+	}
+	return marked, nil
+}
+
+// isSerializationFailure reports SQLSTATE 40001.
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40001"
+}
+
+// MarkDeliveredDone sets status 'done' on the rows still pending and not
+// handed off whose ledger shows 'delivered' for every one of sinks, in one
+// statement, and returns how many. The relay runs it at start (SPEC §3): a
+// row whose MarkDone was lost in a crash is otherwise never settled, because
+// the slot does not stream it again. A row routed to only some of sinks is
+// not marked. With no sinks it marks nothing. Safe to repeat.
+func (s *Store) MarkDeliveredDone(ctx context.Context, sinks []string) (int64, error) {
+	distinct := slices.Compact(slices.Sorted(slices.Values(sinks)))
+	if len(distinct) == 0 {
+		return 0, nil
+	}
+	tag, err := s.pool.Exec(ctx, s.sql.markDeliveredDone, distinct)
+	if err != nil {
+		return 0, fmt.Errorf("mark rows delivered to %v done: %w", distinct, err)
+	}
+	return tag.RowsAffected(), nil
+}

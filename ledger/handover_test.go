@@ -1,0 +1,147 @@
+package ledger_test
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// MustCreateSlot creates a temporary logical slot with an exported snapshot
+// on a new replication connection, which stays open (and idle, keeping the
+// snapshot) until the test ends. It returns the snapshot name.
+func (f *fixture) MustCreateSlot(tb testing.TB) string {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	repl, err := pgconn.Connect(ctx, f.url+"&replication=database")
+	if err != nil {
+		tb.Fatalf("replication connect: %v", err)
+	}
+	tb.Cleanup(func() { _ = repl.Close(context.Background()) })
+	var db string
+	if err := f.pool.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		tb.Fatal(err)
+	}
+	// Slot names are cluster-wide: reuse the database name's random suffix.
+	slot := "ledger_test_" + db[len(db)-12:]
+	res, err := pglogrepl.CreateReplicationSlot(ctx, repl, slot, "pgoutput",
+		pglogrepl.CreateReplicationSlotOptions{Temporary: true, SnapshotAction: "EXPORT_SNAPSHOT"})
+	if err != nil {
+		tb.Fatalf("create slot: %v", err)
+	}
+	if res.SnapshotName == "" {
+		tb.Fatal("create slot: no snapshot exported")
+	}
+	return res.SnapshotName
+}
+
+func TestMarkForClaim(t *testing.T) {
+	tests := []struct {
+		name string
+		// changeAfterSlot updates a row that was pending before the slot, in
+		// a transaction that commits after the snapshot: the UPDATE in the
+		// snapshot then fails with 40001 and the fallback runs.
+		changeAfterSlot bool
+	}{
+		{name: "in the snapshot"},
+		{name: "row changed after the snapshot", changeAfterSlot: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := MustFixture(t)
+			ctx := context.Background()
+			before := f.MustInsert(t,
+				row{Key: "pending-1"},
+				row{Key: "pending-2"},
+				row{Key: "handed-off", HandedOff: true},
+				row{Key: "done", Status: "done"},
+				row{Key: "processing", Status: "processing"},
+			)
+			handedOffAt := f.MustRow(t, before[2]).HandoffAt
+
+			snapshot := f.MustCreateSlot(t)
+			after := f.MustInsert(t, row{Key: "after-slot"})
+			if tt.changeAfterSlot {
+				f.MustExec(t, "UPDATE integration_outbox SET attempts = attempts + 1 WHERE id = $1", before[1])
+			}
+
+			marked, err := f.store.MarkForClaim(ctx, snapshot)
+			if err != nil {
+				t.Fatalf("MarkForClaim: %v", err)
+			}
+			if marked != 2 {
+				t.Errorf("MarkForClaim marked %d rows, want 2", marked)
+			}
+			for _, id := range before[:2] {
+				if got := f.MustRow(t, id); got.Status != "pending" || got.HandoffAt == nil {
+					t.Errorf("row %d pending before the slot = %+v, want pending and handed off", id, got)
+				}
+			}
+			if got := f.MustRow(t, before[2]).HandoffAt; !got.Equal(*handedOffAt) {
+				t.Errorf("handed-off row re-marked: handoff_at %v, was %v", got, handedOffAt)
+			}
+			for _, id := range append(before[3:], after...) {
+				if got := f.MustRow(t, id); got.HandoffAt != nil {
+					t.Errorf("row %d (%s) marked, want untouched", id, got.Status)
+				}
+			}
+		})
+	}
+}
+
+func TestMarkForClaimBadSnapshot(t *testing.T) {
+	f := MustFixture(t)
+	for _, snapshot := range []string{"", "00000003-00000002-1", "x'; DROP TABLE integration_outbox; --"} {
+		if _, err := f.store.MarkForClaim(context.Background(), snapshot); err == nil {
+			t.Errorf("MarkForClaim(%q) = nil, want an error", snapshot)
+		} else if snapshot != "" && !strings.Contains(err.Error(), "import snapshot") {
+			t.Errorf("MarkForClaim(%q) = %v, want the import error", snapshot, err)
+		}
+	}
+	if n := f.MustCount(t, "SELECT count(*) FROM integration_outbox"); n != 0 {
+		t.Errorf("count = %d", n)
+	}
+}
+
+func TestMarkDeliveredDone(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t,
+		row{Key: "both"},
+		row{Key: "one"},
+		row{Key: "sending"},
+		row{Key: "handed-off", HandedOff: true},
+		row{Key: "held", Status: "held"},
+		row{Key: "none"},
+	)
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES
+		('both', 'webhook', 'delivered', 1), ('both', 'nats', 'delivered', 1),
+		('one', 'webhook', 'delivered', 1),
+		('sending', 'webhook', 'delivered', 1), ('sending', 'nats', 'sending', 1),
+		('handed-off', 'webhook', 'delivered', 1), ('handed-off', 'nats', 'delivered', 1),
+		('held', 'webhook', 'delivered', 1), ('held', 'nats', 'delivered', 1)`)
+
+	if n, err := f.store.MarkDeliveredDone(ctx, nil); err != nil || n != 0 {
+		t.Fatalf("MarkDeliveredDone(no sinks) = %d, %v; want 0, nil", n, err)
+	}
+	n, err := f.store.MarkDeliveredDone(ctx, []string{"webhook", "nats", "webhook"})
+	if err != nil {
+		t.Fatalf("MarkDeliveredDone: %v", err)
+	}
+	if n != 1 {
+		t.Errorf("MarkDeliveredDone marked %d rows, want 1", n)
+	}
+	for i, want := range []string{"done", "pending", "pending", "pending", "held", "pending"} {
+		if got := f.MustRow(t, ids[i]); got.Status != want {
+			t.Errorf("row %d status = %s, want %s", i, got.Status, want)
+		}
+	}
+	// With one sink, "one" and "sending" qualify too.
+	if n, err := f.store.MarkDeliveredDone(ctx, []string{"webhook"}); err != nil || n != 2 {
+		t.Errorf("MarkDeliveredDone(webhook) = %d, %v; want 2", n, err)
+	}
+}

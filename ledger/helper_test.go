@@ -1,0 +1,201 @@
+package ledger_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// fixture is a fresh migrated database, a pool on it and a Store.
+type fixture struct {
+	url   string
+	pool  *pgxpool.Pool
+	store *ledger.Store
+	names migrations.Names
+}
+
+// MustFixture creates a database, migrates it with the default names and
+// returns a Store with the default config.
+func MustFixture(tb testing.TB) *fixture {
+	tb.Helper()
+	return MustFixtureNames(tb, migrations.DefaultNames(), "")
+}
+
+// MustFixtureNames is MustFixture for other table names; setup runs before
+// the migrations (to create a schema, say).
+func MustFixtureNames(tb testing.TB, names migrations.Names, setup string) *fixture {
+	tb.Helper()
+	ctx := context.Background()
+	url := pgtest.NewDatabase(tb)
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		tb.Fatalf("connect: %v", err)
+	}
+	defer conn.Close(ctx)
+	if setup != "" {
+		if _, err := conn.Exec(ctx, setup); err != nil {
+			tb.Fatalf("%s: %v", setup, err)
+		}
+	}
+	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: names}); err != nil {
+		tb.Fatalf("migrate: %v", err)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		tb.Fatalf("pool: %v", err)
+	}
+	tb.Cleanup(pool.Close)
+	cfg := ledger.DefaultConfig()
+	cfg.Outbox, cfg.Ledger, cfg.Checkpoint = names.Outbox, names.Ledger, names.Checkpoint
+	return &fixture{url: url, pool: pool, store: ledger.New(pool, cfg), names: names}
+}
+
+// row is an outbox row to insert; empty fields take the table's defaults,
+// and an empty Status means pending.
+type row struct {
+	Key       string
+	AggType   *string
+	AggID     *string
+	Status    string
+	HandedOff bool
+	LastError *string
+	Attempts  int
+}
+
+func ptr[T any](v T) *T { return &v }
+
+// MustInsert inserts rows and returns their ids in order.
+func (f *fixture) MustInsert(tb testing.TB, rows ...row) []int64 {
+	tb.Helper()
+	ids := make([]int64, len(rows))
+	for i, r := range rows {
+		status := r.Status
+		if status == "" {
+			status = "pending"
+		}
+		var handoff *time.Time
+		if r.HandedOff {
+			handoff = ptr(time.Now())
+		}
+		err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
+			INSERT INTO %s (event_type, aggregate_type, aggregate_id, event_key, payload, status, handoff_at, last_error, attempts)
+			VALUES ('test.event', $1, $2, $3, '{}', $4, $5, $6, $7) RETURNING id`, f.names.Outbox.Quoted()),
+			r.AggType, r.AggID, r.Key, status, handoff, r.LastError, r.Attempts).Scan(&ids[i])
+		if err != nil {
+			tb.Fatalf("insert %s: %v", r.Key, err)
+		}
+	}
+	return ids
+}
+
+// MustInsertPending inserts n pending rows keyed prefix-1 … prefix-n in one
+// statement and returns their ids.
+func (f *fixture) MustInsertPending(tb testing.TB, prefix string, n int) []int64 {
+	tb.Helper()
+	rows, err := f.pool.Query(context.Background(), fmt.Sprintf(`
+		INSERT INTO %s (event_type, event_key, payload)
+		SELECT 'test.event', $1 || '-' || g, '{}' FROM generate_series(1, $2::int) g RETURNING id`,
+		f.names.Outbox.Quoted()), prefix, n)
+	if err != nil {
+		tb.Fatalf("insert %d rows: %v", n, err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		tb.Fatalf("insert %d rows: %v", n, err)
+	}
+	return ids
+}
+
+// outboxRow is what the tests check of a row.
+type outboxRow struct {
+	Status      string
+	HandoffAt   *time.Time
+	AvailableAt time.Time
+	LastError   *string
+	Attempts    int
+	ProcessedAt *time.Time
+}
+
+func (f *fixture) MustRow(tb testing.TB, id int64) outboxRow {
+	tb.Helper()
+	var r outboxRow
+	err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
+		SELECT status, handoff_at, available_at, last_error, attempts, processed_at FROM %s WHERE id = $1`,
+		f.names.Outbox.Quoted()), id).Scan(&r.Status, &r.HandoffAt, &r.AvailableAt, &r.LastError, &r.Attempts, &r.ProcessedAt)
+	if err != nil {
+		tb.Fatalf("read row %d: %v", id, err)
+	}
+	return r
+}
+
+// ledgerRow is what the tests check of a ledger row.
+type ledgerRow struct {
+	State       string
+	Attempts    int
+	Owner       *string
+	DeliveredAt *time.Time
+	Detail      *string
+}
+
+// MustLedger returns the ledger rows of eventKey by action.
+func (f *fixture) MustLedger(tb testing.TB, eventKey string) map[string]ledgerRow {
+	tb.Helper()
+	rows, err := f.pool.Query(context.Background(), fmt.Sprintf(`
+		SELECT action, state, attempts, owner, delivered_at, detail FROM %s WHERE event_key = $1`,
+		f.names.Ledger.Quoted()), eventKey)
+	if err != nil {
+		tb.Fatalf("read ledger of %s: %v", eventKey, err)
+	}
+	out := map[string]ledgerRow{}
+	var action string
+	var r ledgerRow
+	_, err = pgx.ForEachRow(rows, []any{&action, &r.State, &r.Attempts, &r.Owner, &r.DeliveredAt, &r.Detail}, func() error {
+		out[action] = r
+		return nil
+	})
+	if err != nil {
+		tb.Fatalf("read ledger of %s: %v", eventKey, err)
+	}
+	return out
+}
+
+// MustExec runs sql on the pool.
+func (f *fixture) MustExec(tb testing.TB, sql string, args ...any) {
+	tb.Helper()
+	if _, err := f.pool.Exec(context.Background(), sql, args...); err != nil {
+		tb.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// MustCount runs a count query.
+func (f *fixture) MustCount(tb testing.TB, sql string, args ...any) int {
+	tb.Helper()
+	var n int
+	if err := f.pool.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
+		tb.Fatalf("%s: %v", sql, err)
+	}
+	return n
+}
+
+// String renders r with its pointers followed, for comparisons and messages.
+func (r outboxRow) String() string {
+	return fmt.Sprintf("{status=%s handoff_at=%s available_at=%s last_error=%s attempts=%d processed_at=%s}",
+		r.Status, deref(r.HandoffAt), r.AvailableAt, deref(r.LastError), r.Attempts, deref(r.ProcessedAt))
+}
+
+func deref[T any](p *T) string {
+	if p == nil {
+		return "NULL"
+	}
+	return fmt.Sprint(*p)
+}

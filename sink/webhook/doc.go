@@ -1,0 +1,49 @@
+// Package webhook delivers outbox events as HTTP POST requests: to an n8n
+// Webhook node, or to any receiver that speaks Standard Webhooks.
+//
+// # Requests
+//
+// Every request carries Delivery.Body exactly as the engine computed it
+// (envelope or nudge), and these headers:
+//
+//	Content-Type: application/json
+//	Idempotency-Key, webhook-id  the id (IdempotencyKey): the event key, or
+//	                             "evk_" + base64url(SHA-256(key)) when the key
+//	                             is not header-safe; "~r<n>" appended for the
+//	                             n-th replay
+//	webhook-timestamp            unix seconds, taken afresh for every attempt
+//	webhook-attempt              Delivery.Attempt
+//	Outbox-Event-Key             the event key, only when it is header-safe
+//	webhook-signature            standard-webhooks auth: "v1,<base64 HMAC>"
+//	Authorization                jwt (Bearer, HS256) or basic auth
+//
+// plus the configured static headers and, for header auth, its header.
+//
+// # Outcomes
+//
+// A request is never re-sent by net/http itself (its GetBody is nil), so
+// whether it was written decides the class of a failure without an answer.
+// "Written" means the transport read the whole body; a request whose body
+// was not read to its end cannot have reached the receiver complete (it has
+// a Content-Length), and one whose write failed (httptrace WroteRequest with
+// an error) did not either.
+//
+//	2xx                                    delivered (nil)
+//	409 with Treat409AsDelivered           delivered (nil)
+//	not written (refused, DNS, TLS, reset  Transient
+//	  or cancelled before the write)
+//	written, then timeout, reset or EOF    Unknown
+//	401, 403                               SinkDown: check the credentials
+//	404 whose body says "is not            SinkDown: publish (activate) the
+//	  registered" (n8n)                      n8n workflow
+//	a status in PermanentStatuses          Permanent, with a body excerpt
+//	408, 425, 429, 409, 5xx                Transient, Retry-After honoured
+//	                                         (seconds or HTTP-date, <= 1h)
+//	any other 4xx                          Permanent, with a body excerpt
+//	3xx (redirects are not followed)       Transient
+//	body over MaxBody, or empty            Permanent, nothing sent
+//
+// Sink-level answers (401, 403, n8n's 404) are checked first, so they can
+// never dead-letter an event; PermanentStatuses is checked before the
+// transient statuses, so listing 503 makes it permanent.
+package webhook
