@@ -1,0 +1,483 @@
+// Package nats implements relay.Sink for NATS JetStream.
+//
+// Each event is published asynchronously to a subject rendered from a
+// template over its type and aggregate columns, with Nats-Msg-Id set to its
+// event key, so JetStream drops a repeat within the stream's duplicate
+// window. An event counts as delivered only on its PubAck (a duplicate ack
+// included). With no URL the sink runs an embedded server (StartEmbedded).
+//
+// A PubAck is only as durable as the server's storage policy: nats-server
+// acknowledges before fsync by default, so a single server that crashes can
+// lose acknowledged messages. Use R3 streams or sync_interval: always; the
+// embedded server syncs every write unless told otherwise.
+package nats
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	neturl "net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// Type is the sink type this package implements, as configured
+// (type: nats).
+const Type = "nats"
+
+// Defaults applied by New to zero Config fields.
+const (
+	DefaultMaxPending = 4096
+	DefaultAckTimeout = 10 * time.Second
+)
+
+// Config configures a Sink. Zero values take the defaults named below.
+type Config struct {
+	// Name is the sink's name, the ledger's action. Required.
+	Name string
+	// URL is the server URL (a comma-separated list for a cluster). Empty
+	// runs an embedded server under DataDir, owned by the sink.
+	URL string
+	// Subject is a text/template rendering an event's subject from
+	// SubjectFields (EventType, AggregateType, AggregateID, EventKey — never
+	// the payload); each field is sanitised into one valid token. Default
+	// DefaultSubject.
+	Subject string
+	Stream  StreamConfig
+	// MaxPending is the async publish window: Send blocks while this many
+	// publishes await their PubAck. Default DefaultMaxPending.
+	MaxPending int
+	// AckTimeout bounds the wait for one PubAck; past it the outcome is
+	// unknown. Default DefaultAckTimeout.
+	AckTimeout time.Duration
+	// Options are extra client options (credentials, token, TLS,
+	// reconnect tuning), applied after the sink's own.
+	Options []nats.Option
+	Logger  zerolog.Logger
+
+	// DataDir holds the embedded server's store (DataDir/nats); used and
+	// required only when URL is empty.
+	DataDir string
+	// SyncAlways makes the embedded server fsync every write before
+	// acknowledging it; nil means true. See StartEmbedded.
+	SyncAlways *bool
+}
+
+// StreamConfig names the JetStream stream the sink publishes into.
+type StreamConfig struct {
+	// Name of the stream. Default DefaultStreamName.
+	Name string
+	// Subjects the stream is created with when Create is set; default the
+	// subject template's literal prefix followed by ">" ("outbox.>"). An
+	// existing stream is never changed.
+	Subjects []string
+	// DuplicateWindow is the least duplicate_window the stream must have
+	// (and the one it is created with). Default DefaultDuplicateWindow.
+	DuplicateWindow time.Duration
+	// Create creates the stream (file storage) when it does not exist. It
+	// is implied for the embedded server.
+	Create bool
+	// MaxMsgSize is the created stream's max_msg_size in bytes; 0 leaves
+	// it unlimited (the server's max_payload still applies).
+	MaxMsgSize int64
+}
+
+// Sink publishes deliveries to a JetStream stream. It is safe for
+// concurrent use.
+type Sink struct {
+	name       string
+	log        zerolog.Logger
+	subject    *subjectTemplate
+	maxPending int
+	// maxMsgSize is the stream's max_msg_size, or 0 when unlimited.
+	maxMsgSize int64
+
+	nc        *nats.Conn
+	js        jetstream.JetStream
+	server    *server.Server // the embedded server, or nil
+	clientURL string
+
+	// window holds one token per publish awaiting its PubAck; it bounds
+	// Send, which waits for a free slot while honouring ctx.
+	window chan struct{}
+	// publishMu makes publish order and queue order the same.
+	publishMu sync.Mutex
+	// queue carries publishes to the collector in publish order; its
+	// capacity is the window, so a send on it never blocks.
+	queue chan inflight
+
+	mu      sync.Mutex
+	closed  bool
+	sending sync.WaitGroup // Sends past the closed check
+	closing chan struct{}  // closed by Close: stop accepting
+	abort   chan struct{}  // closed when Close's ctx ends: give up on acks
+
+	collected chan struct{} // closed when the collector has returned
+	closeOnce sync.Once
+	closeErr  error
+
+	duplicates atomic.Int64
+}
+
+var _ relay.Sink = (*Sink)(nil)
+
+type inflight struct {
+	future jetstream.PubAckFuture
+	key    string
+	done   func(error)
+}
+
+// New connects to the server (or starts the embedded one), checks the
+// stream (see StreamConfig) and starts the goroutine that completes
+// deliveries. The connection reconnects forever. New fails, naming the
+// stream and the fix, when the stream is missing (and Create is false), does
+// not capture the subject template, or has a smaller duplicate window. The
+// caller must Close the returned Sink.
+func New(ctx context.Context, cfg Config) (*Sink, error) {
+	if err := applyDefaults(&cfg); err != nil {
+		return nil, err
+	}
+	subject, err := parseSubjectTemplate(cfg.Subject)
+	if err != nil {
+		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
+	}
+	pattern, err := subject.pattern()
+	if err != nil {
+		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
+	}
+
+	s := &Sink{
+		name:       cfg.Name,
+		log:        cfg.Logger.With().Str("sink", cfg.Name).Logger(),
+		subject:    subject,
+		maxPending: cfg.MaxPending,
+		window:     make(chan struct{}, cfg.MaxPending),
+		queue:      make(chan inflight, cfg.MaxPending),
+		closing:    make(chan struct{}),
+		abort:      make(chan struct{}),
+		collected:  make(chan struct{}),
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			s.release()
+		}
+	}()
+
+	url := cfg.URL
+	if url == "" {
+		syncAlways := cfg.SyncAlways == nil || *cfg.SyncAlways
+		s.server, url, err = StartEmbedded(cfg.DataDir, syncAlways, s.log)
+		if err != nil {
+			return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
+		}
+		cfg.Stream.Create = true
+	}
+	if err := s.connect(url, cfg.Options); err != nil {
+		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
+	}
+	s.js, err = jetstream.New(s.nc,
+		jetstream.WithPublishAsyncMaxPending(cfg.MaxPending),
+		jetstream.WithPublishAsyncTimeout(cfg.AckTimeout))
+	if err != nil {
+		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
+	}
+	s.maxMsgSize, err = s.ensureStream(ctx, cfg.Stream, cfg.Stream.Create, pattern)
+	if err != nil {
+		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
+	}
+
+	go s.collect()
+	ok = true
+	s.log.Info().Str("url", s.clientURL).Str("stream", cfg.Stream.Name).Str("subject", cfg.Subject).
+		Int64("max_payload", s.nc.MaxPayload()).Int64("max_msg_size", s.maxMsgSize).
+		Int("max_pending", cfg.MaxPending).Msg("nats sink ready")
+	return s, nil
+}
+
+func applyDefaults(cfg *Config) error {
+	if cfg.Name == "" {
+		return errors.New("nats sink: name is required")
+	}
+	if cfg.Subject == "" {
+		cfg.Subject = DefaultSubject
+	}
+	if cfg.Stream.Name == "" {
+		cfg.Stream.Name = DefaultStreamName
+	}
+	if cfg.Stream.DuplicateWindow == 0 {
+		cfg.Stream.DuplicateWindow = DefaultDuplicateWindow
+	}
+	if cfg.MaxPending == 0 {
+		cfg.MaxPending = DefaultMaxPending
+	}
+	if cfg.AckTimeout == 0 {
+		cfg.AckTimeout = DefaultAckTimeout
+	}
+	switch {
+	case cfg.MaxPending < 0:
+		return fmt.Errorf("nats sink %q: max_pending %d must be positive", cfg.Name, cfg.MaxPending)
+	case cfg.AckTimeout < 0:
+		return fmt.Errorf("nats sink %q: ack timeout %s must be positive", cfg.Name, cfg.AckTimeout)
+	case cfg.Stream.DuplicateWindow < 0:
+		return fmt.Errorf("nats sink %q: stream.duplicate_window %s must be positive", cfg.Name, cfg.Stream.DuplicateWindow)
+	case cfg.Stream.MaxMsgSize < 0 || cfg.Stream.MaxMsgSize > math.MaxInt32:
+		return fmt.Errorf("nats sink %q: stream.max_msg_size %d must be between 0 and %d", cfg.Name, cfg.Stream.MaxMsgSize, math.MaxInt32)
+	case cfg.URL == "" && cfg.DataDir == "":
+		return fmt.Errorf("nats sink %q: with no url the embedded server needs a data_dir", cfg.Name)
+	}
+	return nil
+}
+
+func (s *Sink) connect(url string, extra []nats.Option) error {
+	opts := []nats.Option{
+		nats.Name("outbox-relay"),
+		nats.MaxReconnects(-1),
+		nats.ReconnectWait(500 * time.Millisecond),
+		// Fail publishes while disconnected instead of buffering them:
+		// Send reports SinkDown and the engine hands the event off.
+		nats.ReconnectBufSize(-1),
+		// Notice a dead peer in about 30 s rather than the default 4 min.
+		nats.PingInterval(10 * time.Second),
+		nats.MaxPingsOutstanding(3),
+		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
+			if nc.IsClosed() {
+				return // Close, not an outage
+			}
+			s.log.Warn().Err(err).Msg("nats disconnected; reconnecting")
+		}),
+		nats.ReconnectHandler(func(nc *nats.Conn) {
+			s.log.Info().Str("url", redactURL(nc.ConnectedUrl())).Msg("nats reconnected")
+		}),
+		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
+			s.log.Error().Err(err).Msg("nats error")
+		}),
+	}
+	nc, err := nats.Connect(url, append(opts, extra...)...)
+	if err != nil {
+		return fmt.Errorf("connect to %s: %w", redactURL(url), err)
+	}
+	s.nc = nc
+	s.clientURL = redactURL(nc.ConnectedUrl())
+	return nil
+}
+
+// redactURL hides the credentials (user, password or token) of each URL
+// in a comma-separated list, for logs and error messages.
+func redactURL(list string) string {
+	parts := strings.Split(list, ",")
+	for i, p := range parts {
+		u, err := neturl.Parse(strings.TrimSpace(p))
+		switch {
+		case err != nil:
+			parts[i] = "<unparsable url>"
+		case u.User != nil:
+			u.User = neturl.User("REDACTED")
+			parts[i] = u.String()
+		}
+	}
+	return strings.Join(parts, ",")
+}
+
+// Name returns the sink's name.
+func (s *Sink) Name() string { return s.name }
+
+// ClientURL returns the URL the sink is connected to, without credentials;
+// for the embedded server, the URL to subscribe to.
+func (s *Sink) ClientURL() string { return s.clientURL }
+
+// Duplicates returns how many publishes JetStream acknowledged as duplicates
+// of a message it already stored (each counted as delivered).
+func (s *Sink) Duplicates() int64 { return s.duplicates.Load() }
+
+// Send publishes d and calls done exactly once: nil on a PubAck (a duplicate
+// included), or a relay.DeliveryError:
+//   - Permanent, without publishing, when the message (headers included) is
+//     larger than the server's max_payload or the stream's max_msg_size, or
+//     its subject is unusable; or when the server refuses it as too large.
+//   - SinkDown, without publishing, when the connection is not up or the
+//     sink is closed; or when no stream answers (deleted, JetStream down).
+//   - Transient when the stream refused the message (nothing stored), or
+//     ctx ended before it was published (wrapping ctx.Err()).
+//   - Unknown when it was published but no PubAck came (ack timeout, lost
+//     connection, Close): it may be stored. A retry carries the same
+//     Nats-Msg-Id, so JetStream drops it within the duplicate window.
+//
+// Send blocks while MaxPending publishes await their PubAck, until ctx ends.
+// Sending the same Delivery again is safe: it carries the same Nats-Msg-Id
+// and body. done may run on the sink's collector goroutine, one call at a
+// time, which completes every later publish: it must not block, and in
+// particular must not call Send, which can wait for a window slot only the
+// collector frees.
+func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
+	key := d.Event.EventKey
+	msg, err := s.message(d)
+	if err != nil {
+		done(err)
+		return
+	}
+	if err := ctx.Err(); err != nil {
+		done(relay.TransientError(fmt.Errorf("publish %s: not sent: %w", key, err), 0))
+		return
+	}
+	if !s.enter() {
+		done(relay.SinkDownError(fmt.Errorf("publish %s: %w", key, ErrClosed), 0))
+		return
+	}
+	defer s.sending.Done()
+
+	select {
+	case s.window <- struct{}{}:
+	case <-ctx.Done():
+		done(relay.TransientError(fmt.Errorf("publish %s: not sent, %d publishes awaiting acks: %w", key, s.maxPending, ctx.Err()), 0))
+		return
+	case <-s.closing:
+		done(relay.SinkDownError(fmt.Errorf("publish %s: %w", key, ErrClosed), 0))
+		return
+	}
+	if st := s.nc.Status(); st != nats.CONNECTED {
+		<-s.window
+		done(relay.SinkDownError(fmt.Errorf("publish %s: nats connection is %s", key, st), 0))
+		return
+	}
+
+	s.publishMu.Lock()
+	future, err := s.js.PublishMsgAsync(msg)
+	if err != nil {
+		s.publishMu.Unlock()
+		<-s.window
+		done(classifyPublishError(key, err))
+		return
+	}
+	s.queue <- inflight{future: future, key: key, done: done}
+	s.publishMu.Unlock()
+}
+
+// message builds d's message, or a Permanent error when it cannot be
+// published as it is.
+func (s *Sink) message(d *relay.Delivery) (*nats.Msg, error) {
+	key := d.Event.EventKey
+	subject, err := s.subject.render(d.Event)
+	if err == nil {
+		err = validatePublishSubject(subject)
+	}
+	if err != nil {
+		return nil, relay.PermanentError(fmt.Errorf("event %s: subject: %w", key, err))
+	}
+	msg := &nats.Msg{Subject: subject, Header: buildHeader(d), Data: d.Body}
+	hdr := headerSize(msg.Header)
+	size := int64(hdr + len(msg.Data))
+	if limit := s.nc.MaxPayload(); limit > 0 && size > limit {
+		return nil, relay.PermanentError(fmt.Errorf("event %s: message is %d bytes (headers included), over the server's max_payload of %d", key, size, limit))
+	}
+	if s.maxMsgSize > 0 && size > s.maxMsgSize {
+		return nil, relay.PermanentError(fmt.Errorf("event %s: message is %d bytes (headers included), over the stream's max_msg_size of %d", key, size, s.maxMsgSize))
+	}
+	if hdr > maxHeaderSize {
+		return nil, relay.PermanentError(fmt.Errorf("event %s: headers are %d bytes, over JetStream's limit of %d", key, hdr, maxHeaderSize))
+	}
+	return msg, nil
+}
+
+// enter admits a Send unless the sink is closed; the caller must call
+// s.sending.Done when admitted.
+func (s *Sink) enter() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.sending.Add(1)
+	return true
+}
+
+// collect completes publishes in publish order until the queue is closed.
+func (s *Sink) collect() {
+	defer close(s.collected)
+	for p := range s.queue {
+		err := s.await(p)
+		<-s.window
+		p.done(err)
+	}
+}
+
+// await returns p's outcome, or Unknown once Close gives up on acks.
+func (s *Sink) await(p inflight) error {
+	select {
+	case ack := <-p.future.Ok():
+		return s.acked(ack)
+	case err := <-p.future.Err():
+		return classifyAckError(p.key, err)
+	case <-s.abort:
+	}
+	// An outcome that arrived together with the abort still counts.
+	select {
+	case ack := <-p.future.Ok():
+		return s.acked(ack)
+	case err := <-p.future.Err():
+		return classifyAckError(p.key, err)
+	default:
+		return relay.UnknownError(fmt.Errorf("publish %s: sink closed before the PubAck arrived", p.key))
+	}
+}
+
+func (s *Sink) acked(ack *jetstream.PubAck) error {
+	if ack.Duplicate {
+		s.duplicates.Add(1)
+	}
+	return nil
+}
+
+// Close stops accepting Sends (later ones get SinkDown), waits for every
+// in-flight publish's PubAck until ctx ends, then completes the rest with
+// Unknown, closes the connection and shuts the embedded server down. Every
+// done has been called when Close returns. It returns an error when
+// publishes were abandoned; calling it again returns the same result.
+func (s *Sink) Close(ctx context.Context) error {
+	s.closeOnce.Do(func() { s.closeErr = s.close(ctx) })
+	return s.closeErr
+}
+
+func (s *Sink) close(ctx context.Context) error {
+	s.mu.Lock()
+	s.closed = true
+	close(s.closing)
+	s.mu.Unlock()
+	// Admitted Sends either publish or give up on s.closing; none blocks.
+	s.sending.Wait()
+	close(s.queue)
+
+	var err error
+	select {
+	case <-s.collected:
+	case <-ctx.Done():
+		abandoned := len(s.queue) + 1
+		close(s.abort)
+		<-s.collected
+		err = fmt.Errorf("close nats sink %q: gave up waiting for up to %d PubAcks (outcome unknown): %w", s.name, abandoned, ctx.Err())
+	}
+	s.release()
+	s.log.Info().Int64("duplicates", s.Duplicates()).Msg("nats sink closed")
+	return err
+}
+
+// release closes the connection and stops the embedded server.
+func (s *Sink) release() {
+	if s.nc != nil {
+		s.nc.Close()
+	}
+	if s.server != nil {
+		s.server.Shutdown()
+		s.server.WaitForShutdown()
+	}
+}

@@ -1,0 +1,208 @@
+package nats
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"text/template"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// DefaultSubject is the subject template used when Config.Subject is empty.
+const DefaultSubject = "outbox.{{.AggregateType}}.{{.EventType}}"
+
+// maxSubjectLen bounds a rendered subject. The subject travels in the
+// protocol's control line, which nats-server caps at max_control_line
+// (4 KiB by default) and answers by closing the connection; a subject this
+// long is refused as a permanent error so one bad row cannot take the
+// connection down for every event behind it.
+const maxSubjectLen = 3072
+
+// SubjectFields is what a subject template sees: the event's type and
+// aggregate columns and its key, each already sanitised into one valid
+// subject token ("" and NULL become "_"). The payload is deliberately absent.
+type SubjectFields struct {
+	EventType     string
+	AggregateType string
+	AggregateID   string
+	EventKey      string
+}
+
+// subjectTemplate renders a Config.Subject for events.
+type subjectTemplate struct {
+	text string
+	tmpl *template.Template
+}
+
+// wildcardProbe stands in for every field when the template's shape is
+// computed: a control character, so it cannot come out of a sanitised value.
+const wildcardProbe = "\x01"
+
+func parseSubjectTemplate(text string) (*subjectTemplate, error) {
+	tmpl, err := template.New("subject").Option("missingkey=error").Parse(text)
+	if err != nil {
+		return nil, fmt.Errorf("subject template %q: %w", text, err)
+	}
+	st := &subjectTemplate{text: text, tmpl: tmpl}
+	// Render a sample so an unknown field ({{.Payload}}) or a literal part
+	// that is not a valid subject fails at start, not per event.
+	sample := SubjectFields{EventType: "type", AggregateType: "aggregate", AggregateID: "id", EventKey: "key"}
+	subject, err := st.execute(sample)
+	if err != nil {
+		return nil, err
+	}
+	if err := validatePublishSubject(subject); err != nil {
+		return nil, fmt.Errorf("subject template %q renders %q: %w", text, subject, err)
+	}
+	return st, nil
+}
+
+func (st *subjectTemplate) execute(f SubjectFields) (string, error) {
+	var b strings.Builder
+	if err := st.tmpl.Execute(&b, f); err != nil {
+		return "", fmt.Errorf("subject template %q: %w (fields: EventType, AggregateType, AggregateID, EventKey)", st.text, err)
+	}
+	return b.String(), nil
+}
+
+// render returns e's subject. The same event always gets the same subject.
+func (st *subjectTemplate) render(e *relay.Event) (string, error) {
+	return st.execute(SubjectFields{
+		EventType:     sanitizeSubjectToken(deref(e.EventType)),
+		AggregateType: sanitizeSubjectToken(deref(e.AggregateType)),
+		AggregateID:   sanitizeSubjectToken(deref(e.AggregateID)),
+		EventKey:      sanitizeSubjectToken(e.EventKey),
+	})
+}
+
+// pattern returns the subjects the template can produce as a subject filter:
+// every token that holds a field becomes "*" ("outbox.*.*"). A stream
+// captures every rendered subject when one of its subjects covers it.
+func (st *subjectTemplate) pattern() (string, error) {
+	probe := SubjectFields{EventType: wildcardProbe, AggregateType: wildcardProbe, AggregateID: wildcardProbe, EventKey: wildcardProbe}
+	s, err := st.execute(probe)
+	if err != nil {
+		return "", err
+	}
+	tokens := strings.Split(s, ".")
+	for i, t := range tokens {
+		if strings.Contains(t, wildcardProbe) {
+			tokens[i] = "*"
+		}
+	}
+	return strings.Join(tokens, "."), nil
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// sanitizeSubjectToken makes s usable as one subject token, deterministically:
+// every character NATS forbids or treats specially in a token — '.', '*',
+// '>', space, tab, CR, LF and other control characters — becomes '_', as do
+// invalid UTF-8 bytes and U+FFFD (which nats-server reads as corruption). An
+// empty s becomes "_". Other Unicode is kept.
+func sanitizeSubjectToken(s string) string {
+	if s == "" {
+		return "_"
+	}
+	clean := true
+	for _, r := range s {
+		if forbiddenInToken(r) {
+			clean = false
+			break
+		}
+	}
+	if clean {
+		return s
+	}
+	var b strings.Builder
+	b.Grow(len(s))
+	for _, r := range s {
+		if forbiddenInToken(r) {
+			b.WriteByte('_')
+		} else {
+			b.WriteRune(r)
+		}
+	}
+	return b.String()
+}
+
+// forbiddenInToken reports whether r may not appear in a sanitised token.
+// Ranging over a string yields utf8.RuneError for each invalid byte.
+func forbiddenInToken(r rune) bool {
+	switch r {
+	case '.', '*', '>', ' ', utf8.RuneError:
+		return true
+	}
+	return unicode.IsControl(r)
+}
+
+// validatePublishSubject checks what nats-server requires of a subject a
+// message is published to: non-empty tokens without whitespace, no wildcard
+// tokens, and a length the control line can carry.
+func validatePublishSubject(subject string) error {
+	if subject == "" {
+		return errors.New("empty subject")
+	}
+	if len(subject) > maxSubjectLen {
+		return fmt.Errorf("subject is %d bytes, more than %d", len(subject), maxSubjectLen)
+	}
+	for t := range strings.SplitSeq(subject, ".") {
+		switch {
+		case t == "":
+			return errors.New("empty token (leading, trailing or double '.')")
+		case t == "*" || t == ">":
+			return fmt.Errorf("wildcard token %q (a message is published to a literal subject)", t)
+		case strings.ContainsFunc(t, unicode.IsControl), strings.ContainsRune(t, ' '):
+			return fmt.Errorf("token %q contains whitespace or a control character", t)
+		}
+	}
+	return nil
+}
+
+// subjectCovers reports whether every subject matching pattern (a filter
+// whose wildcards are only "*" tokens) also matches filter.
+func subjectCovers(filter, pattern string) bool {
+	ft := strings.Split(filter, ".")
+	pt := strings.Split(pattern, ".")
+	for i, f := range ft {
+		if f == ">" {
+			return len(pt) > i
+		}
+		if i >= len(pt) {
+			return false
+		}
+		switch {
+		case f == "*":
+		case pt[i] == "*" || pt[i] == ">":
+			return false
+		case f != pt[i]:
+			return false
+		}
+	}
+	return len(ft) == len(pt)
+}
+
+// literalPrefix returns the pattern's tokens before its first wildcard
+// followed by ">", the subject a created stream listens on by default
+// ("outbox.*.*" -> "outbox.>"); a pattern that starts with a wildcard is
+// returned as is.
+func literalPrefix(pattern string) string {
+	tokens := strings.Split(pattern, ".")
+	for i, t := range tokens {
+		if t == "*" {
+			if i == 0 {
+				return pattern
+			}
+			return strings.Join(tokens[:i], ".") + ".>"
+		}
+	}
+	return pattern
+}

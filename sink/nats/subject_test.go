@@ -1,0 +1,270 @@
+package nats_test
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"unicode/utf8"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
+)
+
+func ptr(s string) *string { return &s }
+
+func TestSanitizeSubjectToken(t *testing.T) {
+	tests := []struct {
+		name, in, want string
+	}{
+		{"plain", "order", "order"},
+		{"empty", "", "_"},
+		{"dots", "order.placed", "order_placed"},
+		{"only a dot", ".", "_"},
+		{"spaces and tabs", "a b\tc", "a_b_c"},
+		{"CR LF", "a\r\nb", "a__b"},
+		{"star", "*", "_"},
+		{"greater than", ">", "_"},
+		{"wildcards inside", "a*b>c", "a_b_c"},
+		{"NUL and DEL", "a\x00b\x7f", "a_b_"},
+		{"invalid UTF-8", "a\xffb", "a_b"},
+		{"replacement character", "a\uFFFDb", "a_b"},
+		{"unicode kept", "commande-été-✓-注文", "commande-été-✓-注文"},
+		{"dash underscore colon kept", "a-b_c:d", "a-b_c:d"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := natssink.SanitizeSubjectToken(tt.in)
+			if got != tt.want {
+				t.Fatalf("SanitizeSubjectToken(%q) = %q, want %q", tt.in, got, tt.want)
+			}
+			if again := natssink.SanitizeSubjectToken(tt.in); again != got {
+				t.Fatalf("not deterministic: %q then %q", got, again)
+			}
+		})
+	}
+}
+
+func FuzzSanitizeSubjectToken(f *testing.F) {
+	for _, seed := range []string{"", "order.placed", "a b\tc\r\n", "*>", "\xff\xfe", "été ✓", "\uFFFD."} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, in string) {
+		out := natssink.SanitizeSubjectToken(in)
+		if out == "" {
+			t.Fatalf("SanitizeSubjectToken(%q) is empty", in)
+		}
+		if strings.ContainsAny(out, ".*> \t\r\n\x00") {
+			t.Fatalf("SanitizeSubjectToken(%q) = %q contains a forbidden character", in, out)
+		}
+		if !utf8.ValidString(out) {
+			t.Fatalf("SanitizeSubjectToken(%q) = %q is not valid UTF-8", in, out)
+		}
+		if again := natssink.SanitizeSubjectToken(out); again != out {
+			t.Fatalf("not idempotent: %q -> %q -> %q", in, out, again)
+		}
+		// The server's own check, with a literal token around it.
+		if subject := "outbox." + out + ".x"; !server.IsValidPublishSubject(subject) {
+			t.Fatalf("nats-server rejects %q", subject)
+		}
+		if err := natssink.ValidatePublishSubject("outbox." + out); err != nil {
+			t.Fatalf("ValidatePublishSubject(outbox.%s): %v", out, err)
+		}
+	})
+}
+
+func TestRenderSubject(t *testing.T) {
+	tests := []struct {
+		name     string
+		template string
+		event    relay.Event
+		want     string
+	}{
+		{
+			name:     "default template",
+			template: natssink.DefaultSubject,
+			event:    relay.Event{EventKey: "k", EventType: ptr("order.placed"), AggregateType: ptr("order")},
+			want:     "outbox.order.order_placed",
+		},
+		{
+			name:     "NULL fields",
+			template: natssink.DefaultSubject,
+			event:    relay.Event{EventKey: "k"},
+			want:     "outbox._._",
+		},
+		{
+			name:     "empty strings",
+			template: "events.{{.AggregateType}}.{{.AggregateID}}",
+			event:    relay.Event{EventKey: "k", AggregateType: ptr(""), AggregateID: ptr("")},
+			want:     "events._._",
+		},
+		{
+			name:     "all fields, forbidden characters",
+			template: "x.{{.EventType}}.{{.AggregateType}}.{{.AggregateID}}.{{.EventKey}}",
+			event:    relay.Event{EventKey: "k 1>", EventType: ptr("a*b"), AggregateType: ptr("t\tt"), AggregateID: ptr("id.1")},
+			want:     "x.a_b.t_t.id_1.k_1_",
+		},
+		{
+			name:     "field inside a literal token",
+			template: "orders-{{.AggregateType}}.v1",
+			event:    relay.Event{EventKey: "k", AggregateType: ptr("é.x")},
+			want:     "orders-é_x.v1",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := natssink.RenderSubject(tt.template, &tt.event)
+			if err != nil {
+				t.Fatalf("render: %v", err)
+			}
+			if got != tt.want {
+				t.Fatalf("subject %q, want %q", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestSubjectTemplateErrors(t *testing.T) {
+	tests := []struct {
+		name, template, wantErr string
+	}{
+		{"payload is not a field", "outbox.{{.Payload}}", "Payload"},
+		{"unknown field", "outbox.{{.Nope}}", "Nope"},
+		{"parse error", "outbox.{{.EventType", "subject template"},
+		{"empty token", "outbox..{{.EventType}}", "empty token"},
+		{"trailing dot", "outbox.{{.EventType}}.", "empty token"},
+		{"wildcard", "outbox.>", "wildcard"},
+		{"space", "out box.{{.EventType}}", "whitespace"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := natssink.RenderSubject(tt.template, &relay.Event{EventKey: "k"})
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("error %v, want one containing %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestSubjectCoverage(t *testing.T) {
+	tests := []struct {
+		template, filter string
+		covered          bool
+	}{
+		{natssink.DefaultSubject, "outbox.>", true},
+		{natssink.DefaultSubject, "outbox.*.*", true},
+		{natssink.DefaultSubject, ">", true},
+		{natssink.DefaultSubject, "outbox.*", false},
+		{natssink.DefaultSubject, "outbox.order.*", false},
+		{natssink.DefaultSubject, "other.>", false},
+		{natssink.DefaultSubject, "outbox.*.*.*", false},
+		{"outbox.fixed", "outbox.fixed", true},
+		{"outbox.fixed", "outbox.*", true},
+		{"outbox.fixed", "outbox.fixed.>", false},
+		{"a-{{.EventType}}.b", "*.b", true},
+		{"a-{{.EventType}}.b", "a-x.b", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.template+" in "+tt.filter, func(t *testing.T) {
+			pattern, err := natssink.SubjectPattern(tt.template)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := natssink.SubjectCovers(tt.filter, pattern); got != tt.covered {
+				t.Fatalf("SubjectCovers(%q, %q) = %v, want %v", tt.filter, pattern, got, tt.covered)
+			}
+		})
+	}
+}
+
+func TestHeaderValue(t *testing.T) {
+	tests := []struct {
+		name, in, want string
+	}{
+		{"ordinary key kept", "order-42-placed", "order-42-placed"},
+		{"unicode kept", "commande-été", "commande-été"},
+		{"inner space kept", "a b", "a b"},
+		{"newline encoded", "a\nb", "b64:YQpi"},
+		{"leading space encoded", " a", "b64:IGE"},
+		{"empty encoded", "", "b64:"},
+		{"prefix encoded", "b64:x", "b64:YjY0Ong"},
+		{"invalid UTF-8 encoded", "\xff", "b64:_w"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := natssink.HeaderValue(tt.in); got != tt.want {
+				t.Fatalf("HeaderValue(%q) = %q, want %q", tt.in, got, tt.want)
+			}
+		})
+	}
+	// Keys nats.go would otherwise send alike stay distinct.
+	if natssink.HeaderValue("a\nb") == natssink.HeaderValue("a b") {
+		t.Fatal(`"a\nb" and "a b" map to the same header value`)
+	}
+}
+
+func TestMsgID(t *testing.T) {
+	d := &relay.Delivery{Event: &relay.Event{EventKey: "evt-1"}}
+	if got := natssink.MsgID(d); got != "evt-1" {
+		t.Fatalf("MsgID = %q, want evt-1", got)
+	}
+	d.Replay = 3
+	if got := natssink.MsgID(d); got != "evt-1~r3" {
+		t.Fatalf("replay MsgID = %q, want evt-1~r3", got)
+	}
+}
+
+func TestClassifyAckError(t *testing.T) {
+	tests := []struct {
+		name string
+		err  error
+		want relay.ErrorClass
+	}{
+		{"no stream response", jetstream.ErrNoStreamResponse, relay.SinkDown},
+		{"no responders", nats.ErrNoResponders, relay.SinkDown},
+		{"stream not found", &jetstream.APIError{Code: 404, ErrorCode: jetstream.JSErrCodeStreamNotFound}, relay.SinkDown},
+		{"message too large", &jetstream.APIError{Code: 400, ErrorCode: jetstream.JSErrCodeStreamMessageExceedsMaximum}, relay.Permanent},
+		{"header too large", &jetstream.APIError{Code: 400, ErrorCode: 10097}, relay.Permanent},
+		{"stream full", &jetstream.APIError{Code: 503, ErrorCode: 10077, Description: "maximum messages exceeded"}, relay.Transient},
+		{"ack timeout", jetstream.ErrAsyncPublishTimeout, relay.Unknown},
+		{"disconnected", nats.ErrDisconnected, relay.Unknown},
+		{"publisher closed", jetstream.ErrJetStreamPublisherClosed, relay.Unknown},
+		{"garbled ack", jetstream.ErrInvalidJSAck, relay.Unknown},
+		{"anything else", errors.New("boom"), relay.Unknown},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := natssink.ClassifyAckError("evt-1", tt.err)
+			if got, _ := relay.Classify(err); got != tt.want {
+				t.Fatalf("class %s, want %s (%v)", got, tt.want, err)
+			}
+			if !errors.Is(err, tt.err) || !strings.Contains(err.Error(), "evt-1") {
+				t.Fatalf("%v does not wrap %v or name the key", err, tt.err)
+			}
+		})
+	}
+}
+
+func TestClassifyPublishError(t *testing.T) {
+	tests := []struct {
+		name string
+		err  error
+		want relay.ErrorClass
+	}{
+		{"max payload", nats.ErrMaxPayload, relay.Permanent},
+		{"closed", nats.ErrConnectionClosed, relay.SinkDown},
+		{"reconnecting", nats.ErrConnectionReconnecting, relay.SinkDown},
+		{"reconnect buffer", nats.ErrReconnectBufExceeded, relay.SinkDown},
+		{"stalled", jetstream.ErrTooManyStalledMsgs, relay.Transient},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got, _ := relay.Classify(natssink.ClassifyPublishError("evt-1", tt.err)); got != tt.want {
+				t.Fatalf("class %s, want %s", got, tt.want)
+			}
+		})
+	}
+}
