@@ -557,3 +557,17 @@ func TestEngine_DrainHandsOffWaitingRetries(t *testing.T) {
 		t.Fatalf("drain did not hand off the retrying event: %v", h)
 	}
 }
+
+func TestEngine_SkipsRowsInsertedSettled(t *testing.T) {
+	store := newFakeStore()
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Store: store, Routes: []relay.Route{{Sink: sink}}})
+	done := event(1, "a")
+	done.Status = "done"
+	e.Submit(context.Background(), []*relay.Event{done, event(2, "a")})
+	e.Commit(100)
+	waitFor(t, "settled", func() bool { lsn, _ := e.Settled(); return lsn == 100 })
+	if sent := sink.sent(); len(sent) != 1 || sent[0].Event.ID != 2 {
+		t.Fatalf("sent %v, want only event 2", sent)
+	}
+}

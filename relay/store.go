@@ -77,8 +77,9 @@ type Checkpoint interface {
 	SaveCheckpoint(ctx context.Context, slot string, lsn LSN) error
 }
 
-// Consumer is what a source feeds. The replication source calls it from one
-// goroutine, in commit order.
+// Consumer is what a source feeds. Submit, Commit and Keepalive are called
+// from one goroutine, in stream order; Settled may be called concurrently
+// with them (acknowledgements keep flowing while Submit blocks).
 type Consumer interface {
 	// Submit hands over events of the transaction being decoded, in order.
 	// It blocks while the engine applies back-pressure, and returns early

@@ -15,18 +15,6 @@ func notYet(what string) func(*cobra.Command, []string) error {
 	}
 }
 
-func newRunCommand(g *globals) *cobra.Command {
-	return &cobra.Command{
-		Use:   "run",
-		Short: "Run the relay daemon (stream, claim path, sinks, metrics)",
-		Long: `Run streams outbox INSERTs from the replication slot to the configured sinks.
-SIGTERM/SIGINT stop taking new events, finish in-flight ones, acknowledge and exit 0
-within shutdown_timeout.`,
-		Args: cobra.NoArgs,
-		RunE: notYet("the delivery engine lands with the replication issue"),
-	}
-}
-
 func newDoctorCommand(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "doctor",

@@ -1,0 +1,311 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// waitSlot waits until the relay has created its slot and is streaming.
+func (s *setup) waitSlot(t *testing.T) {
+	t.Helper()
+	eventually(t, 30*time.Second, "the relay to stream from its slot", func() bool {
+		return s.scalar(t, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outbox_relay' AND active") == 1
+	})
+}
+
+func (s *setup) waitAllDelivered(t *testing.T, timeout time.Duration, keys map[string]bool) {
+	t.Helper()
+	eventually(t, timeout, fmt.Sprintf("%d events at both sinks", len(keys)), func() bool {
+		hook := byKey(s.hook.deliveries())
+		for k := range keys {
+			if len(hook[k]) == 0 {
+				return false
+			}
+		}
+		msgs := byKey(streamMessages(t, s.nats.URL()))
+		for k := range keys {
+			if len(msgs[k]) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// TestRelay_EndToEnd: 5,000 events from 4 writers, each owning 25
+// aggregates, reach both sinks once, in per-aggregate order; the ledger has
+// one delivered row per (event, sink); every row ends done.
+func TestRelay_EndToEnd(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	s.startInProcess(t, s.configFile(t, ""))
+	s.waitSlot(t)
+
+	s.publishWriters(t, 4, 1250, 25, "e2e")
+	keys := s.keys(t, "true")
+	if len(keys) != 5000 {
+		t.Fatalf("published %d events", len(keys))
+	}
+	s.waitAllDelivered(t, 90*time.Second, keys)
+
+	hook, msgs := s.hook.deliveries(), streamMessages(t, s.nats.URL())
+	if len(hook) != 5000 || len(msgs) != 5000 {
+		t.Fatalf("webhook got %d requests, NATS stored %d messages; want 5000 each (no repeats without faults)", len(hook), len(msgs))
+	}
+	checkOrder(t, "webhook", hook)
+	checkOrder(t, "nats", msgs)
+	for _, d := range append(hook, msgs...) {
+		if d.IdemKey != d.EventKey {
+			t.Fatalf("idempotency key %q for event %q", d.IdemKey, d.EventKey)
+		}
+	}
+	eventually(t, 10*time.Second, "every row done", func() bool {
+		return s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status = 'done'") == 5000
+	})
+	if n := s.scalar(t, `SELECT count(*) FROM integration_idempotency WHERE state = 'delivered' AND action IN ('nats', 'hook')`); n != 10000 {
+		t.Fatalf("ledger has %d delivered rows, want 10000", n)
+	}
+	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox o WHERE (SELECT count(*) FROM integration_idempotency l WHERE l.event_key = o.event_key) <> 2`); n != 0 {
+		t.Fatalf("%d events without exactly one ledger row per sink", n)
+	}
+}
+
+// TestRelay_KillNine: kill -9 mid-stream, restart; nothing is missing, and
+// a repeat carries the same idempotency key and body as the first delivery.
+func TestRelay_KillNine(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	cfgPath := s.configFile(t, "")
+	var logs bytes.Buffer
+	var logMu sync.Mutex
+	logw := writerFunc(func(p []byte) (int, error) { logMu.Lock(); defer logMu.Unlock(); return logs.Write(p) })
+
+	relay1 := s.startProcess(t, cfgPath, logw)
+	s.waitSlot(t)
+
+	var wg sync.WaitGroup
+	wg.Go(func() { s.publishWriters(t, 3, 1000, 20, "kill") })
+	eventually(t, 60*time.Second, "some deliveries before the kill", func() bool { return len(s.hook.deliveries()) >= 600 })
+	relay1.Process.Signal(syscall.SIGKILL)
+	relay1.Wait()
+	before := len(s.hook.deliveries())
+	t.Logf("killed the relay after %d webhook deliveries", before)
+
+	s.startProcess(t, cfgPath, logw)
+	wg.Wait()
+	keys := s.keys(t, "true")
+	s.waitAllDelivered(t, 120*time.Second, keys)
+
+	for sink, ds := range map[string][]delivery{"webhook": s.hook.deliveries(), "nats": streamMessages(t, s.nats.URL())} {
+		repeats := 0
+		for key, copies := range byKey(ds) {
+			for _, c := range copies[1:] {
+				repeats++
+				if c.IdemKey != copies[0].IdemKey || c.Body != copies[0].Body {
+					t.Fatalf("%s: repeat of %s differs: id %q vs %q, body %s vs %s", sink, key, c.IdemKey, copies[0].IdemKey, c.Body, copies[0].Body)
+				}
+			}
+		}
+		// Repeats come only from deliveries in flight at the kill (sent,
+		// not yet in the ledger): the webhook's 8 requests plus one settle
+		// batch, not everything since the last acknowledgement.
+		t.Logf("%s: %d deliveries, %d repeats", sink, len(ds), repeats)
+		if repeats > 300 {
+			t.Fatalf("%s: %d repeats after one kill: more than what was in flight", sink, repeats)
+		}
+		checkOrder(t, sink, ds)
+	}
+	if n := s.scalar(t, `SELECT count(*) FROM integration_idempotency WHERE state = 'delivered'`); n != int64(2*len(keys)) {
+		t.Fatalf("ledger: %d delivered rows, want %d", n, 2*len(keys))
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// TestRelay_LargeTransactionAck: one 10,000-row transaction to a slow
+// sink; the slot's confirmed_flush_lsn never passes the transaction before
+// its last row is delivered, and passes it soon after.
+func TestRelay_LargeTransactionAck(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	s.hook.setReply(func(delivery) int { time.Sleep(500 * time.Microsecond); return 204 })
+	s.startInProcess(t, s.configFile(t, ""))
+	s.waitSlot(t)
+
+	ctx := context.Background()
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'bulk.row', 'bulk', (g % 500)::text, 'bulk-' || g, jsonb_build_object('g', g) FROM generate_series(1, 10000) g`); err != nil {
+		t.Fatal(err)
+	}
+	var beforeCommit relay.LSN
+	if err := tx.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&beforeCommit); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	samples, violations := 0, 0
+	for len(s.hook.deliveries()) < 10000 {
+		confirmed, _ := s.slotLSN(t)
+		delivered := len(s.hook.deliveries())
+		samples++
+		if confirmed > beforeCommit && delivered < 10000 {
+			violations++
+			t.Errorf("confirmed_flush_lsn %v passed the transaction (commit after %v) with %d of 10000 delivered", confirmed, beforeCommit, delivered)
+		}
+		if samples > 3000 {
+			t.Fatal("delivery did not finish")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	t.Logf("%d samples while delivering, %d violations", samples, violations)
+	eventually(t, 10*time.Second, "the acknowledgement to pass the transaction", func() bool {
+		confirmed, _ := s.slotLSN(t)
+		return confirmed > beforeCommit
+	})
+}
+
+// TestRelay_FirstStartHandsExistingRowsToClaimPath: rows pending before the
+// slot exists are marked in the slot's exported snapshot; none is streamed.
+func TestRelay_FirstStartHandsExistingRowsToClaimPath(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	s.publishWriters(t, 1, 100, 10, "old")
+	s.startInProcess(t, s.configFile(t, ""))
+	s.waitSlot(t)
+	s.publishWriters(t, 1, 10, 10, "new")
+
+	newKeys := s.keys(t, "event_key LIKE 'new-%'")
+	s.waitAllDelivered(t, 30*time.Second, newKeys)
+	if n := s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE event_key LIKE 'old-%' AND status = 'pending' AND handoff_at IS NOT NULL"); n != 100 {
+		t.Fatalf("%d of 100 pre-existing rows marked for the claim path", n)
+	}
+	if n := s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE event_key LIKE 'new-%' AND handoff_at IS NOT NULL"); n != 0 {
+		t.Fatalf("%d new rows were marked too", n)
+	}
+	for _, d := range append(s.hook.deliveries(), streamMessages(t, s.nats.URL())...) {
+		if strings.HasPrefix(d.EventKey, "old-") {
+			t.Fatalf("pre-existing row %s was streamed", d.EventKey)
+		}
+	}
+}
+
+// TestRelay_ReceiverOutage: the webhook answers 503 for 10 s. The slot's
+// acknowledgement keeps advancing; the affected rows are handed off
+// (pending, future available_at, last_error) and later events of their
+// aggregates follow them instead of overtaking; NATS is unaffected.
+func TestRelay_ReceiverOutage(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	var down atomic.Bool
+	down.Store(true)
+	s.hook.setReply(func(delivery) int {
+		if down.Load() {
+			return 503
+		}
+		return 204
+	})
+	s.startInProcess(t, s.configFile(t, ""))
+	s.waitSlot(t)
+	outageEnds := time.Now().Add(10 * time.Second)
+
+	s.publishWriters(t, 2, 50, 5, "outage")
+	_, afterPublish := s.slotLSN(t)
+	eventually(t, 9*time.Second, "the acknowledgement to pass the events despite the outage", func() bool {
+		confirmed, _ := s.slotLSN(t)
+		return confirmed >= afterPublish
+	})
+	if time.Now().After(outageEnds) {
+		t.Fatal("the acknowledgement only advanced after the outage")
+	}
+	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE event_key LIKE 'outage-%' AND status = 'pending'
+		AND handoff_at IS NOT NULL AND available_at > now() AND last_error LIKE '%503%'`); n == 0 {
+		t.Fatal("no row was handed off with a future available_at and the 503 in last_error")
+	}
+	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE event_key LIKE 'outage-%' AND handoff_at IS NOT NULL`); n != 100 {
+		t.Fatalf("%d of 100 rows handed off; every aggregate had a failed event, so all should follow it", n)
+	}
+	eventually(t, 20*time.Second, "NATS to get every event", func() bool { return len(streamMessages(t, s.nats.URL())) == 100 })
+
+	time.Sleep(time.Until(outageEnds))
+	down.Store(false)
+	// A later event of a diverted aggregate still waits behind its handed-off
+	// predecessors; a fresh aggregate streams.
+	s.publishWriters(t, 1, 1, 1, "later") // aggregate w0-0: diverted
+	if _, err := s.pool.Exec(context.Background(), `SELECT outbox_publish('order.placed', 'order', 'fresh', 'fresh-1', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 15*time.Second, "the fresh aggregate's event at the webhook", func() bool {
+		return len(byKey(s.hook.deliveries())["fresh-1"]) == 1
+	})
+	if len(byKey(s.hook.deliveries())["later-w0-0"]) != 0 {
+		t.Fatal("a later event overtook its aggregate's handed-off events")
+	}
+	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE event_key = 'later-w0-0' AND handoff_at IS NOT NULL`); n != 1 {
+		t.Fatal("the later event of a diverted aggregate was not handed off")
+	}
+}
+
+// TestRelay_IdleOutboxKeepsWALBounded: while the outbox is idle and another
+// table takes 50 MB of inserts, the slot keeps up; then, idle for a minute,
+// the relay rewrites its checkpoint at most once.
+func TestRelay_IdleOutboxKeepsWALBounded(t *testing.T) {
+	if testing.Short() {
+		t.Skip("takes over a minute")
+	}
+	s := newSetup(t, pgtest.NewDatabase(t))
+	ctx := context.Background()
+	if _, err := s.pool.Exec(ctx, "CREATE TABLE other_busy_table (id bigserial, pad text)"); err != nil {
+		t.Fatal(err)
+	}
+	s.startInProcess(t, s.configFile(t, ""))
+	s.waitSlot(t)
+	s.publishWriters(t, 1, 5, 5, "first") // a checkpoint exists
+	s.waitAllDelivered(t, 20*time.Second, s.keys(t, "true"))
+
+	_, start := s.slotLSN(t)
+	for range 50 {
+		if _, err := s.pool.Exec(ctx, "INSERT INTO other_busy_table (pad) SELECT repeat('y', 900) FROM generate_series(1, 1000)"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, end := s.slotLSN(t)
+	t.Logf("other table wrote %d MB of WAL", (end-start)>>20)
+	eventually(t, 10*time.Second, "retained WAL under 16 MB", func() bool {
+		confirmed, current := s.slotLSN(t)
+		return current-confirmed < 16<<20
+	})
+
+	var before time.Time
+	s.pool.QueryRow(ctx, "SELECT updated_at FROM relay_checkpoint WHERE slot_name = 'outbox_relay'").Scan(&before)
+	writes := 0
+	last := before
+	for range 65 {
+		time.Sleep(time.Second)
+		var at time.Time
+		s.pool.QueryRow(ctx, "SELECT updated_at FROM relay_checkpoint WHERE slot_name = 'outbox_relay'").Scan(&at)
+		if !at.Equal(last) {
+			writes++
+			last = at
+		}
+	}
+	if writes > 1 {
+		t.Fatalf("idle for a minute, the checkpoint was rewritten %d times, want at most once", writes)
+	}
+	t.Logf("idle minute: %d checkpoint writes", writes)
+}
+
+var _ = os.Getenv

@@ -1,0 +1,234 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/rs/zerolog"
+	"github.com/spf13/cobra"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/replication"
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
+	"github.com/outbox-relay/outbox-relay/sink/webhook"
+)
+
+func newRunCommand(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "run",
+		Short: "Run the relay daemon: stream the outbox to the sinks",
+		Long: `Run streams outbox INSERTs from the replication slot to the configured sinks.
+With no sinks configured it runs an embedded NATS server with JetStream and delivers there.
+SIGTERM/SIGINT stop taking new events, finish in-flight ones, record their outcomes and
+exit 0 within shutdown_timeout.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.loadConfig()
+			if err != nil {
+				return err
+			}
+			return runRelay(cmd.Context(), cfg, g.logger(cfg))
+		},
+	}
+}
+
+// runRelay wires the configuration into a running relay and blocks until ctx
+// is done, then shuts down in order: stop the source, drain the engine
+// (outcomes written), close the sinks.
+func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error {
+	switch cfg.Source.Mode {
+	case config.SourcePoll:
+		return fmt.Errorf("source.mode poll: %w (the claim path lands with its own issue; use auto or replication)", errNotImplemented)
+	}
+
+	pool, err := pgxpool.New(ctx, cfg.DatabaseURL.Reveal())
+	if err != nil {
+		return fmt.Errorf("database: %w", err)
+	}
+	defer pool.Close()
+
+	tables, err := resolveTables(ctx, pool, cfg.Tables())
+	if err != nil {
+		return err
+	}
+	lcfg := ledger.DefaultConfig()
+	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = tables.Outbox, tables.Ledger, tables.Checkpoint
+	store := ledger.New(pool, lcfg)
+
+	if len(cfg.Sinks) == 0 {
+		s := config.DefaultSink(config.SinkNATS)
+		s.Name = "nats"
+		cfg.Sinks = []config.SinkConfig{s}
+		log.Info().Msg("no sinks configured: delivering to an embedded NATS server with JetStream")
+	}
+	// Sinks are closed after the engine has drained, on a fresh context.
+	sinks, err := openSinks(ctx, cfg, log)
+	defer func() {
+		closeCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		for _, s := range sinks {
+			if err := s.Sink.Close(closeCtx); err != nil {
+				log.Warn().Err(err).Str("sink", s.Sink.Name()).Msg("close sink")
+			}
+		}
+	}()
+	if err != nil {
+		return err
+	}
+
+	names := make([]string, len(sinks))
+	for i, s := range sinks {
+		names[i] = s.Sink.Name()
+	}
+	if n, err := store.MarkDeliveredDone(ctx, names); err != nil {
+		return fmt.Errorf("mark rows the ledger shows delivered: %w", err)
+	} else if n > 0 {
+		log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
+	}
+
+	engine, err := relay.NewEngine(relay.EngineConfig{
+		Routes:         sinks,
+		Store:          store,
+		Unordered:      cfg.Delivery.Ordering == config.OrderingNone,
+		InlineAttempts: cfg.Delivery.InlineAttempts,
+		MaxAttempts:    cfg.Delivery.MaxAttempts,
+		Backoff:        durations(cfg.Delivery.Backoff),
+		LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
+		MarkDone:       cfg.Delivery.MarkDone == config.MarkDoneAsync,
+		Logger:         log,
+	})
+	if err != nil {
+		return err
+	}
+
+	source, err := replication.New(replication.Config{
+		ConnString:   cfg.DatabaseURL.Reveal(),
+		Slot:         cfg.Source.Slot,
+		Publication:  cfg.Source.Publication,
+		Outbox:       tables.Outbox,
+		Consumer:     engine,
+		Checkpoint:   store,
+		MarkForClaim: store.MarkForClaim,
+		Logger:       log,
+	})
+	if err != nil {
+		return err
+	}
+
+	engineCtx, stopEngine := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopEngine()
+	engineDone := make(chan error, 1)
+	go func() { engineDone <- engine.Run(engineCtx) }()
+
+	log.Info().Str("slot", cfg.Source.Slot).Str("outbox", tables.Outbox.String()).Int("sinks", len(sinks)).Msg("relay running")
+	srcErr := source.Run(ctx)
+
+	// Shutdown: the source has stopped taking events; let in-flight ones
+	// finish and their outcomes reach the database, then stop.
+	drainCtx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeout))
+	defer cancel()
+	if err := engine.Drain(drainCtx); err != nil {
+		log.Warn().Err(err).Msg("shutdown_timeout passed with events in flight; they will be re-streamed and checked against the ledger at the next start")
+	}
+	stopEngine()
+	if err := <-engineDone; err != nil && srcErr == nil {
+		srcErr = err
+	}
+	if srcErr != nil && !errors.Is(srcErr, context.Canceled) {
+		return srcErr
+	}
+	log.Info().Msg("relay stopped")
+	return nil
+}
+
+// openSinks builds the configured sinks in order. On error it returns the
+// sinks opened so far, for the caller to close.
+func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]relay.Route, error) {
+	var routes []relay.Route
+	for i, sc := range cfg.Sinks {
+		slog := log.With().Str("sink", sc.Name).Logger()
+		var sink relay.Sink
+		switch sc.Type {
+		case config.SinkWebhook:
+			w := sc.Webhook
+			s, err := webhook.New(webhook.Config{
+				Name:                sc.Name,
+				URL:                 sc.URL,
+				Timeout:             time.Duration(w.Timeout),
+				Concurrency:         w.Concurrency,
+				Headers:             w.Headers,
+				Auth:                webhook.Auth{Type: string(w.Auth.Type), Secret: w.Auth.Secret.Reveal(), Header: w.Auth.Header, Value: w.Auth.Value.Reveal(), Username: w.Auth.Username, Password: w.Auth.Password.Reveal()},
+				MaxBody:             int64(w.MaxBody),
+				PermanentStatuses:   w.PermanentStatuses,
+				Treat409AsDelivered: w.Treat409AsDelivered,
+				Logger:              slog,
+			})
+			if err != nil {
+				return routes, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)
+			}
+			sink = s
+		case config.SinkNATS:
+			n := sc.NATS
+			s, err := natssink.New(ctx, natssink.Config{
+				Name:    sc.Name,
+				URL:     sc.URL,
+				DataDir: filepath.Join(cfg.DataDir, "nats"),
+				Subject: n.Subject,
+				Stream: natssink.StreamConfig{Name: n.Stream.Name, Subjects: n.Stream.Subjects,
+					DuplicateWindow: time.Duration(n.Stream.DuplicateWindow), Create: n.Stream.Create, MaxMsgSize: int64(n.Stream.MaxMsgSize)},
+				MaxPending: n.MaxPending,
+				Logger:     slog,
+			})
+			if err != nil {
+				return routes, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)
+			}
+			if sc.URL == "" {
+				slog.Info().Str("url", s.ClientURL()).Str("subscribe", fmt.Sprintf("nats sub --server %s '%s'", s.ClientURL(), firstOr(n.Stream.Subjects, ">"))).
+					Msg("embedded NATS server with JetStream (single instance); subscribe to see events")
+			}
+			sink = s
+		default:
+			return routes, fmt.Errorf("sinks[%d] (%s): unknown type %q", i, sc.Name, sc.Type)
+		}
+		routes = append(routes, relay.Route{Sink: sink, Events: sc.Events, Nudge: sc.Type == config.SinkWebhook && sc.Webhook.Body == config.BodyNudge})
+	}
+	return routes, nil
+}
+
+// resolveTables schema-qualifies the outbox (the replication stream names
+// relations by schema) and fails early when migrate has not run.
+func resolveTables(ctx context.Context, pool *pgxpool.Pool, t config.Tables) (config.Tables, error) {
+	var schema string
+	err := pool.QueryRow(ctx, `SELECT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE c.oid = to_regclass($1)`, t.Outbox.Quoted()).Scan(&schema)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return t, fmt.Errorf("outbox table %s does not exist: run `outbox-relay migrate` first", t.Outbox)
+	}
+	if err != nil {
+		return t, fmt.Errorf("look up outbox table %s: %w", t.Outbox, err)
+	}
+	t.Outbox.Schema = schema
+	return t, nil
+}
+
+func durations(ds []config.Duration) []time.Duration {
+	out := make([]time.Duration, len(ds))
+	for i, d := range ds {
+		out[i] = time.Duration(d)
+	}
+	return out
+}
+
+func firstOr(list []string, def string) string {
+	if len(list) > 0 {
+		return list[0]
+	}
+	return def
+}

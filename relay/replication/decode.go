@@ -1,0 +1,323 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// maxBatch and maxBatchBytes (of payloads) bound the events handed to Submit
+// at once, so that a transaction of any size never sits whole in memory.
+const (
+	maxBatch      = 256
+	maxBatchBytes = 4 << 20
+)
+
+// decoder turns pgoutput messages into consumer calls; see "How a session
+// runs" in stream.go. It lives for one session: relation messages are sent
+// again on every new stream.
+type decoder struct {
+	consumer  relay.Consumer
+	outbox    relay.QualifiedName
+	relations map[uint32]*relation
+
+	inTxn      bool
+	commitLSN  relay.LSN
+	batch      []*relay.Event
+	batchBytes int
+}
+
+func newDecoder(c relay.Consumer, outbox relay.QualifiedName) *decoder {
+	return &decoder{consumer: c, outbox: outbox, relations: make(map[uint32]*relation)}
+}
+
+func (d *decoder) run(ctx context.Context, q *queue) error {
+	for {
+		it, err := q.get(ctx)
+		if err != nil {
+			return err
+		}
+		if err := d.handle(ctx, it); err != nil {
+			return err
+		}
+	}
+}
+
+func (d *decoder) handle(ctx context.Context, it streamItem) error {
+	if it.msg == nil {
+		if !d.inTxn {
+			d.consumer.Keepalive(it.walEnd)
+		}
+		return nil
+	}
+	switch m := it.msg.(type) {
+	case *pglogrepl.RelationMessage:
+		d.relations[m.RelationID] = newRelation(m, d.outbox)
+	case *pglogrepl.BeginMessage:
+		if d.inTxn {
+			return errors.New("decode: BEGIN inside a transaction")
+		}
+		d.inTxn = true
+		d.commitLSN = relay.LSN(m.FinalLSN)
+	case *pglogrepl.InsertMessage:
+		rel, ok := d.relations[m.RelationID]
+		if !ok {
+			return fmt.Errorf("decode: INSERT into relation %d before its RELATION message", m.RelationID)
+		}
+		if !rel.outbox {
+			return nil
+		}
+		if !d.inTxn {
+			return fmt.Errorf("decode: INSERT into %s outside a transaction", rel.name)
+		}
+		ev, err := rel.event(m.Tuple)
+		if err != nil {
+			return err
+		}
+		ev.CommitLSN = d.commitLSN
+		d.batch = append(d.batch, ev)
+		d.batchBytes += len(ev.Payload)
+		if len(d.batch) >= maxBatch || d.batchBytes >= maxBatchBytes {
+			return d.submit(ctx)
+		}
+	case *pglogrepl.CommitMessage:
+		if !d.inTxn {
+			return errors.New("decode: COMMIT outside a transaction")
+		}
+		// The end of the commit record, not its start (CommitLSN): a slot
+		// restarted at CommitLSN would stream the transaction again.
+		end := relay.LSN(m.TransactionEndLSN)
+		for _, ev := range d.batch {
+			ev.EndLSN = end
+		}
+		if err := d.submit(ctx); err != nil {
+			return err
+		}
+		d.consumer.Commit(end)
+		d.inTxn = false
+	}
+	// Update, Delete, Truncate, Type and Origin messages do not concern the
+	// stream path.
+	return nil
+}
+
+func (d *decoder) submit(ctx context.Context) error {
+	if len(d.batch) == 0 {
+		return nil
+	}
+	batch := d.batch
+	d.batch, d.batchBytes = nil, 0 // the consumer may keep the slice
+	if err := d.consumer.Submit(ctx, batch); err != nil {
+		return fmt.Errorf("submit: %w", err)
+	}
+	return nil
+}
+
+// The outbox columns the stream decodes.
+const (
+	colID = iota
+	colEventKey
+	colEventType
+	colAggregateType
+	colAggregateID
+	colPayload
+	colCreatedAt
+	colAvailableAt
+	colAttempts
+	colStatus
+	numCols
+)
+
+var colNames = [numCols]string{
+	colID:            "id",
+	colEventKey:      "event_key",
+	colEventType:     "event_type",
+	colAggregateType: "aggregate_type",
+	colAggregateID:   "aggregate_id",
+	colPayload:       "payload",
+	colCreatedAt:     "created_at",
+	colAvailableAt:   "available_at",
+	colAttempts:      "attempts",
+	colStatus:        "status",
+}
+
+// relation is what a RELATION message says about a table.
+type relation struct {
+	name   string // namespace.name, for messages
+	outbox bool
+	ncols  int
+	pos    [numCols]int // position of each outbox column in a tuple; -1 when absent
+}
+
+func newRelation(m *pglogrepl.RelationMessage, outbox relay.QualifiedName) *relation {
+	r := &relation{
+		name:   relay.QualifiedName{Schema: m.Namespace, Name: m.RelationName}.Quoted(),
+		outbox: m.Namespace == outbox.Schema && m.RelationName == outbox.Name,
+		ncols:  len(m.Columns),
+	}
+	for c := range r.pos {
+		r.pos[c] = -1
+	}
+	for i, col := range m.Columns {
+		for c, name := range colNames {
+			if col.Name == name {
+				r.pos[c] = i
+			}
+		}
+	}
+	return r
+}
+
+func (r *relation) errorf(c int, format string, args ...any) error {
+	return fmt.Errorf("decode INSERT into %s, column %q: %s", r.name, colNames[c], fmt.Sprintf(format, args...))
+}
+
+// value returns column c's text; null reports NULL.
+func (r *relation) value(t *pglogrepl.TupleData, c int) (data []byte, null bool, err error) {
+	i := r.pos[c]
+	if i < 0 {
+		return nil, false, r.errorf(c, "the relation has no such column (is it excluded by the publication's column list?)")
+	}
+	col := t.Columns[i]
+	switch col.DataType {
+	case pglogrepl.TupleDataTypeNull:
+		return nil, true, nil
+	case pglogrepl.TupleDataTypeText:
+		return col.Data, false, nil
+	case pglogrepl.TupleDataTypeToast:
+		return nil, false, r.errorf(c, "unchanged TOAST value in an INSERT")
+	default:
+		return nil, false, r.errorf(c, "unexpected value format %q", col.DataType)
+	}
+}
+
+func (r *relation) text(t *pglogrepl.TupleData, c int) (*string, error) {
+	data, null, err := r.value(t, c)
+	if err != nil || null {
+		return nil, err
+	}
+	s := string(data)
+	return &s, nil
+}
+
+func (r *relation) timestamp(t *pglogrepl.TupleData, c int) (time.Time, error) {
+	data, null, err := r.value(t, c)
+	if err != nil || null {
+		return time.Time{}, err
+	}
+	ts, err := parseTimestamptz(string(data))
+	if err != nil {
+		return time.Time{}, r.errorf(c, "%v", err)
+	}
+	return ts, nil
+}
+
+// event decodes an outbox row. id and event_key must not be NULL; a NULL
+// created_at, available_at or attempts decodes as the zero value.
+func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
+	if t == nil || len(t.Columns) != r.ncols {
+		n := 0
+		if t != nil {
+			n = len(t.Columns)
+		}
+		return nil, fmt.Errorf("decode INSERT into %s: %d columns, the RELATION message had %d", r.name, n, r.ncols)
+	}
+	ev := new(relay.Event)
+	var err error
+
+	data, null, err := r.value(t, colID)
+	if err != nil {
+		return nil, err
+	}
+	if null {
+		return nil, r.errorf(colID, "NULL")
+	}
+	if ev.ID, err = strconv.ParseInt(string(data), 10, 64); err != nil {
+		return nil, r.errorf(colID, "%v", err)
+	}
+
+	key, err := r.text(t, colEventKey)
+	if err != nil {
+		return nil, err
+	}
+	if key == nil {
+		return nil, r.errorf(colEventKey, "NULL")
+	}
+	ev.EventKey = *key
+
+	if ev.EventType, err = r.text(t, colEventType); err != nil {
+		return nil, err
+	}
+	if ev.AggregateType, err = r.text(t, colAggregateType); err != nil {
+		return nil, err
+	}
+	if ev.AggregateID, err = r.text(t, colAggregateID); err != nil {
+		return nil, err
+	}
+
+	// jsonb's text form, verbatim; pglogrepl allocated it for this message.
+	if ev.Payload, _, err = r.value(t, colPayload); err != nil {
+		return nil, err
+	}
+
+	if ev.CreatedAt, err = r.timestamp(t, colCreatedAt); err != nil {
+		return nil, err
+	}
+	if ev.AvailableAt, err = r.timestamp(t, colAvailableAt); err != nil {
+		return nil, err
+	}
+
+	data, null, err = r.value(t, colAttempts)
+	if err != nil {
+		return nil, err
+	}
+	if !null {
+		n, err := strconv.ParseInt(string(data), 10, 32)
+		if err != nil {
+			return nil, r.errorf(colAttempts, "%v", err)
+		}
+		ev.Attempts = int(n)
+	}
+
+	// The engine skips rows inserted already settled; NULL reads as pending.
+	status, err := r.text(t, colStatus)
+	if err != nil {
+		return nil, err
+	}
+	if status != nil {
+		ev.Status = *status
+	}
+	return ev, nil
+}
+
+// Timestamps PostgreSQL cannot order against real ones: 'infinity' decodes as
+// the last microsecond of year 9999, '-infinity' as the zero time.
+var infinity = time.Date(9999, 12, 31, 23, 59, 59, 999999000, time.UTC)
+
+// parseTimestamptz parses timestamptz output with DateStyle ISO, which the
+// replication connection sets, as are TimeZone=UTC ("+00"); other offsets are
+// accepted too.
+func parseTimestamptz(s string) (time.Time, error) {
+	switch s {
+	case "infinity":
+		return infinity, nil
+	case "-infinity":
+		return time.Time{}, nil
+	}
+	for _, layout := range [...]string{
+		"2006-01-02 15:04:05.999999999Z07",
+		"2006-01-02 15:04:05.999999999Z07:00",
+		"2006-01-02 15:04:05.999999999Z07:00:00",
+	} {
+		if t, err := time.Parse(layout, s); err == nil {
+			return t.UTC(), nil
+		}
+	}
+	return time.Time{}, fmt.Errorf("invalid timestamptz %q (want ISO DateStyle, e.g. 2026-12-02 16:17:36.123456+00)", s)
+}

@@ -1,0 +1,445 @@
+package replication_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/replication"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// fakeConsumer records what the source hands it and settles positions like
+// the engine would: everything at once, or (holdEvents) transactions with
+// events only up to the position the test releases.
+type fakeConsumer struct {
+	// submitHook, when set, runs before a batch is recorded; it may block
+	// (back-pressure) until ctx is done.
+	submitHook func(ctx context.Context, events []*relay.Event) error
+	// restartHook, when set, runs at the start of Restart.
+	restartHook func(ctx context.Context, horizon relay.LSN) error
+
+	mu         sync.Mutex
+	holdEvents bool
+	released   relay.LSN
+
+	events     []*relay.Event
+	batches    []int
+	commits    []relay.LSN
+	keepalives int
+	restarts   []relay.LSN
+	// eventsAtCommit[i] is how many events had been submitted when commits[i] came.
+	eventsAtCommit []int
+
+	openEvents int        // events of the transaction being submitted
+	pending    []position // committed or reported, not yet settled
+	settled    relay.LSN
+	passed     bool
+}
+
+type position struct {
+	lsn    relay.LSN
+	events bool
+}
+
+var _ relay.Consumer = (*fakeConsumer)(nil)
+
+func (c *fakeConsumer) Submit(ctx context.Context, events []*relay.Event) error {
+	if c.submitHook != nil {
+		if err := c.submitHook(ctx, events); err != nil {
+			return err
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.events = append(c.events, events...)
+	c.batches = append(c.batches, len(events))
+	c.openEvents += len(events)
+	return nil
+}
+
+func (c *fakeConsumer) Commit(endLSN relay.LSN) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.commits = append(c.commits, endLSN)
+	c.eventsAtCommit = append(c.eventsAtCommit, len(c.events))
+	c.pending = append(c.pending, position{lsn: endLSN, events: c.openEvents > 0})
+	c.openEvents = 0
+}
+
+func (c *fakeConsumer) Keepalive(walEnd relay.LSN) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.keepalives++
+	c.pending = append(c.pending, position{lsn: walEnd})
+}
+
+func (c *fakeConsumer) Settled() (relay.LSN, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for len(c.pending) > 0 {
+		p := c.pending[0]
+		if p.events && c.holdEvents && p.lsn > c.released {
+			break
+		}
+		c.settled = max(c.settled, p.lsn)
+		c.passed = c.passed || p.events
+		c.pending = c.pending[1:]
+	}
+	passed := c.passed
+	c.passed = false
+	return c.settled, passed
+}
+
+func (c *fakeConsumer) Restart(ctx context.Context, horizon relay.LSN) error {
+	if c.restartHook != nil {
+		if err := c.restartHook(ctx, horizon); err != nil {
+			return err
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.restarts = append(c.restarts, horizon)
+	c.pending, c.settled, c.passed, c.openEvents = nil, 0, false, 0
+	return nil
+}
+
+// release settles the held transactions that end at or before lsn.
+func (c *fakeConsumer) release(lsn relay.LSN) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.released = max(c.released, lsn)
+}
+
+func (c *fakeConsumer) snapshot() (events []*relay.Event, batches []int, commits []relay.LSN, restarts []relay.LSN) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]*relay.Event(nil), c.events...), append([]int(nil), c.batches...),
+		append([]relay.LSN(nil), c.commits...), append([]relay.LSN(nil), c.restarts...)
+}
+
+func (c *fakeConsumer) eventCount() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.events)
+}
+
+func (c *fakeConsumer) restartCount() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.restarts)
+}
+
+// commitOf returns the end LSN the consumer got for the transaction holding
+// the event with key, or 0.
+func (c *fakeConsumer) commitOf(key string) relay.LSN {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i, e := range c.events {
+		if e.EventKey != key {
+			continue
+		}
+		for j, n := range c.eventsAtCommit {
+			if n > i {
+				return c.commits[j]
+			}
+		}
+	}
+	return 0
+}
+
+// fakeCheckpoint records checkpoint writes and, with observe set, the slot's
+// confirmed position at the moment of each write.
+type fakeCheckpoint struct {
+	observe func(ctx context.Context) relay.LSN
+
+	mu       sync.Mutex
+	fail     bool
+	failures int
+	saves    []savedCheckpoint
+}
+
+type savedCheckpoint struct {
+	lsn       relay.LSN
+	confirmed relay.LSN // the slot's confirmed_flush_lsn when the write began
+}
+
+var _ relay.Checkpoint = (*fakeCheckpoint)(nil)
+
+func (f *fakeCheckpoint) LoadCheckpoint(context.Context, string) (relay.LSN, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.saves) == 0 {
+		return 0, nil
+	}
+	return f.saves[len(f.saves)-1].lsn, nil
+}
+
+func (f *fakeCheckpoint) SaveCheckpoint(ctx context.Context, _ string, lsn relay.LSN) error {
+	var confirmed relay.LSN
+	if f.observe != nil {
+		confirmed = f.observe(ctx)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fail {
+		f.failures++
+		return errors.New("checkpoint table unavailable")
+	}
+	f.saves = append(f.saves, savedCheckpoint{lsn: lsn, confirmed: confirmed})
+	return nil
+}
+
+func (f *fakeCheckpoint) setFail(fail bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fail = fail
+}
+
+func (f *fakeCheckpoint) snapshot() (saves []savedCheckpoint, failures int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]savedCheckpoint(nil), f.saves...), f.failures
+}
+
+// claimRecorder is a MarkForClaim that does what the ledger will: in the
+// slot's exported snapshot, mark every pending row for the claim path.
+type claimRecorder struct {
+	url string
+
+	mu        sync.Mutex
+	snapshots []string
+	counts    []int64
+}
+
+func (c *claimRecorder) MarkForClaim(ctx context.Context, snapshot string) (int64, error) {
+	conn, err := pgx.Connect(ctx, c.url)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close(context.Background())
+	var n int64
+	err = pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+relay.QuoteLiteral(snapshot)); err != nil {
+			return err
+		}
+		tag, err := tx.Exec(ctx, `UPDATE integration_outbox SET handoff_at = now()
+		                           WHERE status = 'pending' AND handoff_at IS NULL`)
+		n = tag.RowsAffected()
+		return err
+	})
+	if err != nil {
+		return 0, err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.snapshots = append(c.snapshots, snapshot)
+	c.counts = append(c.counts, n)
+	return n, nil
+}
+
+func (c *claimRecorder) calls() (snapshots []string, counts []int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]string(nil), c.snapshots...), append([]int64(nil), c.counts...)
+}
+
+// testEnv is a migrated database with a fresh slot name.
+type testEnv struct {
+	url  string
+	conn *pgx.Conn
+	slot string
+}
+
+func newEnv(t *testing.T) *testEnv {
+	t.Helper()
+	url := pgtest.NewDatabase(t)
+	conn := mustConnect(t, url)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()}); err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return &testEnv{url: url, conn: conn, slot: "test_" + hex.EncodeToString(b[:])}
+}
+
+func (e *testEnv) config(t *testing.T, c relay.Consumer, cp relay.Checkpoint, claim *claimRecorder) replication.Config {
+	return replication.Config{
+		ConnString:   e.url,
+		Slot:         e.slot,
+		Publication:  "outbox_relay",
+		Outbox:       relay.QualifiedName{Name: "integration_outbox"},
+		Consumer:     c,
+		Checkpoint:   cp,
+		MarkForClaim: claim.MarkForClaim,
+		Logger:       testLogger(t),
+	}
+}
+
+// confirmed returns the slot's confirmed_flush_lsn (0 when it is missing).
+func (e *testEnv) confirmed(t *testing.T) relay.LSN {
+	t.Helper()
+	_, _, lsn, _, err := replication.SlotInfo(context.Background(), e.conn, e.slot)
+	if err != nil {
+		t.Fatalf("slot info: %v", err)
+	}
+	return lsn
+}
+
+// observer returns a fakeCheckpoint.observe that reads the slot's confirmed
+// position on a connection of its own.
+func (e *testEnv) observer(t *testing.T) func(ctx context.Context) relay.LSN {
+	conn := mustConnect(t, e.url)
+	var mu sync.Mutex
+	return func(ctx context.Context) relay.LSN {
+		mu.Lock()
+		defer mu.Unlock()
+		_, _, lsn, _, err := replication.SlotInfo(ctx, conn, e.slot)
+		if err != nil {
+			t.Errorf("observe slot: %v", err)
+		}
+		return lsn
+	}
+}
+
+func (e *testEnv) currentLSN(t *testing.T) relay.LSN {
+	t.Helper()
+	var lsn relay.LSN
+	if err := e.conn.QueryRow(context.Background(), "SELECT pg_current_wal_lsn()::text").Scan(&lsn); err != nil {
+		t.Fatalf("pg_current_wal_lsn: %v", err)
+	}
+	return lsn
+}
+
+// insert inserts one outbox row per key in one transaction and returns
+// pg_current_wal_lsn() read after the commit.
+func (e *testEnv) insert(t *testing.T, keys ...string) relay.LSN {
+	t.Helper()
+	ctx := context.Background()
+	err := pgx.BeginFunc(ctx, e.conn, func(tx pgx.Tx) error {
+		for _, k := range keys {
+			if _, err := tx.Exec(ctx, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id, payload)
+			                           VALUES ($1, 'test.event', 'test', $1, jsonb_build_object('key', $1::text))`, k); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("insert %v: %v", keys, err)
+	}
+	return e.currentLSN(t)
+}
+
+func mustConnect(t *testing.T, url string) *pgx.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	return conn
+}
+
+func mustExec(t *testing.T, conn *pgx.Conn, sql string, args ...any) {
+	t.Helper()
+	if _, err := conn.Exec(context.Background(), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// running is a Source's Run on its own goroutine.
+type running struct {
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+	err    error
+}
+
+// start runs a Source for cfg until the test ends or stop is called; Run
+// must then return nil.
+func start(t *testing.T, cfg replication.Config) *running {
+	t.Helper()
+	src, err := replication.New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &running{cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- src.Run(ctx) }()
+	t.Cleanup(func() {
+		if err := r.stop(); err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	return r
+}
+
+func (r *running) stop() error {
+	r.once.Do(func() {
+		r.cancel()
+		select {
+		case r.err = <-r.done:
+		case <-time.After(30 * time.Second):
+			r.err = errors.New("Run did not return within 30s of cancellation")
+		}
+	})
+	return r.err
+}
+
+// waitFor polls cond until it holds or timeout passes.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", timeout, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// waitStreaming waits until the source has restarted the consumer n times
+// (it then starts streaming).
+func waitStreaming(t *testing.T, c *fakeConsumer, n int) {
+	t.Helper()
+	waitFor(t, 30*time.Second, "the source to restart the consumer", func() bool { return c.restartCount() >= n })
+}
+
+// logBuffer collects log output for inspection, and copies it to the test log.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+func testLogger(t *testing.T) zerolog.Logger {
+	return zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.DebugLevel).With().Timestamp().Logger()
+}

@@ -1,0 +1,325 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// closeTimeout bounds closing a connection and the best-effort work done on
+// the way out (dropping a half-made slot, the last acknowledgement).
+const closeTimeout = 5 * time.Second
+
+// session runs one connection from connect to failure: checks, slot, restart
+// of the consumer, then streaming. streamed reports whether the stream
+// started, which resets the reconnect backoff.
+func (s *Source) session(ctx context.Context) (streamed bool, err error) {
+	qconn, err := pgx.ConnectConfig(ctx, s.queryConfig)
+	if err != nil {
+		return false, fmt.Errorf("connect: %w", err)
+	}
+	defer closeConn(qconn)
+
+	senderTimeout, err := s.checkServer(ctx, qconn)
+	if err != nil {
+		return false, err
+	}
+
+	rconn, err := pgconn.ConnectConfig(ctx, s.replConfig.Copy())
+	if err != nil {
+		return false, replicationConnectError(err)
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+		defer cancel()
+		_ = rconn.Close(cctx)
+	}()
+
+	sys, err := pglogrepl.IdentifySystem(ctx, rconn)
+	if err != nil {
+		return false, fmt.Errorf("IDENTIFY_SYSTEM: %w", err)
+	}
+	s.log.Debug().Str("system_id", sys.SystemID).Int32("timeline", sys.Timeline).
+		Str("server_wal", sys.XLogPos.String()).Msg("replication connection open")
+
+	startLSN, err := s.ensureSlot(ctx, qconn, rconn)
+	if err != nil {
+		return false, err
+	}
+
+	// Everything committed before the horizon may have been streamed (and
+	// delivered) before; the consumer checks such events against the ledger.
+	var horizon relay.LSN
+	if err := qconn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&horizon); err != nil {
+		return false, fmt.Errorf("read the server's WAL position: %w", err)
+	}
+	closeConn(qconn)
+
+	if err := s.cfg.Consumer.Restart(ctx, horizon); err != nil {
+		return false, fmt.Errorf("restart consumer: %w", err)
+	}
+
+	// Always 0/0: the server starts at the slot's confirmed position, which
+	// is the only position this Source ever acknowledged.
+	err = pglogrepl.StartReplication(ctx, rconn, s.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
+		Mode: pglogrepl.LogicalReplication,
+		PluginArgs: []string{
+			"proto_version '1'",
+			// pgoutput splits the list like SQL identifiers (unquoted names
+			// are folded to lower case), so the name is quoted as an
+			// identifier inside the literal.
+			"publication_names " + relay.QuoteLiteral(relay.QuoteIdentifier(s.cfg.Publication)),
+		},
+	})
+	if err != nil {
+		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "55006" {
+			return false, fmt.Errorf("START_REPLICATION: the slot is in use by another process (a stale walsender exits after wal_sender_timeout): %w", err)
+		}
+		return false, fmt.Errorf("START_REPLICATION: %w", err)
+	}
+
+	every := s.cfg.StatusInterval
+	if senderTimeout > 0 && senderTimeout/3 < every {
+		every = senderTimeout / 3
+	}
+	s.log.Info().Str("publication", s.cfg.Publication).Str("from", startLSN.String()).
+		Str("horizon", horizon.String()).Dur("status_interval", every).Msg("streaming")
+	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout)
+}
+
+func closeConn(conn *pgx.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	_ = conn.Close(ctx)
+}
+
+// replicationConnectError turns the refusals that configuration must fix
+// into an *UnavailableError.
+func replicationConnectError(err error) error {
+	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok {
+		switch pgErr.Code {
+		case "42501": // insufficient_privilege
+			return &UnavailableError{
+				Reason: "the role lacks the REPLICATION privilege (ALTER ROLE <role> WITH REPLICATION)",
+				Err:    err,
+			}
+		case "28000": // invalid_authorization_specification: pg_hba.conf
+			return &UnavailableError{
+				Reason: "pg_hba.conf does not allow replication connections for this role and database (add a line for database \"replication\" or the database itself, then reload)",
+				Err:    err,
+			}
+		}
+	}
+	return fmt.Errorf("connect for replication: %w", err)
+}
+
+// checkServer verifies what retrying cannot fix and returns
+// wal_sender_timeout (0 when disabled).
+func (s *Source) checkServer(ctx context.Context, conn *pgx.Conn) (time.Duration, error) {
+	var walLevel, senderTimeout string
+	if err := conn.QueryRow(ctx, "SHOW wal_level").Scan(&walLevel); err != nil {
+		return 0, fmt.Errorf("show wal_level: %w", err)
+	}
+	if walLevel != "logical" {
+		return 0, &UnavailableError{Reason: fmt.Sprintf(
+			"wal_level is %q; logical replication needs wal_level = logical (ALTER SYSTEM SET wal_level = logical, then restart PostgreSQL)", walLevel)}
+	}
+	if err := conn.QueryRow(ctx, "SHOW wal_sender_timeout").Scan(&senderTimeout); err != nil {
+		return 0, fmt.Errorf("show wal_sender_timeout: %w", err)
+	}
+	timeout, err := parseServerDuration(senderTimeout)
+	if err != nil {
+		return 0, fmt.Errorf("wal_sender_timeout: %w", err)
+	}
+
+	var pubInsert, publishesOutbox bool
+	err = conn.QueryRow(ctx, `
+		SELECT p.pubinsert,
+		       EXISTS (SELECT 1 FROM pg_publication_tables t
+		                WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
+		  FROM pg_publication p
+		 WHERE p.pubname = $1`,
+		s.cfg.Publication, s.outbox.Schema, s.outbox.Name).Scan(&pubInsert, &publishesOutbox)
+	create := fmt.Sprintf("CREATE PUBLICATION %s FOR TABLE %s WITH (publish = 'insert'), as the table owner, or run outbox-relay migrate",
+		relay.QuoteIdentifier(s.cfg.Publication), s.outbox.Quoted())
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return 0, &UnavailableError{Reason: fmt.Sprintf("publication %q does not exist (%s)", s.cfg.Publication, create)}
+	case err != nil:
+		return 0, fmt.Errorf("look up publication %q: %w", s.cfg.Publication, err)
+	case !publishesOutbox:
+		return 0, &UnavailableError{Reason: fmt.Sprintf("publication %q does not publish table %s (ALTER PUBLICATION %s ADD TABLE %s)",
+			s.cfg.Publication, s.outbox, relay.QuoteIdentifier(s.cfg.Publication), s.outbox.Quoted())}
+	case !pubInsert:
+		return 0, &UnavailableError{Reason: fmt.Sprintf("publication %q does not publish inserts (ALTER PUBLICATION %s SET (publish = 'insert'))",
+			s.cfg.Publication, relay.QuoteIdentifier(s.cfg.Publication))}
+	}
+	return timeout, nil
+}
+
+// parseServerDuration parses a time setting as SHOW prints it ("1min",
+// "500ms", "0"); a bare number is in milliseconds, as for
+// wal_sender_timeout.
+func parseServerDuration(v string) (time.Duration, error) {
+	v = strings.TrimSpace(v)
+	i := 0
+	for i < len(v) && (v[i] >= '0' && v[i] <= '9' || v[i] == '-') {
+		i++
+	}
+	n, err := strconv.ParseInt(v[:i], 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("invalid duration %q", v)
+	}
+	var unit time.Duration
+	switch strings.TrimSpace(v[i:]) {
+	case "", "ms":
+		unit = time.Millisecond
+	case "us":
+		unit = time.Microsecond
+	case "s":
+		unit = time.Second
+	case "min":
+		unit = time.Minute
+	case "h":
+		unit = time.Hour
+	case "d":
+		unit = 24 * time.Hour
+	default:
+		return 0, fmt.Errorf("invalid duration %q", v)
+	}
+	if n <= 0 {
+		return 0, nil
+	}
+	return time.Duration(n) * unit, nil
+}
+
+// slotDetails is what ensureSlot needs to know about an existing slot.
+type slotDetails struct {
+	exists         bool
+	slotType       string
+	plugin         string
+	database       string
+	sameDatabase   bool
+	walStatus      string
+	confirmedFlush relay.LSN
+	activePID      int32
+}
+
+func lookUpSlot(ctx context.Context, conn *pgx.Conn, slot string) (slotDetails, error) {
+	d := slotDetails{exists: true}
+	err := conn.QueryRow(ctx, `
+		SELECT slot_type, coalesce(plugin, ''), coalesce(database, ''),
+		       coalesce(database = current_database(), false),
+		       coalesce(wal_status, ''), confirmed_flush_lsn::text, coalesce(active_pid, 0)
+		  FROM pg_replication_slots
+		 WHERE slot_name = $1`, slot).
+		Scan(&d.slotType, &d.plugin, &d.database, &d.sameDatabase, &d.walStatus, &d.confirmedFlush, &d.activePID)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return slotDetails{}, nil
+	}
+	if err != nil {
+		return slotDetails{}, fmt.Errorf("look up replication slot %q: %w", slot, err)
+	}
+	return d, nil
+}
+
+// SlotInfo reports the replication slot named slot from pg_replication_slots:
+// whether it exists, its wal_status ("reserved", "extended", "unreserved" or
+// "lost"; "" when it has none), its confirmed_flush_lsn (0 when it has none)
+// and the PID of the process streaming from it (0 when none). It only reads,
+// so it is safe to call at any time, on any ordinary connection.
+func SlotInfo(ctx context.Context, conn *pgx.Conn, slot string) (exists bool, walStatus string, confirmedFlush relay.LSN, activePID int32, err error) {
+	d, err := lookUpSlot(ctx, conn, slot)
+	if err != nil {
+		return false, "", 0, 0, err
+	}
+	return d.exists, d.walStatus, d.confirmedFlush, d.activePID, nil
+}
+
+// ensureSlot returns the position streaming will start from, creating the
+// slot (through the snapshot hand-over) when it is missing or lost.
+func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.PgConn) (relay.LSN, error) {
+	slot, err := lookUpSlot(ctx, qconn, s.cfg.Slot)
+	if err != nil {
+		return 0, err
+	}
+	if slot.exists {
+		switch {
+		case slot.slotType != "logical":
+			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q is a %s slot; choose another slot name", s.cfg.Slot, slot.slotType)}
+		case !slot.sameDatabase:
+			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q belongs to database %q; choose another slot name", s.cfg.Slot, slot.database)}
+		case slot.plugin != "pgoutput":
+			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q uses plugin %q, not pgoutput; drop it or choose another slot name", s.cfg.Slot, slot.plugin)}
+		}
+		if slot.walStatus != "lost" {
+			if slot.walStatus == "unreserved" {
+				s.log.Warn().Msg("replication slot retains more WAL than max_slot_wal_keep_size; it will be invalidated unless it catches up")
+			}
+			if slot.activePID != 0 {
+				s.log.Warn().Int32("pid", slot.activePID).Msg("replication slot is in use by another process")
+			}
+			return slot.confirmedFlush, nil
+		}
+		s.log.Warn().Msg("replication slot was invalidated (wal_status lost); dropping and recreating it")
+		if err := pglogrepl.DropReplicationSlot(ctx, rconn, s.cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
+			return 0, fmt.Errorf("drop lost replication slot: %w", err)
+		}
+	}
+
+	res, err := pglogrepl.CreateReplicationSlot(ctx, rconn, s.cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
+		SnapshotAction: "EXPORT_SNAPSHOT",
+		Mode:           pglogrepl.LogicalReplication,
+	})
+	if err != nil {
+		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "53400" {
+			return 0, &UnavailableError{Reason: "all replication slots are in use (raise max_replication_slots, or drop an unused slot)", Err: err}
+		}
+		return 0, fmt.Errorf("create replication slot: %w", err)
+	}
+	consistent, err := relay.ParseLSN(res.ConsistentPoint)
+	if err != nil {
+		return 0, fmt.Errorf("create replication slot: consistent point: %w", err)
+	}
+
+	// The snapshot stays valid while rconn runs no other command: the rows
+	// pending in it are exactly the rows the new slot will never stream.
+	n, err := s.cfg.MarkForClaim(ctx, res.SnapshotName)
+	if err != nil {
+		// Without the hand-over those rows would stay pending unseen: drop
+		// the slot so that the next attempt repeats it.
+		s.dropAfterFailedHandOver(rconn)
+		return 0, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
+	}
+	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).
+		Msg("created replication slot; rows pending in its snapshot go to the claim path")
+	return consistent, nil
+}
+
+func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	err := pglogrepl.DropReplicationSlot(ctx, rconn, s.cfg.Slot, pglogrepl.DropReplicationSlotOptions{})
+	if err == nil {
+		return
+	}
+	// The replication connection may be what failed; try an ordinary one.
+	conn, cerr := pgx.ConnectConfig(ctx, s.queryConfig)
+	if cerr == nil {
+		defer closeConn(conn)
+		_, err = conn.Exec(ctx, "SELECT pg_drop_replication_slot($1)", s.cfg.Slot)
+	}
+	if err != nil {
+		s.log.Error().Err(err).Msg("could not drop the replication slot after a failed hand-over: rows pending at its creation " +
+			"will not be streamed; they raise the sweep_after alarm, and outbox-relay reconcile hands them to the claim path")
+	}
+}

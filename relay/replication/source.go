@@ -1,0 +1,234 @@
+// Package replication is the stream path's source: it reads the outbox
+// table's INSERTs from a logical replication slot (pgoutput, protocol
+// version 1) and feeds them to a relay.Consumer in commit order.
+//
+// The slot is acknowledged only up to positions the consumer reports as
+// settled (relay.Consumer.Settled), never on receipt, and an acknowledgement
+// that passes a transaction with events is preceded by a synchronous
+// checkpoint write. A Source owns its slot: it creates it when it is missing
+// or lost, handing the rows pending in the slot's exported snapshot to the
+// claim path (Config.MarkForClaim), and always starts streaming at 0/0, the
+// slot's confirmed position.
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// Defaults for the zero values of Config's durations.
+const (
+	DefaultStatusInterval  = 500 * time.Millisecond
+	DefaultCheckpointEvery = time.Minute
+	DefaultReconnectMin    = 200 * time.Millisecond
+	DefaultReconnectMax    = 10 * time.Second
+)
+
+// Config configures a Source.
+type Config struct {
+	// ConnString is a normal postgres URL or DSN. The replication connection
+	// adds replication=database, TimeZone=UTC and DateStyle=ISO (so
+	// timestamptz values arrive as "2026-12-02 16:17:36.123456+00"); the
+	// helper connection used for catalog queries drops replication.
+	ConnString string
+
+	// Slot is the logical replication slot the Source owns.
+	Slot string
+	// Publication is the publication that publishes the outbox's INSERTs.
+	Publication string
+	// Outbox is the outbox table, schema-qualified after resolution. Relation
+	// messages are matched on namespace and name; an empty Schema matches
+	// "public".
+	Outbox relay.QualifiedName
+
+	// Consumer receives the decoded events. Submit, Commit, Keepalive and
+	// Restart are called from one goroutine in stream order; Settled is
+	// called from another goroutine, concurrently with a blocked Submit, so
+	// that acknowledgements keep flowing under back-pressure.
+	Consumer relay.Consumer
+	// Checkpoint persists the acknowledged position of the slot.
+	Checkpoint relay.Checkpoint
+	// MarkForClaim hands every row pending in the exported snapshot of a
+	// newly created slot to the claim path and returns how many it marked. It
+	// must import the snapshot (SET TRANSACTION SNAPSHOT) in a REPEATABLE READ
+	// transaction: those rows are exactly the ones the slot will never stream.
+	MarkForClaim func(ctx context.Context, snapshot string) (int64, error)
+
+	// StatusInterval is how often settled positions are acknowledged
+	// [DefaultStatusInterval]. It is lowered to the server's
+	// wal_sender_timeout/3 when that is shorter.
+	StatusInterval time.Duration
+	// CheckpointEvery bounds how often acknowledgements that pass no events
+	// (keepalive-only advances) rewrite the checkpoint [DefaultCheckpointEvery].
+	CheckpointEvery time.Duration
+	// ReconnectMin and ReconnectMax bound the jittered exponential backoff
+	// between connection attempts [DefaultReconnectMin, DefaultReconnectMax].
+	ReconnectMin, ReconnectMax time.Duration
+
+	Logger zerolog.Logger
+}
+
+// UnavailableError reports a server on which logical replication cannot work
+// until someone changes its configuration: wal_level is not logical, the
+// role lacks the REPLICATION privilege, the publication is missing or does
+// not publish the outbox's inserts, or the slot name is taken by a slot of
+// another kind. Run returns it instead of retrying, so the caller can fall
+// back to the claim path (poll mode).
+type UnavailableError struct {
+	// Reason says what is missing and how to fix it.
+	Reason string
+	// Err is the server's error, when there was one.
+	Err error
+}
+
+func (e *UnavailableError) Error() string {
+	if e.Err != nil {
+		return "logical replication unavailable: " + e.Reason + ": " + e.Err.Error()
+	}
+	return "logical replication unavailable: " + e.Reason
+}
+
+func (e *UnavailableError) Unwrap() error { return e.Err }
+
+// Source streams outbox INSERTs from a replication slot into a
+// relay.Consumer. Create it with New and start it with Run.
+type Source struct {
+	cfg         Config
+	log         zerolog.Logger
+	outbox      relay.QualifiedName // Schema never empty
+	replConfig  *pgconn.Config
+	queryConfig *pgx.ConnConfig
+
+	// checkpointed and checkpointAt describe the last checkpoint this Source
+	// wrote. They outlive sessions and are touched only by the goroutine that
+	// owns the current session's connection.
+	checkpointed relay.LSN
+	checkpointAt time.Time
+}
+
+// New validates cfg, fills in defaults and returns a Source. It does not
+// connect.
+func New(cfg Config) (*Source, error) {
+	if err := relay.ValidateSlotName(cfg.Slot); err != nil {
+		return nil, fmt.Errorf("replication: slot: %w", err)
+	}
+	if err := relay.ValidateIdentifier(cfg.Publication); err != nil {
+		return nil, fmt.Errorf("replication: publication: %w", err)
+	}
+	if err := relay.ValidateIdentifier(cfg.Outbox.Name); err != nil {
+		return nil, fmt.Errorf("replication: outbox table: %w", err)
+	}
+	if cfg.Outbox.Schema != "" {
+		if err := relay.ValidateIdentifier(cfg.Outbox.Schema); err != nil {
+			return nil, fmt.Errorf("replication: outbox schema: %w", err)
+		}
+	}
+	switch {
+	case cfg.Consumer == nil:
+		return nil, errors.New("replication: Consumer is nil")
+	case cfg.Checkpoint == nil:
+		return nil, errors.New("replication: Checkpoint is nil")
+	case cfg.MarkForClaim == nil:
+		return nil, errors.New("replication: MarkForClaim is nil")
+	}
+	setDefault(&cfg.StatusInterval, DefaultStatusInterval)
+	setDefault(&cfg.CheckpointEvery, DefaultCheckpointEvery)
+	setDefault(&cfg.ReconnectMin, DefaultReconnectMin)
+	setDefault(&cfg.ReconnectMax, DefaultReconnectMax)
+	if cfg.ReconnectMax < cfg.ReconnectMin {
+		cfg.ReconnectMax = cfg.ReconnectMin
+	}
+
+	replConfig, err := pgconn.ParseConfig(cfg.ConnString)
+	if err != nil {
+		return nil, fmt.Errorf("replication: connection string: %w", err)
+	}
+	replConfig.RuntimeParams["replication"] = "database"
+	replConfig.RuntimeParams["TimeZone"] = "UTC"
+	replConfig.RuntimeParams["DateStyle"] = "ISO"
+	if replConfig.RuntimeParams["application_name"] == "" {
+		replConfig.RuntimeParams["application_name"] = "outbox-relay"
+	}
+	queryConfig, err := pgx.ParseConfig(cfg.ConnString)
+	if err != nil {
+		return nil, fmt.Errorf("replication: connection string: %w", err)
+	}
+	delete(queryConfig.RuntimeParams, "replication")
+
+	outbox := cfg.Outbox
+	if outbox.Schema == "" {
+		outbox.Schema = "public"
+	}
+	return &Source{
+		cfg:          cfg,
+		log:          cfg.Logger.With().Str("slot", cfg.Slot).Logger(),
+		outbox:       outbox,
+		replConfig:   replConfig,
+		queryConfig:  queryConfig,
+		checkpointAt: time.Now(),
+	}, nil
+}
+
+func setDefault(d *time.Duration, def time.Duration) {
+	if *d <= 0 {
+		*d = def
+	}
+}
+
+// Run streams until ctx is done, then returns nil. Every lost connection or
+// stream error (including an event that cannot be decoded) is logged and
+// followed by a reconnect after a jittered exponential backoff; streaming
+// resumes from the slot's confirmed position, and Consumer.Restart is called
+// before each new stream starts. Run returns an *UnavailableError, without
+// retrying, when the server cannot do logical replication for this
+// configuration. Run must not be called concurrently with itself.
+func (s *Source) Run(ctx context.Context) error {
+	b := backoff{min: s.cfg.ReconnectMin, max: s.cfg.ReconnectMax}
+	for {
+		streamed, err := s.session(ctx)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if ue, ok := errors.AsType[*UnavailableError](err); ok {
+			return ue
+		}
+		if streamed {
+			b.reset()
+		}
+		wait := b.next()
+		s.log.Warn().Err(err).Dur("retry_in", wait).Msg("replication stream stopped; reconnecting")
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// backoff is a jittered exponential backoff: each wait is drawn from
+// [d/2, d], and d doubles up to max.
+type backoff struct {
+	min, max, cur time.Duration
+}
+
+func (b *backoff) next() time.Duration {
+	if b.cur == 0 {
+		b.cur = b.min
+	}
+	d := b.cur
+	b.cur = min(2*b.cur, b.max)
+	return d/2 + rand.N(d/2+1)
+}
+
+func (b *backoff) reset() { b.cur = 0 }

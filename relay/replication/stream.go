@@ -1,0 +1,384 @@
+package replication
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// How a session runs
+//
+// pgconn.PgConn is not safe for concurrent use, and Consumer.Submit blocks
+// for as long as the engine applies back-pressure, yet standby status updates
+// must keep reaching the server (at least every wal_sender_timeout/3, and
+// carrying whatever the engine settles meanwhile). A session therefore runs
+// two goroutines joined by a bounded channel:
+//
+//   - The receiver (the session's own goroutine) owns the connection: it is
+//     the only goroutine that reads from it or writes to it, so no lock is
+//     needed. It reads with ReceiveMessage under a deadline at the next
+//     status time, parses each message (pglogrepl.Parse copies what it keeps
+//     out of pgconn's read buffer) and queues it, keepalive positions
+//     included, on the channel. When a status update is due it asks
+//     Consumer.Settled for the position, writes the checkpoint when the
+//     acknowledgement passes events, and sends the update. When the queue
+//     is full (queueLen messages or queueBytes of pgoutput data) it waits
+//     for the decoder to take an item and for the status timer together, so
+//     acknowledgements keep flowing while the engine pushes back; it stops
+//     reading meanwhile, and TCP flow control pauses the walsender, which
+//     still reads our status updates.
+//
+//   - The decoder owns the stream's state (relations, the open transaction,
+//     the batch being built) and is the only goroutine that calls Submit,
+//     Commit and Keepalive, so they reach the consumer in stream order. A
+//     keepalive travels through the same channel as the data read before
+//     it: it is reported only after every earlier event was submitted, which
+//     is what makes "nothing before it still unsent" true.
+//
+// Consumer.Settled is thus called concurrently with Submit, Commit and
+// Keepalive. A failure on either side cancels the session's context, which
+// ends the other: a blocked Submit returns with the context's error, and a
+// pending read returns at once.
+//
+// The alternative, a status goroutine writing under a mutex while another
+// goroutine reads, does not fit pgconn: ReceiveMessage interrupts a read by
+// setting a deadline on the whole net.Conn, which would also fail a status
+// update being written at that moment, and a mutex held across a read
+// would delay the update until the read's deadline anyway.
+
+// queueLen and queueBytes bound the messages read but not yet decoded: with
+// one message per row, about four batches of small events, and less of large
+// ones. A single message larger than queueBytes is still admitted, alone.
+const (
+	queueLen   = 1024
+	queueBytes = 8 << 20
+)
+
+// maxSaveTimeout bounds a checkpoint write. A slower write is abandoned: the
+// acknowledgement waits, and the status update still goes out.
+const maxSaveTimeout = 10 * time.Second
+
+// streamItem is one message of the stream, in order: a pgoutput message, or
+// (msg nil) a keepalive's WAL position.
+type streamItem struct {
+	msg    pglogrepl.Message
+	walEnd relay.LSN
+	size   int64 // bytes of pgoutput data, counted against queueBytes
+}
+
+// queue carries stream items from the receiver to the decoder.
+type queue struct {
+	items chan streamItem
+	bytes atomic.Int64
+	// taken is signalled, without blocking, each time the decoder takes an
+	// item, to wake a receiver waiting for room.
+	taken chan struct{}
+}
+
+func newQueue() *queue {
+	return &queue{items: make(chan streamItem, queueLen), taken: make(chan struct{}, 1)}
+}
+
+// tryPut queues it if there is room.
+func (q *queue) tryPut(it streamItem) bool {
+	if n := q.bytes.Load(); n > 0 && n+it.size > queueBytes {
+		return false
+	}
+	q.bytes.Add(it.size)
+	select {
+	case q.items <- it:
+		return true
+	default:
+		q.bytes.Add(-it.size)
+		return false
+	}
+}
+
+// get waits for the next item.
+func (q *queue) get(ctx context.Context) (streamItem, error) {
+	select {
+	case <-ctx.Done():
+		return streamItem{}, ctx.Err()
+	case it := <-q.items:
+		q.bytes.Add(-it.size)
+		select {
+		case q.taken <- struct{}{}:
+		default:
+		}
+		return it, nil
+	}
+}
+
+// stream runs the receiver and the decoder on conn, which is in copy-both
+// mode, until either fails or ctx is done. acked is the slot's confirmed
+// position; every is the status interval.
+func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LSN, every, senderTimeout time.Duration) error {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	q := newQueue()
+
+	var decodeErr error
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer cancel()
+		decodeErr = newDecoder(s.cfg.Consumer, s.outbox).run(sctx, q)
+	}()
+
+	saveTimeout := maxSaveTimeout
+	if senderTimeout > 0 {
+		saveTimeout = min(saveTimeout, senderTimeout/3)
+	}
+	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked}
+	recvErr := r.run(sctx)
+	cancel()
+	wg.Wait()
+
+	if ctx.Err() != nil {
+		if !conn.IsClosed() {
+			r.finalStatus()
+		}
+		return ctx.Err()
+	}
+	if decodeErr != nil && !errors.Is(decodeErr, context.Canceled) {
+		return decodeErr
+	}
+	return recvErr
+}
+
+// receiver owns the replication connection; see "How a session runs".
+type receiver struct {
+	s           *Source
+	conn        *pgconn.PgConn
+	queue       *queue
+	every       time.Duration
+	saveTimeout time.Duration
+
+	inTxn   bool      // the last data message read was inside a transaction
+	blocked bool      // waiting for room in the queue
+	next    time.Time // when the next status update is due
+
+	acked          relay.LSN // last position sent to the server
+	mustCheckpoint bool      // settled passed events not yet covered by a checkpoint
+	saveFailing    bool      // the last checkpoint write failed (logged once)
+}
+
+func (r *receiver) run(ctx context.Context) error {
+	var period periodContext
+	defer period.stop()
+	// The first update goes out at once: it asks for the server's position.
+	r.next = time.Now()
+	for {
+		if !time.Now().Before(r.next) {
+			if err := r.sendStatus(ctx); err != nil {
+				return err
+			}
+		}
+		rctx := period.until(ctx, r.next)
+		msg, err := r.conn.ReceiveMessage(rctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			if rctx.Err() != nil {
+				continue // a status update is due; the connection is intact
+			}
+			return fmt.Errorf("receive: %w", err)
+		}
+		if err := r.handle(ctx, msg); err != nil {
+			return err
+		}
+	}
+}
+
+// periodContext reuses one deadline context per status period rather than
+// creating one per message.
+type periodContext struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	at     time.Time
+}
+
+func (p *periodContext) until(parent context.Context, at time.Time) context.Context {
+	if p.ctx == nil || !p.at.Equal(at) {
+		p.stop()
+		p.ctx, p.cancel = context.WithDeadline(parent, at)
+		p.at = at
+	}
+	return p.ctx
+}
+
+func (p *periodContext) stop() {
+	if p.cancel != nil {
+		p.cancel()
+	}
+}
+
+func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) error {
+	switch msg := msg.(type) {
+	case *pgproto3.CopyData:
+		if len(msg.Data) == 0 {
+			return errors.New("receive: empty CopyData message")
+		}
+		switch msg.Data[0] {
+		case pglogrepl.PrimaryKeepaliveMessageByteID:
+			pkm, err := pglogrepl.ParsePrimaryKeepaliveMessage(msg.Data[1:])
+			if err != nil {
+				return fmt.Errorf("parse keepalive: %w", err)
+			}
+			// Inside a transaction the position is useless: its Commit
+			// will report a later one.
+			if !r.inTxn {
+				if err := r.push(ctx, streamItem{walEnd: relay.LSN(pkm.ServerWALEnd)}); err != nil {
+					return err
+				}
+			}
+			if pkm.ReplyRequested {
+				return r.sendStatus(ctx)
+			}
+		case pglogrepl.XLogDataByteID:
+			xld, err := pglogrepl.ParseXLogData(msg.Data[1:])
+			if err != nil {
+				return fmt.Errorf("parse XLogData: %w", err)
+			}
+			if len(xld.WALData) == 0 {
+				return fmt.Errorf("empty XLogData at %s", relay.LSN(xld.WALStart))
+			}
+			m, err := pglogrepl.Parse(xld.WALData)
+			if err != nil {
+				return fmt.Errorf("parse pgoutput message %q at %s: %w", xld.WALData[0], relay.LSN(xld.WALStart), err)
+			}
+			switch m.(type) {
+			case *pglogrepl.BeginMessage:
+				r.inTxn = true
+			case *pglogrepl.CommitMessage:
+				r.inTxn = false
+			}
+			return r.push(ctx, streamItem{msg: m, size: int64(len(xld.WALData))})
+		}
+	case *pgproto3.ErrorResponse:
+		return fmt.Errorf("receive: %w", pgconn.ErrorResponseToPgError(msg))
+	case *pgproto3.CopyDone:
+		return errors.New("receive: the server ended the replication stream")
+	}
+	return nil
+}
+
+// push queues it for the decoder, sending status updates on time while the
+// queue is full.
+func (r *receiver) push(ctx context.Context, it streamItem) error {
+	if r.queue.tryPut(it) {
+		return nil
+	}
+	r.blocked = true
+	defer func() { r.blocked = false }()
+	for {
+		t := time.NewTimer(time.Until(r.next))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-r.queue.taken:
+			t.Stop()
+		case <-t.C:
+			if err := r.sendStatus(ctx); err != nil {
+				return err
+			}
+		}
+		if r.queue.tryPut(it) {
+			return nil
+		}
+	}
+}
+
+// sendStatus acknowledges the settled position and schedules the next update.
+// When the stream is idle it asks the server to answer at once with a
+// keepalive: that keepalive carries the walsender's position, which lets the
+// slot advance past WAL of other tables while the outbox is quiet.
+func (r *receiver) sendStatus(ctx context.Context) error {
+	pos := r.position(ctx)
+	err := pglogrepl.SendStandbyStatusUpdate(ctx, r.conn, pglogrepl.StandbyStatusUpdate{
+		WALWritePosition: pglogrepl.LSN(pos),
+		WALFlushPosition: pglogrepl.LSN(pos),
+		WALApplyPosition: pglogrepl.LSN(pos),
+		ClientTime:       time.Now(),
+		ReplyRequested:   !r.inTxn && !r.blocked,
+	})
+	if err != nil {
+		return fmt.Errorf("send standby status: %w", err)
+	}
+	if pos > r.acked {
+		r.s.log.Trace().Str("lsn", pos.String()).Msg("acknowledged")
+		r.acked = pos
+	}
+	r.next = time.Now().Add(r.every)
+	return nil
+}
+
+// position returns the position to acknowledge: the consumer's settled
+// position, except that a position passing events is acknowledged only after
+// a checkpoint at or beyond it was written (synchronously), and stays at the
+// last acknowledgement while that write fails. Advances through keepalives
+// alone rewrite the checkpoint at most once per CheckpointEvery.
+func (r *receiver) position(ctx context.Context) relay.LSN {
+	s := r.s
+	settled, passed := s.cfg.Consumer.Settled()
+	if passed {
+		r.mustCheckpoint = true
+	}
+	target := max(settled, r.acked)
+	switch {
+	case r.mustCheckpoint:
+		// Rewriting an equal or later checkpoint is still needed: the
+		// synchronous write is what makes the events' asynchronous ledger
+		// writes durable.
+	case target > s.checkpointed && time.Since(s.checkpointAt) >= s.cfg.CheckpointEvery:
+	default:
+		return target
+	}
+
+	save := max(target, s.checkpointed)
+	sctx, cancel := context.WithTimeout(ctx, r.saveTimeout)
+	err := s.cfg.Checkpoint.SaveCheckpoint(sctx, s.cfg.Slot, save)
+	cancel()
+	if err != nil {
+		if !r.saveFailing {
+			s.log.Warn().Err(err).Str("lsn", save.String()).Msg("checkpoint write failed; the slot is not acknowledged past settled events until it succeeds")
+			r.saveFailing = true
+		}
+		if r.mustCheckpoint {
+			return r.acked
+		}
+		s.checkpointAt = time.Now() // a keepalive-only rewrite waits for the next period
+		return target
+	}
+	if r.saveFailing {
+		s.log.Info().Str("lsn", save.String()).Msg("checkpoint write succeeded again")
+		r.saveFailing = false
+	}
+	s.checkpointed = save
+	s.checkpointAt = time.Now()
+	r.mustCheckpoint = false
+	return target
+}
+
+// finalStatus acknowledges, on the way out, what was settled by the time the
+// stream stopped. It is best effort: the next start resumes from the slot.
+func (r *receiver) finalStatus() {
+	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+	defer cancel()
+	r.blocked = true // no reply wanted
+	if err := r.sendStatus(ctx); err != nil {
+		r.s.log.Debug().Err(err).Msg("final standby status update failed")
+	}
+}
