@@ -39,6 +39,17 @@ func (s *Store) ClaimSending(ctx context.Context, key relay.LedgerKey, owner str
 	return claimed, nil
 }
 
+// Release withdraws owner's 'sending' claim on key after a send that is known
+// not to have reached the sink (nothing was written), before the event is
+// handed to the claim path. A claim that is not owner's, or no longer
+// 'sending', is left alone. Safe to repeat.
+func (s *Store) Release(ctx context.Context, key relay.LedgerKey, owner string) error {
+	if _, err := s.pool.Exec(ctx, s.sql.release, key.EventKey, key.Action, owner); err != nil {
+		return fmt.Errorf("release claim %s of %s: %w", keyString(key), owner, err)
+	}
+	return nil
+}
+
 // Hold records that the outcome of sending key is unknown and parks row id
 // for a person, in one synchronous statement: the ledger pair becomes
 // 'unknown' with reason as its detail, and the row, if still pending, becomes

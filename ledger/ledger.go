@@ -78,6 +78,7 @@ type statements struct {
 	markDeliveredDone    string
 	claimSending         string
 	hold                 string
+	release              string
 	setAsyncCommit       string
 	setSynchronousCommit string
 }
@@ -213,6 +214,11 @@ WITH unknown AS (
     RETURNING 1)
 UPDATE %s SET status = 'held', last_error = $3
  WHERE id = $4 AND status = 'pending' AND EXISTS (SELECT FROM unknown)`, ledger, outbox),
+
+		// A claim whose send is known not to have happened (nothing was
+		// written) is withdrawn, so whoever delivers next may claim afresh.
+		release: fmt.Sprintf(`
+DELETE FROM %s WHERE event_key = $1 AND action = $2 AND owner = $3 AND state = 'sending'`, ledger),
 
 		setAsyncCommit: `SET LOCAL synchronous_commit = off`,
 		// Explicitly synchronous even where the role or database default is

@@ -22,6 +22,10 @@ type Route struct {
 	Events []string
 	// Nudge sends {"id","event_key","event_type"} instead of the envelope.
 	Nudge bool
+	// Hold (on_unknown: hold) claims each event in the ledger before sending
+	// and holds it for a person when the outcome is unknown, instead of
+	// sending it again. It costs one synchronous round trip per event.
+	Hold bool
 }
 
 // EngineConfig configures an Engine. Zero values take the defaults in brackets.
@@ -47,7 +51,11 @@ type EngineConfig struct {
 	// MarkDone marks fully delivered rows done, in batches, off the
 	// acknowledgement path [false: the ledger is the record].
 	MarkDone bool
-	Logger   zerolog.Logger
+	// Holds and Owner serve routes with Hold; Owner names this instance in
+	// the ledger's claims.
+	Holds  HoldStore
+	Owner  string
+	Logger zerolog.Logger
 }
 
 func (c *EngineConfig) setDefaults() {
@@ -101,7 +109,7 @@ type Engine struct {
 
 // EngineStats counts outcomes; safe to read concurrently.
 type EngineStats struct {
-	Delivered, HandedOff, DeadLettered, Retried, Skipped atomic.Int64
+	Delivered, HandedOff, DeadLettered, Held, Retried, Skipped atomic.Int64
 }
 
 var _ Consumer = (*Engine)(nil)
@@ -111,6 +119,11 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 	cfg.setDefaults()
 	if cfg.Store == nil {
 		return nil, errors.New("engine: no store")
+	}
+	for _, r := range cfg.Routes {
+		if r.Hold && (cfg.Holds == nil || cfg.Owner == "") {
+			return nil, fmt.Errorf("engine: sink %s holds unknown outcomes but the engine has no hold store or owner", r.Sink.Name())
+		}
 	}
 	e := &Engine{
 		cfg:        cfg,
@@ -306,6 +319,7 @@ type eventState struct {
 	delivered    []string
 	handOff      *HandOff
 	deadLetter   string
+	held         bool // the store already holds the row
 	allDelivered bool
 }
 
@@ -328,6 +342,7 @@ const (
 	outcomeDelivered outcomeKind = iota
 	outcomeHandOff
 	outcomeDeadLetter
+	outcomeHeld // written by HoldStore.Hold before the outcome is recorded
 )
 
 type outcome struct {
@@ -358,6 +373,9 @@ func (e *Engine) finish(l *lane, t *task, o outcome) {
 			st.handOff.LastError += "; " + reason
 			st.handOff.Attempts = max(st.handOff.Attempts, o.counted)
 		}
+	case outcomeHeld:
+		e.Stats.Held.Add(1)
+		st.held = true
 	case outcomeDeadLetter:
 		e.Stats.DeadLettered.Add(1)
 		if st.deadLetter != "" {
@@ -427,6 +445,8 @@ func (e *Engine) settle(ctx context.Context, batch []*eventState) bool {
 		switch {
 		case st.deadLetter != "":
 			s.DeadLetters = append(s.DeadLetters, DeadLetter{ID: st.ev.ID, LastError: st.deadLetter})
+		case st.held:
+			// Hold wrote the row; it waits for a person.
 		case st.handOff != nil:
 			s.HandOffs = append(s.HandOffs, *st.handOff)
 		case len(st.delivered) > 0 || st.allDelivered:

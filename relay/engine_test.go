@@ -571,3 +571,91 @@ func TestEngine_SkipsRowsInsertedSettled(t *testing.T) {
 		t.Fatalf("sent %v, want only event 2", sent)
 	}
 }
+
+// fakeHolds is a HoldStore over a map of claims.
+type fakeHolds struct {
+	mu       sync.Mutex
+	claims   map[relay.LedgerKey]string // owner, or "unknown"
+	held     map[int64]string
+	released int
+}
+
+func (h *fakeHolds) ClaimSending(_ context.Context, k relay.LedgerKey, owner string) (bool, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.claims[k]; ok {
+		return false, nil
+	}
+	h.claims[k] = owner
+	return true, nil
+}
+
+func (h *fakeHolds) Release(_ context.Context, k relay.LedgerKey, owner string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.claims[k] == owner {
+		delete(h.claims, k)
+		h.released++
+	}
+	return nil
+}
+
+func (h *fakeHolds) Hold(_ context.Context, id int64, k relay.LedgerKey, reason string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.claims[k] = "unknown"
+	h.held[id] = reason
+	return nil
+}
+
+func (h *fakeHolds) snapshot() (held map[int64]string, released int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return maps(h.held), h.released
+}
+
+// TestEngine_HoldUnknownOutcome: a hold sink claims before sending; an
+// unknown outcome holds the row with no second request, and the aggregate's
+// later events follow it; a transient failure that ends in a hand-off
+// releases the claim; a claim refused before sending (a crash left it) holds.
+func TestEngine_HoldUnknownOutcome(t *testing.T) {
+	store := newFakeStore()
+	holds := &fakeHolds{claims: map[relay.LedgerKey]string{}, held: map[int64]string{}}
+	holds.claims[relay.LedgerKey{EventKey: "k9", Action: "s"}] = "crashed-owner"
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		switch *d.Event.AggregateID {
+		case "hang":
+			return relay.UnknownError(errors.New("timeout after the request was written"))
+		case "refused":
+			return relay.TransientError(errors.New("connection refused"), 0)
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Store: store, Holds: holds, Owner: "me", InlineAttempts: 2,
+		Routes: []relay.Route{{Sink: sink, Hold: true}}})
+	e.Submit(context.Background(), []*relay.Event{event(1, "hang"), event(2, "hang"), event(3, "refused"), event(4, "ok"), event(9, "x")})
+	e.Commit(100)
+	waitFor(t, "settled", func() bool { lsn, _ := e.Settled(); return lsn == 100 })
+
+	held, released := holds.snapshot()
+	if !strings.Contains(held[1], "outcome unknown") || !strings.Contains(held[9], "before a restart") || len(held) != 2 {
+		t.Fatalf("held %v, want events 1 and 9", held)
+	}
+	sends := map[int64]int{}
+	for _, d := range sink.sent() {
+		sends[d.Event.ID]++
+	}
+	if sends[1] != 1 || sends[2] != 0 || sends[9] != 0 || sends[3] != 2 || sends[4] != 1 {
+		t.Fatalf("sends per event %v: want 1 once (no resend), 2 never (behind a held event), 3 twice, 4 once, 9 never", sends)
+	}
+	delivered, handOffs, _ := store.snapshot()
+	if handOffs[2].ID != 2 || handOffs[3].ID != 3 || delivered[relay.LedgerKey{EventKey: "k4", Action: "s"}] != 1 {
+		t.Fatalf("hand-offs %v delivered %v", handOffs, delivered)
+	}
+	if _, ok := handOffs[1]; ok {
+		t.Fatal("a held row must not also be handed off")
+	}
+	if released != 1 {
+		t.Fatalf("released %d claims, want 1 (event 3, never written)", released)
+	}
+}

@@ -35,8 +35,9 @@ type aggQueue struct{ waiting []*task }
 // task is one event on its way to one sink.
 type task struct {
 	st      *eventState
-	tries   int // sends made; the attempt header counts them
-	counted int // failed attempts that count against max_attempts
+	tries   int  // sends made; the attempt header counts them
+	counted int  // failed attempts that count against max_attempts
+	claimed bool // the ledger holds our 'sending' claim (Hold routes)
 }
 
 func newLane(e *Engine, r Route) *lane {
@@ -147,6 +148,19 @@ func (l *lane) dispatch(ctx context.Context) {
 			l.complete(t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until, counted: t.counted})
 			continue
 		}
+		if l.route.Hold && !t.claimed {
+			ok, err := l.e.cfg.Holds.ClaimSending(ctx, l.key(t), l.e.cfg.Owner)
+			if err != nil {
+				l.complete(t, outcome{kind: outcomeHandOff, reason: "claim before sending: " + firstLine(err.Error()),
+					availableAt: time.Now().Add(l.e.backoff(1)), counted: t.counted})
+				continue
+			}
+			if !ok {
+				go l.unclaimable(ctx, t)
+				continue
+			}
+			t.claimed = true
+		}
 		t.tries++
 		st := t.st
 		d := &Delivery{Event: st.ev, Body: st.body(l.route.Nudge), Attempt: st.ev.Attempts + t.tries}
@@ -171,6 +185,12 @@ func (l *lane) result(t *task, err error) {
 	case SinkDown:
 		until := l.openCircuit(reason, retryAfter)
 		l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: until, counted: t.counted})
+		return
+	}
+
+	if class == Unknown && l.route.Hold {
+		// The sink may have acted on it: park it for a person, never resend.
+		go l.hold(t, "outcome unknown: "+reason)
 		return
 	}
 
@@ -204,10 +224,65 @@ func (l *lane) result(t *task, err error) {
 	l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: time.Now().Add(max(l.e.backoff(total), retryAfter)), counted: t.counted})
 }
 
+func (l *lane) key(t *task) LedgerKey {
+	return LedgerKey{EventKey: t.st.ev.EventKey, Action: l.name}
+}
+
+// hold parks the event: the ledger pair becomes unknown and the row held.
+// It runs on its own goroutine: sinks call done where blocking is not allowed.
+func (l *lane) hold(t *task, reason string) {
+	for attempt := 0; ; attempt++ {
+		err := l.e.cfg.Holds.Hold(l.e.runCtx, t.st.ev.ID, l.key(t), reason)
+		if err == nil {
+			break
+		}
+		if l.e.runCtx.Err() != nil {
+			return // stopping: the row stays the stream's and is re-streamed
+		}
+		l.e.log.Warn().Err(err).Int64("id", t.st.ev.ID).Msg("hold an event whose outcome is unknown; retrying")
+		time.Sleep(retryDelay(attempt))
+	}
+	l.e.log.Warn().Str("sink", l.name).Int64("id", t.st.ev.ID).Str("event_key", t.st.ev.EventKey).Str("reason", reason).
+		Msg("event held: its outcome is unknown and the sink holds such events; see outbox-relay dlq list")
+	l.complete(t, outcome{kind: outcomeHeld, reason: reason})
+}
+
+// unclaimable handles an event whose ledger claim was refused: delivered
+// already (a re-stream), or claimed before a crash, whose outcome is
+// therefore unknown.
+func (l *lane) unclaimable(ctx context.Context, t *task) {
+	for attempt := 0; ; attempt++ {
+		known, err := l.e.cfg.Store.Restreamed(ctx, []*Event{t.st.ev})
+		if err == nil {
+			if contains(known[t.st.ev.ID].Delivered, l.name) {
+				l.complete(t, outcome{kind: outcomeDelivered})
+				return
+			}
+			break
+		}
+		if ctx.Err() != nil {
+			return
+		}
+		time.Sleep(retryDelay(attempt))
+	}
+	l.hold(t, "outcome unknown: claimed for sending before a restart or by another relay")
+}
+
 // complete records the sink's outcome, frees the slot and lets the next
-// event of the aggregate go. A hand-off diverts the aggregate: the events
-// waiting behind it follow it to the claim path, so none overtakes it.
+// event of the aggregate go. A hand-off or hold diverts the aggregate: the
+// events waiting behind it follow it to the claim path, so none overtakes it.
+// A claim whose send is known not to have happened is released first.
 func (l *lane) complete(t *task, o outcome) {
+	if t.claimed && o.kind != outcomeDelivered && o.kind != outcomeHeld {
+		t.claimed = false
+		go func() {
+			if err := l.e.cfg.Holds.Release(l.e.runCtx, l.key(t), l.e.cfg.Owner); err != nil {
+				l.e.log.Warn().Err(err).Int64("id", t.st.ev.ID).Msg("release the ledger claim of an event handed off; the claim path takes it over after lock_timeout")
+			}
+			l.complete(t, o)
+		}()
+		return
+	}
 	<-l.slots
 	ev := t.st.ev
 	var next *task
@@ -217,7 +292,7 @@ func (l *lane) complete(t *task, o outcome) {
 		l.mu.Lock()
 		q := l.busy[agg]
 		switch {
-		case o.kind == outcomeHandOff:
+		case o.kind == outcomeHandOff || o.kind == outcomeHeld:
 			l.diverted[agg] = true
 			if q != nil {
 				follow = q.waiting

@@ -68,6 +68,20 @@ type Store interface {
 	Diverted(ctx context.Context) ([]AggregateKey, error)
 }
 
+// HoldStore is what a sink with on_unknown: hold needs: a claim committed
+// before each send, so that an unknown outcome (or a crash) is never sent
+// twice, and the held state for a person to resolve.
+type HoldStore interface {
+	// ClaimSending claims key for owner; false means the pair is delivered
+	// or already claimed (by another owner, or before a crash): do not send.
+	ClaimSending(ctx context.Context, key LedgerKey, owner string) (bool, error)
+	// Release withdraws owner's claim after a send known not to have
+	// happened.
+	Release(ctx context.Context, key LedgerKey, owner string) error
+	// Hold marks the pair unknown and the row held, with reason.
+	Hold(ctx context.Context, id int64, key LedgerKey, reason string) error
+}
+
 // Checkpoint persists the confirmed position of a slot.
 type Checkpoint interface {
 	// LoadCheckpoint returns the last saved position, or 0 when none.

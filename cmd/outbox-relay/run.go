@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -102,6 +104,8 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		Backoff:        durations(cfg.Delivery.Backoff),
 		LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
 		MarkDone:       cfg.Delivery.MarkDone == config.MarkDoneAsync,
+		Holds:          store,
+		Owner:          instanceID(),
 		Logger:         log,
 	})
 	if err != nil {
@@ -197,7 +201,10 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 		default:
 			return routes, fmt.Errorf("sinks[%d] (%s): unknown type %q", i, sc.Name, sc.Type)
 		}
-		routes = append(routes, relay.Route{Sink: sink, Events: sc.Events, Nudge: sc.Type == config.SinkWebhook && sc.Webhook.Body == config.BodyNudge})
+		isHook := sc.Type == config.SinkWebhook
+		routes = append(routes, relay.Route{Sink: sink, Events: sc.Events,
+			Nudge: isHook && sc.Webhook.Body == config.BodyNudge,
+			Hold:  isHook && sc.Webhook.OnUnknown == config.OnUnknownHold})
 	}
 	return routes, nil
 }
@@ -216,6 +223,13 @@ func resolveTables(ctx context.Context, pool *pgxpool.Pool, t config.Tables) (co
 	}
 	t.Outbox.Schema = schema
 	return t, nil
+}
+
+// instanceID names this process in ledger claims: host, pid and a random
+// suffix, so a restarted process never mistakes an old claim for its own.
+func instanceID() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("%s:%d:%08x", host, os.Getpid(), rand.Uint32())
 }
 
 func durations(ds []config.Duration) []time.Duration {
