@@ -86,8 +86,9 @@ type Engine struct {
 	log   zerolog.Logger
 	lanes []*lane
 
-	tracker *tracker
-	horizon atomic.Uint64 // events committed before this LSN may have been seen before
+	tracker   *tracker
+	horizon   atomic.Uint64 // events committed before this LSN may have been seen before
+	divertSeq atomic.Uint64 // orders diverts against the claim path's checks
 
 	settleMu   sync.Mutex
 	toSettle   []*eventState
@@ -159,7 +160,7 @@ func (e *Engine) Run(ctx context.Context) error {
 	}
 	for _, l := range e.lanes {
 		for _, a := range diverted {
-			l.diverted[a] = true
+			l.diverted[a] = e.divertSeq.Add(1)
 		}
 	}
 	if len(diverted) > 0 {
@@ -193,12 +194,22 @@ func (e *Engine) Drain(ctx context.Context) error {
 	return nil
 }
 
-// Undiverted clears the diverted mark of an aggregate once the claim path
-// has settled its last handed-off or held event.
-func (e *Engine) Undiverted(a AggregateKey) {
+// DivertSeq returns the current divert sequence number. The claim path reads
+// it before checking the table for an aggregate's unsettled hand-offs and
+// passes it to Undiverted.
+func (e *Engine) DivertSeq() uint64 { return e.divertSeq.Load() }
+
+// Undiverted lets the stream deliver an aggregate's events again once the
+// claim path has settled its last handed-off or held event. seq is DivertSeq
+// read before the claim path looked at the table: a hand-off the engine made
+// (or wrote) after that, or one not yet written, keeps the aggregate
+// diverted, so a later event never overtakes it.
+func (e *Engine) Undiverted(a AggregateKey, seq uint64) {
 	for _, l := range e.lanes {
 		l.mu.Lock()
-		delete(l.diverted, a)
+		if at, ok := l.diverted[a]; ok && at <= seq && l.unwritten[a] == 0 {
+			delete(l.diverted, a)
+		}
 		l.mu.Unlock()
 	}
 }
@@ -321,6 +332,7 @@ type eventState struct {
 	deadLetter   string
 	held         bool // the store already holds the row
 	allDelivered bool
+	diverters    []*lane // lanes that handed the event off or held it
 }
 
 func (st *eventState) body(nudge bool) []byte {
@@ -363,6 +375,8 @@ func (e *Engine) finish(l *lane, t *task, o outcome) {
 		e.Stats.Delivered.Add(1)
 	case outcomeHandOff:
 		e.Stats.HandedOff.Add(1)
+		st.diverters = append(st.diverters, l)
+		l.handedOff(st.ev)
 		reason := "sink " + l.name + ": " + o.reason
 		if st.handOff == nil {
 			st.handOff = &HandOff{ID: st.ev.ID, AvailableAt: o.availableAt, LastError: reason, Attempts: o.counted}
@@ -376,6 +390,8 @@ func (e *Engine) finish(l *lane, t *task, o outcome) {
 	case outcomeHeld:
 		e.Stats.Held.Add(1)
 		st.held = true
+		st.diverters = append(st.diverters, l)
+		l.handedOff(st.ev)
 	case outcomeDeadLetter:
 		e.Stats.DeadLettered.Add(1)
 		if st.deadLetter != "" {
@@ -469,6 +485,9 @@ func (e *Engine) settle(ctx context.Context, batch []*eventState) bool {
 		}
 	}
 	for _, st := range batch {
+		for _, l := range st.diverters {
+			l.written(st.ev)
+		}
 		e.tracker.done(st.entry)
 	}
 	if e.cfg.MarkDone && len(done) > 0 {

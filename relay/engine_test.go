@@ -324,7 +324,15 @@ func TestEngine_TransientThenHandOff(t *testing.T) {
 	if _, handOffs, _ = store.snapshot(); handOffs[5].ID != 5 {
 		t.Fatal("a later event of a diverted aggregate was not handed off")
 	}
-	e.Undiverted(relay.AggregateKey{Type: "order", ID: "bad"})
+	stale := e.DivertSeq() - 1 // a check that started before the last hand-off was written
+	e.Undiverted(relay.AggregateKey{Type: "order", ID: "bad"}, stale)
+	e.Submit(ctx, []*relay.Event{event(7, "bad")})
+	e.Commit(250)
+	waitFor(t, "settled", func() bool { lsn, _ := e.Settled(); return lsn == 250 })
+	if _, handOffs, _ = store.snapshot(); handOffs[7].ID != 7 {
+		t.Fatal("Undiverted with a sequence number from before the last hand-off cleared the mark")
+	}
+	e.Undiverted(relay.AggregateKey{Type: "order", ID: "bad"}, e.DivertSeq())
 	sink.send = nil
 	e.Submit(ctx, []*relay.Event{event(6, "bad")})
 	e.Commit(300)

@@ -20,9 +20,15 @@ type lane struct {
 	slots chan struct{} // one token per event the lane holds: back-pressure
 	ready chan *task    // to the dispatcher; never blocks (a task holds a slot)
 
-	mu       sync.Mutex
-	busy     map[AggregateKey]*aggQueue // aggregates with an event in flight
-	diverted map[AggregateKey]bool      // aggregates with an event at the claim path
+	mu   sync.Mutex
+	busy map[AggregateKey]*aggQueue // aggregates with an event in flight
+	// diverted holds aggregates with an event at the claim path (handed off
+	// or held), with the engine's divert sequence number of the latest
+	// hand-off; unwritten counts hand-offs not yet written to the table.
+	// Undiverted uses both so that the claim path, which learns from the
+	// table, never clears a mark the table does not show yet.
+	diverted  map[AggregateKey]uint64
+	unwritten map[AggregateKey]int
 
 	// The circuit: open while the sink is down (credentials, not published,
 	// unreachable); events then go to the claim path at once.
@@ -48,8 +54,9 @@ func newLane(e *Engine, r Route) *lane {
 		sink:     r.Sink,
 		slots:    make(chan struct{}, e.cfg.LaneCapacity),
 		ready:    make(chan *task, e.cfg.LaneCapacity),
-		busy:     map[AggregateKey]*aggQueue{},
-		diverted: map[AggregateKey]bool{},
+		busy:      map[AggregateKey]*aggQueue{},
+		diverted:  map[AggregateKey]uint64{},
+		unwritten: map[AggregateKey]int{},
 	}
 }
 
@@ -105,7 +112,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) error {
 	}
 	if l.ordered(ev) {
 		agg := ev.AggregateKey()
-		if l.diverted[agg] {
+		if _, ok := l.diverted[agg]; ok {
 			l.mu.Unlock()
 			<-l.slots
 			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now()})
@@ -128,7 +135,32 @@ func (l *lane) divert(ev *Event) {
 		return
 	}
 	l.mu.Lock()
-	l.diverted[ev.AggregateKey()] = true
+	l.diverted[ev.AggregateKey()] = l.e.divertSeq.Add(1)
+	l.mu.Unlock()
+}
+
+// handedOff counts a hand-off of ev by this lane until written is called.
+func (l *lane) handedOff(ev *Event) {
+	if !l.ordered(ev) {
+		return
+	}
+	l.mu.Lock()
+	l.unwritten[ev.AggregateKey()]++
+	l.mu.Unlock()
+}
+
+// written is called once the hand-off of ev is in the table: from now on the
+// claim path can see it.
+func (l *lane) written(ev *Event) {
+	if !l.ordered(ev) {
+		return
+	}
+	agg := ev.AggregateKey()
+	l.mu.Lock()
+	if l.unwritten[agg]--; l.unwritten[agg] <= 0 {
+		delete(l.unwritten, agg)
+	}
+	l.diverted[agg] = l.e.divertSeq.Add(1)
 	l.mu.Unlock()
 }
 
@@ -293,7 +325,7 @@ func (l *lane) complete(t *task, o outcome) {
 		q := l.busy[agg]
 		switch {
 		case o.kind == outcomeHandOff || o.kind == outcomeHeld:
-			l.diverted[agg] = true
+			l.diverted[agg] = l.e.divertSeq.Add(1)
 			if q != nil {
 				follow = q.waiting
 			}
