@@ -67,6 +67,10 @@ type Options struct {
 	// Timeout bounds the total time spent retrying lock timeouts [10m].
 	Timeout time.Duration
 
+	// NotifyTrigger installs the poll-mode wake-up (source.notify_trigger);
+	// false removes it if an earlier run installed it.
+	NotifyTrigger bool
+
 	Logger zerolog.Logger
 }
 
@@ -83,6 +87,8 @@ type Result struct {
 	// PublicationSkipped, when not empty, says why the publication was not
 	// created and which statement the table owner must run.
 	PublicationSkipped string
+	// NotifyTrigger is "installed" or "removed" when this run changed it.
+	NotifyTrigger string
 }
 
 // ShapeError reports an existing outbox table the relay cannot use.
@@ -138,7 +144,87 @@ func Migrate(ctx context.Context, conn *pgx.Conn, opts Options) (Result, error) 
 	if err := ensurePublication(ctx, conn, names, opts, &res); err != nil {
 		return res, err
 	}
+	if err := ensureNotifyTrigger(ctx, conn, names.Outbox, opts, &res); err != nil {
+		return res, err
+	}
 	return res, nil
+}
+
+// NotifyChannel is the channel the poll-mode wake-up trigger notifies and
+// the claim path listens on.
+func NotifyChannel(outbox relay.QualifiedName) string {
+	return derivedName(outbox.Name, "_relay_wakeup")
+}
+
+// notifyTrigger names the trigger and its function.
+func notifyTrigger(outbox relay.QualifiedName) (trigger string, function relay.QualifiedName) {
+	name := derivedName(outbox.Name, "_relay_notify")
+	return name, outbox.Sibling(name)
+}
+
+// ensureNotifyTrigger installs or removes the statement-level wake-up
+// trigger. It is FOR EACH STATEMENT with an empty payload: a per-row NOTIFY
+// would make every producer's commit queue on the cluster-wide notify lock.
+// CREATE/DROP TRIGGER take a lock that conflicts with inserts, so both run
+// with the short lock_timeout and retry.
+func ensureNotifyTrigger(ctx context.Context, conn *pgx.Conn, outbox relay.QualifiedName, opts Options, res *Result) error {
+	trigger, function := notifyTrigger(outbox)
+	var exists bool
+	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = $2)`,
+		outbox.Quoted(), trigger).Scan(&exists); err != nil {
+		return fmt.Errorf("look up trigger %s: %w", trigger, err)
+	}
+	var stmts []string
+	switch {
+	case opts.NotifyTrigger && !exists:
+		body := fmt.Sprintf("\nBEGIN\n    PERFORM pg_notify(%s, '');\n    RETURN NULL;\nEND\n", relay.QuoteLiteral(NotifyChannel(outbox)))
+		tag := "$relay$"
+		for i := 1; strings.Contains(body, tag); i++ {
+			tag = fmt.Sprintf("$relay%d$", i)
+		}
+		stmts = []string{
+			fmt.Sprintf(`CREATE OR REPLACE FUNCTION %s() RETURNS trigger LANGUAGE plpgsql AS %s%s%s`, function.Quoted(), tag, body, tag),
+			fmt.Sprintf(`CREATE TRIGGER %s AFTER INSERT ON %s FOR EACH STATEMENT EXECUTE FUNCTION %s()`,
+				relay.QuoteIdentifier(trigger), outbox.Quoted(), function.Quoted()),
+		}
+		res.NotifyTrigger = "installed"
+	case !opts.NotifyTrigger && exists:
+		stmts = []string{
+			fmt.Sprintf(`DROP TRIGGER IF EXISTS %s ON %s`, relay.QuoteIdentifier(trigger), outbox.Quoted()),
+			fmt.Sprintf(`DROP FUNCTION IF EXISTS %s()`, function.Quoted()),
+		}
+		res.NotifyTrigger = "removed"
+	default:
+		return nil
+	}
+	deadline := time.Now().Add(opts.Timeout)
+	for attempt := 1; ; attempt++ {
+		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = "+relay.QuoteLiteral(fmt.Sprintf("%dms", opts.LockTimeout.Milliseconds()))); err != nil {
+				return err
+			}
+			for _, stmt := range stmts {
+				if _, err := tx.Exec(ctx, stmt); err != nil {
+					return err
+				}
+			}
+			return nil
+		})
+		if err == nil {
+			opts.Logger.Info().Str("trigger", trigger).Str("channel", NotifyChannel(outbox)).Msg("notify trigger " + res.NotifyTrigger)
+			return nil
+		}
+		if !isLockTimeout(err) || time.Now().After(deadline) {
+			res.NotifyTrigger = ""
+			return fmt.Errorf("notify trigger on %s: %w", outbox, err)
+		}
+		res.Retries++
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(retryDelay(attempt)):
+		}
+	}
 }
 
 func withDefaults(opts Options) Options {

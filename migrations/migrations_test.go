@@ -233,8 +233,8 @@ func TestMigrate_HostileNames(t *testing.T) {
 		PublishFunction: relay.MustParseQualifiedName(`my schema.pub"lish`),
 		Publication:     `pub"; DROP TABLE canary; --`,
 	}
-	mustMigrate(t, conn, migrations.Options{Names: names})
-	mustMigrate(t, conn, migrations.Options{Names: names})
+	mustMigrate(t, conn, migrations.Options{Names: names, NotifyTrigger: true})
+	mustMigrate(t, conn, migrations.Options{Names: names, NotifyTrigger: true})
 
 	var result string
 	if err := conn.QueryRow(ctx, `SELECT "my schema"."pub""lish"('t', 'a', '1', 'k1', '{}')`).Scan(&result); err != nil || result != "inserted" {
@@ -534,5 +534,46 @@ func TestOutboxPublish_SecondCallerWaits(t *testing.T) {
 			}
 			mustExec(t, second, "ROLLBACK")
 		})
+	}
+}
+
+// TestMigrate_NotifyTrigger: the opt-in wake-up is a statement-level trigger
+// with an empty payload — one notification per INSERT statement, not per
+// row; migrate installs it once and removes it when switched off.
+func TestMigrate_NotifyTrigger(t *testing.T) {
+	ctx := context.Background()
+	url := pgtest.NewDatabase(t)
+	conn := mustConnect(t, url)
+	res := mustMigrate(t, conn, migrations.Options{NotifyTrigger: true})
+	if res.NotifyTrigger != "installed" {
+		t.Fatalf("first run: %q", res.NotifyTrigger)
+	}
+	if res := mustMigrate(t, conn, migrations.Options{NotifyTrigger: true}); res.NotifyTrigger != "" {
+		t.Fatalf("second run changed the trigger: %q", res.NotifyTrigger)
+	}
+
+	listener := mustConnect(t, url)
+	channel := migrations.NotifyChannel(relay.QualifiedName{Name: "integration_outbox"})
+	mustExec(t, listener, "LISTEN "+relay.QuoteIdentifier(channel))
+	mustExec(t, conn, `INSERT INTO integration_outbox (event_key, payload) SELECT 'n' || g, '{}' FROM generate_series(1, 50) g`)
+	waitCtx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	n, err := listener.WaitForNotification(waitCtx)
+	if err != nil || n.Channel != channel || n.Payload != "" {
+		t.Fatalf("notification %+v, %v", n, err)
+	}
+	short, cancel2 := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel2()
+	if extra, err := listener.WaitForNotification(short); err == nil {
+		t.Fatalf("a 50-row INSERT sent more than one notification: %+v", extra)
+	}
+
+	if res := mustMigrate(t, conn, migrations.Options{NotifyTrigger: false}); res.NotifyTrigger != "removed" {
+		t.Fatalf("switching off: %q", res.NotifyTrigger)
+	}
+	var triggers int
+	conn.QueryRow(ctx, "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'integration_outbox'::regclass AND NOT tgisinternal").Scan(&triggers)
+	if triggers != 0 {
+		t.Fatalf("%d triggers left", triggers)
 	}
 }

@@ -45,9 +45,10 @@ strong lock waits at most migrate.lock_timeout at a time, retrying until migrate
 					PublishFunction: t.PublishFunction,
 					Publication:     cfg.Source.Publication,
 				},
-				LockTimeout: time.Duration(cfg.Migrate.LockTimeout),
-				Timeout:     time.Duration(cfg.Migrate.Timeout),
-				Logger:      log,
+				LockTimeout:   time.Duration(cfg.Migrate.LockTimeout),
+				Timeout:       time.Duration(cfg.Migrate.Timeout),
+				NotifyTrigger: cfg.Source.NotifyTrigger,
+				Logger:        log,
 			})
 			if err != nil {
 				return err
@@ -60,6 +61,9 @@ strong lock waits at most migrate.lock_timeout at a time, retrying until migrate
 			}
 			if res.PublicationCreated {
 				fmt.Fprintf(out, "created publication %s\n", cfg.Source.Publication)
+			}
+			if res.NotifyTrigger != "" {
+				fmt.Fprintf(out, "notify trigger %s (channel %s)\n", res.NotifyTrigger, migrations.NotifyChannel(t.Outbox))
 			}
 			if res.PublicationSkipped != "" {
 				fmt.Fprintf(out, "warning: %s\n", res.PublicationSkipped)
