@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
 	"github.com/spf13/cobra"
 
@@ -180,7 +181,15 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 			sink = s
 		case config.SinkNATS:
 			n := sc.NATS
+			var opts []nats.Option
+			if n.CredsFile != "" {
+				opts = append(opts, nats.UserCredentials(n.CredsFile))
+			}
+			if tok := n.Token.Reveal(); tok != "" {
+				opts = append(opts, nats.Token(tok))
+			}
 			s, err := natssink.New(ctx, natssink.Config{
+				Options: opts,
 				Name:    sc.Name,
 				URL:     sc.URL,
 				DataDir: filepath.Join(cfg.DataDir, "nats"),
