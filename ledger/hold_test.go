@@ -58,7 +58,7 @@ func TestClaimSending(t *testing.T) {
 	}
 
 	// A delivered pair is never claimed.
-	if err := f.store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{key}}); err != nil {
+	if _, err := f.store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{key}}); err != nil {
 		t.Fatalf("Settle: %v", err)
 	}
 	if ok, err := f.store.ClaimSending(ctx, key, "relay-d"); err != nil || ok {

@@ -57,6 +57,7 @@ type Store struct {
 	pool        *pgxpool.Pool
 	asyncCommit bool
 	sql         statements
+	outbox      string // quoted, for the few statements built elsewhere
 }
 
 // statements is every SQL text the Store runs, rendered once with the
@@ -97,6 +98,7 @@ func New(pool *pgxpool.Pool, cfg Config) *Store {
 		cfg.Checkpoint = def.Checkpoint
 	}
 	return &Store{
+		outbox:      cfg.Outbox.Quoted(),
 		pool:        pool,
 		asyncCommit: cfg.AsyncCommit,
 		sql:         render(cfg.Outbox.Quoted(), cfg.Ledger.Quoted(), cfg.Checkpoint.Quoted()),
@@ -120,21 +122,34 @@ SELECT t.k, t.a, 'delivered', 1, now()
 
 		// A NULL available_at means "due now"; an empty error keeps the
 		// row's previous last_error.
+		// Each row change reports, from its own snapshot, the ids it could
+		// not see at all: the walsender may send a transaction before the
+		// committing backend has left the proc array, so a fast delivery can
+		// settle a row no other session sees yet. A separate check would run
+		// in a later snapshot and could see the row then, hiding the miss.
 		settleHandOffs: fmt.Sprintf(`
+WITH t AS (SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS t(id, avail, err, n)),
+changed AS (
 UPDATE %s AS o
    SET handoff_at = now(),
        available_at = COALESCE(t.avail, now()),
        last_error = COALESCE(NULLIF(t.err, ''), o.last_error),
        attempts = COALESCE(o.attempts, 0) + t.n
-  FROM unnest($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS t(id, avail, err, n)
- WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL`, outbox),
+  FROM t
+ WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+RETURNING o.id)
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
 
 		settleDeadLetters: fmt.Sprintf(`
+WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS t(id, err)),
+changed AS (
 UPDATE %s AS o
    SET status = 'failed', last_error = t.err, processed_at = now(),
        locked_at = NULL, locked_by = NULL
-  FROM unnest($1::bigint[], $2::text[]) AS t(id, err)
- WHERE o.id = t.id AND o.status = 'pending'`, outbox),
+  FROM t
+ WHERE o.id = t.id AND o.status = 'pending'
+RETURNING o.id)
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
 
 		// The lateral subquery is a prefix scan of the ledger's primary key
 		// (event_key, action) per row.
@@ -150,8 +165,13 @@ SELECT o.id,
  WHERE o.id = ANY($1::bigint[])`, outbox, ledger),
 
 		markDone: fmt.Sprintf(`
-UPDATE %s SET status = 'done', processed_at = now()
- WHERE id = ANY($1::bigint[]) AND status = 'pending' AND handoff_at IS NULL`, outbox),
+WITH t AS (SELECT unnest($1::bigint[]) AS id),
+changed AS (
+UPDATE %s o SET status = 'done', processed_at = now()
+  FROM t
+ WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+RETURNING o.id)
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
 
 		// The status list repeats the predicate of the ordering index
 		// (aggregate_type, aggregate_id, id) WHERE status IN (…), so the

@@ -3,6 +3,7 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -28,9 +29,9 @@ import (
 // off: it becomes durable with the next SaveCheckpoint. An empty Settlement
 // does nothing. Any error rolls everything back and names the failing kind;
 // Settle is safe to repeat with the same or an overlapping Settlement.
-func (s *Store) Settle(ctx context.Context, st relay.Settlement) error {
+func (s *Store) Settle(ctx context.Context, st relay.Settlement) ([]int64, error) {
 	if len(st.Delivered) == 0 && len(st.HandOffs) == 0 && len(st.DeadLetters) == 0 {
-		return nil
+		return nil, nil
 	}
 	setCommit := ""
 	if s.asyncCommit {
@@ -67,8 +68,21 @@ func (s *Store) Settle(ctx context.Context, st relay.Settlement) error {
 			kinds = append(kinds, fmt.Sprintf("dead-letter %d rows", n))
 		}
 	}
+	var invisible []int64
 	err := s.inTx(ctx, setCommit, queue, func(br pgx.BatchResults) error {
 		for _, kind := range kinds {
+			if !strings.HasPrefix(kind, "insert") {
+				rows, err := br.Query()
+				if err != nil {
+					return fmt.Errorf("%s: %w", kind, err)
+				}
+				ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+				if err != nil {
+					return fmt.Errorf("%s: %w", kind, err)
+				}
+				invisible = append(invisible, ids...)
+				continue
+			}
 			if _, err := br.Exec(); err != nil {
 				return fmt.Errorf("%s: %w", kind, err)
 			}
@@ -76,9 +90,9 @@ func (s *Store) Settle(ctx context.Context, st relay.Settlement) error {
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("settle: %w", err)
+		return nil, fmt.Errorf("settle: %w", err)
 	}
-	return nil
+	return invisible, nil
 }
 
 // Restreamed returns, for the events' rows that still exist, whether the
@@ -118,20 +132,25 @@ func (s *Store) Restreamed(ctx context.Context, events []*relay.Event) (map[int6
 // missing) are left alone. It always commits with synchronous_commit = off:
 // a lost update only leaves delivered rows pending, which MarkDeliveredDone
 // repairs at start. Safe to repeat.
-func (s *Store) MarkDone(ctx context.Context, ids []int64) error {
+func (s *Store) MarkDone(ctx context.Context, ids []int64) ([]int64, error) {
 	if len(ids) == 0 {
-		return nil
+		return nil, nil
 	}
+	var invisible []int64
 	err := s.inTx(ctx, s.sql.setAsyncCommit, func(b *pgx.Batch) {
 		b.Queue(s.sql.markDone, ids)
 	}, func(br pgx.BatchResults) error {
-		_, err := br.Exec()
+		rows, err := br.Query()
+		if err != nil {
+			return err
+		}
+		invisible, err = pgx.CollectRows(rows, pgx.RowTo[int64])
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("mark %d rows done: %w", len(ids), err)
+		return nil, fmt.Errorf("mark %d rows done: %w", len(ids), err)
 	}
-	return nil
+	return invisible, nil
 }
 
 // Diverted returns the distinct aggregates (non-NULL aggregate_type and

@@ -25,7 +25,7 @@ func TestSettleDelivered(t *testing.T) {
 		{EventKey: "e2", Action: "webhook"},
 		{EventKey: "e2", Action: "webhook"}, // the same pair twice in one batch
 	}}
-	if err := f.store.Settle(ctx, first); err != nil {
+	if _, err := f.store.Settle(ctx, first); err != nil {
 		t.Fatalf("Settle: %v", err)
 	}
 	before := f.MustLedger(t, "e1")["webhook"]
@@ -35,7 +35,7 @@ func TestSettleDelivered(t *testing.T) {
 
 	// Settling the same pairs again (a re-streamed duplicate) is fine, leaves
 	// one row per pair and does not touch the delivered rows.
-	if err := f.store.Settle(ctx, first); err != nil {
+	if _, err := f.store.Settle(ctx, first); err != nil {
 		t.Fatalf("Settle again: %v", err)
 	}
 	if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency"); n != 3 {
@@ -53,7 +53,7 @@ func TestSettleDeliveredTakesOverClaims(t *testing.T) {
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, owner, claimed_at)
 		VALUES ('e1', 'hold-sink', 'sending', 2, 'relay-a', now()), ('e2', 'hold-sink', 'unknown', 1, NULL, NULL)`)
 
-	err := f.store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{
+	_, err := f.store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{
 		{EventKey: "e1", Action: "hold-sink"}, {EventKey: "e2", Action: "hold-sink"},
 	}})
 	if err != nil {
@@ -94,7 +94,7 @@ func TestSettleHandOff(t *testing.T) {
 	// No time and no error: due now, and the previous error is kept.
 	handOffs = append(handOffs, relay.HandOff{ID: dueNow})
 	start := time.Now()
-	if err := f.store.Settle(ctx, relay.Settlement{HandOffs: handOffs}); err != nil {
+	if _, err := f.store.Settle(ctx, relay.Settlement{HandOffs: handOffs}); err != nil {
 		t.Fatalf("Settle: %v", err)
 	}
 
@@ -128,7 +128,7 @@ func TestSettleDeadLetter(t *testing.T) {
 	for _, id := range ids {
 		dead = append(dead, relay.DeadLetter{ID: id, LastError: "payload too large"})
 	}
-	if err := f.store.Settle(ctx, relay.Settlement{DeadLetters: dead}); err != nil {
+	if _, err := f.store.Settle(ctx, relay.Settlement{DeadLetters: dead}); err != nil {
 		t.Fatalf("Settle: %v", err)
 	}
 	for i, want := range []string{"failed", "failed", "done", "processing"} {
@@ -150,7 +150,7 @@ func TestSettleEmpty(t *testing.T) {
 	// A cancelled context would fail any round trip: nothing is sent.
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if err := f.store.Settle(ctx, relay.Settlement{}); err != nil {
+	if _, err := f.store.Settle(ctx, relay.Settlement{}); err != nil {
 		t.Errorf("Settle(empty) = %v, want nil", err)
 	}
 }
@@ -159,7 +159,7 @@ func TestSettleIsAtomic(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	ids := f.MustInsert(t, row{Key: "ok"}, row{Key: "overflow", Attempts: 2147483647})
-	err := f.store.Settle(ctx, relay.Settlement{
+	_, err := f.store.Settle(ctx, relay.Settlement{
 		Delivered:   []relay.LedgerKey{{EventKey: "ok", Action: "webhook"}},
 		HandOffs:    []relay.HandOff{{ID: ids[1], Attempts: 1}}, // integer out of range
 		DeadLetters: []relay.DeadLetter{{ID: ids[0], LastError: "x"}},
@@ -192,7 +192,7 @@ func TestSettleOneTransaction(t *testing.T) {
 		st.DeadLetters = append(st.DeadLetters, relay.DeadLetter{ID: id, LastError: "rejected"})
 	}
 	start := time.Now()
-	if err := f.store.Settle(ctx, st); err != nil {
+	if _, err := f.store.Settle(ctx, st); err != nil {
 		t.Fatalf("Settle: %v", err)
 	}
 	t.Logf("Settle of 5,000 delivered pairs, 100 hand-offs and 100 dead letters took %v", time.Since(start))
@@ -219,10 +219,10 @@ func TestSettleCommitSettingIsLocal(t *testing.T) {
 	}
 	defer pool.Close()
 	store := ledger.New(pool, ledger.DefaultConfig())
-	if err := store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{{EventKey: "e", Action: "a"}}}); err != nil {
+	if _, err := store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{{EventKey: "e", Action: "a"}}}); err != nil {
 		t.Fatalf("Settle: %v", err)
 	}
-	if err := store.MarkDone(ctx, []int64{1}); err != nil {
+	if _, err := store.MarkDone(ctx, []int64{1}); err != nil {
 		t.Fatalf("MarkDone: %v", err)
 	}
 	var setting string
@@ -308,7 +308,7 @@ func TestMarkDone(t *testing.T) {
 		row{Key: "held", Status: "held"},
 	)
 	for range 2 { // safe to repeat
-		if err := f.store.MarkDone(ctx, append(ids, 999_999)); err != nil {
+		if _, err := f.store.MarkDone(ctx, append(ids, 999_999)); err != nil {
 			t.Fatalf("MarkDone: %v", err)
 		}
 	}
@@ -321,7 +321,7 @@ func TestMarkDone(t *testing.T) {
 			t.Errorf("row %d processed_at not set", i)
 		}
 	}
-	if err := f.store.MarkDone(ctx, nil); err != nil {
+	if _, err := f.store.MarkDone(ctx, nil); err != nil {
 		t.Errorf("MarkDone(nil) = %v", err)
 	}
 }
@@ -372,7 +372,7 @@ func TestQuotedNames(t *testing.T) {
 	ctx := context.Background()
 
 	ids := f.MustInsert(t, row{Key: "k1", AggType: ptr("t"), AggID: ptr("1")}, row{Key: "k2"}, row{Key: "k3"})
-	err := f.store.Settle(ctx, relay.Settlement{
+	_, err := f.store.Settle(ctx, relay.Settlement{
 		Delivered:   []relay.LedgerKey{{EventKey: "k1", Action: "webhook"}},
 		HandOffs:    []relay.HandOff{{ID: ids[0]}},
 		DeadLetters: []relay.DeadLetter{{ID: ids[1], LastError: "bad"}},
@@ -380,7 +380,7 @@ func TestQuotedNames(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Settle: %v", err)
 	}
-	if err := f.store.MarkDone(ctx, ids); err != nil {
+	if _, err := f.store.MarkDone(ctx, ids); err != nil {
 		t.Fatalf("MarkDone: %v", err)
 	}
 	states, err := f.store.Restreamed(ctx, []*relay.Event{{ID: ids[0]}})
@@ -422,9 +422,39 @@ func BenchmarkSettle(b *testing.B) {
 			st.Delivered[i] = relay.LedgerKey{EventKey: fmt.Sprintf("bench-%d", n), Action: "webhook"}
 			n++
 		}
-		if err := f.store.Settle(ctx, st); err != nil {
+		if _, err := f.store.Settle(ctx, st); err != nil {
 			b.Fatalf("Settle: %v", err)
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(n), "ns/pair")
+}
+
+// TestSettleReportsInvisibleRows: a row another session cannot see yet (here
+// an uncommitted insert; in production a transaction the walsender sent
+// before its backend left the proc array) is reported, not silently skipped.
+func TestSettleReportsInvisibleRows(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	tx, err := f.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	var id int64
+	if err := tx.QueryRow(ctx, `INSERT INTO integration_outbox (event_key, payload) VALUES ('invisible', '{}') RETURNING id`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	invisible, err := f.store.Settle(ctx, relay.Settlement{HandOffs: []relay.HandOff{{ID: id, LastError: "503"}}})
+	if err != nil || len(invisible) != 1 || invisible[0] != id {
+		t.Fatalf("Settle reported %v (%v), want [%d]", invisible, err, id)
+	}
+	if invisible, err = f.store.MarkDone(ctx, []int64{id}); err != nil || len(invisible) != 1 {
+		t.Fatalf("MarkDone reported %v (%v), want [%d]", invisible, err, id)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if invisible, err = f.store.Settle(ctx, relay.Settlement{HandOffs: []relay.HandOff{{ID: id, LastError: "503"}}}); err != nil || len(invisible) != 0 {
+		t.Fatalf("after commit: %v (%v)", invisible, err)
+	}
 }

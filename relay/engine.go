@@ -97,6 +97,7 @@ type Engine struct {
 	doneMu   sync.Mutex
 	toMark   []int64
 	markWake chan struct{}
+	markTry  map[int64]int // ids whose row was not visible yet: tries so far
 
 	runCtx   context.Context // valid once Run started; timers use it
 	runStop  context.CancelFunc
@@ -132,6 +133,7 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		tracker:    newTracker(),
 		settleWake: make(chan struct{}, 1),
 		markWake:   make(chan struct{}, 1),
+		markTry:    map[int64]int{},
 		started:    make(chan struct{}),
 		stopping:   make(chan struct{}),
 	}
@@ -267,7 +269,7 @@ func (e *Engine) Submit(ctx context.Context, events []*Event) error {
 			// Scheduled for later: the claim path honours available_at.
 			for _, l := range routed {
 				e.finish(l, &task{st: st}, outcome{kind: outcomeHandOff, reason: "available_at is in the future",
-					availableAt: ev.AvailableAt})
+					availableAt: ev.AvailableAt, why: "scheduled"})
 			}
 			continue
 		}
@@ -333,6 +335,8 @@ type eventState struct {
 	held         bool // the store already holds the row
 	allDelivered bool
 	diverters    []*lane // lanes that handed the event off or held it
+	// invisibleSince is when a row change first found the row invisible.
+	invisibleSince time.Time
 }
 
 func (st *eventState) body(nudge bool) []byte {
@@ -361,7 +365,16 @@ type outcome struct {
 	kind        outcomeKind
 	reason      string
 	availableAt time.Time
-	counted     int // attempts that count against max_attempts
+	counted     int    // attempts that count against max_attempts
+	why         string // hand-off reason for the metric label
+}
+
+// metric is the handed_off_total reason label.
+func (o outcome) metric() string {
+	if o.why == "" {
+		return "retries"
+	}
+	return o.why
 }
 
 // finish records one sink's outcome for an event; the last one queues the
@@ -373,8 +386,10 @@ func (e *Engine) finish(l *lane, t *task, o outcome) {
 	case outcomeDelivered:
 		st.delivered = append(st.delivered, l.name)
 		e.Stats.Delivered.Add(1)
+		ObserveDelivered(l.name, PathStream, st.ev.CommitTime)
 	case outcomeHandOff:
 		e.Stats.HandedOff.Add(1)
+		observeHandedOff(l.name, o.metric())
 		st.diverters = append(st.diverters, l)
 		l.handedOff(st.ev)
 		reason := "sink " + l.name + ": " + o.reason
@@ -389,11 +404,13 @@ func (e *Engine) finish(l *lane, t *task, o outcome) {
 		}
 	case outcomeHeld:
 		e.Stats.Held.Add(1)
+		ObserveHeld(l.name, PathStream)
 		st.held = true
 		st.diverters = append(st.diverters, l)
 		l.handedOff(st.ev)
 	case outcomeDeadLetter:
 		e.Stats.DeadLettered.Add(1)
+		ObserveFailed(l.name, PathStream)
 		if st.deadLetter != "" {
 			st.deadLetter += "; "
 		}
@@ -470,9 +487,11 @@ func (e *Engine) settle(ctx context.Context, batch []*eventState) bool {
 		}
 		st.mu.Unlock()
 	}
+	var invisible []int64
 	if len(s.Delivered)+len(s.HandOffs)+len(s.DeadLetters) > 0 {
 		for attempt := 0; ; attempt++ {
-			err := e.cfg.Store.Settle(ctx, s)
+			var err error
+			invisible, err = e.cfg.Store.Settle(ctx, s)
 			if err == nil {
 				break
 			}
@@ -483,6 +502,9 @@ func (e *Engine) settle(ctx context.Context, batch []*eventState) bool {
 			case <-time.After(retryDelay(attempt)):
 			}
 		}
+	}
+	if len(invisible) > 0 {
+		batch = e.retryInvisible(batch, invisible)
 	}
 	for _, st := range batch {
 		for _, l := range st.diverters {
@@ -500,6 +522,43 @@ func (e *Engine) settle(ctx context.Context, batch []*eventState) bool {
 		}
 	}
 	return true
+}
+
+// invisibleRetryFor bounds how long the engine waits for a decoded row to
+// become visible before it gives up on changing it.
+const invisibleRetryFor = 30 * time.Second
+
+// retryInvisible takes the events whose row change could not be applied
+// because the row is not visible yet out of batch, and settles them again
+// shortly; they stay unsettled (so unacknowledged) meanwhile. Their ledger
+// rows are written already. It returns the rest of the batch.
+func (e *Engine) retryInvisible(batch []*eventState, invisible []int64) []*eventState {
+	ids := make(map[int64]bool, len(invisible))
+	for _, id := range invisible {
+		ids[id] = true
+	}
+	rest := batch[:0:0]
+	for _, st := range batch {
+		if !ids[st.ev.ID] {
+			rest = append(rest, st)
+			continue
+		}
+		st.mu.Lock()
+		st.delivered = nil
+		if st.invisibleSince.IsZero() {
+			st.invisibleSince = time.Now()
+		}
+		waited := time.Since(st.invisibleSince)
+		st.mu.Unlock()
+		if waited > invisibleRetryFor {
+			e.log.Error().Int64("id", st.ev.ID).Str("event_key", st.ev.EventKey).
+				Msg("the row of a decoded event never became visible (deleted?); its hand-off or dead letter was not written")
+			rest = append(rest, st)
+			continue
+		}
+		time.AfterFunc(20*time.Millisecond, func() { e.queueSettle(st) })
+	}
+	return rest
 }
 
 // markDoneLoop marks delivered rows done in batches, at most every 200 ms.
@@ -526,12 +585,38 @@ func (e *Engine) flushMarkDone(ctx context.Context) {
 	ids := e.toMark
 	e.toMark = nil
 	e.doneMu.Unlock()
+	flushed := ids
+	var again []int64
 	for len(ids) > 0 {
 		n := min(len(ids), 5000)
-		if err := e.cfg.Store.MarkDone(ctx, ids[:n]); err != nil {
+		invisible, err := e.cfg.Store.MarkDone(ctx, ids[:n])
+		if err != nil {
 			e.log.Warn().Err(err).Int("rows", n).Msg("mark rows done; they stay pending until the next start marks them from the ledger")
 		}
+		again = append(again, invisible...)
 		ids = ids[n:]
+	}
+	// Rows not visible yet are tried again at the next flush, for up to
+	// about invisibleRetryFor.
+	e.doneMu.Lock()
+	defer e.doneMu.Unlock()
+	if len(e.markTry) > 0 {
+		retrying := make(map[int64]bool, len(again))
+		for _, id := range again {
+			retrying[id] = true
+		}
+		for _, id := range flushed {
+			if !retrying[id] {
+				delete(e.markTry, id)
+			}
+		}
+	}
+	for _, id := range again {
+		if e.markTry[id]++; e.markTry[id] < int(invisibleRetryFor/(200*time.Millisecond)) {
+			e.toMark = append(e.toMark, id)
+		} else {
+			delete(e.markTry, id)
+		}
 	}
 }
 

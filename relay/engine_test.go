@@ -19,25 +19,26 @@ import (
 
 // fakeStore records what the engine writes.
 type fakeStore struct {
-	mu          sync.Mutex
-	delivered   map[relay.LedgerKey]int
-	handOffs    map[int64]relay.HandOff
-	deadLetters map[int64]string
-	done        map[int64]bool
-	restreamed  map[int64]relay.RowState
-	diverted    []relay.AggregateKey
-	settleErr   func() error // optional failure injection
+	mu           sync.Mutex
+	delivered    map[relay.LedgerKey]int
+	handOffs     map[int64]relay.HandOff
+	deadLetters  map[int64]string
+	done         map[int64]bool
+	restreamed   map[int64]relay.RowState
+	diverted     []relay.AggregateKey
+	settleErr    func() error  // optional failure injection
+	invisibleFor map[int64]int // row changes to report invisible this many times
 }
 
 func newFakeStore() *fakeStore {
 	return &fakeStore{delivered: map[relay.LedgerKey]int{}, handOffs: map[int64]relay.HandOff{},
-		deadLetters: map[int64]string{}, done: map[int64]bool{}}
+		deadLetters: map[int64]string{}, done: map[int64]bool{}, invisibleFor: map[int64]int{}}
 }
 
-func (s *fakeStore) Settle(_ context.Context, st relay.Settlement) error {
+func (s *fakeStore) Settle(_ context.Context, st relay.Settlement) ([]int64, error) {
 	if s.settleErr != nil {
 		if err := s.settleErr(); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	s.mu.Lock()
@@ -51,7 +52,16 @@ func (s *fakeStore) Settle(_ context.Context, st relay.Settlement) error {
 	for _, d := range st.DeadLetters {
 		s.deadLetters[d.ID] = d.LastError
 	}
-	return nil
+	var invisible []int64
+	for id, n := range s.invisibleFor {
+		if n > 0 {
+			s.invisibleFor[id]--
+			invisible = append(invisible, id)
+			delete(s.handOffs, id)
+			delete(s.deadLetters, id)
+		}
+	}
+	return invisible, nil
 }
 
 func (s *fakeStore) Restreamed(_ context.Context, events []*relay.Event) (map[int64]relay.RowState, error) {
@@ -66,13 +76,19 @@ func (s *fakeStore) Restreamed(_ context.Context, events []*relay.Event) (map[in
 	return out, nil
 }
 
-func (s *fakeStore) MarkDone(_ context.Context, ids []int64) error {
+func (s *fakeStore) MarkDone(_ context.Context, ids []int64) ([]int64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	var invisible []int64
 	for _, id := range ids {
+		if s.invisibleFor[id] > 0 {
+			s.invisibleFor[id]--
+			invisible = append(invisible, id)
+			continue
+		}
 		s.done[id] = true
 	}
-	return nil
+	return invisible, nil
 }
 
 func (s *fakeStore) Diverted(context.Context) ([]relay.AggregateKey, error) { return s.diverted, nil }
@@ -666,4 +682,34 @@ func TestEngine_HoldUnknownOutcome(t *testing.T) {
 	if released != 1 {
 		t.Fatalf("released %d claims, want 1 (event 3, never written)", released)
 	}
+}
+
+// TestEngine_RowNotVisibleYet: the walsender can send a transaction before
+// its rows are visible to other sessions. A hand-off or mark-done that finds
+// its row invisible is retried, and the acknowledgement waits for it.
+func TestEngine_RowNotVisibleYet(t *testing.T) {
+	store := newFakeStore()
+	store.invisibleFor[1] = 3 // the hand-off of event 1
+	store.invisibleFor[2] = 3 // the mark-done of event 2
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		if d.Event.ID == 1 {
+			return relay.PermanentError(errors.New("400"))
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Store: store, Routes: []relay.Route{{Sink: sink}}, MarkDone: true})
+	e.Submit(context.Background(), []*relay.Event{event(1, "a"), event(2, "b")})
+	e.Commit(100)
+	waitFor(t, "settled", func() bool { lsn, _ := e.Settled(); return lsn == 100 })
+	store.mu.Lock()
+	dead := store.deadLetters[1]
+	store.mu.Unlock()
+	if dead == "" {
+		t.Fatal("settled before the dead letter of the invisible row was written")
+	}
+	waitFor(t, "row 2 marked done", func() bool {
+		store.mu.Lock()
+		defer store.mu.Unlock()
+		return store.done[2]
+	})
 }

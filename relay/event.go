@@ -23,9 +23,11 @@ type Event struct {
 	Status string
 
 	// CommitLSN and EndLSN place a streamed event's transaction in the WAL;
-	// both are zero on the claim path.
-	CommitLSN LSN
-	EndLSN    LSN
+	// CommitTime is when it committed (the server's clock). All are zero on
+	// the claim path.
+	CommitLSN  LSN
+	EndLSN     LSN
+	CommitTime time.Time
 }
 
 // Type returns the event type, or "" when NULL.

@@ -48,12 +48,12 @@ type task struct {
 
 func newLane(e *Engine, r Route) *lane {
 	return &lane{
-		e:        e,
-		route:    r,
-		name:     r.Sink.Name(),
-		sink:     r.Sink,
-		slots:    make(chan struct{}, e.cfg.LaneCapacity),
-		ready:    make(chan *task, e.cfg.LaneCapacity),
+		e:         e,
+		route:     r,
+		name:      r.Sink.Name(),
+		sink:      r.Sink,
+		slots:     make(chan struct{}, e.cfg.LaneCapacity),
+		ready:     make(chan *task, e.cfg.LaneCapacity),
 		busy:      map[AggregateKey]*aggQueue{},
 		diverted:  map[AggregateKey]uint64{},
 		unwritten: map[AggregateKey]int{},
@@ -93,7 +93,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) error {
 			timer.Stop()
 		case <-timer.C:
 			l.divert(t.st.ev)
-			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "lane blocked longer than lane_block_max", availableAt: time.Now()})
+			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "lane blocked longer than lane_block_max", availableAt: time.Now(), why: "lane_blocked"})
 			return nil
 		case <-ctx.Done():
 			timer.Stop()
@@ -107,7 +107,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) error {
 		l.mu.Unlock()
 		<-l.slots
 		l.divert(ev)
-		l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until})
+		l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until, why: "sink_down"})
 		return nil
 	}
 	if l.ordered(ev) {
@@ -115,7 +115,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) error {
 		if _, ok := l.diverted[agg]; ok {
 			l.mu.Unlock()
 			<-l.slots
-			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now()})
+			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now(), why: "ordering"})
 			return nil
 		}
 		if q, ok := l.busy[agg]; ok {
@@ -177,7 +177,7 @@ func (l *lane) dispatch(ctx context.Context) {
 		until := l.openUntil
 		l.mu.Unlock()
 		if time.Now().Before(until) {
-			l.complete(t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until, counted: t.counted})
+			l.complete(t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until, counted: t.counted, why: "sink_down"})
 			continue
 		}
 		if l.route.Hold && !t.claimed {
@@ -216,7 +216,7 @@ func (l *lane) result(t *task, err error) {
 		return
 	case SinkDown:
 		until := l.openCircuit(reason, retryAfter)
-		l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: until, counted: t.counted})
+		l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: until, counted: t.counted, why: "sink_down"})
 		return
 	}
 
@@ -229,6 +229,7 @@ func (l *lane) result(t *task, err error) {
 	// Transient or unknown: an attempt that counts.
 	t.counted++
 	l.e.Stats.Retried.Add(1)
+	ObserveRetried(l.name, PathStream)
 	total := ev.Attempts + t.counted
 	if total >= l.e.cfg.MaxAttempts {
 		l.complete(t, outcome{kind: outcomeDeadLetter, reason: "max_attempts reached: " + reason, counted: t.counted})
@@ -341,7 +342,7 @@ func (l *lane) complete(t *task, o outcome) {
 	l.e.finish(l, t, o)
 	for _, w := range follow {
 		<-l.slots
-		l.e.finish(l, w, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now()})
+		l.e.finish(l, w, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now(), why: "ordering"})
 	}
 	if next != nil {
 		l.ready <- next

@@ -52,7 +52,13 @@ type Store interface {
 	// each conditional on the row still being pending. It may commit
 	// asynchronously (synchronous_commit = off); the synchronous checkpoint
 	// written before each acknowledgement makes it durable. Safe to repeat.
-	Settle(ctx context.Context, s Settlement) error
+	//
+	// It returns the ids of hand-offs and dead letters whose row it cannot
+	// see yet: the walsender may send a transaction before the committing
+	// backend has left the proc array, so a fast delivery can settle an
+	// event whose row is not yet visible to other sessions. The caller
+	// settles those again shortly.
+	Settle(ctx context.Context, s Settlement) (invisible []int64, err error)
 
 	// Restreamed returns the state of the rows with these ids, in one query,
 	// for events the slot may be sending again after a restart. Rows missing
@@ -60,8 +66,9 @@ type Store interface {
 	Restreamed(ctx context.Context, events []*Event) (map[int64]RowState, error)
 
 	// MarkDone sets status done on rows that are still pending and owned by
-	// the stream. Off the acknowledgement path; safe to repeat.
-	MarkDone(ctx context.Context, ids []int64) error
+	// the stream. Off the acknowledgement path; safe to repeat. Like Settle,
+	// it returns the ids whose row it cannot see yet.
+	MarkDone(ctx context.Context, ids []int64) (invisible []int64, err error)
 
 	// Diverted returns the aggregates that have a handed-off or held row not
 	// yet settled; the stream hands their later events off too.

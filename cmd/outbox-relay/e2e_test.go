@@ -69,9 +69,24 @@ func TestRelay_EndToEnd(t *testing.T) {
 			t.Fatalf("idempotency key %q for event %q", d.IdemKey, d.EventKey)
 		}
 	}
-	eventually(t, 10*time.Second, "every row done", func() bool {
-		return s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status = 'done'") == 5000
-	})
+	deadline := time.Now().Add(10 * time.Second)
+	for s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status = 'done'") != 5000 {
+		if time.Now().After(deadline) {
+			rows, _ := s.pool.Query(context.Background(), `SELECT id, status, handoff_at IS NOT NULL, coalesce(last_error, ''),
+				(SELECT string_agg(action || ':' || state, ',') FROM integration_idempotency l WHERE l.event_key = o.event_key)
+				FROM integration_outbox o WHERE status <> 'done' ORDER BY id LIMIT 10`)
+			for rows.Next() {
+				var id int64
+				var status, lastErr string
+				var handoff bool
+				var ledgerState *string
+				rows.Scan(&id, &status, &handoff, &lastErr, &ledgerState)
+				t.Logf("row %d: %s handoff=%v ledger=%v last_error=%q", id, status, handoff, ledgerState, lastErr)
+			}
+			t.Fatalf("%d rows not done", s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status <> 'done'"))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if n := s.scalar(t, `SELECT count(*) FROM integration_idempotency WHERE state = 'delivered' AND action IN ('nats', 'hook')`); n != 10000 {
 		t.Fatalf("ledger has %d delivered rows, want 10000", n)
 	}

@@ -42,13 +42,36 @@ exit 0 within shutdown_timeout.`,
 	}
 }
 
+// relayRun is one running relay: what every leadership term shares.
+type relayRun struct {
+	cfg    *config.Config
+	log    zerolog.Logger
+	pool   *pgxpool.Pool
+	tables config.Tables
+	store  *ledger.Store
+	routes []relay.Route
+	owner  string
+	health *health
+}
+
 // runRelay wires the configuration into a running relay and blocks until ctx
-// is done, then shuts down in order: stop the source, drain the engine
-// (outcomes written), close the sinks.
+// is done. In replication and auto modes it first becomes the slot's leader
+// (a standby waits, ready, until the leader goes); each leadership term runs
+// a fresh engine and source and ends, on shutdown or lost leadership, in
+// order: stop the source, drain the engine (outcomes written), then the
+// sinks are closed.
 func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error {
 	switch cfg.Source.Mode {
 	case config.SourcePoll:
 		return fmt.Errorf("source.mode poll: %w (the claim path lands with its own issue; use auto or replication)", errNotImplemented)
+	}
+	r := &relayRun{cfg: cfg, log: log, owner: instanceID(), health: &health{}}
+	r.health.set(false, "starting")
+
+	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopHTTP()
+	if _, err := serveHTTP(httpCtx, cfg.HTTP.Listen, r.health, log); err != nil {
+		return err
 	}
 
 	pool, err := pgxpool.New(ctx, cfg.DatabaseURL.Reveal())
@@ -56,14 +79,14 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		return fmt.Errorf("database: %w", err)
 	}
 	defer pool.Close()
+	r.pool = pool
 
-	tables, err := resolveTables(ctx, pool, cfg.Tables())
-	if err != nil {
+	if r.tables, err = resolveTables(ctx, pool, cfg.Tables()); err != nil {
 		return err
 	}
 	lcfg := ledger.DefaultConfig()
-	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = tables.Outbox, tables.Ledger, tables.Checkpoint
-	store := ledger.New(pool, lcfg)
+	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = r.tables.Outbox, r.tables.Ledger, r.tables.Checkpoint
+	r.store = ledger.New(pool, lcfg)
 
 	if len(cfg.Sinks) == 0 {
 		s := config.DefaultSink(config.SinkNATS)
@@ -71,12 +94,12 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		cfg.Sinks = []config.SinkConfig{s}
 		log.Info().Msg("no sinks configured: delivering to an embedded NATS server with JetStream")
 	}
-	// Sinks are closed after the engine has drained, on a fresh context.
-	sinks, err := openSinks(ctx, cfg, log)
+	// Sinks are closed last, after the engine has drained, on a fresh context.
+	r.routes, err = openSinks(ctx, cfg, log)
 	defer func() {
 		closeCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		for _, s := range sinks {
+		for _, s := range r.routes {
 			if err := s.Sink.Close(closeCtx); err != nil {
 				log.Warn().Err(err).Str("sink", s.Sink.Name()).Msg("close sink")
 			}
@@ -86,41 +109,89 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		return err
 	}
 
-	names := make([]string, len(sinks))
-	for i, s := range sinks {
+	go r.refreshStats(httpCtx)
+
+	for {
+		r.health.set(true, "")
+		leader, err := ledger.AcquireLeader(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot, log)
+		if err != nil {
+			if ctx.Err() != nil {
+				log.Info().Msg("relay stopped")
+				return nil
+			}
+			return err
+		}
+		relay.LeaderGauge.Set(1)
+		log.Info().Str("slot", cfg.Source.Slot).Str("owner", r.owner).Msg("leader for the slot")
+		termCtx, endTerm := context.WithCancel(ctx)
+		go func() {
+			select {
+			case <-leader.Lost():
+				endTerm()
+			case <-termCtx.Done():
+			}
+		}()
+		err = r.lead(termCtx)
+		endTerm()
+		leader.Release()
+		relay.LeaderGauge.Set(0)
+		if ctx.Err() != nil {
+			if err != nil && !errors.Is(err, context.Canceled) {
+				return err
+			}
+			log.Info().Msg("relay stopped")
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		log.Warn().Msg("leadership lost: delivery stopped; standing by to take over again")
+	}
+}
+
+// lead runs one leadership term: the stream with its engine until ctx ends.
+func (r *relayRun) lead(ctx context.Context) error {
+	cfg, log := r.cfg, r.log
+	if pid, err := ledger.TerminateStaleWalsender(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot); err != nil {
+		log.Warn().Err(err).Msg("could not check the slot for a stale walsender")
+	} else if pid != 0 {
+		log.Warn().Int32("pid", pid).Msg("ended a stale walsender still holding the slot (a former leader)")
+	}
+
+	names := make([]string, len(r.routes))
+	for i, s := range r.routes {
 		names[i] = s.Sink.Name()
 	}
-	if n, err := store.MarkDeliveredDone(ctx, names); err != nil {
+	if n, err := r.store.MarkDeliveredDone(ctx, names); err != nil {
 		return fmt.Errorf("mark rows the ledger shows delivered: %w", err)
 	} else if n > 0 {
 		log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
 	}
 
 	engine, err := relay.NewEngine(relay.EngineConfig{
-		Routes:         sinks,
-		Store:          store,
+		Routes:         r.routes,
+		Store:          r.store,
 		Unordered:      cfg.Delivery.Ordering == config.OrderingNone,
 		InlineAttempts: cfg.Delivery.InlineAttempts,
 		MaxAttempts:    cfg.Delivery.MaxAttempts,
 		Backoff:        durations(cfg.Delivery.Backoff),
 		LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
 		MarkDone:       cfg.Delivery.MarkDone == config.MarkDoneAsync,
-		Holds:          store,
-		Owner:          instanceID(),
+		Holds:          r.store,
+		Owner:          r.owner,
 		Logger:         log,
 	})
 	if err != nil {
 		return err
 	}
-
 	source, err := replication.New(replication.Config{
 		ConnString:   cfg.DatabaseURL.Reveal(),
 		Slot:         cfg.Source.Slot,
 		Publication:  cfg.Source.Publication,
-		Outbox:       tables.Outbox,
+		Outbox:       r.tables.Outbox,
 		Consumer:     engine,
-		Checkpoint:   store,
-		MarkForClaim: store.MarkForClaim,
+		Checkpoint:   r.store,
+		MarkForClaim: r.store.MarkForClaim,
 		Logger:       log,
 	})
 	if err != nil {
@@ -132,11 +203,12 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	engineDone := make(chan error, 1)
 	go func() { engineDone <- engine.Run(engineCtx) }()
 
-	log.Info().Str("slot", cfg.Source.Slot).Str("outbox", tables.Outbox.String()).Int("sinks", len(sinks)).Msg("relay running")
+	relay.SetMode("replication")
+	log.Info().Str("slot", cfg.Source.Slot).Str("outbox", r.tables.Outbox.String()).Int("sinks", len(r.routes)).Msg("relay running")
 	srcErr := source.Run(ctx)
 
-	// Shutdown: the source has stopped taking events; let in-flight ones
-	// finish and their outcomes reach the database, then stop.
+	// The source has stopped taking events; let in-flight ones finish and
+	// their outcomes reach the database, then stop.
 	drainCtx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeout))
 	defer cancel()
 	if err := engine.Drain(drainCtx); err != nil {
@@ -149,8 +221,27 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if srcErr != nil && !errors.Is(srcErr, context.Canceled) {
 		return srcErr
 	}
-	log.Info().Msg("relay stopped")
 	return nil
+}
+
+// refreshStats publishes the table gauges every 10 s: counting by status
+// scans the table, so it never runs per scrape.
+func (r *relayRun) refreshStats(ctx context.Context) {
+	tick := time.NewTicker(10 * time.Second)
+	defer tick.Stop()
+	for {
+		st, err := r.store.Stats(ctx, r.cfg.Source.Slot, time.Duration(r.cfg.Source.SweepAfter))
+		if err == nil {
+			st.Publish()
+		} else if ctx.Err() == nil {
+			r.log.Debug().Err(err).Msg("refresh outbox stats")
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
 }
 
 // openSinks builds the configured sinks in order. On error it returns the

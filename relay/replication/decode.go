@@ -29,6 +29,7 @@ type decoder struct {
 
 	inTxn      bool
 	commitLSN  relay.LSN
+	commitTime time.Time
 	batch      []*relay.Event
 	batchBytes int
 }
@@ -65,6 +66,7 @@ func (d *decoder) handle(ctx context.Context, it streamItem) error {
 		}
 		d.inTxn = true
 		d.commitLSN = relay.LSN(m.FinalLSN)
+		d.commitTime = m.CommitTime
 	case *pglogrepl.InsertMessage:
 		rel, ok := d.relations[m.RelationID]
 		if !ok {
@@ -81,6 +83,7 @@ func (d *decoder) handle(ctx context.Context, it streamItem) error {
 			return err
 		}
 		ev.CommitLSN = d.commitLSN
+		ev.CommitTime = d.commitTime
 		d.batch = append(d.batch, ev)
 		d.batchBytes += len(ev.Payload)
 		if len(d.batch) >= maxBatch || d.batchBytes >= maxBatchBytes {

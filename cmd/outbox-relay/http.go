@@ -1,0 +1,67 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/rs/zerolog"
+)
+
+// health is what /healthz and /readyz report. Live means the process runs
+// its loops; ready means it can do its job now: streaming or polling as the
+// leader, or waiting as a standby that can take over.
+type health struct {
+	ready  atomic.Bool
+	reason atomic.Value // string: why not ready
+}
+
+func (h *health) set(ready bool, reason string) {
+	h.ready.Store(ready)
+	h.reason.Store(reason)
+}
+
+// serveHTTP serves /metrics, /healthz and /readyz on addr until ctx is done.
+// It listens on 127.0.0.1 by default; binding another address is logged,
+// because the metrics name tables and sinks.
+func serveHTTP(ctx context.Context, addr string, h *health, log zerolog.Logger) (net.Addr, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("http.listen %s: %w", addr, err)
+	}
+	if host, _, _ := net.SplitHostPort(addr); host != "127.0.0.1" && host != "localhost" && host != "::1" {
+		log.Warn().Str("listen", ln.Addr().String()).Msg("the metrics and health endpoints listen beyond loopback")
+	}
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.Handler())
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if h.ready.Load() {
+			fmt.Fprintln(w, "ready")
+			return
+		}
+		reason, _ := h.reason.Load().(string)
+		http.Error(w, "not ready: "+reason, http.StatusServiceUnavailable)
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		<-ctx.Done()
+		shutdownCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		srv.Shutdown(shutdownCtx)
+	}()
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error().Err(err).Msg("http server")
+		}
+	}()
+	log.Info().Str("listen", ln.Addr().String()).Msg("serving /metrics /healthz /readyz")
+	return ln.Addr(), nil
+}

@@ -1,0 +1,119 @@
+package relay
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promauto"
+)
+
+// Metrics, namespace outbox_relay. The names are part of the interface:
+// deploy/grafana and deploy/prometheus use them.
+var (
+	deliveredTotal = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "delivered_total",
+		Help: "Events delivered, per sink and path (stream or claim).",
+	}, []string{"sink", "path"})
+	failedTotal = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "failed_total",
+		Help: "Events dead-lettered (status failed), per sink and path.",
+	}, []string{"sink", "path"})
+	retriedTotal = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "retried_total",
+		Help: "Failed attempts that will be retried, per sink and path.",
+	}, []string{"sink", "path"})
+	heldTotal = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "held_total",
+		Help: "Events held for a person after an unknown outcome, per sink and path.",
+	}, []string{"sink", "path"})
+	handedOffTotal = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "handed_off_total",
+		Help: "Events the stream handed to the claim path, per sink and reason.",
+	}, []string{"sink", "reason"})
+	deliveryLatency = promauto.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: "outbox_relay", Name: "delivery_latency_seconds",
+		Help:    "Time from the event's commit (stream) or creation (claim path) to the sink's acknowledgement.",
+		Buckets: []float64{.0005, .001, .002, .003, .005, .0075, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
+	}, []string{"sink", "path"})
+
+	// ModeGauge is 1 for the current source mode (replication, poll).
+	ModeGauge = promauto.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "mode",
+		Help: "1 for the current source mode (replication or poll), 0 otherwise.",
+	}, []string{"mode"})
+	// LeaderGauge is 1 while this instance is the leader for its slot.
+	LeaderGauge = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "leader",
+		Help: "1 while this instance holds the leader lock for its slot.",
+	})
+	// RowsGauge, PendingRows, OldestPendingAge, StuckRows and
+	// SlotRetainedWAL are refreshed from the database on an interval, not
+	// per scrape.
+	RowsGauge = promauto.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "rows",
+		Help: "Outbox rows by status.",
+	}, []string{"status"})
+	PendingRows = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "pending_rows",
+		Help: "Rows pending or processing.",
+	})
+	OldestPendingAge = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "oldest_pending_age_seconds",
+		Help: "Age of the oldest pending row.",
+	})
+	StuckRows = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "stuck_rows",
+		Help: "Rows the stream owns that have been pending longer than sweep_after.",
+	})
+	SlotRetainedWAL = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "slot_retained_wal_bytes",
+		Help: "WAL the replication slot retains (pg_current_wal_lsn - restart_lsn).",
+	})
+	// NATSDuplicatesStored counts retries stored as a second copy because
+	// they came after the stream's duplicate window.
+	NATSDuplicatesStored = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "nats_duplicates_stored_total",
+		Help: "Retries JetStream stored as a second copy (after its duplicate window); consumers deduplicate on Outbox-Event-Key.",
+	}, []string{"sink"})
+	up = promauto.NewGauge(prometheus.GaugeOpts{Namespace: "outbox_relay", Name: "up", Help: "1 while the relay runs."})
+)
+
+func init() { up.Set(1) }
+
+// SetMode sets ModeGauge to mode.
+func SetMode(mode string) {
+	for _, m := range []string{"replication", "poll"} {
+		v := 0.0
+		if m == mode {
+			v = 1
+		}
+		ModeGauge.WithLabelValues(m).Set(v)
+	}
+}
+
+// Path labels for the metrics.
+const (
+	PathStream = "stream"
+	PathClaim  = "claim"
+)
+
+// ObserveDelivered counts a delivery and its latency from since (commit or
+// creation time; zero skips the latency).
+func ObserveDelivered(sink, path string, since time.Time) {
+	deliveredTotal.WithLabelValues(sink, path).Inc()
+	if !since.IsZero() {
+		deliveryLatency.WithLabelValues(sink, path).Observe(time.Since(since).Seconds())
+	}
+}
+
+// ObserveFailed counts a dead letter.
+func ObserveFailed(sink, path string) { failedTotal.WithLabelValues(sink, path).Inc() }
+
+// ObserveRetried counts a failed attempt that will be retried.
+func ObserveRetried(sink, path string) { retriedTotal.WithLabelValues(sink, path).Inc() }
+
+// ObserveHeld counts a held event.
+func ObserveHeld(sink, path string) { heldTotal.WithLabelValues(sink, path).Inc() }
+
+// observeHandedOff counts a hand-off from the stream.
+func observeHandedOff(sink, reason string) { handedOffTotal.WithLabelValues(sink, reason).Inc() }
