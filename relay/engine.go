@@ -156,17 +156,8 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 // Run loads the diverted aggregates, then runs the lanes and the writers
 // until ctx is done. Call Drain first for a graceful stop.
 func (e *Engine) Run(ctx context.Context) error {
-	diverted, err := e.cfg.Store.Diverted(ctx)
-	if err != nil {
-		return fmt.Errorf("load diverted aggregates: %w", err)
-	}
-	for _, l := range e.lanes {
-		for _, a := range diverted {
-			l.diverted[a] = e.divertSeq.Add(1)
-		}
-	}
-	if len(diverted) > 0 {
-		e.log.Info().Int("aggregates", len(diverted)).Msg("aggregates with handed-off or held events: their new events go to the claim path until those settle")
+	if err := e.loadDiverted(ctx); err != nil {
+		return err
 	}
 
 	ctx, cancel := context.WithCancel(ctx)
@@ -182,6 +173,26 @@ func (e *Engine) Run(ctx context.Context) error {
 	<-ctx.Done()
 	cancel()
 	wg.Wait()
+	return nil
+}
+
+// loadDiverted marks, in every lane, the aggregates the table shows with a
+// handed-off or held event, so their new events follow them.
+func (e *Engine) loadDiverted(ctx context.Context) error {
+	diverted, err := e.cfg.Store.Diverted(ctx)
+	if err != nil {
+		return fmt.Errorf("load diverted aggregates: %w", err)
+	}
+	for _, l := range e.lanes {
+		l.mu.Lock()
+		for _, a := range diverted {
+			l.diverted[a] = e.divertSeq.Add(1)
+		}
+		l.mu.Unlock()
+	}
+	if len(diverted) > 0 {
+		e.log.Info().Int("aggregates", len(diverted)).Msg("aggregates with handed-off or held events: their new events go to the claim path until those settle")
+	}
 	return nil
 }
 
@@ -309,13 +320,28 @@ func (e *Engine) Keepalive(walEnd LSN) { e.tracker.keepalive(walEnd) }
 func (e *Engine) Settled() (LSN, bool) { return e.tracker.position() }
 
 // Restart implements Consumer.
+//
+// It also reloads the diverted aggregates: a new slot's hand-over has just
+// given the claim path every row pending before it, and the stream must not
+// overtake those.
 func (e *Engine) Restart(ctx context.Context, horizon LSN) error {
 	if !e.tracker.waitIdle(ctx.Done()) {
 		return ctx.Err()
 	}
 	e.tracker.reset()
 	e.horizon.Store(uint64(horizon))
-	return nil
+	for attempt := 0; ; attempt++ {
+		err := e.loadDiverted(ctx)
+		if err == nil {
+			return nil
+		}
+		e.log.Warn().Err(err).Msg("reload diverted aggregates; retrying")
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(retryDelay(attempt)):
+		}
+	}
 }
 
 // eventState collects the outcome of one event across its sinks.

@@ -91,7 +91,11 @@ func (s *fakeStore) MarkDone(_ context.Context, ids []int64) ([]int64, error) {
 	return invisible, nil
 }
 
-func (s *fakeStore) Diverted(context.Context) ([]relay.AggregateKey, error) { return s.diverted, nil }
+func (s *fakeStore) Diverted(context.Context) ([]relay.AggregateKey, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.diverted, nil
+}
 
 func (s *fakeStore) snapshot() (delivered map[relay.LedgerKey]int, handOffs map[int64]relay.HandOff, dead map[int64]string) {
 	s.mu.Lock()
@@ -712,4 +716,24 @@ func TestEngine_RowNotVisibleYet(t *testing.T) {
 		defer store.mu.Unlock()
 		return store.done[2]
 	})
+}
+
+// TestEngine_RestartReloadsDiverted: rows a new slot's hand-over gives the
+// claim path divert their aggregates before the stream starts.
+func TestEngine_RestartReloadsDiverted(t *testing.T) {
+	store := newFakeStore()
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Store: store, Routes: []relay.Route{{Sink: sink}}})
+	store.mu.Lock()
+	store.diverted = []relay.AggregateKey{{Type: "order", ID: "old"}}
+	store.mu.Unlock()
+	if err := e.Restart(context.Background(), 0); err != nil {
+		t.Fatal(err)
+	}
+	e.Submit(context.Background(), []*relay.Event{event(1, "old"), event(2, "new")})
+	e.Commit(100)
+	waitFor(t, "settled", func() bool { lsn, _ := e.Settled(); return lsn == 100 })
+	if sent := sink.sent(); len(sent) != 1 || sent[0].Event.ID != 2 {
+		t.Fatalf("sent %v: the event of an aggregate with a row at the claim path was streamed", sent)
+	}
 }
