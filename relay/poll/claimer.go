@@ -308,7 +308,7 @@ func (c *Claimer) Run(ctx context.Context) error {
 func (c *Claimer) claimLoop(ctx context.Context) {
 	failures := 0
 	for ctx.Err() == nil {
-		full := false
+		again := false
 		if c.ownerHeld.Load() {
 			n, err := c.runBatch(ctx)
 			if err != nil {
@@ -324,9 +324,12 @@ func (c *Claimer) claimLoop(ctx context.Context) {
 				continue
 			}
 			failures = 0
-			full = n >= c.cfg.BatchSize
+			// A batch that settled anything may have unblocked the next
+			// event of each aggregate it touched: claim again at once, and
+			// sleep only after a claim that found nothing due.
+			again = n > 0
 		}
-		if full {
+		if again {
 			continue
 		}
 		timer := time.NewTimer(c.cfg.PollInterval)

@@ -1,0 +1,135 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations"
+)
+
+// TestRelay_AutoPollsWithoutLogicalWAL: on a wal_level=replica cluster,
+// mode auto falls back to the claim path over every row; with the NOTIFY
+// trigger and poll_interval 5s, events still arrive within milliseconds.
+func TestRelay_AutoPollsWithoutLogicalWAL(t *testing.T) {
+	cluster := pgtest.NewCluster(t, pgtest.Options{WALLevel: "replica"})
+	ctx := context.Background()
+	if err := cluster.CreateDatabase(ctx, "outbox"); err != nil {
+		t.Fatal(err)
+	}
+	s := newSetupWith(t, cluster.URL("outbox"), migrations.Options{Names: migrations.DefaultNames(), NotifyTrigger: true})
+	s.startInProcess(t, s.configFileWith(t, "", "source: {mode: auto, poll_interval: 5s, notify_trigger: true}"))
+	time.Sleep(time.Second) // let it find replication impossible and start polling
+
+	committed := map[string]time.Time{}
+	for i := range 1000 {
+		key := fmt.Sprintf("poll-%d", i)
+		if _, err := s.pool.Exec(ctx, `SELECT outbox_publish('order.placed', 'order', $1, $2, '{"pad": "x"}')`, fmt.Sprint(i%50), key); err != nil {
+			t.Fatal(err)
+		}
+		committed[key] = time.Now()
+		time.Sleep(2 * time.Millisecond)
+	}
+	keys := s.keys(t, "true")
+	s.waitAllDelivered(t, 60*time.Second, keys)
+
+	var lat []time.Duration
+	for _, d := range s.hook.deliveries() {
+		lat = append(lat, d.At.Sub(committed[d.EventKey]))
+	}
+	slices.Sort(lat)
+	p50, p99 := lat[len(lat)/2], lat[len(lat)*99/100]
+	t.Logf("poll mode with NOTIFY, poll_interval 5s: commit→webhook p50 %v, p99 %v over %d events", p50, p99, len(lat))
+	if p50 > 100*time.Millisecond {
+		t.Fatalf("p50 %v: the NOTIFY wake-up is not working (poll_interval is 5s)", p50)
+	}
+	for sink, ds := range map[string][]delivery{"webhook": s.hook.deliveries(), "nats": streamMessages(t, s.nats.URL())} {
+		if len(ds) != 1000 {
+			t.Fatalf("%s: %d deliveries, want 1000", sink, len(ds))
+		}
+		checkOrder(t, sink, ds)
+	}
+	if n := s.scalar(t, "SELECT count(*) FROM pg_replication_slots"); n != 0 {
+		t.Fatalf("%d slots exist on a wal_level=replica cluster", n)
+	}
+}
+
+// TestRelay_SlotDroppedWhileStreaming: the walsender is terminated and the
+// slot dropped while events flow. Nothing is lost: events the dead slot did
+// not deliver are pending, and the new slot's snapshot hands them to the
+// claim path; the relay streams again within 30 s.
+func TestRelay_SlotDroppedWhileStreaming(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	s.startInProcess(t, s.configFile(t, ""))
+	s.waitSlot(t)
+
+	var wg sync.WaitGroup
+	wg.Go(func() { s.publishWritersPaced(t, 3, 500, 20, "drop", 3*time.Millisecond) })
+	eventually(t, 30*time.Second, "deliveries before the drop", func() bool { return len(s.hook.deliveries()) >= 300 })
+
+	ctx := context.Background()
+	dropped := false
+	for attempt := 0; !dropped && attempt < 200; attempt++ {
+		s.pool.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = 'outbox_relay' AND active`)
+		_, err := s.pool.Exec(ctx, `SELECT pg_drop_replication_slot('outbox_relay')`)
+		dropped = err == nil
+		if !dropped {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	if !dropped {
+		t.Fatal("could not drop the slot")
+	}
+	droppedAt := time.Now()
+	t.Logf("slot dropped after %d webhook deliveries", len(s.hook.deliveries()))
+
+	s.waitSlot(t)
+	if d := time.Since(droppedAt); d > 30*time.Second {
+		t.Fatalf("streaming again after %v, want within 30s", d)
+	}
+	t.Logf("streaming again %v after the drop", time.Since(droppedAt).Round(time.Millisecond))
+	wg.Wait()
+	keys := s.keys(t, "true")
+	s.waitAllDelivered(t, 90*time.Second, keys)
+	for sink, ds := range map[string][]delivery{"webhook": s.hook.deliveries(), "nats": streamMessages(t, s.nats.URL())} {
+		for key, copies := range byKey(ds) {
+			for _, c := range copies[1:] {
+				if c.IdemKey != copies[0].IdemKey || c.Body != copies[0].Body {
+					t.Fatalf("%s: repeat of %s differs", sink, key)
+				}
+			}
+		}
+		checkOrder(t, sink, ds)
+	}
+	if n := s.scalar(t, `SELECT count(*) FROM integration_idempotency WHERE state = 'delivered'`); n != int64(2*len(keys)) {
+		t.Fatalf("ledger: %d delivered pairs, want %d", n, 2*len(keys))
+	}
+}
+
+// TestRelay_UnconsumedSlotIsDropped: with its publication gone, the relay
+// cannot stream and polls instead; the slot it owns is dropped after
+// slot_max_unconsumed rather than retaining WAL forever, and events keep
+// flowing through the claim path.
+func TestRelay_UnconsumedSlotIsDropped(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	stop := s.startInProcess(t, s.configFile(t, ""))
+	s.waitSlot(t)
+	stop()
+	ctx := context.Background()
+	if _, err := s.pool.Exec(ctx, `DROP PUBLICATION outbox_relay`); err != nil {
+		t.Fatal(err)
+	}
+
+	s.startInProcess(t, s.configFileWith(t, "", "source: {mode: auto, slot_max_unconsumed: 3s, poll_interval: 200ms}"))
+	start := time.Now()
+	s.publishWriters(t, 1, 20, 5, "unconsumed")
+	eventually(t, 20*time.Second, "the unconsumed slot dropped", func() bool {
+		return s.scalar(t, "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'outbox_relay'") == 0
+	})
+	t.Logf("slot dropped %v after the relay started polling", time.Since(start).Round(time.Millisecond))
+	s.waitAllDelivered(t, 30*time.Second, s.keys(t, "true"))
+}
