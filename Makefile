@@ -39,3 +39,20 @@ run: build
 
 clean:
 	rm -rf $(BIN) data
+
+## bench: the SPEC §6 benchmark in one run (cmd/outbox-relay-bench): a private
+## PostgreSQL, an external nats-server process and a webhook receiver; prints a
+## markdown table. ARGS=-quick uses small sizes and takes under two minutes
+## (what CI can run: it reports, it does not assert); ARGS=-h lists the flags.
+ARGS ?=
+bench: build
+	$(GO) run ./cmd/outbox-relay-bench --relay $(BIN)/outbox-relay $(ARGS)
+
+## e2e-n8n: the relay against a real n8n 2.8.4 (installed from the npm registry
+## into $$HOME/.cache/outbox-relay on first use: 6-8 minutes, 2.3 GB) with the
+## shipped workflow deploy/n8n/outbox-workflow.json: bulk delivery, a duplicate,
+## an n8n outage and an unpublished workflow. Needs Node.js 20.19+, sqlite3 and
+## the PostgreSQL server binaries. E2E_N8N_FLAGS passes flags (e.g. --keep).
+.PHONY: e2e-n8n
+e2e-n8n: build
+	$(GO) run ./cmd/outbox-relay-e2e-n8n --relay $(BIN)/outbox-relay $(E2E_N8N_FLAGS)

@@ -271,6 +271,25 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, names Names, data map[stri
 	return nil
 }
 
+// sqlMigrations are the migrations after 001 (a Go step), in order.
+var sqlMigrations = []string{
+	"002_relay_columns.sql",
+	"003_relay_indexes.sql",
+	"004_ledger.sql",
+	"005_outbox_publish.sql",
+	"006_replays.sql",
+}
+
+// Latest returns the schema version a fully migrated outbox table has: the
+// number of migrations, which is what the version table holds after migrate.
+func Latest() int32 { return int32(1 + len(sqlMigrations)) }
+
+// VersionTable returns the tern version table that records the schema
+// version of outbox's migrations, in the outbox's schema. Pass a
+// schema-qualified outbox: an unqualified one gives an unqualified name,
+// resolved through the search_path.
+func VersionTable(outbox relay.QualifiedName) relay.QualifiedName { return versionTable(outbox) }
+
 // load renders the embedded SQL for these names. The outbox table itself is a
 // Go step: it is created only when absent, with its indexes built plainly
 // because nothing can be writing to a table that did not exist.
@@ -313,7 +332,7 @@ func load(m *migrate.Migrator, names Names, data map[string]any) error {
 		},
 	})
 
-	for _, file := range []string{"002_relay_columns.sql", "003_relay_indexes.sql", "004_ledger.sql", "005_outbox_publish.sql"} {
+	for _, file := range sqlMigrations {
 		up, err := render(file)
 		if err != nil {
 			return err

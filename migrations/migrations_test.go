@@ -105,8 +105,8 @@ func TestMigrate_EmptyDatabase(t *testing.T) {
 	conn := mustConnect(t, pgtest.NewDatabase(t))
 
 	res := mustMigrate(t, conn, migrations.Options{})
-	if res.From != 0 || res.To != 5 || len(res.Applied) != 5 {
-		t.Fatalf("first run: from %d to %d applied %v, want 0 → 5, five migrations", res.From, res.To, res.Applied)
+	if res.From != 0 || res.To != 6 || len(res.Applied) != 6 || res.To != migrations.Latest() {
+		t.Fatalf("first run: from %d to %d applied %v, want 0 → 6, six migrations", res.From, res.To, res.Applied)
 	}
 	if !res.PublicationCreated || res.PublicationSkipped != "" {
 		t.Fatalf("publication: created=%v skipped=%q", res.PublicationCreated, res.PublicationSkipped)
@@ -125,6 +125,11 @@ func TestMigrate_EmptyDatabase(t *testing.T) {
 	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'integration_outbox'::regclass
 		AND attname = 'handoff_at' AND NOT attnotnull)`).Scan(&handoff); err != nil || !handoff {
 		t.Errorf("nullable handoff_at column missing (err %v)", err)
+	}
+	var replays bool
+	if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = 'integration_outbox'::regclass
+		AND attname = 'replays' AND atttypid = 'int4'::regtype AND NOT attnotnull AND NOT atthasdef)`).Scan(&replays); err != nil || !replays {
+		t.Errorf("nullable replays int column without default missing (err %v)", err)
 	}
 	var orderDef string
 	if err := conn.QueryRow(ctx, "SELECT pg_get_indexdef('integration_outbox_relay_order_idx'::regclass)").Scan(&orderDef); err != nil {
@@ -145,7 +150,7 @@ func TestMigrate_EmptyDatabase(t *testing.T) {
 
 	before := catalogState(t, conn)
 	res = mustMigrate(t, conn, migrations.Options{})
-	if res.From != 5 || res.To != 5 || len(res.Applied) != 0 || res.PublicationCreated || res.Retries != 0 {
+	if res.From != 6 || res.To != 6 || len(res.Applied) != 0 || res.PublicationCreated || res.Retries != 0 {
 		t.Fatalf("second run is not a no-op: %+v", res)
 	}
 	if after := catalogState(t, conn); after != before {
@@ -265,8 +270,8 @@ func TestMigrate_RebuildsInvalidIndex(t *testing.T) {
 	}
 
 	res := mustMigrate(t, conn, migrations.Options{})
-	if res.From != 2 || res.To != 5 {
-		t.Fatalf("from %d to %d, want 2 → 5", res.From, res.To)
+	if res.From != 2 || res.To != 6 {
+		t.Fatalf("from %d to %d, want 2 → 6", res.From, res.To)
 	}
 	var valid bool
 	var newOID uint32
@@ -297,11 +302,15 @@ func TestMigrate_DoesNotBlockWriters(t *testing.T) {
 	mustExec(t, long, "BEGIN")
 	mustExec(t, long, "SELECT count(*) FROM integration_outbox")
 	var longEnded atomic.Int64
+	longDone := make(chan struct{})
 	go func() {
+		defer close(longDone)
 		time.Sleep(holdFor)
 		longEnded.Store(time.Now().UnixNano())
 		long.Exec(ctx, "COMMIT")
 	}()
+	// The connection's cleanup must not close it under the COMMIT.
+	defer func() { <-longDone }()
 
 	writer := mustConnect(t, url)
 	stop := make(chan struct{})

@@ -149,12 +149,17 @@ type setup struct {
 
 func newSetup(t *testing.T, dbURL string) *setup {
 	t.Helper()
+	return newSetupWith(t, dbURL, migrations.Options{Names: migrations.DefaultNames()})
+}
+
+func newSetupWith(t *testing.T, dbURL string, opts migrations.Options) *setup {
+	t.Helper()
 	ctx := context.Background()
 	conn, err := pgx.Connect(ctx, dbURL)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()}); err != nil {
+	if _, err := migrations.Migrate(ctx, conn, opts); err != nil {
 		t.Fatal(err)
 	}
 	conn.Close(ctx)
@@ -169,6 +174,12 @@ func newSetup(t *testing.T, dbURL string) *setup {
 // configFile writes a relay config for this setup; extra is appended YAML
 // for the webhook sink.
 func (s *setup) configFile(t *testing.T, extraHook string) string {
+	t.Helper()
+	return s.configFileWith(t, extraHook, "")
+}
+
+// configFileWith also appends top-level YAML (a source: section, say).
+func (s *setup) configFileWith(t *testing.T, extraHook, extraTop string) string {
 	t.Helper()
 	path := filepath.Join(s.dir, "relay.yaml")
 	cfg := fmt.Sprintf(`database_url: %q
@@ -185,7 +196,9 @@ sinks:
 %s
 log: {level: debug, format: json}
 shutdown_timeout: 10s
-`, s.url, filepath.Join(s.dir, "data"), s.nats.URL(), s.hook.URL, extraHook)
+http: {listen: "127.0.0.1:0"}
+%s
+`, s.url, filepath.Join(s.dir, "data"), s.nats.URL(), s.hook.URL, extraHook, extraTop)
 	if err := os.WriteFile(path, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -261,6 +274,12 @@ func (s *setup) startProcess(t *testing.T, cfgPath string, logFile io.Writer) *e
 // connections; writer w owns aggregates "w<w>-<n>" for n < aggregates.
 func (s *setup) publishWriters(t *testing.T, writers, perWriter, aggregates int, prefix string) {
 	t.Helper()
+	s.publishWritersPaced(t, writers, perWriter, aggregates, prefix, 0)
+}
+
+// publishWritersPaced is publishWriters with a pause after each event.
+func (s *setup) publishWritersPaced(t *testing.T, writers, perWriter, aggregates int, prefix string, pause time.Duration) {
+	t.Helper()
 	var wg sync.WaitGroup
 	for w := range writers {
 		wg.Go(func() {
@@ -273,6 +292,9 @@ func (s *setup) publishWriters(t *testing.T, writers, perWriter, aggregates int,
 					agg, key, i).Scan(&res); err != nil {
 					t.Errorf("publish %s: %v", key, err)
 					return
+				}
+				if pause > 0 {
+					time.Sleep(pause)
 				}
 			}
 		})

@@ -73,7 +73,6 @@ func TestExitCodes(t *testing.T) {
 		{"invalid config value names the key", []string{"migrate", "--config", badConfig}, exitUsage, "source.mode"},
 		{"missing config file", []string{"migrate", "--config", "/nonexistent/relay.yaml"}, exitUsage, "/nonexistent/relay.yaml"},
 		{"unreachable database", []string{"migrate", "--database-url", "postgres://nobody@127.0.0.1:1/x?connect_timeout=2"}, exitFailure, "connect to the database"},
-		{"command not landed yet", []string{"doctor"}, exitNotImplemented, "not implemented yet"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -4,9 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
-	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,7 +16,9 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/poll"
 	"github.com/outbox-relay/outbox-relay/relay/replication"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 	"github.com/outbox-relay/outbox-relay/sink/webhook"
@@ -61,11 +62,7 @@ type relayRun struct {
 // order: stop the source, drain the engine (outcomes written), then the
 // sinks are closed.
 func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error {
-	switch cfg.Source.Mode {
-	case config.SourcePoll:
-		return fmt.Errorf("source.mode poll: %w (the claim path lands with its own issue; use auto or replication)", errNotImplemented)
-	}
-	r := &relayRun{cfg: cfg, log: log, owner: instanceID(), health: &health{}}
+	r := &relayRun{cfg: cfg, log: log, owner: poll.NewOwner(), health: &health{}}
 	r.health.set(false, "starting")
 
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
@@ -74,9 +71,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		return err
 	}
 
-	pool, err := pgxpool.New(ctx, cfg.DatabaseURL.Reveal())
+	pool, err := newPool(ctx, cfg.DatabaseURL.Reveal())
 	if err != nil {
-		return fmt.Errorf("database: %w", err)
+		return err
 	}
 	defer pool.Close()
 	r.pool = pool
@@ -110,6 +107,21 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 
 	go r.refreshStats(httpCtx)
+	retentionDone := make(chan struct{})
+	go func() {
+		defer close(retentionDone)
+		runRetention(httpCtx, pool, r.tables, cfg, log)
+	}()
+	defer func() { stopHTTP(); <-retentionDone }()
+
+	if cfg.Source.Mode == config.SourcePoll {
+		// Claimers coordinate through the table (SKIP LOCKED), so every
+		// instance polls; there is no leader.
+		r.health.set(true, "")
+		err := r.poll(ctx, 0)
+		log.Info().Msg("relay stopped")
+		return err
+	}
 
 	for {
 		r.health.set(true, "")
@@ -145,12 +157,156 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		if err != nil {
 			return err
 		}
+		// Losing the lock means this process's link to the database is
+		// suspect: give a healthy standby the first chance to take over.
 		log.Warn().Msg("leadership lost: delivery stopped; standing by to take over again")
+		select {
+		case <-ctx.Done():
+			log.Info().Msg("relay stopped")
+			return nil
+		case <-time.After(3 * time.Second):
+		}
 	}
 }
 
-// lead runs one leadership term: the stream with its engine until ctx ends.
+// replicationRetry is how often auto mode, while polling, tries to return
+// to replication.
+const replicationRetry = time.Minute
+
+// lead runs one leadership term until ctx ends: the stream, or in auto mode,
+// while replication is impossible, the claim path over every row, trying to
+// return to replication every minute.
 func (r *relayRun) lead(ctx context.Context) error {
+	var pollingSince time.Time
+	for {
+		err := r.stream(ctx)
+		var unavailable *replication.UnavailableError
+		if ctx.Err() != nil || !errors.As(err, &unavailable) {
+			return err
+		}
+		if r.cfg.Source.Mode == config.SourceReplication {
+			return fmt.Errorf("replication is unavailable and source.mode is replication: %s", unavailable.Reason)
+		}
+		if pollingSince.IsZero() {
+			pollingSince = time.Now()
+			r.log.Warn().Str("reason", unavailable.Reason).Dur("retry_every", replicationRetry).
+				Msg("replication unavailable: falling back to the claim path over every row")
+		}
+		watchCtx, stopWatch := context.WithCancel(ctx)
+		go r.watchUnconsumedSlot(watchCtx, pollingSince)
+		err = r.poll(ctx, replicationRetry)
+		stopWatch()
+		if err != nil {
+			return err
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		// Back to replication through the slot-creation hand-over: a slot
+		// left from before polling is dropped, so the new one's snapshot
+		// marks every row polling did not finish for the claim path.
+		if err := r.dropSlot(ctx, "returning from poll mode to replication"); err != nil {
+			r.log.Warn().Err(err).Msg("drop the old slot before returning to replication")
+		}
+	}
+}
+
+// newClaimer builds the claim path; all claims every due row (poll mode),
+// otherwise only rows handed to it.
+func (r *relayRun) newClaimer(all bool, engine *relay.Engine) (*poll.Claimer, error) {
+	cfg := r.cfg
+	pc := poll.Config{
+		Pool:         r.pool,
+		Outbox:       r.tables.Outbox,
+		Ledger:       r.tables.Ledger,
+		Routes:       r.routes,
+		All:          all,
+		Unordered:    cfg.Delivery.Ordering == config.OrderingNone,
+		BatchSize:    cfg.Source.BatchSize,
+		PollInterval: time.Duration(cfg.Source.PollInterval),
+		LockTimeout:  time.Duration(cfg.Source.LockTimeout),
+		MaxAttempts:  cfg.Delivery.MaxAttempts,
+		Backoff:      durations(cfg.Delivery.Backoff),
+		SweepAfter:   time.Duration(cfg.Source.SweepAfter),
+		Owner:        r.owner,
+		Logger:       r.log.With().Str("path", "claim").Logger(),
+	}
+	if cfg.Source.NotifyTrigger {
+		pc.Notify = migrations.NotifyChannel(r.tables.Outbox)
+	}
+	if engine != nil {
+		pc.OnAggregateSettled = engine.Undiverted
+		pc.DivertSeq = engine.DivertSeq
+	}
+	return poll.New(pc)
+}
+
+// poll runs the claim path over every due row for d (0: until ctx ends).
+func (r *relayRun) poll(ctx context.Context, d time.Duration) error {
+	claimer, err := r.newClaimer(true, nil)
+	if err != nil {
+		return err
+	}
+	relay.SetMode("poll")
+	if d > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, d)
+		defer cancel()
+	}
+	r.log.Info().Msg("polling: the claim path takes every due row")
+	if err := claimer.Run(ctx); err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+		return err
+	}
+	return nil
+}
+
+// watchUnconsumedSlot checks the slot every few seconds while polling.
+func (r *relayRun) watchUnconsumedSlot(ctx context.Context, since time.Time) {
+	every := min(time.Duration(r.cfg.Source.SlotMaxUnconsumed)/2, 5*time.Second)
+	tick := time.NewTicker(max(every, 100*time.Millisecond))
+	defer tick.Stop()
+	for {
+		if err := r.dropUnconsumedSlot(ctx, since); err != nil && ctx.Err() == nil {
+			r.log.Warn().Err(err).Msg("check the unconsumed slot")
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// dropUnconsumedSlot drops the relay's slot when it has not been consumed
+// for slot_max_unconsumed or retains more than slot_max_retained: the table
+// keeps the events, and an unconsumed slot would keep WAL without limit.
+func (r *relayRun) dropUnconsumedSlot(ctx context.Context, since time.Time) error {
+	var exists, active bool
+	var retained int64
+	err := r.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(bool_or(active), false),
+		coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint FROM pg_replication_slots WHERE slot_name = $1`,
+		r.cfg.Source.Slot).Scan(&exists, &active, &retained)
+	if err != nil || !exists || active {
+		return err
+	}
+	if time.Since(since) < time.Duration(r.cfg.Source.SlotMaxUnconsumed) && retained < int64(r.cfg.Source.SlotMaxRetained) {
+		return nil
+	}
+	return r.dropSlot(ctx, fmt.Sprintf("not consumed for %s, retaining %d bytes of WAL", time.Since(since).Round(time.Second), retained))
+}
+
+// dropSlot drops the relay's own slot if it exists and nobody streams from it.
+func (r *relayRun) dropSlot(ctx context.Context, why string) error {
+	tag, err := r.pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.cfg.Source.Slot)
+	if err == nil && tag.RowsAffected() > 0 {
+		r.log.Warn().Str("slot", r.cfg.Source.Slot).Str("why", why).Msg("dropped the replication slot; the outbox table keeps the events")
+	}
+	return err
+}
+
+// stream runs the stream path and, beside it, the claim path over the rows
+// the stream hands off, until ctx ends or replication fails.
+func (r *relayRun) stream(ctx context.Context) error {
 	cfg, log := r.cfg, r.log
 	if pid, err := ledger.TerminateStaleWalsender(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot); err != nil {
 		log.Warn().Err(err).Msg("could not check the slot for a stale walsender")
@@ -178,8 +334,9 @@ func (r *relayRun) lead(ctx context.Context) error {
 		LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
 		MarkDone:       cfg.Delivery.MarkDone == config.MarkDoneAsync,
 		Holds:          r.store,
-		Owner:          r.owner,
-		Logger:         log,
+		Owner:          r.owner, // the claim path holds this owner's lock
+
+		Logger: log,
 	})
 	if err != nil {
 		return err
@@ -203,6 +360,15 @@ func (r *relayRun) lead(ctx context.Context) error {
 	engineDone := make(chan error, 1)
 	go func() { engineDone <- engine.Run(engineCtx) }()
 
+	claimer, err := r.newClaimer(false, engine)
+	if err != nil {
+		return err
+	}
+	claimCtx, stopClaimer := context.WithCancel(ctx)
+	claimDone := make(chan error, 1)
+	go func() { claimDone <- claimer.Run(claimCtx) }()
+	defer func() { stopClaimer(); <-claimDone }()
+
 	relay.SetMode("replication")
 	log.Info().Str("slot", cfg.Source.Slot).Str("outbox", r.tables.Outbox.String()).Int("sinks", len(r.routes)).Msg("relay running")
 	srcErr := source.Run(ctx)
@@ -222,6 +388,25 @@ func (r *relayRun) lead(ctx context.Context) error {
 		return srcErr
 	}
 	return nil
+}
+
+// newPool opens the relay's connection pool. pgxpool's default (4, or the
+// CPU count) is too small for the loops that share it — settlement,
+// mark-done, checkpoints, the claim path, stats — and a checkpoint waiting
+// for a connection stalls the stream; pool_max_conns in the URL still wins.
+func newPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	pcfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("database: %w", err)
+	}
+	if !strings.Contains(url, "pool_max_conns") {
+		pcfg.MaxConns = 12
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("database: %w", err)
+	}
+	return pool, nil
 }
 
 // refreshStats publishes the table gauges every 10 s: counting by status
@@ -323,13 +508,6 @@ func resolveTables(ctx context.Context, pool *pgxpool.Pool, t config.Tables) (co
 	}
 	t.Outbox.Schema = schema
 	return t, nil
-}
-
-// instanceID names this process in ledger claims: host, pid and a random
-// suffix, so a restarted process never mistakes an old claim for its own.
-func instanceID() string {
-	host, _ := os.Hostname()
-	return fmt.Sprintf("%s:%d:%08x", host, os.Getpid(), rand.Uint32())
 }
 
 func durations(ds []config.Duration) []time.Duration {

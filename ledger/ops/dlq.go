@@ -51,11 +51,15 @@ func (s Selection) matches(eventType *string) bool {
 	return false
 }
 
-// globMatch matches like the engine routes: path.Match, and a NULL event
-// type only for "*".
+// globMatch matches like the engine routes: "*" takes every event type
+// (NULL and ones with a '/', which path.Match's "*" does not match); other
+// globs are path.Match patterns and never match NULL.
 func globMatch(glob string, eventType *string) bool {
+	if glob == "*" {
+		return true
+	}
 	if eventType == nil {
-		return glob == "*"
+		return false
 	}
 	ok, err := path.Match(glob, *eventType)
 	return err == nil && ok

@@ -19,6 +19,7 @@ func TestSelectIDs(t *testing.T) {
 	heldInvoice := f.MustInsert(t, row{key: "b", status: "held", eventType: str("invoice.paid")})
 	failedNull := f.MustInsert(t, row{key: "c", status: "failed", eventType: nil})
 	MustExec(t, f.pool, fmt.Sprintf("UPDATE %s SET event_type = NULL WHERE id = $1", f.tables.Outbox.Quoted()), failedNull)
+	slashed := f.MustInsert(t, row{key: "s", status: "failed", eventType: str("crm/lead")})
 	f.MustInsert(t, row{key: "d", status: "pending"})
 	f.MustInsert(t, row{key: "e", status: "done"})
 	// "a" reached n8n but not nats.
@@ -29,14 +30,16 @@ func TestSelectIDs(t *testing.T) {
 		sel  ops.Selection
 		want []int64
 	}{
-		{"dead letters", ops.Selection{}, []int64{failedOrder, heldInvoice, failedNull}},
+		{"dead letters", ops.Selection{}, []int64{failedOrder, heldInvoice, failedNull, slashed}},
 		{"ids", ops.Selection{IDs: []int64{heldInvoice, 999}}, []int64{heldInvoice}},
 		{"empty ids select nothing", ops.Selection{IDs: []int64{}}, nil},
-		{"since", ops.Selection{Since: time.Now().Add(-time.Hour)}, []int64{heldInvoice, failedNull}},
+		{"since", ops.Selection{Since: time.Now().Add(-time.Hour)}, []int64{heldInvoice, failedNull, slashed}},
 		{"event type glob", ops.Selection{EventType: "order.*"}, []int64{failedOrder}},
-		{"NULL event type matches only *", ops.Selection{EventType: "*"}, []int64{failedOrder, heldInvoice, failedNull}},
-		{"not delivered to n8n", ops.Selection{NotDeliveredTo: "n8n"}, []int64{heldInvoice, failedNull}},
-		{"not delivered to nats", ops.Selection{NotDeliveredTo: "nats"}, []int64{failedOrder, heldInvoice, failedNull}},
+		{"NULL event type matches only *", ops.Selection{EventType: "*"}, []int64{failedOrder, heldInvoice, failedNull, slashed}},
+		{"* takes a type with a slash, as the engine routes", ops.Selection{Routes: []string{"*"}}, []int64{failedOrder, heldInvoice, failedNull, slashed}},
+		{"other globs never match NULL", ops.Selection{EventType: "*.*"}, []int64{failedOrder, heldInvoice}},
+		{"not delivered to n8n", ops.Selection{NotDeliveredTo: "n8n"}, []int64{heldInvoice, failedNull, slashed}},
+		{"not delivered to nats", ops.Selection{NotDeliveredTo: "nats"}, []int64{failedOrder, heldInvoice, failedNull, slashed}},
 		{"routes", ops.Selection{Routes: []string{"invoice.*", "nothing"}}, []int64{heldInvoice}},
 		{"limit", ops.Selection{Limit: 2}, []int64{failedOrder, heldInvoice}},
 	}

@@ -66,12 +66,13 @@ type Config struct {
 	Source          SourceConfig   `yaml:"source"`
 	Delivery        DeliveryConfig `yaml:"delivery"`
 	// Sinks may be empty: the run command then adds an embedded NATS sink.
-	Sinks           []SinkConfig  `yaml:"sinks"`
-	HTTP            HTTPConfig    `yaml:"http"`
-	DataDir         string        `yaml:"data_dir"`
-	ShutdownTimeout Duration      `yaml:"shutdown_timeout"`
-	Log             LogConfig     `yaml:"log"`
-	Migrate         MigrateConfig `yaml:"migrate"`
+	Sinks           []SinkConfig    `yaml:"sinks"`
+	HTTP            HTTPConfig      `yaml:"http"`
+	DataDir         string          `yaml:"data_dir"`
+	ShutdownTimeout Duration        `yaml:"shutdown_timeout"`
+	Log             LogConfig       `yaml:"log"`
+	Migrate         MigrateConfig   `yaml:"migrate"`
+	Retention       RetentionConfig `yaml:"retention"`
 
 	// origins maps a key path ("sinks[0].url") to where its value came
 	// from, so Validate can name the file line or variable.
@@ -278,6 +279,28 @@ type MigrateConfig struct {
 	Timeout Duration `yaml:"timeout"`
 }
 
+// RetentionConfig configures the pruning of old rows that run does on an
+// interval. Only done outbox rows and the ledger rows of done or deleted
+// outbox rows are ever pruned; pending, processing, held and failed rows and
+// their ledger rows are kept however old they are.
+type RetentionConfig struct {
+	// Enabled turns pruning on. The run role then needs DELETE on the outbox.
+	Enabled bool `yaml:"enabled"`
+	// DoneAfter is how long a done row is kept after it was processed. It
+	// is also how long outbox_publish recognises a re-published key as a
+	// duplicate.
+	DoneAfter Duration `yaml:"done_after"`
+	// LedgerAfter is how long a ledger row is kept after its delivery (or
+	// claim). It must be at least DoneAfter: while a row exists, its ledger
+	// rows tell replay --sink which sinks already have it.
+	LedgerAfter Duration `yaml:"ledger_after"`
+	// Interval is the pause between pruning passes.
+	Interval Duration `yaml:"interval"`
+	// Batch is the number of rows one DELETE removes; each batch is its own
+	// short transaction.
+	Batch int `yaml:"batch"`
+}
+
 // Default returns the configuration used when no file, variable or override
 // sets a key. It has no sinks, and an empty Outbox.ConflictsTable, meaning
 // "<table>_conflicts".
@@ -319,6 +342,13 @@ func Default() Config {
 		Migrate: MigrateConfig{
 			LockTimeout: Duration(time.Second),
 			Timeout:     Duration(10 * time.Minute),
+		},
+		Retention: RetentionConfig{
+			Enabled:     true,
+			DoneAfter:   Duration(7 * 24 * time.Hour),
+			LedgerAfter: Duration(30 * 24 * time.Hour),
+			Interval:    Duration(time.Minute),
+			Batch:       1000,
 		},
 	}
 }

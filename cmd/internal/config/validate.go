@@ -42,7 +42,29 @@ func (c *Config) Validate() error {
 	oneOf(v, "log.format", c.Log.Format, "json", "console", "auto")
 	v.positive("migrate.lock_timeout", c.Migrate.LockTimeout)
 	v.positive("migrate.timeout", c.Migrate.Timeout)
+	v.retention(c.Retention)
 	return errors.Join(v.errs...)
+}
+
+// maxRetentionBatch keeps one pruning DELETE short: its locks and its WAL
+// are bounded by the batch.
+const maxRetentionBatch = 100_000
+
+// retention checks the ages even when pruning is off, so that switching it
+// on cannot surface an old mistake.
+func (v *validator) retention(r RetentionConfig) {
+	v.positive("retention.done_after", r.DoneAfter)
+	v.positive("retention.ledger_after", r.LedgerAfter)
+	if r.DoneAfter > 0 && r.LedgerAfter > 0 && r.LedgerAfter < r.DoneAfter {
+		// While a row exists its ledger rows say which sinks have it: replay
+		// --sink and the claim path skip those sinks. Without them every
+		// sink would get the row again.
+		v.fail("retention.ledger_after", "%s is shorter than retention.done_after (%s): ledger rows must outlive their outbox rows, or replay --sink would re-deliver to every sink", r.LedgerAfter, r.DoneAfter)
+	}
+	v.positive("retention.interval", r.Interval)
+	if r.Batch < 1 || r.Batch > maxRetentionBatch {
+		v.fail("retention.batch", "must be between 1 and %d, got %d", maxRetentionBatch, r.Batch)
+	}
 }
 
 type validator struct {

@@ -1,0 +1,64 @@
+package main
+
+import (
+	"encoding/json"
+	"math"
+	"testing"
+)
+
+func TestPayloadSize(t *testing.T) {
+	for _, i := range []int{0, 7, 12345, 999999999} {
+		p := payload(i, 300)
+		if len(p) != 300 {
+			t.Errorf("payload(%d) is %d bytes, want 300", i, len(p))
+		}
+		var v struct {
+			Pad string `json:"pad"`
+			Seq int    `json:"seq"`
+		}
+		if err := json.Unmarshal([]byte(p), &v); err != nil || v.Seq != i {
+			t.Errorf("payload(%d) = %s: %v", i, p, err)
+		}
+	}
+}
+
+func TestPercentile(t *testing.T) {
+	v := []float64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+	for _, c := range []struct{ p, want float64 }{{0.5, 5}, {0.99, 10}, {0.1, 1}, {1, 10}} {
+		if got := percentile(v, c.p); got != c.want {
+			t.Errorf("percentile(%v) = %v, want %v", c.p, got, c.want)
+		}
+	}
+	if !math.IsNaN(percentile(nil, 0.5)) {
+		t.Error("percentile of nothing is not NaN")
+	}
+}
+
+func TestTrackerIndex(t *testing.T) {
+	tr := newTracker("st-", 10)
+	tr.hook.record(tr, "st-3", 5)
+	tr.hook.record(tr, "st-3", 6)
+	tr.hook.record(tr, "other-3", 7)
+	tr.hook.record(tr, "st-10", 8)
+	if tr.hook.unique.Load() != 1 || tr.hook.repeats.Load() != 1 || tr.hook.at[3].Load() != 5 {
+		t.Errorf("unique %d repeats %d at %d", tr.hook.unique.Load(), tr.hook.repeats.Load(), tr.hook.at[3].Load())
+	}
+}
+
+func TestThousands(t *testing.T) {
+	for n, want := range map[int]string{0: "0", 999: "999", 1000: "1,000", 1234567: "1,234,567", -4500: "-4,500"} {
+		if got := thousands(n); got != want {
+			t.Errorf("thousands(%d) = %q, want %q", n, got, want)
+		}
+	}
+}
+
+func TestReadProcTimesSelf(t *testing.T) {
+	s, err := takeSnapshot()
+	if err != nil {
+		t.Skipf("no /proc: %v", err)
+	}
+	if s.total <= 0 || len(s.procs) == 0 {
+		t.Fatalf("empty snapshot: %+v", s.total)
+	}
+}

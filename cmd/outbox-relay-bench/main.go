@@ -1,0 +1,187 @@
+// Command outbox-relay-bench measures outbox-relay on the workload of SPEC §6
+// in one run and prints a markdown table that can be pasted into the README:
+// ≥ 1,000 aggregates, 300-byte payloads, the idempotency ledger on, and an
+// external NATS server process with JetStream.
+//
+// It starts everything it needs and removes it afterwards: a throwaway
+// PostgreSQL cluster with wal_level=logical (ledger/pgtest, fsync on), a
+// nats-server process on a free loopback port (built from the nats-server
+// module in go.mod, else the one in PATH; never the machine's own server on
+// 4222), and an in-process HTTP receiver that records when each event_key
+// arrives. Every phase uses a fresh database, migrated with `outbox-relay
+// migrate`, and the relay binary given by --relay, configured through a file.
+//
+// Phases, in order (select with -phases):
+//
+//	ceiling     pg_recvlogical (pgoutput, proto_version=1) drains -n rows
+//	            inserted after its slot was created: rows/s, the median of
+//	            -ceiling-runs drains of the same rows (one slot each).
+//	drain-js    the relay drains the same number of rows, inserted after its
+//	            slot exists while it is stopped, into JetStream: events/s and
+//	            the ratio to the ceiling.
+//	drain-both  the same into JetStream and the webhook together.
+//	floor       a bare pglogrepl client under the steady load (for half of
+//	            -duration, at most 10 s): commit→decode
+//	            latency, the floor for any relay on this machine in this run.
+//	steady      -rate events/s for -duration, one event per transaction:
+//	            commit→NATS arrival and commit→webhook 2xx, p50/p99/p99.9.
+//	poller      the seed poller (every -poller-interval a FOR UPDATE SKIP
+//	            LOCKED claim of 500 rows, POST each, mark done; no NOTIFY)
+//	            under the same load for -poller-duration.
+//	pollmode    the relay's own poll mode under the same load, when the build
+//	            has it (a trial run that exits with code 3 means it has not).
+//	rss-queued  peak RSS of the relay draining -queued rows inserted in
+//	            10,000-row statements while it was stopped.
+//	rss-bigtx   peak RSS of the relay draining one -bigtx-row transaction.
+//
+// Before each phase it waits (at most -quiet-wait) until the CPU used by
+// processes outside the benchmark, measured from /proc over one second, is
+// below -quiet cores, and it reports that share for every phase. It reports,
+// it does not assert: the exit status is 0 unless the benchmark itself could
+// not run. -quick shrinks every size so that the run takes under two minutes.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// options are the command-line flags.
+type options struct {
+	relayBin       string
+	natsServer     string
+	n              int
+	ceilingRuns    int
+	rate           float64
+	duration       time.Duration
+	warmup         time.Duration
+	pollerDuration time.Duration
+	pollerInterval time.Duration
+	queued         int
+	bigTx          int
+	aggregates     int
+	payloadSize    int
+	drainBatch     int
+	writers        int
+	rssWebhook     bool
+	quiet          float64
+	quietWait      time.Duration
+	quick          bool
+	phases         string
+	keep           bool
+}
+
+// quickValues are the sizes -quick uses for flags not given explicitly.
+var quickValues = map[string]string{
+	"n":               "20000",
+	"duration":        "10s",
+	"warmup":          "1s",
+	"poller-duration": "10s",
+	"queued":          "100000",
+	"bigtx":           "20000",
+	"quiet-wait":      "2s",
+}
+
+func main() {
+	var o options
+	fs := flag.NewFlagSet("outbox-relay-bench", flag.ExitOnError)
+	fs.StringVar(&o.relayBin, "relay", "", "path to the outbox-relay binary (default: bin/outbox-relay)")
+	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
+	fs.IntVar(&o.n, "n", 200000, "rows for the drain phases (ceiling, drain-js, drain-both)")
+	fs.IntVar(&o.ceilingRuns, "ceiling-runs", 3, "pg_recvlogical drains of the same rows (the median is the ceiling)")
+	fs.Float64Var(&o.rate, "rate", 1000, "steady load in events/s")
+	fs.DurationVar(&o.duration, "duration", 60*time.Second, "measured duration of the steady load")
+	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "unmeasured load before each measured load")
+	fs.DurationVar(&o.pollerDuration, "poller-duration", 60*time.Second, "load duration for the seed poller and the relay's poll mode")
+	fs.DurationVar(&o.pollerInterval, "poller-interval", 10*time.Second, "the seed poller's interval")
+	fs.IntVar(&o.queued, "queued", 1000000, "rows queued (inserted in 10,000-row statements) for the RSS drain")
+	fs.IntVar(&o.bigTx, "bigtx", 100000, "rows of the single transaction for the RSS drain")
+	fs.IntVar(&o.aggregates, "aggregates", 1000, "distinct aggregate ids")
+	fs.IntVar(&o.payloadSize, "payload", 300, "payload size in bytes (jsonb text)")
+	fs.IntVar(&o.drainBatch, "drain-batch", 100, "rows per transaction when inserting the drain phases' rows")
+	fs.IntVar(&o.writers, "writers", 8, "connections generating the steady load")
+	fs.BoolVar(&o.rssWebhook, "rss-webhook", false, "RSS phases deliver to the webhook as well as JetStream (slower)")
+	fs.Float64Var(&o.quiet, "quiet", 0.3, "wait before each phase until other processes use less than this many cores")
+	fs.DurationVar(&o.quietWait, "quiet-wait", 30*time.Second, "longest wait for a quiet machine before each phase")
+	fs.BoolVar(&o.quick, "quick", false, "small sizes, under two minutes (for CI; reports, does not assert)")
+	fs.StringVar(&o.phases, "phases", strings.Join(allPhases, ","), "comma-separated phases to run")
+	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, configs) after the run")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the SPEC §6 workload and prints a markdown table.\n\n")
+		fs.PrintDefaults()
+	}
+	_ = fs.Parse(os.Args[1:])
+	if o.quick {
+		set := map[string]bool{}
+		fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		for name, v := range quickValues {
+			if !set[name] {
+				_ = fs.Set(name, v)
+			}
+		}
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "outbox-relay-bench: unexpected arguments %q\n", fs.Args())
+		os.Exit(2)
+	}
+	if err := o.validate(); err != nil {
+		fmt.Fprintf(os.Stderr, "outbox-relay-bench: %v\n", err)
+		os.Exit(2)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, o, os.Args[1:]); err != nil {
+		fmt.Fprintf(os.Stderr, "outbox-relay-bench: %v\n", err)
+		stop()
+		os.Exit(1)
+	}
+}
+
+// validate checks the flags and resolves the relay binary.
+func (o *options) validate() error {
+	if o.relayBin == "" {
+		o.relayBin = filepath.Join("bin", "outbox-relay")
+	}
+	abs, err := filepath.Abs(o.relayBin)
+	if err != nil {
+		return err
+	}
+	o.relayBin = abs
+	if _, err := os.Stat(o.relayBin); err != nil {
+		return fmt.Errorf("relay binary: %w (run make build, or pass --relay)", err)
+	}
+	switch {
+	case o.n <= 0 || o.queued <= 0 || o.bigTx <= 0:
+		return fmt.Errorf("-n, -queued and -bigtx must be positive")
+	case o.rate <= 0 || o.duration <= 0 || o.pollerDuration <= 0 || o.pollerInterval <= 0:
+		return fmt.Errorf("-rate, -duration, -poller-duration and -poller-interval must be positive")
+	case o.aggregates <= 0 || o.writers <= 0 || o.drainBatch <= 0:
+		return fmt.Errorf("-aggregates, -writers and -drain-batch must be positive")
+	case o.payloadSize < 40:
+		return fmt.Errorf("-payload must be at least 40 bytes")
+	}
+	for _, p := range strings.Split(o.phases, ",") {
+		if !isPhase(strings.TrimSpace(p)) {
+			return fmt.Errorf("-phases: unknown phase %q (phases: %s)", p, strings.Join(allPhases, ", "))
+		}
+	}
+	return nil
+}
+
+// wants reports whether phase was selected with -phases.
+func (o *options) wants(phase string) bool {
+	for _, p := range strings.Split(o.phases, ",") {
+		if strings.TrimSpace(p) == phase {
+			return true
+		}
+	}
+	return false
+}

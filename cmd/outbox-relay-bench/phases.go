@@ -1,0 +1,605 @@
+package main
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"fmt"
+	"net/http"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// allPhases are the phases in the order they run.
+var allPhases = []string{"ceiling", "drain-js", "drain-both", "floor", "steady", "poller", "pollmode", "rss-queued", "rss-bigtx"}
+
+func isPhase(p string) bool {
+	for _, q := range allPhases {
+		if p == q {
+			return true
+		}
+	}
+	return false
+}
+
+// phaseFuncs maps each phase to its function.
+var phaseFuncs = map[string]func(context.Context, *env, *report) error{
+	"ceiling":    phaseCeiling,
+	"drain-js":   func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false) },
+	"drain-both": func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, true) },
+	"floor":      phaseFloor,
+	"steady":     phaseSteady,
+	"poller":     phasePoller,
+	"pollmode":   phasePollMode,
+	"rss-queued": func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, false) },
+	"rss-bigtx":  func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
+}
+
+// quiet waits for a quiet machine before a measured window and says so.
+func (e *env) quiet(ctx context.Context, phase string, r *report, roots cpuGroups) error {
+	others, waited, err := waitQuiet(ctx, roots, e.o.quiet, e.o.quietWait)
+	if err != nil {
+		return err
+	}
+	note := fmt.Sprintf("%s: waited %.0f s for a quiet machine; other processes then used %.2f cores", phase, waited.Seconds(), others)
+	if others >= e.o.quiet {
+		note += fmt.Sprintf(" (above the %.2f threshold: measured anyway)", e.o.quiet)
+	}
+	e.say("%s", note)
+	r.notes = append(r.notes, note)
+	return nil
+}
+
+// counter counts the bytes written to it.
+type counter struct{ n atomic.Int64 }
+
+func (c *counter) Write(p []byte) (int, error) { c.n.Add(int64(len(p))); return len(p), nil }
+
+// ceilingRun is one pg_recvlogical drain.
+type ceilingRun struct {
+	elapsed time.Duration
+	out     int64 // bytes pg_recvlogical wrote
+	usage   cpuUsage
+}
+
+// phaseCeiling times pg_recvlogical draining -n rows through pgoutput,
+// -ceiling-runs times: one slot per run, all created before the rows are
+// inserted, so every run decodes the same WAL. It reports the median run.
+func phaseCeiling(ctx context.Context, e *env, r *report) error {
+	const phase, db = "ceiling", "bench_ceiling"
+	url, err := e.newDatabase(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer e.dropDatabase(db)
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	runs := max(e.o.ceilingRuns, 1)
+	slot := func(i int) string { return fmt.Sprintf("bench_ceiling_%d", i) }
+	for i := range runs {
+		if _, err := conn.Exec(ctx, "SELECT pg_create_logical_replication_slot($1, 'pgoutput')", slot(i)); err != nil {
+			return err
+		}
+	}
+	n := e.o.n
+	e.say("%s: inserting %d rows (%d per transaction) after creating %d slots", phase, n, e.o.drainBatch, runs)
+	if err := e.bulkInsert(ctx, url, "ce-", n, e.o.drainBatch, 4); err != nil {
+		return err
+	}
+	var endLSN string
+	var walBytes int64
+	if err := conn.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text, (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint
+		FROM pg_replication_slots WHERE slot_name = $1`, slot(0)).Scan(&endLSN, &walBytes); err != nil {
+		return err
+	}
+	var results []ceilingRun
+	for i := range runs {
+		if err := e.quiet(ctx, fmt.Sprintf("%s run %d", phase, i+1), r, e.roots(nil)); err != nil {
+			return err
+		}
+		e.say("%s: pg_recvlogical --slot %s --start --endpos %s (%.1f MB of WAL)", phase, slot(i), endLSN, float64(walBytes)/1e6)
+		c, err := e.recvlogical(ctx, url, slot(i), endLSN)
+		if err != nil {
+			return err
+		}
+		e.say("%s: run %d: %.0f rows/s", phase, i+1, float64(n)/c.elapsed.Seconds())
+		results = append(results, c)
+	}
+	slices.SortFunc(results, func(a, b ceilingRun) int { return cmp.Compare(a.elapsed, b.elapsed) })
+	med := results[len(results)/2]
+	rate := float64(n) / med.elapsed.Seconds()
+	r.ceiling = rate
+	all := make([]string, len(results))
+	for i, c := range results {
+		all[i] = thousands(int(float64(n) / c.elapsed.Seconds()))
+	}
+	r.add(phase, fmt.Sprintf("pg_recvlogical drain of %s rows (pgoutput), median of %d", thousands(n), runs),
+		fmt.Sprintf("%s rows/s (%.2f s; %.0f MB/s of WAL, %.1f MB output; runs, fastest first: %s rows/s)", thousands(int(rate)), med.elapsed.Seconds(),
+			float64(walBytes)/1e6/med.elapsed.Seconds(), float64(med.out)/1e6, strings.Join(all, ", ")),
+		"reference ~87,000 rows/s", "ceiling", med.usage)
+	r.addCPU(phase, med.usage, "pg_recvlogical")
+	return nil
+}
+
+// recvlogical runs pg_recvlogical on slot until it reaches endLSN.
+func (e *env) recvlogical(ctx context.Context, url, slot, endLSN string) (ceilingRun, error) {
+	var c ceilingRun
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(rctx, filepath.Join(e.bin, "pg_recvlogical"),
+		"--dbname", url, "--slot", slot, "--start", "--endpos", endLSN, "--no-loop",
+		"-o", "proto_version=1", "-o", "publication_names=outbox_relay", "-f", "-")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: serverCredential(), Pdeathsig: syscall.SIGKILL}
+	var out counter
+	var stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &stderr
+	meter := startCPU(e.roots(nil))
+	start := time.Now()
+	if err := cmd.Run(); err != nil {
+		return c, fmt.Errorf("pg_recvlogical: %w: %s", err, bytes.TrimSpace(stderr.Bytes()))
+	}
+	c.elapsed = time.Since(start)
+	c.usage = meter.stop()
+	c.out = out.n.Load()
+	return c, nil
+}
+
+// drainOutcome is what a relay drain measured.
+type drainOutcome struct {
+	elapsed time.Duration // relay start → every event delivered
+	first   time.Duration // relay start → the first event delivered
+	usage   cpuUsage
+	peak    int64 // bytes: max(VmHWM, sampled VmRSS)
+	maxRSS  int64
+}
+
+// drain creates the relay's slot, inserts n rows with the relay stopped (per
+// rows per statement, from parallel connections), starts it and waits until
+// all n are delivered, sampling its CPU and RSS.
+func (e *env) drain(ctx context.Context, r *report, s relaySetup, n, per, parallel int) (drainOutcome, error) {
+	var d drainOutcome
+	cfg, err := e.writeConfig(s)
+	if err != nil {
+		return d, err
+	}
+	e.say("%s: creating slot %s (start the relay, stop it with SIGTERM)", s.name, s.slot())
+	if err := e.createSlot(ctx, s, cfg); err != nil {
+		return d, err
+	}
+	t := newTracker(s.name+"-", n)
+	e.recv.cur.Store(t)
+	defer e.recv.cur.Store(nil)
+	e.say("%s: inserting %d rows (%d per transaction) with the relay stopped", s.name, n, per)
+	if err := e.bulkInsert(ctx, s.url, t.prefix, n, per, parallel); err != nil {
+		return d, err
+	}
+	if err := e.quiet(ctx, s.name, r, e.roots(nil)); err != nil {
+		return d, err
+	}
+	e.say("%s: starting the relay and timing the drain", s.name)
+	rp, err := e.startRelay(s, cfg)
+	if err != nil {
+		return d, err
+	}
+	defer rp.stop(30 * time.Second)
+	meter := startCPU(e.roots(rp))
+	rss := sampleRSS(rp.cmd.Process.Pid)
+	start := time.Now()
+	lastProgress, lastCount := start, uint64(0)
+	lastSay := start
+	for {
+		msgs, err := e.streamMsgs(ctx, s.stream())
+		if err != nil {
+			return d, err
+		}
+		hooks := uint64(t.hook.unique.Load())
+		progress := msgs
+		if s.webhook {
+			progress += hooks
+		}
+		if d.first == 0 && progress > 0 {
+			d.first = time.Since(start)
+		}
+		if msgs >= uint64(n) && (!s.webhook || hooks >= uint64(n)) {
+			d.elapsed = time.Since(start)
+			break
+		}
+		if progress > lastCount {
+			lastProgress, lastCount = time.Now(), progress
+		}
+		if rp.exited() {
+			return d, rp.failure()
+		}
+		if time.Since(lastProgress) > 60*time.Second {
+			return d, fmt.Errorf("no progress for 60 s: JetStream holds %d of %d, webhook got %d (log %s)", msgs, n, hooks, rp.logPath)
+		}
+		if time.Since(lastSay) >= 5*time.Second {
+			lastSay = time.Now()
+			e.say("%s: %.0f s: JetStream %d/%d, webhook %d", s.name, time.Since(start).Seconds(), msgs, n, hooks)
+		}
+		select {
+		case <-ctx.Done():
+			return d, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	d.usage = meter.stop()
+	d.peak, d.maxRSS = rss.finish()
+	if err := rp.stop(30 * time.Second); err != nil {
+		e.say("warning: %v", err)
+	}
+	return d, nil
+}
+
+// phaseDrain times the relay draining -n rows into JetStream (and the
+// webhook).
+func phaseDrain(ctx context.Context, e *env, r *report, webhook bool) error {
+	name, what := "drain-js", "JetStream"
+	if webhook {
+		name, what = "drain-both", "JetStream + webhook"
+	}
+	db := "bench_" + strings.ReplaceAll(name, "-", "_")
+	url, err := e.newDatabase(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer e.dropDatabase(db)
+	s := relaySetup{name: name, url: url, webhook: webhook}
+	defer e.deleteStream(s.stream())
+	d, err := e.drain(ctx, r, s, e.o.n, e.o.drainBatch, 4)
+	if err != nil {
+		return err
+	}
+	rate := float64(e.o.n) / d.elapsed.Seconds()
+	steady := float64(e.o.n) / (d.elapsed - d.first).Seconds()
+	value := fmt.Sprintf("%s events/s (%.2f s from start; first delivery after %.2f s, then %s/s); peak RSS %s",
+		thousands(int(rate)), d.elapsed.Seconds(), d.first.Seconds(), thousands(int(steady)), mb(d.peak))
+	target, verdict := "≥ 40% of the ceiling", "n/a (no ceiling)"
+	if webhook {
+		target = "— (SPEC: CPU caps both sinks near 20,000/s here)"
+	}
+	if r.ceiling > 0 {
+		ratio := rate / r.ceiling
+		verdict = fmt.Sprintf("%.0f%% of ceiling", 100*ratio)
+		if !webhook {
+			verdict += " " + passMiss(ratio >= 0.40)
+		}
+	}
+	r.add(name, fmt.Sprintf("relay drain of %s rows → %s", thousands(e.o.n), what), value, target, verdict, d.usage)
+	r.addCPU(name, d.usage, "")
+	if !webhook {
+		r.drainJS = rate
+	}
+	return nil
+}
+
+// loadOutcome is what a paced load measured.
+type loadOutcome struct {
+	load                     loadResult
+	nats, hook               []float64 // sorted latencies, ms
+	natsMissing, hookMissing int
+	usage                    cpuUsage
+	peak                     int64
+}
+
+// loadPlan describes a paced load to measure.
+type loadPlan struct {
+	name     string
+	url      string
+	t        *tracker
+	relay    *relayProc // nil: no relay (the seed poller)
+	nats     bool       // wait for and report t.nats arrivals
+	hook     bool       // wait for and report webhook arrivals
+	warmup   bool
+	onStart  func() // called right before the measured load
+	duration time.Duration
+	settle   time.Duration // how long to wait for the last deliveries
+}
+
+// measureLoad runs a warm-up (unmeasured) and then the measured load, waits
+// for the deliveries and computes the latencies.
+func (e *env) measureLoad(ctx context.Context, r *report, p loadPlan) (loadOutcome, error) {
+	var out loadOutcome
+	pool, err := e.newLoadPool(ctx, p.url)
+	if err != nil {
+		return out, err
+	}
+	defer pool.Close()
+	if err := e.quiet(ctx, p.name, r, e.roots(p.relay)); err != nil {
+		return out, err
+	}
+	if p.warmup && e.o.warmup > 0 {
+		e.say("%s: warm-up, %.0f events/s for %s", p.name, e.o.rate, e.o.warmup)
+		if _, err := e.runLoad(ctx, pool, p.name+"-warmup-", nil, e.o.rate, e.o.warmup); err != nil {
+			return out, err
+		}
+	}
+	var rss *rssSampler
+	if p.relay != nil {
+		rss = sampleRSS(p.relay.cmd.Process.Pid)
+	}
+	e.say("%s: %.0f events/s for %s, one event per transaction", p.name, e.o.rate, p.duration)
+	if p.onStart != nil {
+		p.onStart()
+	}
+	meter := startCPU(e.roots(p.relay))
+	out.load, err = e.runLoad(ctx, pool, "", p.t, e.o.rate, p.duration)
+	if err != nil {
+		return out, err
+	}
+	deadline := time.Now().Add(p.settle)
+	want := int64(out.load.sent)
+	for time.Now().Before(deadline) {
+		if (!p.hook || p.t.hook.unique.Load() >= want) && (!p.nats || p.t.nats.unique.Load() >= want) {
+			break
+		}
+		if p.relay != nil && p.relay.exited() {
+			return out, p.relay.failure()
+		}
+		select {
+		case <-ctx.Done():
+			return out, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	out.usage = meter.stop()
+	if rss != nil {
+		out.peak, _ = rss.finish()
+	}
+	if p.hook {
+		out.hook, out.hookMissing = p.t.latencies(&p.t.hook)
+	}
+	if p.nats {
+		out.nats, out.natsMissing = p.t.latencies(&p.t.nats)
+	}
+	return out, nil
+}
+
+// loadSummary describes the load that was achieved and what arrived.
+func loadSummary(e *env, o loadOutcome, nats bool) string {
+	c := o.load.commitMS
+	s := fmt.Sprintf("%s events/s × %.0f s: %s committed (%s/s achieved, at most %s behind schedule; INSERT+COMMIT p50 %s, p99 %s, max %s); arrived: webhook %s",
+		thousands(int(e.o.rate)), o.load.elapsed.Seconds(), thousands(o.load.sent), thousands(int(o.load.rate())),
+		o.load.maxBehind.Round(time.Millisecond), fmtMS(percentile(c, 0.5)), fmtMS(percentile(c, 0.99)), fmtMS(percentile(c, 1)),
+		thousands(len(o.hook)))
+	if nats {
+		s += ", NATS " + thousands(len(o.nats))
+	}
+	if o.peak > 0 {
+		s += "; relay peak RSS " + mb(o.peak)
+	}
+	return s
+}
+
+// addLatencies adds p50/p99/p99.9 rows for one destination.
+func addLatencies(r *report, phase, what string, ms []float64, missing int, u cpuUsage, targets bool) {
+	for _, q := range []struct {
+		label  string
+		p      float64
+		target float64
+	}{{"p50", 0.50, 3}, {"p99", 0.99, 10}, {"p99.9", 0.999, 25}} {
+		v := percentile(ms, q.p)
+		target, verdict := "—", "info"
+		if targets {
+			target = fmt.Sprintf("< %.0f ms", q.target)
+			verdict = passMiss(v < q.target && missing == 0)
+		}
+		r.add(phase, what+" "+q.label, fmtMS(v), target, verdict, u)
+	}
+	if missing > 0 {
+		r.add(phase, what+": not delivered by the end", thousands(missing), "0", passMiss(false), u)
+	}
+}
+
+// phaseSteady measures commit→delivery latency at -rate events/s.
+func phaseSteady(ctx context.Context, e *env, r *report) error {
+	const phase, db = "steady", "bench_steady"
+	url, err := e.newDatabase(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer e.dropDatabase(db)
+	s := relaySetup{name: phase, url: url, webhook: true}
+	defer e.deleteStream(s.stream())
+	cfg, err := e.writeConfig(s)
+	if err != nil {
+		return err
+	}
+	rp, err := e.startRelay(s, cfg)
+	if err != nil {
+		return err
+	}
+	defer rp.stop(30 * time.Second)
+	if err := e.waitSlotActive(ctx, s, rp, 60*time.Second); err != nil {
+		return err
+	}
+	t := newTracker("st-", int(e.o.rate*e.o.duration.Seconds()))
+	e.recv.cur.Store(t)
+	defer e.recv.cur.Store(nil)
+	sub, err := e.subscribe(s, t)
+	if err != nil {
+		return err
+	}
+	defer sub.Unsubscribe()
+	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, warmup: true,
+		duration: e.o.duration, settle: 30 * time.Second})
+	if err != nil {
+		return err
+	}
+	e.saySeries(phase, t)
+	r.add(phase, "load (relay: replication, JetStream + webhook)", loadSummary(e, o, true), "", "info", o.usage)
+	addLatencies(r, phase, "commit→NATS arrival", o.nats, o.natsMissing, o.usage, true)
+	addLatencies(r, phase, "commit→webhook 2xx", o.hook, o.hookMissing, o.usage, true)
+	r.addCPU(phase, o.usage, "")
+	r.relayHookP50 = percentile(o.hook, 0.5)
+	if err := rp.stop(30 * time.Second); err != nil {
+		e.say("warning: %v", err)
+	}
+	return nil
+}
+
+// phasePoller measures the seed poller under the same load.
+func phasePoller(ctx context.Context, e *env, r *report) error {
+	const phase, db = "poller", "bench_poller"
+	url, err := e.newDatabase(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer e.dropDatabase(db)
+	t := newTracker("pl-", int(e.o.rate*e.o.pollerDuration.Seconds()))
+	e.recv.cur.Store(t)
+	defer e.recv.cur.Store(nil)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	p := &poller{pool: pool, url: e.recv.url, interval: e.o.pollerInterval, client: &http.Client{Timeout: 10 * time.Second}}
+	pctx, stop := context.WithCancel(ctx)
+	defer stop()
+	perr := make(chan error, 1)
+	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, hook: true,
+		onStart:  func() { go func() { perr <- p.run(pctx) }() },
+		duration: e.o.pollerDuration, settle: e.o.pollerInterval + 60*time.Second})
+	stop()
+	if err != nil {
+		return err
+	}
+	if err := <-perr; err != nil {
+		return fmt.Errorf("seed poller: %w", err)
+	}
+	r.add(phase, fmt.Sprintf("load (seed poller: every %s, SKIP LOCKED claims of 500, no NOTIFY)", e.o.pollerInterval),
+		loadSummary(e, o, false), "", "info", o.usage)
+	p50, p99 := percentile(o.hook, 0.5), percentile(o.hook, 0.99)
+	r.add(phase, "commit→webhook 2xx p50", fmtMS(p50), "reference: 10–20 s for a 10 s poller", "info", o.usage)
+	r.add(phase, "commit→webhook 2xx p99", fmtMS(p99), "", "info", o.usage)
+	if o.hookMissing > 0 {
+		r.add(phase, "not delivered by the end", thousands(o.hookMissing), "0", "info", o.usage)
+	}
+	if r.relayHookP50 > 0 {
+		ratio := p50 / r.relayHookP50
+		r.add(phase, "poller p50 / relay p50 (webhook)", fmt.Sprintf("%s×", thousands(int(ratio))), "≥ 1,000×", passMiss(ratio >= 1000), o.usage)
+	} else {
+		r.add(phase, "poller p50 / relay p50 (webhook)", "n/a (steady phase did not run)", "≥ 1,000×", "n/a", o.usage)
+	}
+	r.addCPU(phase, o.usage, "")
+	return nil
+}
+
+// phasePollMode measures the relay's own poll mode when this build has it.
+func phasePollMode(ctx context.Context, e *env, r *report) error {
+	const phase, db = "pollmode", "bench_pollmode"
+	url, err := e.newDatabase(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer e.dropDatabase(db)
+	s := relaySetup{name: phase, url: url, webhook: true, mode: "poll"}
+	defer e.deleteStream(s.stream())
+	cfg, err := e.writeConfig(s)
+	if err != nil {
+		return err
+	}
+	rp, err := e.startRelay(s, cfg)
+	if err != nil {
+		return err
+	}
+	defer rp.stop(30 * time.Second)
+	select {
+	case <-rp.done:
+		if rp.exitCode() == 3 {
+			r.add(phase, "relay `source.mode: poll`", "poll mode: not available in this build", "—", "n/a", cpuUsage{})
+			return nil
+		}
+		return rp.failure()
+	case <-time.After(3 * time.Second):
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	t := newTracker("pm-", int(e.o.rate*e.o.pollerDuration.Seconds()))
+	e.recv.cur.Store(t)
+	defer e.recv.cur.Store(nil)
+	sub, err := e.subscribe(s, t)
+	if err != nil {
+		return err
+	}
+	defer sub.Unsubscribe()
+	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, warmup: true,
+		duration: e.o.pollerDuration, settle: 60 * time.Second})
+	if err != nil {
+		return err
+	}
+	e.saySeries(phase, t)
+	r.add(phase, "load (relay `source.mode: poll`, defaults, JetStream + webhook)", loadSummary(e, o, true), "", "info", o.usage)
+	addLatencies(r, phase, "commit→NATS arrival", o.nats, o.natsMissing, o.usage, false)
+	addLatencies(r, phase, "commit→webhook 2xx", o.hook, o.hookMissing, o.usage, false)
+	r.addCPU(phase, o.usage, "")
+	return nil
+}
+
+// phaseRSS measures the relay's peak RSS draining -queued rows (10,000 per
+// statement) or one -bigtx-row transaction.
+func phaseRSS(ctx context.Context, e *env, r *report, bigTx bool) error {
+	name, n, per, parallel := "rss-queued", e.o.queued, 10000, 2
+	what := fmt.Sprintf("peak RSS draining %s queued events (10,000-row statements)", thousands(n))
+	if bigTx {
+		name, n, per, parallel = "rss-bigtx", e.o.bigTx, e.o.bigTx, 1
+		what = fmt.Sprintf("peak RSS draining one %s-row transaction", thousands(n))
+	}
+	db := "bench_" + strings.ReplaceAll(name, "-", "_")
+	url, err := e.newDatabase(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer e.dropDatabase(db)
+	s := relaySetup{name: name, url: url, webhook: e.o.rssWebhook}
+	defer e.deleteStream(s.stream())
+	d, err := e.drain(ctx, r, s, n, per, parallel)
+	if err != nil {
+		return err
+	}
+	sinks := "JetStream"
+	if s.webhook {
+		sinks += " + webhook"
+	}
+	spec := 1000000
+	if bigTx {
+		spec = 100000
+	}
+	verdict := passMiss(d.peak < 150<<20)
+	if n < spec {
+		verdict += fmt.Sprintf(" (at %s, not %s)", thousands(n), thousands(spec))
+	}
+	r.add(name, what+" → "+sinks,
+		fmt.Sprintf("%s (VmHWM; largest VmRSS sample %s); drained in %.1f s, %s events/s", mb(d.peak), mb(d.maxRSS), d.elapsed.Seconds(), thousands(int(float64(n)/d.elapsed.Seconds()))),
+		"< 150 MB", verdict, d.usage)
+	r.addCPU(name, d.usage, "")
+	return nil
+}
+
+// saySeries prints the latency of each second of the load, to tell a steady
+// latency from stalls.
+func (e *env) saySeries(phase string, t *tracker) {
+	for _, d := range []struct {
+		name string
+		a    *arrivals
+	}{{"NATS", &t.nats}, {"webhook", &t.hook}} {
+		p50, worst := t.series(d.a, time.Second)
+		var b strings.Builder
+		for i := range p50 {
+			fmt.Fprintf(&b, " %.1f/%.0f", p50[i], worst[i])
+		}
+		e.say("%s: commit→%s by second of the load, p50/max ms:%s", phase, d.name, b.String())
+	}
+}

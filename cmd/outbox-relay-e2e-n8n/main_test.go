@@ -1,0 +1,90 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestShippedWorkflow checks that deploy/n8n/outbox-workflow.json has the
+// shape the end-to-end run relies on, without n8n: a fixed id, one Webhook
+// node on path "outbox" with header auth and responseMode lastNode, and one
+// Header Auth and one Postgres credential referenced by id.
+func TestShippedWorkflow(t *testing.T) {
+	wf, err := readWorkflow(filepath.Join("..", "..", "deploy", "n8n", "outbox-workflow.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if wf.ID != "outboxRelayApply" || wf.WebhookPath != "outbox" {
+		t.Errorf("id %q, webhook path %q; want outboxRelayApply, outbox (deploy/n8n/README.md names both)", wf.ID, wf.WebhookPath)
+	}
+	if wf.HeaderCred != (credRef{"outboxRelayToken", "outbox-relay"}) || wf.PostgresCre != (credRef{"outboxRelayPgsql", "outbox-relay-postgres"}) {
+		t.Errorf("credentials %+v, %+v; the README documents outboxRelayToken/outbox-relay and outboxRelayPgsql/outbox-relay-postgres", wf.HeaderCred, wf.PostgresCre)
+	}
+}
+
+func TestReadWorkflowRefuses(t *testing.T) {
+	tests := []struct {
+		name, json, want string
+	}{
+		{"no id", `{"nodes": []}`, "no id"},
+		{"respond immediately", `{"id": "w", "nodes": [{"name": "Webhook", "type": "n8n-nodes-base.webhook",
+			"parameters": {"path": "outbox", "responseMode": "onReceived", "authentication": "headerAuth"}}]}`, "want lastNode"},
+		{"no credentials", `{"id": "w", "nodes": [{"name": "Webhook", "type": "n8n-nodes-base.webhook",
+			"parameters": {"path": "outbox", "responseMode": "lastNode", "authentication": "headerAuth"}}]}`, "by id"},
+		{"unknown credential", `{"id": "w", "nodes": [{"name": "Slack", "type": "x",
+			"credentials": {"slackApi": {"id": "s", "name": "s"}}}]}`, "slackApi"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "wf.json")
+			if err := os.WriteFile(path, []byte(tt.json), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			_, err := readWorkflow(path)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("readWorkflow = %v, want an error containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestExplainMissing(t *testing.T) {
+	str := func(s string) *string { return &s }
+	now := time.Now()
+	rows := []missingRow{
+		{ID: 7, Key: "a", Status: "pending", HandoffAt: &now, LastError: str(`sink n8n: transient: webhook n8n: event "a": request not written: connection refused`)},
+		{ID: 8, Key: "b", Status: "pending", HandoffAt: &now, LastError: str(`sink n8n: transient: webhook n8n: event "b": request not written: connection refused`)},
+		{ID: 9, Key: "c", Status: "pending", HandoffAt: &now, LastError: str("sink n8n: circuit open: sink is down")},
+		{ID: 12, Key: "d", Status: "failed", LastError: str("permanent: 404 Cannot POST /webhook/outbox")},
+		{ID: 13, Key: "e", Status: "pending", Ledger: str("delivered")},
+	}
+	got := explainMissing(rows, 90*time.Second)
+	for _, want := range []string{
+		"5 events have no business effect after waiting 1m30s",
+		"1 LOST: the relay's ledger says delivered", "ids 13;",
+		"3 PENDING WITH handoff_at", "ids 7-9;",
+		`last_error: (2) sink n8n: transient: webhook n8n: event "…": request not written: connection refused`,
+		"last_error: (1) sink n8n: circuit open: sink is down",
+		"1 DEAD-LETTERED (status failed): ids 12;",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("explainMissing does not say %q:\n%s", want, got)
+		}
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	if _, err := parseFlags(nil); err == nil || !strings.Contains(err.Error(), "--relay") {
+		t.Errorf("parseFlags without --relay = %v, want an error naming --relay", err)
+	}
+	o, err := parseFlags([]string{"--relay", "bin/outbox-relay", "--events", "10"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.events != 10 || o.outageEvents != 200 || o.outage != 20*time.Second || !strings.HasSuffix(o.n8nDir, filepath.Join(".cache", "outbox-relay", "n8n-2.8.4")) {
+		t.Errorf("options %+v", o)
+	}
+}

@@ -1,0 +1,502 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"path"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+	"unicode/utf8"
+
+	"github.com/schollz/progressbar/v3"
+	"github.com/spf13/cobra"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/ledger/ops"
+)
+
+// defaultListLimit is how many rows dlq list shows without --limit.
+const defaultListLimit = 100
+
+// noArgs is cobra.NoArgs as a usage error (exit code 2).
+func noArgs(cmd *cobra.Command, args []string) error {
+	if err := cobra.NoArgs(cmd, args); err != nil {
+		return usageError{err}
+	}
+	return nil
+}
+
+// selectionFlags are the filters dlq and replay share.
+type selectionFlags struct {
+	sink      string
+	eventType string
+	since     string
+	ids       string
+	limit     int
+}
+
+func (f *selectionFlags) register(cmd *cobra.Command, withSink, withLimit bool, limitDefault int) {
+	if withSink {
+		cmd.Flags().StringVar(&f.sink, "sink", "", "only events routed to this sink and not delivered to it; retry clears only its ledger rows")
+	}
+	cmd.Flags().StringVar(&f.eventType, "event-type", "", `only event types matching this glob ("order.*"); a NULL type matches only "*"`)
+	cmd.Flags().StringVar(&f.since, "since", "", "only events created at or after this time: RFC 3339 (2026-01-02T15:04:05Z), a date (2026-01-02, UTC) or a duration ago (24h)")
+	cmd.Flags().StringVar(&f.ids, "ids", "", "only these event ids (comma-separated: 1,2,3)")
+	if withLimit {
+		cmd.Flags().IntVar(&f.limit, "limit", limitDefault, "at most this many events, oldest id first (0: all)")
+	}
+}
+
+// selection turns the flags into an ops.Selection over statuses.
+func (f *selectionFlags) selection(cfg *config.Config, statuses []string, now time.Time) (ops.Selection, error) {
+	sel := ops.Selection{Statuses: statuses, EventType: f.eventType, Limit: f.limit}
+	if f.limit < 0 {
+		return sel, usageError{fmt.Errorf("--limit must be 0 (all) or more, got %d", f.limit)}
+	}
+	if f.eventType != "" {
+		if _, err := path.Match(f.eventType, ""); err != nil {
+			return sel, usageError{fmt.Errorf("--event-type %q is not a valid glob (path.Match syntax: *, ?, [a-z])", f.eventType)}
+		}
+	}
+	if f.since != "" {
+		t, err := parseSince(f.since, now)
+		if err != nil {
+			return sel, usageError{err}
+		}
+		sel.Since = t
+	}
+	if f.ids != "" {
+		ids, err := parseIDs(f.ids)
+		if err != nil {
+			return sel, usageError{err}
+		}
+		sel.IDs = ids
+	}
+	if f.sink != "" {
+		s, err := findSink(cfg, f.sink)
+		if err != nil {
+			return sel, err
+		}
+		sel.Routes = s.Events
+	}
+	return sel, nil
+}
+
+// parseSince reads --since: an RFC 3339 time, a date (UTC midnight) or a
+// duration before now.
+func parseSince(s string, now time.Time) (time.Time, error) {
+	if d, err := time.ParseDuration(s); err == nil && d >= 0 {
+		return now.Add(-d), nil
+	}
+	for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04:05", "2006-01-02 15:04:05", "2006-01-02"} {
+		if t, err := time.ParseInLocation(layout, s, time.UTC); err == nil {
+			return t, nil
+		}
+	}
+	return time.Time{}, fmt.Errorf("--since %q: write an RFC 3339 time (2026-01-02T15:04:05Z), a date (2026-01-02) or a duration ago (90m, 24h)", s)
+}
+
+// parseIDs reads --ids: comma-separated ids, each once.
+func parseIDs(s string) ([]int64, error) {
+	var ids []int64
+	seen := map[int64]bool{}
+	for part := range strings.SplitSeq(s, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		id, err := strconv.ParseInt(part, 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("--ids: %q is not an event id", part)
+		}
+		if !seen[id] {
+			seen[id] = true
+			ids = append(ids, id)
+		}
+	}
+	if len(ids) == 0 {
+		return nil, errors.New("--ids: no ids given")
+	}
+	return ids, nil
+}
+
+func newDLQCommand(g *globals) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "dlq",
+		Short: "List, retry or discard dead-lettered (failed) and held events",
+		Long: `The dead-letter queue is the outbox rows with status failed (a permanent error, or
+max_attempts used up; they do not block their aggregate) and held (the outcome of a send is
+unknown and the sink has on_unknown: hold; they block their aggregate until a person decides).
+
+  list     show them, with each sink's ledger state
+  retry    make them deliverable again: status pending, attempts 0, due now, handed to the claim
+           path; their ledger rows that are not 'delivered' are cleared (every sink, or --sink)
+  discard  settle them without delivery: status done, last_error prefixed "discarded: "
+
+retry and discard ask for confirmation unless --yes, and work in transactions of 1,000 rows.`,
+	}
+	cmd.AddCommand(newDLQListCommand(g), newDLQRetryCommand(g), newDLQDiscardCommand(g))
+	return cmd
+}
+
+func newDLQListCommand(g *globals) *cobra.Command {
+	var (
+		sel    selectionFlags
+		asJSON bool
+	)
+	cmd := &cobra.Command{
+		Use:   "list",
+		Short: "List failed and held events with each sink's ledger state",
+		Args:  noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.loadConfig()
+			if err != nil {
+				return err
+			}
+			s, err := sel.selection(cfg, ops.DeadStatuses, time.Now())
+			if err != nil {
+				return err
+			}
+			s.NotDeliveredTo = sel.sink
+			if s.Limit > 0 {
+				s.Limit++ // one more tells whether there are more
+			}
+			ctx := cmd.Context()
+			pool, tables, err := connectOps(ctx, cfg)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			ids, err := ops.SelectIDs(ctx, pool, tables, s)
+			if err != nil {
+				return err
+			}
+			more := sel.limit > 0 && len(ids) > sel.limit
+			if more {
+				ids = ids[:sel.limit]
+			}
+			entries, err := ops.List(ctx, pool, tables, ids)
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				if entries == nil {
+					entries = []ops.Entry{}
+				}
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				return enc.Encode(entries)
+			}
+			printDLQ(cmd.OutOrStdout(), entries, configuredSinks(cfg))
+			if more {
+				fmt.Fprintf(cmd.OutOrStdout(), "showing the first %d; --limit N (0: all) shows more\n", sel.limit)
+			}
+			return nil
+		},
+	}
+	sel.register(cmd, true, true, defaultListLimit)
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (full last_error and ledger rows)")
+	return cmd
+}
+
+// printDLQ prints entries as a table; the sinks column shows each sink that
+// routes the event, and any other sink the ledger names.
+func printDLQ(w io.Writer, entries []ops.Entry, sinks []config.SinkConfig) {
+	if len(entries) == 0 {
+		fmt.Fprintln(w, "no failed or held events match")
+		return
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tSTATUS\tATTEMPTS\tTYPE\tAGGREGATE\tKEY\tSINKS\tLAST ERROR")
+	counts := map[string]int{}
+	for _, e := range entries {
+		counts[e.Status]++
+		states := map[string]string{}
+		for _, l := range e.Ledger {
+			states[l.Action] = l.State
+		}
+		var cells []string
+		for _, s := range sinks {
+			if !routes(s.Events, e.EventType) {
+				continue
+			}
+			state := states[s.Name]
+			if state == "" {
+				state = "-"
+			}
+			cells = append(cells, s.Name+"="+state)
+			delete(states, s.Name)
+		}
+		for _, name := range sortedKeys(states) {
+			cells = append(cells, name+"="+states[name])
+		}
+		agg := orDash(e.AggregateType) + "/" + orDash(e.AggregateID)
+		fmt.Fprintf(tw, "%d\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", e.ID, e.Status, e.Attempts, excerpt(orDash(e.EventType), 32),
+			excerpt(agg, 32), excerpt(e.EventKey, 36), strings.Join(cells, " "), excerpt(orDash(e.LastError), 72))
+	}
+	tw.Flush()
+	fmt.Fprintf(w, "%d events: %d failed, %d held (- : no ledger row for that sink)\n", len(entries), counts["failed"], counts["held"])
+}
+
+// routes reports whether a sink with these globs takes the event type, by
+// the engine's rule: "*" takes every type, NULL included; other globs are
+// path.Match patterns and never match NULL.
+func routes(globs []string, eventType *string) bool {
+	for _, g := range globs {
+		if g == "*" {
+			return true
+		}
+		if eventType == nil {
+			continue
+		}
+		if ok, _ := path.Match(g, *eventType); ok {
+			return true
+		}
+	}
+	return false
+}
+
+func orDash(s *string) string {
+	if s == nil {
+		return "-"
+	}
+	return *s
+}
+
+// excerpt returns the first line of s, at most n runes, without control
+// characters (a payload-derived error must not move the terminal's cursor).
+func excerpt(s string, n int) string {
+	if i := strings.IndexAny(s, "\r\n"); i >= 0 {
+		s = s[:i] + " …"
+	}
+	s = strings.Map(func(r rune) rune {
+		if r < 0x20 || r == 0x7f {
+			return ' '
+		}
+		return r
+	}, s)
+	if utf8.RuneCountInString(s) <= n {
+		return s
+	}
+	return string([]rune(s)[:n-1]) + "…"
+}
+
+func newDLQRetryCommand(g *globals) *cobra.Command {
+	var (
+		sel selectionFlags
+		yes bool
+	)
+	cmd := &cobra.Command{
+		Use:   "retry",
+		Short: "Make failed and held events deliverable again",
+		Long: `Retry resets the chosen failed and held events — status pending, attempts 0, available_at
+and handoff_at now (the claim path takes them, in replication mode too), last_error cleared —
+and deletes their ledger rows that are not 'delivered' ('sending' claims, 'unknown' outcomes),
+for every sink or only --sink, in one transaction per 1,000 events. Sinks that already have
+an event keep their 'delivered' row and do not get it again.`,
+		Args: noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return changeRows(cmd, g, &sel, yes, ops.DeadStatuses, rowChange{
+				verb: "retry", done: "retried",
+				question: func(n int, sink string) string {
+					return fmt.Sprintf("Reset %s failed/held events to pending and clear their undelivered ledger rows for %s?", count(n), sinkScope(sink))
+				},
+				apply: func(c changeContext, ids []int64) (ops.Changed, error) {
+					return ops.Retry(c.ctx, c.pool, c.tables, ids, c.sinks)
+				},
+				notDeliveredFilter: true,
+			})
+		},
+	}
+	sel.register(cmd, true, true, 0)
+	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
+	return cmd
+}
+
+func newDLQDiscardCommand(g *globals) *cobra.Command {
+	var (
+		sel selectionFlags
+		yes bool
+	)
+	cmd := &cobra.Command{
+		Use:   "discard",
+		Short: "Settle failed and held events without delivering them",
+		Long: `Discard marks the chosen failed and held events as settled without delivering them: status
+done, processed_at now, last_error prefixed with "discarded: ". SPEC's five statuses are fixed
+(the claim query, the ordering check and legacy pollers rely on them), so a discarded event is
+a done event with that prefix: it no longer blocks its aggregate and retention prunes it like
+any done row. Find them with: SELECT … WHERE status = 'done' AND last_error LIKE 'discarded: %'.
+The ledger is left as it is.`,
+		Args: noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return changeRows(cmd, g, &sel, yes, ops.DeadStatuses, rowChange{
+				verb: "discard", done: "discarded",
+				question: func(n int, _ string) string {
+					return fmt.Sprintf("Discard %s failed/held events (status done, not delivered)?", count(n))
+				},
+				apply: func(c changeContext, ids []int64) (ops.Changed, error) {
+					return ops.Discard(c.ctx, c.pool, c.tables, ids)
+				},
+				notDeliveredFilter: true,
+			})
+		},
+	}
+	sel.register(cmd, true, true, 0)
+	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
+	return cmd
+}
+
+func sinkScope(sink string) string {
+	if sink == "" {
+		return "every sink"
+	}
+	return "sink " + sink
+}
+
+// count formats n with thousands separators.
+func count(n int) string {
+	s := strconv.Itoa(n)
+	for i := len(s) - 3; i > 0; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
+}
+
+// confirm asks question on stderr and reads the answer from stdin; only
+// "y" or "yes" goes ahead.
+func confirm(cmd *cobra.Command, question string) error {
+	fmt.Fprintf(cmd.ErrOrStderr(), "%s [y/N] ", question)
+	line, err := bufio.NewReader(cmd.InOrStdin()).ReadString('\n')
+	switch strings.ToLower(strings.TrimSpace(line)) {
+	case "y", "yes":
+		return nil
+	}
+	if err != nil && strings.TrimSpace(line) == "" {
+		fmt.Fprintln(cmd.ErrOrStderr())
+		return usageError{errors.New("no answer on stdin: pass --yes to go ahead without asking")}
+	}
+	return errors.New("not confirmed: nothing changed")
+}
+
+// newProgress returns a progress bar on w for total rows, or nil when total
+// fits in one batch.
+func newProgress(w io.Writer, total int, what string) *progressbar.ProgressBar {
+	if total <= ops.BatchSize {
+		return nil
+	}
+	return progressbar.NewOptions(total,
+		progressbar.OptionSetWriter(w),
+		progressbar.OptionSetDescription(what),
+		progressbar.OptionShowCount(),
+		progressbar.OptionSetWidth(30),
+		progressbar.OptionThrottle(100*time.Millisecond),
+		progressbar.OptionSetRenderBlankState(true),
+		progressbar.OptionOnCompletion(func() { fmt.Fprintln(w) }),
+	)
+}
+
+// changeContext is what one batch of a change needs.
+type changeContext struct {
+	ctx    context.Context
+	pool   ops.DB
+	tables ops.Tables
+	sinks  []string // nil: every sink
+	sel    ops.Selection
+}
+
+// rowChange describes a batch change (retry, discard, replay).
+type rowChange struct {
+	verb, done string
+	question   func(n int, sink string) string
+	apply      func(c changeContext, ids []int64) (ops.Changed, error)
+	// notDeliveredFilter: --sink also keeps only events not delivered to
+	// that sink (the dead letters that concern it).
+	notDeliveredFilter bool
+	// note, computed before any change, adds a line after the summary.
+	note func(c changeContext) string
+}
+
+// changeRows selects the rows, asks, and applies the change in batches of
+// ops.BatchSize, one transaction each, with a progress bar for large sets.
+func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, statuses []string, change rowChange) error {
+	cfg, err := g.loadConfig()
+	if err != nil {
+		return err
+	}
+	s, err := sel.selection(cfg, statuses, time.Now())
+	if err != nil {
+		return err
+	}
+	if change.notDeliveredFilter {
+		s.NotDeliveredTo = sel.sink
+	}
+	ctx := cmd.Context()
+	pool, tables, err := connectOps(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	ids, err := ops.SelectIDs(ctx, pool, tables, s)
+	if err != nil {
+		return err
+	}
+	c := changeContext{ctx: ctx, pool: pool, tables: tables, sel: s}
+	if sel.sink != "" {
+		c.sinks = []string{sel.sink}
+	}
+	note := ""
+	if change.note != nil {
+		note = change.note(c)
+	}
+	out := cmd.OutOrStdout()
+	printNote := func() {
+		if note != "" {
+			fmt.Fprintln(out, note)
+		}
+	}
+	if len(ids) == 0 {
+		fmt.Fprintf(out, "no events to %s: none matches\n", change.verb)
+		printNote()
+		return nil
+	}
+	if !yes {
+		if err := confirm(cmd, change.question(len(ids), sel.sink)); err != nil {
+			return err
+		}
+	}
+	bar := newProgress(cmd.ErrOrStderr(), len(ids), change.verb)
+	var total ops.Changed
+	for _, batch := range ops.Batches(ids, ops.BatchSize) {
+		changed, err := change.apply(c, batch)
+		if err != nil {
+			// Earlier batches are committed; the rows they changed no longer
+			// match, so running the command again carries on.
+			return fmt.Errorf("%s: %w (%d events were %s before this, each batch in its own transaction; run the command again to carry on)",
+				change.verb, err, total.Rows, change.done)
+		}
+		total.Rows += changed.Rows
+		total.LedgerRows += changed.LedgerRows
+		if bar != nil {
+			_ = bar.Add(len(batch))
+		}
+	}
+	if bar != nil {
+		_ = bar.Finish()
+	}
+	fmt.Fprintf(out, "%s %s events", change.done, count(int(total.Rows)))
+	if total.LedgerRows > 0 {
+		fmt.Fprintf(out, ", cleared %s ledger rows", count(int(total.LedgerRows)))
+	}
+	fmt.Fprintln(out)
+	if skipped := len(ids) - int(total.Rows); skipped > 0 {
+		fmt.Fprintf(out, "%s events changed status since they were selected and were left alone\n", count(skipped))
+	}
+	printNote()
+	return nil
+}

@@ -1,0 +1,285 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/url"
+	"strings"
+	"text/template"
+	"time"
+
+	"github.com/nats-io/nats-server/v2/server"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+	"github.com/spf13/cobra"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
+)
+
+// sinkCheckTimeout bounds each sink check (dial, TLS handshake, NATS
+// requests).
+const sinkCheckTimeout = 5 * time.Second
+
+// errChecksFailed makes doctor exit 1 after printing its report.
+var errChecksFailed = errors.New("see the FAIL lines for the fixes")
+
+func newDoctorCommand(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "doctor",
+		Short: "Check wal_level, privileges, publication, slot, sinks; print the fix for each failure",
+		Long: `Doctor checks what the relay needs, as the role in database_url, and prints one line per
+check — ok, warn or FAIL — with the exact fix (SQL or setting) under each warn and FAIL:
+
+  connection, server version (13+), primary, wal_level, the REPLICATION attribute and a
+  replication connection (pg_hba.conf), the schema version (migrate), the privileges run needs
+  on the outbox, ledger and checkpoint tables (the missing GRANTs) and those it has beyond
+  them (superuser, table ownership, extra grants), the publication, the slot (missing, lost,
+  held by another or a stale process, retained WAL), max_slot_wal_keep_size, and each sink:
+  a webhook's host is reached over TCP (and TLS for https; nothing is sent), a NATS server is
+  connected and its JetStream stream checked (exists, captures the subjects, duplicate_window).
+
+Doctor only reads. It exits 1 when a check fails, 0 otherwise (warnings included).`,
+		Args: noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.loadConfig()
+			if err != nil {
+				return err
+			}
+			checks := doctor(cmd.Context(), cfg)
+			failed := 0
+			for _, c := range checks {
+				if c.Status == ops.Fail {
+					failed++
+				}
+			}
+			out := cmd.OutOrStdout()
+			if asJSON {
+				enc := json.NewEncoder(out)
+				enc.SetIndent("", "  ")
+				if err := enc.Encode(struct {
+					OK     bool        `json:"ok"`
+					Checks []ops.Check `json:"checks"`
+				}{failed == 0, checks}); err != nil {
+					return err
+				}
+			} else {
+				printChecks(out, checks)
+			}
+			switch {
+			case failed == 1:
+				return fmt.Errorf("doctor: 1 check failed: %w", errChecksFailed)
+			case failed > 1:
+				return fmt.Errorf("doctor: %d checks failed: %w", failed, errChecksFailed)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, `print JSON: {"ok": bool, "checks": [{"name", "status", "detail", "fix"}]}`)
+	return cmd
+}
+
+// doctor runs the database checks, then one or more checks per sink.
+func doctor(ctx context.Context, cfg *config.Config) []ops.Check {
+	t := cfg.Tables()
+	checks := ops.Diagnose(ctx, ops.DiagnoseConfig{
+		ConnString:      cfg.DatabaseURL.Reveal(),
+		Tables:          ops.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint},
+		Publication:     cfg.Source.Publication,
+		Slot:            cfg.Source.Slot,
+		Replication:     cfg.Source.Mode != config.SourcePoll,
+		Retention:       cfg.Retention.Enabled,
+		SlotMaxRetained: int64(cfg.Source.SlotMaxRetained),
+	})
+	for i, s := range configuredSinks(cfg) {
+		switch s.Type {
+		case config.SinkWebhook:
+			checks = append(checks, checkWebhook(ctx, i, s))
+		case config.SinkNATS:
+			checks = append(checks, checkNATS(ctx, i, s)...)
+		}
+	}
+	return checks
+}
+
+// printChecks prints one line per check and its fix indented below.
+func printChecks(w io.Writer, checks []ops.Check) {
+	width := 0
+	for _, c := range checks {
+		width = max(width, len(c.Name))
+	}
+	counts := map[ops.CheckStatus]int{}
+	for _, c := range checks {
+		counts[c.Status]++
+		fmt.Fprintf(w, "%-4s  %-*s  %s\n", c.Status, width, c.Name, c.Detail)
+		if c.Fix != "" && c.Status != ops.OK {
+			indent := strings.Repeat(" ", 6)
+			fmt.Fprintf(w, "%sfix: %s\n", indent, strings.ReplaceAll(c.Fix, "\n", "\n"+indent+"     "))
+		}
+	}
+	fmt.Fprintf(w, "\n%d ok, %d warnings, %d failed\n", counts[ops.OK], counts[ops.Warn], counts[ops.Fail])
+}
+
+// checkWebhook reaches the webhook's host over TCP, and completes a TLS
+// handshake for https, without sending a request: a POST would deliver
+// something, and n8n answers other methods on a webhook path with 404.
+func checkWebhook(ctx context.Context, i int, s config.SinkConfig) ops.Check {
+	name := "sink " + s.Name
+	u, err := url.Parse(s.URL)
+	if err != nil { // config.Validate refused it already
+		return ops.Check{Name: name, Status: ops.Fail, Detail: "the url does not parse", Fix: fmt.Sprintf("fix sinks[%d].url", i)}
+	}
+	port := u.Port()
+	if port == "" {
+		port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
+	}
+	addr := net.JoinHostPort(u.Hostname(), port)
+	ctx, cancel := context.WithTimeout(ctx, sinkCheckTimeout)
+	defer cancel()
+	fix := fmt.Sprintf("check sinks[%d].url (%s) and that the receiver is up and reachable from here (DNS, firewall, proxy)", i, addr)
+	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return ops.Check{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("webhook host %s unreachable: %v", addr, unwrapOpError(err)), Fix: fix}
+	}
+	defer conn.Close()
+	if u.Scheme != "https" {
+		return ops.Check{Name: name, Status: ops.OK, Detail: fmt.Sprintf("webhook host %s reachable (TCP; nothing sent)", addr)}
+	}
+	tc := tls.Client(conn, &tls.Config{ServerName: u.Hostname(), MinVersion: tls.VersionTLS12})
+	if err := tc.HandshakeContext(ctx); err != nil {
+		return ops.Check{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("TLS handshake with %s failed: %v", addr, err),
+			Fix: "the server's certificate must be valid for " + u.Hostname() + " and signed by a CA this machine trusts"}
+	}
+	cert := tc.ConnectionState().PeerCertificates[0]
+	return ops.Check{Name: name, Status: ops.OK, Detail: fmt.Sprintf("webhook host %s reachable (TLS; certificate valid until %s; nothing sent)",
+		addr, cert.NotAfter.UTC().Format(time.DateOnly))}
+}
+
+func unwrapOpError(err error) error {
+	if op, ok := errors.AsType[*net.OpError](err); ok && op.Err != nil {
+		return op.Err
+	}
+	return err
+}
+
+// checkNATS connects to the NATS server and checks the JetStream stream the
+// sink publishes to: it exists (or run creates it), one of its subjects
+// captures every subject the template renders, and its duplicate window is
+// at least the configured one.
+func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
+	name := "sink " + s.Name
+	n := s.NATS
+	if s.URL == "" {
+		return []ops.Check{{Name: name, Status: ops.OK, Detail: "embedded NATS server: run starts it under data_dir (single instance only)"}}
+	}
+	opts := []nats.Option{nats.Name(ops.CLIApplicationName + " doctor"), nats.Timeout(sinkCheckTimeout), nats.NoReconnect()}
+	if n.CredsFile != "" {
+		opts = append(opts, nats.UserCredentials(n.CredsFile))
+	}
+	if tok := n.Token.Reveal(); tok != "" {
+		opts = append(opts, nats.Token(tok))
+	}
+	nc, err := nats.Connect(s.URL, opts...)
+	if err != nil {
+		return []ops.Check{{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("cannot connect to NATS: %v", err),
+			Fix: fmt.Sprintf("check sinks[%d].url, its credentials (creds_file, token) and that nats-server is up", i)}}
+	}
+	defer nc.Close()
+	ctx, cancel := context.WithTimeout(ctx, sinkCheckTimeout)
+	defer cancel()
+	js, err := jetstream.New(nc)
+	if err != nil {
+		return []ops.Check{{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("JetStream: %v", err)}}
+	}
+	checks := []ops.Check{{Name: name, Status: ops.OK, Detail: fmt.Sprintf("connected to NATS %s at %s", nc.ConnectedServerVersion(), nc.ConnectedUrlRedacted())}}
+
+	pattern, err := subjectPattern(n.Subject)
+	if err != nil {
+		return append(checks, ops.Check{Name: name + " subject", Status: ops.Fail, Detail: err.Error(), Fix: fmt.Sprintf("fix sinks[%d].subject", i)})
+	}
+	prefix := literalPrefix(pattern)
+	window := n.Stream.DuplicateWindow
+	streamName := name + " stream " + n.Stream.Name
+	stream, err := js.Stream(ctx, n.Stream.Name)
+	switch {
+	case errors.Is(err, jetstream.ErrStreamNotFound) && n.Stream.Create:
+		return append(checks, ops.Check{Name: streamName, Status: ops.OK,
+			Detail: fmt.Sprintf("does not exist yet: run creates it (stream.create: true) with subjects %q and duplicate_window %s", n.Stream.Subjects, window)})
+	case errors.Is(err, jetstream.ErrStreamNotFound):
+		return append(checks, ops.Check{Name: streamName, Status: ops.Fail, Detail: "does not exist, and stream.create is false",
+			Fix: fmt.Sprintf("nats stream add %s --subjects %q --dupe-window %s --storage file --defaults\n# or set sinks[%d].stream.create: true", n.Stream.Name, prefix, window, i)})
+	case errors.Is(err, jetstream.ErrJetStreamNotEnabled), errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount):
+		return append(checks, ops.Check{Name: streamName, Status: ops.Fail, Detail: "JetStream is not enabled",
+			Fix: "enable JetStream on the server (jetstream {} in its config, or nats-server -js) and for the account"})
+	case err != nil:
+		return append(checks, ops.Check{Name: streamName, Status: ops.Fail, Detail: fmt.Sprintf("look up the stream: %v", err)})
+	}
+	sc := stream.CachedInfo().Config
+	covered := false
+	for _, filter := range sc.Subjects {
+		covered = covered || server.SubjectMatchesFilter(pattern, filter)
+	}
+	if covered {
+		checks = append(checks, ops.Check{Name: streamName, Status: ops.OK, Detail: fmt.Sprintf("subjects %q capture %q", sc.Subjects, pattern)})
+	} else {
+		checks = append(checks, ops.Check{Name: streamName, Status: ops.Fail,
+			Detail: fmt.Sprintf("subjects %q do not capture the sink's subjects %q: publishes would fail with no responders", sc.Subjects, pattern),
+			Fix:    fmt.Sprintf("nats stream edit %s --subjects %q   # adds %q to the stream's subjects", n.Stream.Name, strings.Join(append(sc.Subjects, prefix), ","), prefix)})
+	}
+	if sc.Duplicates < time.Duration(window) {
+		checks = append(checks, ops.Check{Name: name + " duplicate_window", Status: ops.Fail,
+			Detail: fmt.Sprintf("stream %s deduplicates over %s, less than the sink's duplicate_window %s: a retry after that stores a second copy", n.Stream.Name, config.Duration(sc.Duplicates), window),
+			Fix:    fmt.Sprintf("nats stream edit %s --dupe-window %s\n# or lower sinks[%d].stream.duplicate_window", n.Stream.Name, window, i)})
+	} else {
+		checks = append(checks, ops.Check{Name: name + " duplicate_window", Status: ops.OK,
+			Detail: fmt.Sprintf("stream %s deduplicates over %s (configured: at least %s)", n.Stream.Name, config.Duration(sc.Duplicates), window)})
+	}
+	return checks
+}
+
+// subjectProbe stands in for every field when the template's shape is
+// computed: a control character cannot come out of a sanitised value.
+const subjectProbe = "\x01"
+
+// subjectPattern returns the subjects a template renders as a filter,
+// every token holding a field as "*" ("outbox.*.*").
+func subjectPattern(text string) (string, error) {
+	tmpl, err := template.New("subject").Option("missingkey=error").Parse(text)
+	if err != nil {
+		return "", fmt.Errorf("subject template %q: %w", text, err)
+	}
+	var b strings.Builder
+	probe := natssink.SubjectFields{EventType: subjectProbe, AggregateType: subjectProbe, AggregateID: subjectProbe, EventKey: subjectProbe}
+	if err := tmpl.Execute(&b, probe); err != nil {
+		return "", fmt.Errorf("subject template %q: %w", text, err)
+	}
+	tokens := strings.Split(b.String(), ".")
+	for i, t := range tokens {
+		if strings.Contains(t, subjectProbe) {
+			tokens[i] = "*"
+		}
+	}
+	return strings.Join(tokens, "."), nil
+}
+
+// literalPrefix is the stream subject that captures pattern: its tokens
+// before the first wildcard, then ">".
+func literalPrefix(pattern string) string {
+	tokens := strings.Split(pattern, ".")
+	for i, t := range tokens {
+		if t == "*" {
+			if i == 0 {
+				return ">"
+			}
+			return strings.Join(tokens[:i], ".") + ".>"
+		}
+	}
+	return pattern
+}

@@ -1,0 +1,256 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/sink/nats/natstest"
+)
+
+// requireLines fails unless out contains every string in want.
+func requireLines(t *testing.T, out string, want ...string) {
+	t.Helper()
+	for _, w := range want {
+		if !strings.Contains(out, w) {
+			t.Errorf("output lacks %q", w)
+		}
+	}
+}
+
+// withUser returns dbURL connecting as user.
+func withUser(t *testing.T, dbURL, user string) string {
+	t.Helper()
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(user)
+	return u.String()
+}
+
+// TestDoctor_ReplicaClusterRoleWithoutReplication: wal_level=replica and a
+// role without REPLICATION or grants — every failing check prints its fix,
+// and doctor exits non-zero.
+func TestDoctor_ReplicaClusterRoleWithoutReplication(t *testing.T) {
+	c := pgtest.NewCluster(t, pgtest.Options{WALLevel: "replica"})
+	ctx := context.Background()
+	if err := c.CreateDatabase(ctx, "app"); err != nil {
+		t.Fatal(err)
+	}
+	if code, out, errOut := execute(t, "migrate", "--database-url", c.URL("app")); code != exitOK {
+		t.Fatalf("migrate: exit %d\n%s%s", code, out, errOut)
+	}
+	conn := newPGConn(t, c.URL("app"))
+	for _, sql := range []string{
+		`CREATE ROLE relay_app LOGIN`,
+		`GRANT SELECT ON integration_outbox TO relay_app`,
+	} {
+		if _, err := conn.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	hook := httptest.NewServer(http.NotFoundHandler())
+	defer hook.Close()
+	cfg := writeOpsConfig(t, withUser(t, c.URL("app"), "relay_app"), fmt.Sprintf(`
+  - name: n8n
+    type: webhook
+    url: %s/webhook/outbox`, hook.URL))
+
+	code, out, errOut := execute(t, "doctor", "--config", cfg)
+	t.Logf("doctor:\n%s", out)
+	if code != exitFailure || !strings.Contains(errOut, "doctor: 5 checks failed") {
+		t.Fatalf("exit %d, stderr %q", code, errOut)
+	}
+	requireLines(t, out,
+		"FAIL  wal_level", "fix: ALTER SYSTEM SET wal_level = logical;", "-- then restart PostgreSQL",
+		"FAIL  REPLICATION", `fix: ALTER ROLE "relay_app" WITH REPLICATION;`,
+		"FAIL  privileges on public.integration_outbox", `fix: GRANT UPDATE, DELETE ON "public"."integration_outbox" TO "relay_app";`,
+		"FAIL  privileges on public.integration_idempotency", `fix: GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."integration_idempotency" TO "relay_app";`,
+		"FAIL  privileges on public.relay_checkpoint", `fix: GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."relay_checkpoint" TO "relay_app";`,
+		"ok    schema", "ok    least privilege",
+		"ok    sink n8n", "reachable (TCP; nothing sent)",
+		"warn  max_slot_wal_keep_size", "ALTER SYSTEM SET max_slot_wal_keep_size = '10GB';",
+		"5 failed",
+	)
+	if regexp.MustCompile(`(?m)^\S+\s+replication connection\s`).MatchString(out) {
+		t.Error("tried a replication connection that cannot work")
+	}
+
+	// --json: the same findings, machine-readable.
+	code, out, _ = execute(t, "doctor", "--config", cfg, "--json")
+	var report struct {
+		OK     bool        `json:"ok"`
+		Checks []ops.Check `json:"checks"`
+	}
+	if err := json.Unmarshal([]byte(out), &report); err != nil {
+		t.Fatalf("doctor --json: %v\n%s", err, out)
+	}
+	failed := 0
+	for _, c := range report.Checks {
+		if c.Status == ops.Fail {
+			failed++
+			if c.Fix == "" {
+				t.Errorf("failing check %q has no fix", c.Name)
+			}
+		}
+	}
+	if code != exitFailure || report.OK || failed != 5 {
+		t.Fatalf("doctor --json: exit %d ok %v, %d failed\n%s", code, report.OK, failed, out)
+	}
+}
+
+// TestDoctor_Healthy: a logical cluster, migrated, a superuser, reachable
+// sinks — warnings (superuser, unlimited slot WAL), exit 0.
+func TestDoctor_Healthy(t *testing.T) {
+	d := newOpsDB(t)
+	hook := httptest.NewServer(http.NotFoundHandler())
+	defer hook.Close()
+	ns := natstest.Start(t)
+	cfg := writeOpsConfig(t, d.url, fmt.Sprintf(`
+  - name: n8n
+    type: webhook
+    url: %s/webhook/outbox
+  - name: nats
+    type: nats
+    url: %s
+  - name: embedded
+    type: nats
+    subject: "embedded.{{.EventType}}"
+    stream: {name: EMBEDDED, subjects: ["embedded.>"]}`, hook.URL, ns.URL()))
+
+	code, out, errOut := execute(t, "doctor", "--config", cfg)
+	t.Logf("doctor:\n%s", out)
+	if code != exitOK {
+		t.Fatalf("exit %d, stderr %q", code, errOut)
+	}
+	requireLines(t, out,
+		"ok    connection", "ok    wal_level", "ok    REPLICATION", "ok    replication connection", "ok    schema",
+		"warn  least privilege", "is a superuser", `CREATE ROLE "outbox_relay" LOGIN REPLICATION`,
+		"ok    publication outbox_relay", "ok    slot outbox_relay", "does not exist yet",
+		"warn  max_slot_wal_keep_size",
+		"ok    sink n8n", "ok    sink nats ", "connected to NATS",
+		"ok    sink nats stream OUTBOX", "does not exist yet: run creates it",
+		"ok    sink embedded", "embedded NATS server",
+		", 0 failed",
+	)
+
+	// The stream as run creates it.
+	js := jetStream(t, ns)
+	if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.>"}, Duplicates: 2 * time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	code, out, _ = execute(t, "doctor", "--config", cfg)
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s", code, out)
+	}
+	requireLines(t, out, `ok    sink nats stream OUTBOX`, `subjects ["outbox.>"] capture "outbox.*.*"`,
+		"ok    sink nats duplicate_window", "deduplicates over 2m (configured: at least 2m)")
+}
+
+// TestDoctor_SinkFailures: each way a sink can be unusable is a FAIL with
+// its fix.
+func TestDoctor_SinkFailures(t *testing.T) {
+	d := newOpsDB(t)
+	closed := freeAddr(t)
+	tlsHook := httptest.NewUnstartedServer(http.NotFoundHandler())
+	tlsHook.Config.ErrorLog = log.New(io.Discard, "", 0) // the refused handshake
+	tlsHook.StartTLS()                                   // self-signed: not trusted here
+	defer tlsHook.Close()
+	ns := natstest.Start(t)
+	if _, err := jetStream(t, ns).CreateStream(context.Background(), jetstream.StreamConfig{
+		Name: "OUTBOX", Subjects: []string{"other.>"}, Duplicates: 30 * time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := writeOpsConfig(t, d.url, fmt.Sprintf(`
+  - name: down
+    type: webhook
+    url: http://%s/webhook/outbox
+  - name: tls
+    type: webhook
+    url: %s/webhook/outbox
+  - name: bus
+    type: nats
+    url: %s
+    stream: {name: OUTBOX, create: false}
+  - name: nobus
+    type: nats
+    url: nats://%s
+  - name: missing
+    type: nats
+    url: %s
+    stream: {name: MISSING, create: false}`, closed, tlsHook.URL, ns.URL(), closed, ns.URL()))
+
+	code, out, errOut := execute(t, "doctor", "--config", cfg)
+	t.Logf("doctor:\n%s", out)
+	if code != exitFailure || !strings.Contains(errOut, "doctor: 6 checks failed") {
+		t.Fatalf("exit %d, stderr %q", code, errOut)
+	}
+	requireLines(t, out,
+		"FAIL  sink down ", "unreachable", "fix: check sinks[0].url",
+		"FAIL  sink tls ", "TLS handshake", "certificate",
+		"FAIL  sink bus stream OUTBOX", `do not capture the sink's subjects "outbox.*.*"`, `fix: nats stream edit OUTBOX --subjects "other.>,outbox.>"`,
+		"FAIL  sink bus duplicate_window", "deduplicates over 30s, less than the sink's duplicate_window 2m", "fix: nats stream edit OUTBOX --dupe-window 2m\n",
+		"FAIL  sink nobus ", "cannot connect to NATS", "fix: check sinks[3].url",
+		"FAIL  sink missing stream MISSING", `fix: nats stream add MISSING --subjects "outbox.>" --dupe-window 2m --storage file`,
+	)
+}
+
+func TestSubjectPattern(t *testing.T) {
+	for text, want := range map[string][2]string{
+		"outbox.{{.AggregateType}}.{{.EventType}}": {"outbox.*.*", "outbox.>"},
+		"events.{{.EventType}}":                    {"events.*", "events.>"},
+		"{{.AggregateType}}.x":                     {"*.x", ">"},
+		"fixed.subject":                            {"fixed.subject", "fixed.subject"},
+		"a.pre{{.EventKey}}post.b":                 {"a.*.b", "a.>"},
+	} {
+		got, err := subjectPattern(text)
+		if err != nil || got != want[0] || literalPrefix(got) != want[1] {
+			t.Errorf("subjectPattern(%q) = %q (prefix %q), %v; want %q, %q", text, got, literalPrefix(got), err, want[0], want[1])
+		}
+	}
+	if _, err := subjectPattern("outbox.{{.Payload}}"); err == nil {
+		t.Error("a template naming the payload was accepted")
+	}
+}
+
+func jetStream(t *testing.T, ns *natstest.Server) jetstream.JetStream {
+	t.Helper()
+	nc, err := nats.Connect(ns.URL(), ns.ClientOptions()...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(nc.Close)
+	js, err := jetstream.New(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return js
+}
+
+// freeAddr returns a 127.0.0.1 address nothing listens on.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return addr
+}

@@ -1,0 +1,50 @@
+package main
+
+import (
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+
+	"github.com/outbox-relay/outbox-relay/relay/poll"
+)
+
+func newReconcileCommand(g *globals) *cobra.Command {
+	var olderThan durationFlag
+	cmd := &cobra.Command{
+		Use:   "reconcile --older-than D",
+		Short: "Hand long-pending rows the stream will never deliver to the claim path",
+		Long: `Reconcile marks rows that are still pending, not handed off, and older than --older-than
+for the claim path. Use it when the sweep_after alarm fires because the slot was dropped and
+recreated by someone else while the relay was down: the rows it skipped are never streamed.
+The ledger prevents double delivery if the stream did deliver some of them.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if olderThan <= 0 {
+				return usageError{fmt.Errorf("--older-than is required (for example --older-than 10m)")}
+			}
+			cfg, err := g.loadConfig()
+			if err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			pool, err := pgxpool.New(ctx, cfg.DatabaseURL.Reveal())
+			if err != nil {
+				return fmt.Errorf("database: %w", err)
+			}
+			defer pool.Close()
+			tables, err := resolveTables(ctx, pool, cfg.Tables())
+			if err != nil {
+				return err
+			}
+			n, err := poll.Reconcile(ctx, pool, tables.Outbox, olderThan.Duration())
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "handed %d rows pending longer than %s to the claim path\n", n, olderThan.Duration())
+			return nil
+		},
+	}
+	cmd.Flags().Var(&olderThan, "older-than", "rows pending longer than this (e.g. 10m, 2h)")
+	return cmd
+}

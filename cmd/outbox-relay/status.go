@@ -1,0 +1,213 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/ledger/ops"
+)
+
+func newStatusCommand(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show mode, leader, slot, counts by status and per-sink deliveries",
+		Long: `Status reads the relay's state from the database, so it works from any machine and
+whether a relay runs or not:
+
+  mode        replication (a process streams from the slot), poll (no one streams, but an
+              outbox-relay session is connected) or stopped
+  leader      the session holding the leader lock of the slot, or else the slot's walsender
+  slot        wal_status, retained WAL, confirmed position
+  rows        outbox rows by status, the age of the oldest pending row
+  delivered   per sink, ledger rows delivered in the last hour`,
+		Args: noArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.loadConfig()
+			if err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			pool, tables, err := connectOps(ctx, cfg)
+			if err != nil {
+				return err
+			}
+			defer pool.Close()
+			st, err := ops.ReadStatus(ctx, pool, tables, cfg.Source.Slot, ledger.LeaderLockKey(cfg.Source.Slot))
+			if err != nil {
+				return err
+			}
+			for _, s := range configuredSinks(cfg) {
+				if _, ok := st.DeliveredLastHour[s.Name]; !ok {
+					st.DeliveredLastHour[s.Name] = 0
+				}
+			}
+			if asJSON {
+				enc := json.NewEncoder(cmd.OutOrStdout())
+				enc.SetIndent("", "  ")
+				return enc.Encode(st)
+			}
+			printStatus(cmd.OutOrStdout(), st, time.Now())
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func printStatus(w io.Writer, st *ops.Status, now time.Time) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	defer tw.Flush()
+	line := func(k, format string, args ...any) { fmt.Fprintf(tw, "%s\t%s\n", k, fmt.Sprintf(format, args...)) }
+
+	line("mode:", "%s", st.Mode)
+	switch {
+	case st.Leader == nil:
+		line("leader:", "none")
+	case st.Leader.By == "lock":
+		line("leader:", "%s (holds the leader lock)", describeSession(st.Leader.Session, now))
+	default:
+		line("leader:", "%s (streams from the slot; no leader lock held)", describeSession(st.Leader.Session, now))
+	}
+
+	s := st.Slot
+	switch {
+	case !s.Exists:
+		line("slot:", "%s does not exist (run creates it)", s.Name)
+	default:
+		state := "inactive"
+		if s.Active && s.Holder != nil {
+			state = "active, streaming to " + describeSession(*s.Holder, now)
+		}
+		retained := "unknown"
+		if s.RetainedWALBytes != nil {
+			retained = ops.FormatBytes(*s.RetainedWALBytes)
+		}
+		line("slot:", "%s: %s; wal_status %s, retained WAL %s, confirmed %s", s.Name, state, s.WALStatus, retained, s.ConfirmedFlushLSN)
+	}
+	if cp := st.Checkpoint; cp != nil {
+		line("checkpoint:", "%s, written %s ago", cp.ConfirmedLSN, roundAge(now.Sub(cp.UpdatedAt)))
+	}
+	line("relay sessions:", "%d", len(st.Relays))
+
+	var counts []string
+	for _, status := range ops.Statuses {
+		counts = append(counts, fmt.Sprintf("%s %d", status, st.Rows[status]))
+	}
+	for _, status := range sortedKeys(st.Rows) {
+		if !slices.Contains(ops.Statuses, status) {
+			counts = append(counts, fmt.Sprintf("%s %d", status, st.Rows[status]))
+		}
+	}
+	line("rows:", "%s", strings.Join(counts, ", "))
+	if st.OldestPendingSeconds == nil {
+		line("oldest pending:", "none pending")
+	} else {
+		line("oldest pending:", "%s", roundAge(time.Duration(*st.OldestPendingSeconds*float64(time.Second))))
+	}
+	line("held / failed:", "%d / %d (outbox-relay dlq list)", st.Held, st.Failed)
+	var delivered []string
+	for _, sink := range sortedKeys(st.DeliveredLastHour) {
+		delivered = append(delivered, fmt.Sprintf("%s %d", sink, st.DeliveredLastHour[sink]))
+	}
+	if len(delivered) == 0 {
+		delivered = []string{"none"}
+	}
+	line("delivered (1h):", "%s", strings.Join(delivered, ", "))
+}
+
+func describeSession(s ops.Session, now time.Time) string {
+	out := fmt.Sprintf("pid %d %q", s.PID, s.ApplicationName)
+	if s.ClientAddr != "" {
+		out += " from " + s.ClientAddr
+	}
+	if s.BackendStart != nil {
+		out += ", up " + roundAge(now.Sub(*s.BackendStart))
+	}
+	return out
+}
+
+// roundAge prints d to a precision that suits its size.
+func roundAge(d time.Duration) string {
+	switch {
+	case d < time.Second:
+		return d.Round(time.Millisecond).String()
+	case d < time.Minute:
+		return d.Round(100 * time.Millisecond).String()
+	default:
+		return d.Round(time.Second).String()
+	}
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// connectOps opens a small pool for an operator command, named
+// ops.CLIApplicationName (status does not count it as a relay), and
+// schema-qualifies the configured tables.
+func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, ops.Tables, error) {
+	pc, err := pgxpool.ParseConfig(cfg.DatabaseURL.Reveal())
+	if err != nil {
+		// pgx's parse errors can quote the string, password included.
+		return nil, ops.Tables{}, usageError{fmt.Errorf("database_url does not parse as a PostgreSQL URL or key=value string")}
+	}
+	pc.ConnConfig.RuntimeParams["application_name"] = ops.CLIApplicationName
+	pc.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, ops.Tables{}, fmt.Errorf("database: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, ops.Tables{}, fmt.Errorf("connect to the database: %w", err)
+	}
+	t := cfg.Tables()
+	tables, err := ops.Resolve(ctx, pool, ops.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
+	if err != nil {
+		pool.Close()
+		return nil, ops.Tables{}, err
+	}
+	return pool, tables, nil
+}
+
+// configuredSinks returns the sinks run delivers to: the configured ones, or
+// the embedded NATS sink run adds when none is configured.
+func configuredSinks(cfg *config.Config) []config.SinkConfig {
+	if len(cfg.Sinks) > 0 {
+		return cfg.Sinks
+	}
+	s := config.DefaultSink(config.SinkNATS)
+	s.Name = "nats"
+	return []config.SinkConfig{s}
+}
+
+// findSink returns the configured sink called name, or a usage error that
+// lists the sinks there are.
+func findSink(cfg *config.Config, name string) (config.SinkConfig, error) {
+	sinks := configuredSinks(cfg)
+	var names []string
+	for _, s := range sinks {
+		if s.Name == name {
+			return s, nil
+		}
+		names = append(names, s.Name)
+	}
+	return config.SinkConfig{}, usageError{fmt.Errorf("--sink %q: no such sink (configured: %s)", name, strings.Join(names, ", "))}
+}

@@ -1,0 +1,224 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+)
+
+// opsDB is a migrated database for the operator commands, with a config
+// file naming it and two sinks: "n8n" (a webhook taking order.* events) and
+// "nats" (every event).
+type opsDB struct {
+	url    string
+	pool   *pgxpool.Pool
+	config string
+}
+
+func newOpsDB(t *testing.T) *opsDB {
+	t.Helper()
+	url := pgtest.NewDatabase(t)
+	if code, out, errOut := execute(t, "migrate", "--database-url", url); code != exitOK {
+		t.Fatalf("migrate: exit %d\n%s%s", code, out, errOut)
+	}
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return &opsDB{url: url, pool: pool, config: writeOpsConfig(t, url, `
+  - name: n8n
+    type: webhook
+    url: http://127.0.0.1:9/webhook/outbox
+    events: ["order.*"]
+  - name: nats
+    type: nats
+    url: nats://127.0.0.1:9`)}
+}
+
+// writeOpsConfig writes a config file for dbURL with the sinks YAML given.
+func writeOpsConfig(t *testing.T, dbURL, sinks string, extra ...string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "relay.yaml")
+	text := fmt.Sprintf("database_url: %q\nsinks:%s\n%s", dbURL, sinks, strings.Join(extra, "\n"))
+	if sinks == "" {
+		text = fmt.Sprintf("database_url: %q\n%s", dbURL, strings.Join(extra, "\n"))
+	}
+	if err := os.WriteFile(path, []byte(text), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// newPGConn connects to url for the test.
+func newPGConn(t *testing.T, url string) *pgx.Conn {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
+}
+
+func (d *opsDB) exec(t *testing.T, sql string, args ...any) {
+	t.Helper()
+	if _, err := d.pool.Exec(context.Background(), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// insert adds an outbox row and returns its id.
+func (d *opsDB) insert(t *testing.T, key, eventType, status, lastError string) int64 {
+	t.Helper()
+	var id int64
+	err := d.pool.QueryRow(context.Background(), `
+INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, status, attempts, last_error)
+VALUES ($1, 'order', 'A1', $2, '{}', $3, 3, NULLIF($4, '')) RETURNING id`, eventType, key, status, lastError).Scan(&id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
+
+func (d *opsDB) ledger(t *testing.T, key, sink, state string) {
+	t.Helper()
+	d.exec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
+		VALUES ($1, $2, $3, 1, CASE WHEN $3 = 'delivered' THEN now() END)`, key, sink, state)
+}
+
+func (d *opsDB) status(t *testing.T, id int64) (status string, replays int) {
+	t.Helper()
+	if err := d.pool.QueryRow(context.Background(), `SELECT status, coalesce(replays, 0) FROM integration_outbox WHERE id = $1`, id).Scan(&status, &replays); err != nil {
+		t.Fatal(err)
+	}
+	return status, replays
+}
+
+func (d *opsDB) ledgerStates(t *testing.T, key string) string {
+	t.Helper()
+	var s string
+	if err := d.pool.QueryRow(context.Background(), `SELECT coalesce(string_agg(action || '=' || state, ' ' ORDER BY action), '')
+		FROM integration_idempotency WHERE event_key = $1`, key).Scan(&s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// executeWithInput runs the command line in-process with stdin, as execute
+// does with none.
+func executeWithInput(t *testing.T, stdin string, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	execute(t) // clears the RELAY_* environment
+	var out, errOut bytes.Buffer
+	root := newRootCommand(&out, &errOut)
+	root.SetIn(strings.NewReader(stdin))
+	root.SetArgs(args)
+	err := root.ExecuteContext(context.Background())
+	if err != nil {
+		fmt.Fprintf(&errOut, "outbox-relay: %v\n", err)
+	}
+	return exitCode(err), out.String(), errOut.String()
+}
+
+func TestStatusCommand(t *testing.T) {
+	d := newOpsDB(t)
+	d.insert(t, "p", "order.created", "pending", "")
+	d.insert(t, "f", "order.created", "failed", "HTTP 422")
+	d.insert(t, "h", "order.created", "held", "timeout after write")
+	d.insert(t, "d", "order.created", "done", "")
+	d.ledger(t, "d", "nats", "delivered")
+	d.ledger(t, "d", "n8n", "delivered")
+	d.ledger(t, "f", "nats", "delivered")
+
+	code, out, errOut := execute(t, "status", "--config", d.config)
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s%s", code, out, errOut)
+	}
+	t.Logf("status:\n%s", out)
+	for _, want := range []string{
+		"mode:            stopped",
+		"leader:          none",
+		"slot:            outbox_relay does not exist (run creates it)",
+		"rows:            pending 1, processing 0, held 1, failed 1, done 1",
+		"oldest pending:  ",
+		"held / failed:   1 / 1",
+		"delivered (1h):  n8n 1, nats 2",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("status output lacks %q", want)
+		}
+	}
+
+	// A relay holding the leader lock and streaming: JSON.
+	ctx := context.Background()
+	cc, _ := pgx.ParseConfig(d.url)
+	cc.RuntimeParams["application_name"] = "outbox-relay leader outbox_relay"
+	leader, err := pgx.ConnectConfig(ctx, cc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer leader.Close(ctx)
+	if _, err := leader.Exec(ctx, "SELECT pg_advisory_lock($1)", ledger.LeaderLockKey("outbox_relay")); err != nil {
+		t.Fatal(err)
+	}
+	d.exec(t, "SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')")
+
+	code, out, errOut = execute(t, "status", "--config", d.config, "--json")
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s%s", code, out, errOut)
+	}
+	var st ops.Status
+	if err := json.Unmarshal([]byte(out), &st); err != nil {
+		t.Fatalf("status --json: %v\n%s", err, out)
+	}
+	if st.Mode != ops.ModePoll || st.Leader == nil || st.Leader.By != "lock" || st.Leader.PID != int32(leader.PgConn().PID()) ||
+		!st.Slot.Exists || st.Slot.Active || st.Slot.RetainedWALBytes == nil || st.Rows["failed"] != 1 || st.DeliveredLastHour["nats"] != 2 {
+		t.Fatalf("status --json: %s", out)
+	}
+	if !strings.Contains(out, `"oldest_pending_seconds": `) || !strings.Contains(out, `"retained_wal_bytes": `) {
+		t.Fatalf("JSON keys: %s", out)
+	}
+
+	code, out, _ = execute(t, "status", "--config", d.config)
+	if code != exitOK || !strings.Contains(out, "mode:            poll") || !strings.Contains(out, `"outbox-relay leader outbox_relay"`) ||
+		!strings.Contains(out, "(holds the leader lock)") || !strings.Contains(out, "slot:            outbox_relay: inactive; wal_status reserved") {
+		t.Fatalf("status with a leader:\n%s", out)
+	}
+}
+
+func TestStatusCommand_Errors(t *testing.T) {
+	code, _, errOut := execute(t, "status", "--database-url", "postgres://nobody:pw@127.0.0.1:1/x?connect_timeout=2")
+	if code != exitFailure || !strings.Contains(errOut, "connect to the database") || strings.Contains(errOut, "pw@") {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	code, _, errOut = execute(t, "status", "--database-url", "postgres://x:s3cret@[bad")
+	if code != exitUsage || strings.Contains(errOut, "s3cret") {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+}
+
+func TestRoundAge(t *testing.T) {
+	for d, want := range map[time.Duration]string{
+		1234567 * time.Nanosecond:   "1ms",
+		4210 * time.Millisecond:     "4.2s",
+		3*time.Hour + time.Second/3: "3h0m0s",
+	} {
+		if got := roundAge(d); got != want {
+			t.Errorf("roundAge(%s) = %q, want %q", d, got, want)
+		}
+	}
+}
