@@ -16,7 +16,6 @@ import (
 	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
 )
 
-
 // metric returns the sum of a metric's samples whose labels contain match.
 func metric(t *testing.T, body, name, match string) float64 {
 	t.Helper()

@@ -169,13 +169,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 }
 
-// replicationRetry is how often auto mode, while polling, tries to return
-// to replication.
-const replicationRetry = time.Minute
-
 // lead runs one leadership term until ctx ends: the stream, or in auto mode,
 // while replication is impossible, the claim path over every row, trying to
-// return to replication every minute.
+// return to replication every source.replication_retry.
 func (r *relayRun) lead(ctx context.Context) error {
 	var pollingSince time.Time
 	for {
@@ -189,12 +185,12 @@ func (r *relayRun) lead(ctx context.Context) error {
 		}
 		if pollingSince.IsZero() {
 			pollingSince = time.Now()
-			r.log.Warn().Str("reason", unavailable.Reason).Dur("retry_every", replicationRetry).
+			r.log.Warn().Str("reason", unavailable.Reason).Dur("retry_every", time.Duration(r.cfg.Source.ReplicationRetry)).
 				Msg("replication unavailable: falling back to the claim path over every row")
 		}
 		watchCtx, stopWatch := context.WithCancel(ctx)
 		go r.watchUnconsumedSlot(watchCtx, pollingSince)
-		err = r.poll(ctx, replicationRetry)
+		err = r.poll(ctx, time.Duration(r.cfg.Source.ReplicationRetry))
 		stopWatch()
 		if err != nil {
 			return err

@@ -113,6 +113,9 @@ type SourceConfig struct {
 	SlotMaxUnconsumed Duration   `yaml:"slot_max_unconsumed"`
 	SlotMaxRetained   ByteSize   `yaml:"slot_max_retained"`
 	NotifyTrigger     bool       `yaml:"notify_trigger"`
+	// ReplicationRetry is how often auto mode, while polling because
+	// replication is impossible, tries to return to replication.
+	ReplicationRetry Duration `yaml:"replication_retry"`
 }
 
 // Ordering says which events must be delivered in order.
@@ -322,6 +325,7 @@ func Default() Config {
 			LockTimeout:       Duration(5 * time.Minute),
 			SlotMaxUnconsumed: Duration(10 * time.Minute),
 			SlotMaxRetained:   GiB,
+			ReplicationRetry:  Duration(time.Minute),
 		},
 		Delivery: DeliveryConfig{
 			Ordering:       OrderingAggregate,

@@ -176,7 +176,7 @@ func fullConfig() config.Config {
 		Mode: config.SourcePoll, Slot: "my_slot", Publication: "my_pub",
 		PollInterval: sec(250 * time.Millisecond), BatchSize: 100, SweepAfter: sec(time.Minute),
 		LockTimeout: sec(2 * time.Minute), SlotMaxUnconsumed: sec(time.Hour),
-		SlotMaxRetained: 512 * config.MiB, NotifyTrigger: true,
+		SlotMaxRetained: 512 * config.MiB, NotifyTrigger: true, ReplicationRetry: sec(time.Minute),
 	}
 	c.Delivery = config.DeliveryConfig{
 		Ordering: config.OrderingNone, InlineAttempts: 0, MaxAttempts: 5,
