@@ -139,7 +139,13 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	if senderTimeout > 0 {
 		saveTimeout = min(saveTimeout, senderTimeout/3)
 	}
-	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked}
+	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked}
+	r.ackable.Store(uint64(acked))
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		r.checkpointLoop(sctx)
+	}()
 	recvErr := r.run(sctx)
 	cancel()
 	wg.Wait()
@@ -168,9 +174,40 @@ type receiver struct {
 	blocked bool      // waiting for room in the queue
 	next    time.Time // when the next status update is due
 
-	acked          relay.LSN // last position sent to the server
-	mustCheckpoint bool      // settled passed events not yet covered by a checkpoint
-	saveFailing    bool      // the last checkpoint write failed (logged once)
+	acked relay.LSN // last position sent to the server
+
+	// The checkpointer (its own goroutine) decides what may be
+	// acknowledged and publishes it in ackable; the receiver only reads it.
+	// A checkpoint is a synchronous commit — milliseconds to far more on a
+	// busy primary — and the receiver must never stop reading the stream
+	// for one: that stalled every event behind it.
+	ackable        atomic.Uint64
+	published      relay.LSN // checkpointer: last position stored in ackable
+	mustCheckpoint bool      // checkpointer: settled passed events not yet covered by a checkpoint
+	saveFailing    bool      // checkpointer: the last checkpoint write failed (logged once)
+}
+
+// checkpointLoop publishes the position the receiver may acknowledge, every
+// status interval, until ctx is done.
+func (r *receiver) checkpointLoop(ctx context.Context) {
+	tick := time.NewTicker(r.every)
+	defer tick.Stop()
+	for {
+		r.publish(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// publish runs position and stores its answer for the receiver.
+func (r *receiver) publish(ctx context.Context) {
+	if pos := r.position(ctx); pos > r.published {
+		r.published = pos
+		r.ackable.Store(uint64(pos))
+	}
 }
 
 func (r *receiver) run(ctx context.Context) error {
@@ -306,7 +343,7 @@ func (r *receiver) push(ctx context.Context, it streamItem) error {
 // keepalive: that keepalive carries the walsender's position, which lets the
 // slot advance past WAL of other tables while the outbox is quiet.
 func (r *receiver) sendStatus(ctx context.Context) error {
-	pos := r.position(ctx)
+	pos := max(relay.LSN(r.ackable.Load()), r.acked)
 	err := pglogrepl.SendStandbyStatusUpdate(ctx, r.conn, pglogrepl.StandbyStatusUpdate{
 		WALWritePosition: pglogrepl.LSN(pos),
 		WALFlushPosition: pglogrepl.LSN(pos),
@@ -336,7 +373,7 @@ func (r *receiver) position(ctx context.Context) relay.LSN {
 	if passed {
 		r.mustCheckpoint = true
 	}
-	target := max(settled, r.acked)
+	target := max(settled, r.published)
 	switch {
 	case r.mustCheckpoint:
 		// Rewriting an equal or later checkpoint is still needed: the
@@ -357,7 +394,7 @@ func (r *receiver) position(ctx context.Context) relay.LSN {
 			r.saveFailing = true
 		}
 		if r.mustCheckpoint {
-			return r.acked
+			return r.published
 		}
 		s.checkpointAt = time.Now() // a keepalive-only rewrite waits for the next period
 		return target
@@ -378,6 +415,7 @@ func (r *receiver) finalStatus() {
 	ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 	defer cancel()
 	r.blocked = true // no reply wanted
+	r.publish(ctx)   // the checkpointer has stopped: one last, synchronous round
 	if err := r.sendStatus(ctx); err != nil {
 		r.s.log.Debug().Err(err).Msg("final standby status update failed")
 	}
