@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -175,4 +176,54 @@ func TestRelay_ReturnsToReplication(t *testing.T) {
 	if n := s.scalar(t, `SELECT count(*) FROM integration_idempotency l WHERE l.event_key LIKE 'after-%' AND l.owner IS NULL`); n != 100 {
 		t.Fatalf("%d of 100 deliveries after the return came from the stream", n)
 	}
+}
+
+// TestRelay_KillNineWhileProcessing: a relay in poll mode is killed while
+// rows are claimed ('processing') and requests are in flight; the next relay
+// (lock_timeout 2s) takes them over and delivers them; a repeat carries the
+// same idempotency key and body.
+func TestRelay_KillNineWhileProcessing(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	var slow sync.Mutex
+	slowOn := true
+	s.hook.setReply(func(delivery) int {
+		slow.Lock()
+		on := slowOn
+		slow.Unlock()
+		if on {
+			time.Sleep(3 * time.Second)
+		}
+		return 204
+	})
+	cfgPath := s.configFileWith(t, "", "source: {mode: poll, poll_interval: 200ms, lock_timeout: 2s}")
+	var logs lockedBuffer
+	first := s.startProcess(t, cfgPath, &logs)
+	s.publishWriters(t, 1, 40, 40, "processing")
+	eventually(t, 20*time.Second, "rows being processed", func() bool {
+		return s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status = 'processing'") > 0
+	})
+	processing := s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status = 'processing'")
+	first.Process.Signal(syscall.SIGKILL)
+	first.Wait()
+	t.Logf("killed the relay with %d rows processing", processing)
+
+	slow.Lock()
+	slowOn = false
+	slow.Unlock()
+	s.startProcess(t, cfgPath, &logs)
+	keys := s.keys(t, "true")
+	s.waitAllDelivered(t, 60*time.Second, keys)
+	eventually(t, 20*time.Second, "every row done", func() bool {
+		return s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status <> 'done'") == 0
+	})
+	repeats := 0
+	for key, copies := range byKey(s.hook.deliveries()) {
+		for _, c := range copies[1:] {
+			repeats++
+			if c.IdemKey != copies[0].IdemKey || c.Body != copies[0].Body {
+				t.Fatalf("repeat of %s differs", key)
+			}
+		}
+	}
+	t.Logf("%d events delivered, %d repeats of requests in flight at the kill", len(keys), repeats)
 }
