@@ -186,10 +186,6 @@ log: {level: info, format: console}
 			<-relayDone
 			return nil
 		case err := <-relayDone:
-			var exit *exec.ExitError
-			if errors.As(err, &exit) && exit.ExitCode() == 3 {
-				return errors.New("this build of the relay cannot run yet")
-			}
 			return fmt.Errorf("relay exited early: %v", err)
 		case <-wait:
 		}

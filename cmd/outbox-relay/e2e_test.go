@@ -293,7 +293,7 @@ func TestRelay_ReceiverOutage(t *testing.T) {
 // the relay rewrites its checkpoint at most once.
 func TestRelay_IdleOutboxKeepsWALBounded(t *testing.T) {
 	if testing.Short() {
-		t.Skip("takes over a minute")
+		t.Skip("takes over a minute: skipped with -short")
 	}
 	s := newSetup(t, pgtest.NewDatabase(t))
 	ctx := context.Background()

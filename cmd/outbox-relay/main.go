@@ -2,8 +2,7 @@
 // table to an n8n webhook and to NATS JetStream, from a logical replication
 // slot, with the polling claim as the fallback path.
 //
-// Exit codes: 0 success; 1 the command failed; 2 bad usage or configuration;
-// 3 the command is not available in this build yet.
+// Exit codes: 0 success; 1 the command failed; 2 bad usage or configuration.
 package main
 
 import (
@@ -24,10 +23,9 @@ import (
 
 // Exit codes, documented in the README.
 const (
-	exitOK             = 0
-	exitFailure        = 1
-	exitUsage          = 2
-	exitNotImplemented = 3
+	exitOK      = 0
+	exitFailure = 1
+	exitUsage   = 2
 )
 
 // usageError marks errors caused by the command line or the configuration.
@@ -35,9 +33,6 @@ type usageError struct{ err error }
 
 func (e usageError) Error() string { return e.err.Error() }
 func (e usageError) Unwrap() error { return e.err }
-
-// errNotImplemented is returned by commands whose issue has not landed yet.
-var errNotImplemented = errors.New("not implemented yet")
 
 // version is set at build time with -ldflags "-X main.version=…".
 var version = "dev"
@@ -56,8 +51,6 @@ func exitCode(err error) int {
 		return exitOK
 	case errors.As(err, &usage):
 		return exitUsage
-	case errors.Is(err, errNotImplemented):
-		return exitNotImplemented
 	default:
 		return exitFailure
 	}
@@ -115,7 +108,7 @@ replication slot and delivers each event to its sinks (an n8n webhook, NATS JetS
 with an idempotency ledger and the polling claim (FOR UPDATE SKIP LOCKED) as the fallback.
 
 Configuration: --config FILE (YAML), RELAY_<PATH> environment variables, flags.
-Exit codes: 0 success, 1 failure, 2 bad usage or configuration, 3 not available yet.`,
+Exit codes: 0 success, 1 failure, 2 bad usage or configuration.`,
 		Version:       version,
 		SilenceUsage:  true,
 		SilenceErrors: true,
@@ -134,6 +127,7 @@ Exit codes: 0 success, 1 failure, 2 bad usage or configuration, 3 not available 
 		newDLQCommand(g),
 		newReplayCommand(g),
 		newReconcileCommand(g),
+		newConfigCommand(g),
 	)
 	return root
 }

@@ -18,7 +18,7 @@ import (
 // (most rows done, their ledger pairs delivered).
 func TestClaimQueryUsesPartialIndexes(t *testing.T) {
 	if testing.Short() {
-		t.Skip("100,000 rows")
+		t.Skip("100,000 rows: skipped with -short")
 	}
 	f := MustFixture(t)
 	ctx := context.Background()

@@ -152,7 +152,7 @@ func FuzzGlobToRegex(f *testing.F) {
 	conn := mustConn(f)
 	f.Fuzz(func(t *testing.T, pattern, name string) {
 		if !utf8.ValidString(pattern) || !utf8.ValidString(name) || strings.ContainsRune(pattern, 0) || strings.ContainsRune(name, 0) {
-			t.Skip("not text")
+			return // not text: event types and globs are strings of text
 		}
 		want, badErr := path.Match(pattern, name)
 		re, matchable, err := poll.GlobToRegex(pattern)
@@ -166,7 +166,7 @@ func FuzzGlobToRegex(f *testing.F) {
 			t.Fatalf("GlobToRegex(%q): %v", pattern, err)
 		}
 		if !isASCII(name) && strings.Contains(pattern, "*") && strings.ContainsAny(pattern, "?[") {
-			t.Skip("path.Match's star skips bytes, the regex characters")
+			return // path.Match's star skips bytes, the regex characters (documented)
 		}
 		got := false
 		if matchable {
