@@ -28,14 +28,21 @@
 // a Content-Length), and one whose write failed (httptrace WroteRequest with
 // an error) did not either.
 //
-//	2xx                                    delivered (nil)
+//	2xx                                    delivered (nil), except n8n's
+//	                                         200 "n8n is starting up. Please
+//	                                         wait" (Transient: it did not run)
 //	409 with Treat409AsDelivered           delivered (nil)
+//	TLS certificate refused by either side SinkDown: check tls.ca_file,
+//	  (unknown CA, bad hostname, client      cert_file, key_file
+//	  certificate missing or refused)
 //	not written (refused, DNS, TLS, reset  Transient
 //	  or cancelled before the write)
 //	written, then timeout, reset or EOF    Unknown
 //	401, 403                               SinkDown: check the credentials
 //	404 whose body says "is not            SinkDown: publish (activate) the
 //	  registered" (n8n)                      n8n workflow
+//	any other 404 (n8n's "Cannot POST"     SinkDown: the URL does not exist
+//	  while it starts, a missing route)      (yet); check the sink's url
 //	a status in PermanentStatuses          Permanent, with a body excerpt
 //	408, 425, 429, 409, 5xx                Transient, Retry-After honoured
 //	                                         (seconds or HTTP-date, <= 1h)
@@ -43,7 +50,7 @@
 //	3xx (redirects are not followed)       Transient
 //	body over MaxBody, or empty            Permanent, nothing sent
 //
-// Sink-level answers (401, 403, n8n's 404) are checked first, so they can
+// Sink-level answers (401, 403, 404) are checked first, so they can
 // never dead-letter an event; PermanentStatuses is checked before the
 // transient statuses, so listing 503 makes it permanent.
 package webhook

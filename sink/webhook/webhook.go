@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"io"
@@ -481,6 +482,14 @@ func (s *Sink) post(d *relay.Delivery) error {
 		}
 		wrote, writeErr := trace.result()
 		event := s.log.Debug().Str("event_key", key).Int("attempt", d.Attempt).Dur("took", took).Err(err)
+		if tlsRefused(err) {
+			// The handshake failed, so no request reached the receiver,
+			// even when (TLS 1.3) the client had already sent it before
+			// the server refused its certificate. Every event would fail
+			// alike: a sink-level failure.
+			event.Msg("webhook TLS handshake failed")
+			return relay.SinkDownError(fmt.Errorf("webhook %s: TLS handshake failed: %w: check the sink's tls settings (ca_file, cert_file, key_file) and the receiver's certificate", s.name, err), 0)
+		}
 		switch {
 		case writeErr != nil:
 			event.Msg("webhook request not completely written")
@@ -501,10 +510,52 @@ func (s *Sink) post(d *relay.Delivery) error {
 	return s.outcome(key, resp, now)
 }
 
+// tlsRefused reports whether err is a certificate problem of either side: the
+// receiver's certificate did not verify, or the receiver refused the
+// handshake (typically the client certificate: missing, unknown CA,
+// expired).
+func tlsRefused(err error) bool {
+	if _, ok := errors.AsType[*tls.CertificateVerificationError](err); ok {
+		return true
+	}
+	if _, ok := errors.AsType[x509.UnknownAuthorityError](err); ok {
+		return true
+	}
+	if _, ok := errors.AsType[x509.HostnameError](err); ok {
+		return true
+	}
+	// A received alert is a *net.OpError "remote error" around the tls
+	// package's unexported alert type: only its text tells which alert.
+	if op, ok := errors.AsType[*net.OpError](err); ok && op.Op == "remote error" && op.Err != nil {
+		msg := op.Err.Error()
+		for _, alert := range []string{
+			"handshake failure", "bad certificate", "unsupported certificate",
+			"revoked certificate", "expired certificate", "unknown certificate",
+			"access denied", "protocol version not supported", "certificate required",
+		} {
+			if strings.HasSuffix(msg, "tls: "+alert) || strings.HasSuffix(msg, "tls: "+alert+" authority") {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// n8nStartingUp is the body n8n sends, with status 200, while it starts.
+const n8nStartingUp = "n8n is starting up. Please wait"
+
 // outcome classifies a response as the package documentation's table says.
 func (s *Sink) outcome(key string, resp *http.Response, now time.Time) error {
 	code := resp.StatusCode
 	if code >= 200 && code < 300 {
+		// n8n answers 200 "n8n is starting up. Please wait" to every request
+		// while it migrates its database at start: the workflow did not run,
+		// so that answer must not count as delivered.
+		head, _ := io.ReadAll(io.LimitReader(resp.Body, int64(len(n8nStartingUp))+8))
+		if bytes.Equal(bytes.TrimSpace(head), []byte(n8nStartingUp)) {
+			return relay.TransientError(fmt.Errorf("webhook %s: event %q: n8n answered %d %q: it is still starting, the workflow did not run",
+				s.name, key, code, n8nStartingUp), time.Second)
+		}
 		return nil
 	}
 	var head []byte
@@ -525,6 +576,13 @@ func (s *Sink) outcome(key string, resp *http.Response, now time.Time) error {
 		return relay.SinkDownError(fmt.Errorf("webhook %s: receiver answered %s, the n8n webhook is not registered: "+
 			"publish (activate) the n8n workflow, and use its production URL (/webhook/…, not /webhook-test/…)",
 			s.name, status), retryAfter)
+	case code == http.StatusNotFound:
+		// The URL does not exist (yet): n8n answers "Cannot POST …" while it
+		// registers its webhooks at start, a proxy before the route exists.
+		// Every event would get the same answer, so it is the sink's problem,
+		// not the event's: open the circuit instead of dead-lettering.
+		return relay.SinkDownError(fmt.Errorf("webhook %s: receiver answered %s: %s: check the sink's url (for n8n: the workflow must be published and the URL its production /webhook/… one)",
+			s.name, status, excerpt(head)), retryAfter)
 	case code == http.StatusConflict && s.treat409:
 		return nil
 	case s.permanent[code]:
@@ -533,7 +591,7 @@ func (s *Sink) outcome(key string, resp *http.Response, now time.Time) error {
 		code == http.StatusConflict, code >= 500:
 		return relay.TransientError(fmt.Errorf("%s: %s", prefix, excerpt(head)), retryAfter)
 	case code >= 400:
-		// Any other 4xx (404 from something other than n8n, 405, 410, ...)
+		// Any other 4xx (405, 410, ...)
 		// says the request itself is wrong; repeating it cannot help.
 		return relay.PermanentError(fmt.Errorf("%s: %s", prefix, excerpt(head)))
 	case code >= 300 && code < 400:
