@@ -408,10 +408,6 @@ func (e *e2e) startRelay(ctx context.Context, work, dbURL string) error {
 			return nil
 		}
 		if done, werr := e.relay.exited(); done {
-			var exit *exec.ExitError
-			if errors.As(werr, &exit) && exit.ExitCode() == 3 {
-				return fmt.Errorf("this outbox-relay build cannot run yet (exit 3); end of its log:\n%s", log.Tail(20))
-			}
 			return fmt.Errorf("the relay exited before streaming (%v); end of its log:\n%s", werr, log.Tail(20))
 		}
 		if time.Now().After(deadline) {

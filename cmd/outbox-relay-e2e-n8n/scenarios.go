@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -136,6 +137,10 @@ func (e *e2e) settle(ctx context.Context, prefix string, base execCounts, done f
 // without an effect.
 func (e *e2e) fill(ctx context.Context, r *result, prefix string, s snapshot, waitErr error, started time.Time) []missingRow {
 	r.Took = time.Since(started)
+	if ctx.Err() != nil {
+		r.Err = errors.New("interrupted")
+		return nil
+	}
 	r.Executions, r.Effects = s.exec.Success, s.db.Effects
 	r.Duplicates = s.exec.Success - s.db.Effects
 	if s.exec.Failed > 0 {
@@ -247,32 +252,7 @@ func (e *e2e) duplicate(ctx context.Context) result {
 	}
 	body := ev.AppendEnvelope(nil)
 	id := webhook.IdempotencyKey(key, 0)
-	post := func(token string) (int, string, error) {
-		req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.n8n.WebhookURL(), bytes.NewReader(body))
-		if err != nil {
-			return 0, "", err
-		}
-		// The headers the relay's webhook sink sends (sink/webhook).
-		h := req.Header
-		h.Set("Content-Type", "application/json")
-		h.Set("Idempotency-Key", id)
-		h.Set("Webhook-Id", id)
-		h.Set("Webhook-Timestamp", strconv.FormatInt(time.Now().Unix(), 10))
-		h.Set("Webhook-Attempt", "1")
-		if id == key {
-			h.Set("Outbox-Event-Key", key)
-		}
-		if token != "" {
-			h.Set(tokenHeader, token)
-		}
-		resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
-		if err != nil {
-			return 0, "", err
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return resp.StatusCode, string(b), nil
-	}
+	post := func(token string) (int, string, error) { return e.postWebhook(ctx, key, body, token) }
 
 	e.say("scenario 2: POST without %s must be refused", tokenHeader)
 	code, answer, err := post("")
@@ -306,8 +286,90 @@ func (e *e2e) duplicate(ctx context.Context) result {
 		r.Err = fmt.Errorf("after the duplicate: %d successful executions, %d effects, %d claims; want 2, 1, 1", s.exec.Success, s.db.Effects, s.db.Claims)
 	default:
 		r.Note = fmt.Sprintf("duplicate answered %d %s; no token: %d", code, strings.TrimSpace(answer), http.StatusForbidden)
+		if err := e.failingStep(ctx); err != nil {
+			r.Err = err
+		} else {
+			r.Note += "; a failing business step released its claim and the retry applied it"
+		}
 	}
 	return r
+}
+
+// postWebhook POSTs body to the workflow's webhook with the headers the
+// relay's webhook sink sends for key (sink/webhook), plus the token header
+// when token is set, and returns the status and the start of the answer.
+func (e *e2e) postWebhook(ctx context.Context, key string, body []byte, token string) (int, string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.n8n.WebhookURL(), bytes.NewReader(body))
+	if err != nil {
+		return 0, "", err
+	}
+	id := webhook.IdempotencyKey(key, 0)
+	h := req.Header
+	h.Set("Content-Type", "application/json")
+	h.Set("Idempotency-Key", id)
+	h.Set("Webhook-Id", id)
+	h.Set("Webhook-Timestamp", strconv.FormatInt(time.Now().Unix(), 10))
+	h.Set("Webhook-Attempt", "1")
+	if id == key {
+		h.Set("Outbox-Event-Key", key)
+	}
+	if token != "" {
+		h.Set(tokenHeader, token)
+	}
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	return resp.StatusCode, string(b), nil
+}
+
+// failingStep checks the workflow's error path, directly against n8n: while
+// a CHECK constraint makes the placeholder business step fail for one key,
+// a delivery of that key must answer 5xx and leave no claim behind (else
+// every retry would be answered "still in progress"); once the step works
+// again, the retry must apply the event once.
+func (e *e2e) failingStep(ctx context.Context) error {
+	const key = "e2e-fail-once"
+	body, err := json.Marshal(map[string]any{"id": 0, "event_key": key, "event_type": "e2e.fail",
+		"aggregate_type": nil, "aggregate_id": nil, "payload": map[string]any{}, "created_at": time.Now().UTC()})
+	if err != nil {
+		return err
+	}
+	e.say("scenario 2: a business step that fails must release its claim")
+	if _, err := e.pool.Exec(ctx, `ALTER TABLE n8n_business_effects ADD CONSTRAINT e2e_fail_once CHECK (event_key <> '`+key+`')`); err != nil {
+		return fmt.Errorf("make the business step fail: %w", err)
+	}
+	code, answer, err := e.postWebhook(ctx, key, body, e.token)
+	if _, derr := e.pool.Exec(ctx, `ALTER TABLE n8n_business_effects DROP CONSTRAINT e2e_fail_once`); derr != nil && err == nil {
+		err = derr
+	}
+	if err != nil {
+		return fmt.Errorf("POST with a failing business step: %w", err)
+	}
+	if code < 500 {
+		return fmt.Errorf("with a failing business step the workflow answered %d %q, want 5xx so that the sender retries", code, answer)
+	}
+	var claims int
+	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM n8n_processed_events WHERE event_key = $1`, key).Scan(&claims); err != nil {
+		return err
+	}
+	if claims != 0 {
+		return fmt.Errorf("the business step failed (answer %d) but its claim was not released: a retry would be answered \"still in progress\" until the event is dead-lettered", code)
+	}
+	code, answer, err = e.postWebhook(ctx, key, body, e.token)
+	if err != nil {
+		return fmt.Errorf("POST the retry: %w", err)
+	}
+	var effects int
+	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM n8n_business_effects WHERE event_key = $1`, key).Scan(&effects); err != nil {
+		return err
+	}
+	if code/100 != 2 || !strings.Contains(answer, `"applied"`) || effects != 1 {
+		return fmt.Errorf("the retry after the failed business step answered %d %q with %d effects, want 2xx \"applied\" and 1", code, answer, effects)
+	}
+	return nil
 }
 
 // outage: n8n is stopped with SIGTERM mid-run and started again while events
