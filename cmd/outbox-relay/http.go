@@ -2,15 +2,19 @@ package main
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"net"
 	"net/http"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 )
 
 // health is what /healthz and /readyz report. Live means the process runs
@@ -26,10 +30,13 @@ func (h *health) set(ready bool, reason string) {
 	h.reason.Store(reason)
 }
 
-// serveHTTP serves /metrics, /healthz and /readyz on addr until ctx is done.
-// It listens on 127.0.0.1 by default; binding another address is logged,
-// because the metrics name tables and sinks.
-func serveHTTP(ctx context.Context, addr string, h *health, log zerolog.Logger) (net.Addr, error) {
+// serveHTTP serves /metrics, /healthz and /readyz on hc.Listen until ctx is
+// done. It listens on 127.0.0.1 by default; binding another address is
+// logged, because the metrics name tables and sinks. With hc.MetricsToken
+// set, /metrics answers 401 to a request without "Authorization: Bearer
+// <token>"; the health endpoints stay open for probes.
+func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger) (net.Addr, error) {
+	addr := hc.Listen
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("http.listen %s: %w", addr, err)
@@ -38,7 +45,7 @@ func serveHTTP(ctx context.Context, addr string, h *health, log zerolog.Logger) 
 		log.Warn().Str("listen", ln.Addr().String()).Msg("the metrics and health endpoints listen beyond loopback")
 	}
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.Handler())
+	mux.Handle("GET /metrics", requireBearer(hc.MetricsToken.Reveal(), promhttp.Handler()))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, "ok")
 	})
@@ -64,4 +71,23 @@ func serveHTTP(ctx context.Context, addr string, h *health, log zerolog.Logger) 
 	}()
 	log.Info().Str("listen", ln.Addr().String()).Msg("serving /metrics /healthz /readyz")
 	return ln.Addr(), nil
+}
+
+// requireBearer wraps next so that it answers 401 unless the request carries
+// "Authorization: Bearer <token>"; an empty token requires nothing. The
+// comparison takes the same time whatever the mismatch.
+func requireBearer(token string, next http.Handler) http.Handler {
+	if token == "" {
+		return next
+	}
+	want := []byte(token)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		scheme, got, _ := strings.Cut(r.Header.Get("Authorization"), " ")
+		if !strings.EqualFold(scheme, "Bearer") || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), want) != 1 {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="metrics"`)
+			http.Error(w, "unauthorized", http.StatusUnauthorized)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
 }

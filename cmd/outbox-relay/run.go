@@ -67,7 +67,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopHTTP()
-	if _, err := serveHTTP(httpCtx, cfg.HTTP.Listen, r.health, log); err != nil {
+	if _, err := serveHTTP(httpCtx, cfg.HTTP, r.health, log); err != nil {
 		return err
 	}
 
@@ -435,7 +435,12 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 		switch sc.Type {
 		case config.SinkWebhook:
 			w := sc.Webhook
+			tlsConfig, err := sc.TLS.ClientConfig()
+			if err != nil {
+				return routes, fmt.Errorf("sinks[%d] (%s): tls.%w", i, sc.Name, err)
+			}
 			s, err := webhook.New(webhook.Config{
+				TLS:                 tlsConfig,
 				Name:                sc.Name,
 				URL:                 sc.URL,
 				Timeout:             time.Duration(w.Timeout),
@@ -459,6 +464,13 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 			}
 			if tok := n.Token.Reveal(); tok != "" {
 				opts = append(opts, nats.Token(tok))
+			}
+			tlsConfig, err := sc.TLS.ClientConfig()
+			if err != nil {
+				return routes, fmt.Errorf("sinks[%d] (%s): tls.%w", i, sc.Name, err)
+			}
+			if tlsConfig != nil {
+				opts = append(opts, nats.Secure(tlsConfig))
 			}
 			s, err := natssink.New(ctx, natssink.Config{
 				Options: opts,

@@ -38,8 +38,12 @@ package config
 
 import (
 	"bytes"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
 	"fmt"
 	"net/url"
+	"os"
 	"reflect"
 	"strings"
 	"time"
@@ -166,9 +170,72 @@ type SinkConfig struct {
 	// (comma-separated); empty for NATS runs an embedded server.
 	URL string `yaml:"url"`
 	// Events lists path.Match globs over the event type.
-	Events  []string      `yaml:"events"`
+	Events []string `yaml:"events"`
+	// TLS configures the connection to a webhook (https://) or a NATS
+	// server; the zero value uses the system roots and no client
+	// certificate.
+	TLS     TLSConfig     `yaml:"tls"`
 	Webhook WebhookConfig `yaml:",inline"`
 	NATS    NATSConfig    `yaml:",inline"`
+}
+
+// TLSConfig is a sink's TLS client configuration. Every file is PEM.
+type TLSConfig struct {
+	// CAFile is a bundle of CA certificates that replaces the system roots.
+	CAFile string `yaml:"ca_file"`
+	// CertFile and KeyFile are a client certificate (mTLS); both or neither.
+	CertFile string `yaml:"cert_file"`
+	KeyFile  string `yaml:"key_file"`
+	// InsecureSkipVerify accepts any server certificate. For tests only.
+	InsecureSkipVerify bool `yaml:"insecure_skip_verify"`
+}
+
+// IsZero reports whether no TLS setting is made.
+func (t TLSConfig) IsZero() bool { return t == TLSConfig{} }
+
+// ClientConfig builds the *tls.Config t describes, reading its files; nil
+// when t is zero (the system's defaults apply). Errors name the key
+// (relative to the tls section) and the file, never the file's contents.
+func (t TLSConfig) ClientConfig() (*tls.Config, error) {
+	c, key, err := t.build()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", key, err)
+	}
+	return c, nil
+}
+
+func (t TLSConfig) build() (c *tls.Config, key string, err error) {
+	if t.IsZero() {
+		return nil, "", nil
+	}
+	// InsecureSkipVerify is opt-in and documented as test-only.
+	c = &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: t.InsecureSkipVerify}
+	if t.CAFile != "" {
+		pem, err := os.ReadFile(t.CAFile)
+		if err != nil {
+			return nil, "ca_file", err
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, "ca_file", fmt.Errorf("%s holds no PEM certificate", t.CAFile)
+		}
+		c.RootCAs = pool
+	}
+	switch {
+	case t.CertFile != "" && t.KeyFile != "":
+		cert, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
+		if err != nil {
+			// LoadX509KeyPair's errors describe the PEM blocks, never
+			// the key material.
+			return nil, "cert_file", fmt.Errorf("load the key pair %s, %s: %w", t.CertFile, t.KeyFile, err)
+		}
+		c.Certificates = []tls.Certificate{cert}
+	case t.CertFile != "":
+		return nil, "key_file", errors.New("is required with cert_file")
+	case t.KeyFile != "":
+		return nil, "cert_file", errors.New("is required with key_file")
+	}
+	return c, "", nil
 }
 
 // BodyFormat selects what a webhook request carries.
@@ -263,6 +330,10 @@ type StreamConfig struct {
 // HTTPConfig configures the metrics and health endpoint.
 type HTTPConfig struct {
 	Listen string `yaml:"listen"`
+	// MetricsToken, when set, is the bearer token /metrics requires
+	// (Authorization: Bearer <token>); /healthz and /readyz stay open.
+	MetricsToken     Secret `yaml:"metrics_token"`
+	MetricsTokenFile string `yaml:"metrics_token_file"`
 }
 
 // LogConfig configures zerolog. Level is one of trace, debug, info, warn,

@@ -108,7 +108,10 @@ type secretRef struct {
 }
 
 func (c *Config) secretRefs() []secretRef {
-	refs := []secretRef{{"database_url", "database_url_file", &c.DatabaseURL, c.DatabaseURLFile}}
+	refs := []secretRef{
+		{"database_url", "database_url_file", &c.DatabaseURL, c.DatabaseURLFile},
+		{"http.metrics_token", "http.metrics_token_file", &c.HTTP.MetricsToken, c.HTTP.MetricsTokenFile},
+	}
 	for i := range c.Sinks {
 		p := fmt.Sprintf("sinks[%d].", i)
 		a, n := &c.Sinks[i].Webhook.Auth, &c.Sinks[i].NATS

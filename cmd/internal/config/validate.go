@@ -34,6 +34,9 @@ func (c *Config) Validate() error {
 		v.sink(fmt.Sprintf("sinks[%d]", i), &c.Sinks[i], names)
 	}
 	v.listen("http.listen", c.HTTP.Listen)
+	if strings.ContainsFunc(c.HTTP.MetricsToken.Reveal(), func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) {
+		v.fail("http.metrics_token", "must be printable, without spaces")
+	}
 	if c.DataDir == "" {
 		v.fail("data_dir", "must not be empty")
 	}
@@ -199,6 +202,7 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 			v.fail(fmt.Sprintf("%s.events[%d]", p, i), "%q is not a valid pattern (path.Match syntax: *, ?, [a-z])", g)
 		}
 	}
+	v.tls(p, s)
 	switch s.Type {
 	case SinkWebhook:
 		v.webhook(p, s)
@@ -210,6 +214,25 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 		v.fail(p+".type", "is required (webhook or nats)")
 	default:
 		oneOf(v, p+".type", s.Type, SinkWebhook, SinkNATS)
+	}
+}
+
+// tls checks a sink's tls section: it must be used, and its files must
+// load.
+func (v *validator) tls(p string, s *SinkConfig) {
+	if s.TLS.IsZero() {
+		return
+	}
+	switch {
+	case s.Type == SinkWebhook && !strings.HasPrefix(strings.ToLower(s.URL), "https://"):
+		v.fail(p+".tls", "is only used with an https:// url")
+		return
+	case s.Type == SinkNATS && s.URL == "":
+		v.fail(p+".tls", "is not used by the embedded NATS server (url is empty)")
+		return
+	}
+	if _, key, err := s.TLS.build(); err != nil {
+		v.fail(p+".tls."+key, "%v", err)
 	}
 }
 

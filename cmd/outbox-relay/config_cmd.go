@@ -1,0 +1,30 @@
+package main
+
+import (
+	"github.com/spf13/cobra"
+)
+
+func newConfigCommand(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "config",
+		Short: "Print the effective configuration, secrets redacted",
+		Long: `Config loads the configuration as run would (flags > RELAY_* environment > file >
+defaults, secrets read from their *_file keys), validates it and prints it as YAML.
+Every secret (database_url, webhook auth secrets, NATS tokens, http.metrics_token)
+is printed as [redacted], webhook header values too, and credentials in sink URLs
+as xxxxx; paths of *_file keys are printed as they are.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := g.loadConfig()
+			if err != nil {
+				return err
+			}
+			out, err := cfg.Redacted()
+			if err != nil {
+				return err
+			}
+			_, err = g.stdout.Write(out)
+			return err
+		},
+	}
+}

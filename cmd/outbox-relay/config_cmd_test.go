@@ -1,0 +1,80 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// TestConfigCommand prints the effective configuration (file, RELAY_*
+// variables, flags, defaults) with every secret redacted.
+func TestConfigCommand(t *testing.T) {
+	dir := t.TempDir()
+	tokenFile := filepath.Join(dir, "nats.token")
+	if err := os.WriteFile(tokenFile, []byte("nats-SECRET-789\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, "relay.yaml")
+	doc := `database_url: postgres://relay:pg-SECRET-123@db.example:5432/app?sslmode=verify-full&sslrootcert=/etc/relay/ca.crt
+sinks:
+  - name: hook
+    type: webhook
+    url: https://user:url-SECRET-0@n8n.example/webhook/x?token=abc
+    auth: {type: jwt, secret: jwt-SECRET-456}
+    headers: {X-Api-Key: hdr-SECRET-1}
+  - name: nats
+    type: nats
+    url: nats://tok-SECRET-2@nats.example:4222
+    token_file: ` + tokenFile + `
+http: {metrics_token: metrics-SECRET-3}
+`
+	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("RELAY_SOURCE_MODE", "poll")
+	var stdout, stderr bytes.Buffer
+	if code := Execute(context.Background(), []string{"config", "--config", path}, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	out := stdout.String()
+	for _, secret := range []string{"pg-SECRET-123", "jwt-SECRET-456", "nats-SECRET-789", "url-SECRET-0", "hdr-SECRET-1", "tok-SECRET-2", "metrics-SECRET-3"} {
+		if strings.Contains(out+stderr.String(), secret) {
+			t.Errorf("config prints %q:\n%s", secret, out)
+		}
+	}
+	var got struct {
+		DatabaseURL string `yaml:"database_url"`
+		Source      struct {
+			Mode string `yaml:"mode"`
+		} `yaml:"source"`
+		Sinks []map[string]any `yaml:"sinks"`
+		HTTP  map[string]any   `yaml:"http"`
+	}
+	if err := yaml.Unmarshal(stdout.Bytes(), &got); err != nil {
+		t.Fatalf("output is not YAML: %v\n%s", err, out)
+	}
+	if got.DatabaseURL != "[redacted]" || got.Source.Mode != "poll" || len(got.Sinks) != 2 || got.HTTP["metrics_token"] != "[redacted]" {
+		t.Errorf("unexpected effective config:\n%s", out)
+	}
+	if got.Sinks[1]["token"] != "[redacted]" || got.Sinks[1]["token_file"] != tokenFile {
+		t.Errorf("nats token: %v, token_file %v", got.Sinks[1]["token"], got.Sinks[1]["token_file"])
+	}
+	if auth, _ := got.Sinks[0]["auth"].(map[string]any); auth["secret"] != "[redacted]" {
+		t.Errorf("webhook auth: %v", got.Sinks[0]["auth"])
+	}
+
+	// The --database-url flag wins, and is redacted too; a bad config exits 2.
+	stdout.Reset()
+	if code := Execute(context.Background(), []string{"config", "--config", path, "--database-url", "host=h password=flag-SECRET"}, &stdout, &stderr); code != 0 || strings.Contains(stdout.String(), "flag-SECRET") {
+		t.Errorf("exit %d, output:\n%s", code, stdout.String())
+	}
+	t.Setenv("RELAY_SOURCE_MODE", "sometimes")
+	if code := Execute(context.Background(), []string{"config", "--config", path}, &stdout, &stderr); code != exitUsage {
+		t.Errorf("invalid config: exit %d, want %d", code, exitUsage)
+	}
+}
