@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"net/url"
+	"strconv"
 	"strings"
 	"text/template"
 	"time"
@@ -152,7 +153,18 @@ func checkWebhook(ctx context.Context, i int, s config.SinkConfig) ops.Check {
 	if u.Scheme != "https" {
 		return ops.Check{Name: name, Status: ops.OK, Detail: fmt.Sprintf("webhook host %s reachable (TCP; nothing sent)", addr)}
 	}
-	tc := tls.Client(conn, &tls.Config{ServerName: u.Hostname(), MinVersion: tls.VersionTLS12})
+	// The sink's own tls section (CA, client certificate) applies here too;
+	// otherwise a private CA would fail a check that run passes.
+	tlsCfg, err := s.TLS.ClientConfig()
+	if err != nil {
+		return ops.Check{Name: name, Status: ops.Fail, Detail: err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].tls"}
+	}
+	if tlsCfg == nil {
+		tlsCfg = &tls.Config{MinVersion: tls.VersionTLS12}
+	}
+	tlsCfg = tlsCfg.Clone()
+	tlsCfg.ServerName = u.Hostname()
+	tc := tls.Client(conn, tlsCfg)
 	if err := tc.HandshakeContext(ctx); err != nil {
 		return ops.Check{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("TLS handshake with %s failed: %v", addr, err),
 			Fix: "the server's certificate must be valid for " + u.Hostname() + " and signed by a CA this machine trusts"}
@@ -185,6 +197,11 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
 	}
 	if tok := n.Token.Reveal(); tok != "" {
 		opts = append(opts, nats.Token(tok))
+	}
+	if tc, err := s.TLS.ClientConfig(); err != nil {
+		return []ops.Check{{Name: name, Status: ops.Fail, Detail: err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].tls"}}
+	} else if tc != nil {
+		opts = append(opts, nats.Secure(tc))
 	}
 	nc, err := nats.Connect(s.URL, opts...)
 	if err != nil {

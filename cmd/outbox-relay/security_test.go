@@ -11,6 +11,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"fmt"
+	"github.com/outbox-relay/outbox-relay/ledger/ops"
 	"io"
 	stdlog "log"
 	"math/big"
@@ -674,4 +675,30 @@ func chownToServer(dir string, files []string) error {
 		}
 	}
 	return nil
+}
+
+// TestDoctorUsesSinkTLS: doctor checks a webhook with the sink's own tls
+// section, so a private CA passes there exactly as it does for run.
+func TestDoctorUsesSinkTLS(t *testing.T) {
+	ca, other := newPKI(t, "test CA"), newPKI(t, "other CA")
+	serverCert, _, _ := ca.issue(t, "server", false)
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {}))
+	srv.TLS = &tls.Config{Certificates: []tls.Certificate{serverCert}, MinVersion: tls.VersionTLS12}
+	srv.Config.ErrorLog = stdlog.New(io.Discard, "", 0)
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+
+	for _, tc := range []struct {
+		name, caFile string
+		ok           bool
+	}{{"the sink's CA", ca.caFile, true}, {"another CA", other.caFile, false}} {
+		cfg, err := loadSinkConfig(t, fmt.Sprintf("  - {name: hook, type: webhook, url: %q, tls: {ca_file: %q}}", srv.URL, tc.caFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		check := checkWebhook(context.Background(), 0, cfg.Sinks[0])
+		if (check.Status == ops.OK) != tc.ok {
+			t.Fatalf("%s: doctor says %s: %s", tc.name, check.Status, check.Detail)
+		}
+	}
 }
