@@ -290,3 +290,50 @@ func TestHeaderAndBasicAuth(t *testing.T) {
 		t.Errorf("Authorization = %q, want %q", got, want)
 	}
 }
+
+// verifyStandardWebhooks is a receiver's check, as the Standard Webhooks
+// spec describes it: the header holds space-separated "v1,<sig>" values,
+// and the request is authentic when any of them matches.
+func verifyStandardWebhooks(secret, id, ts string, body []byte, header string) bool {
+	n, err := strconv.ParseInt(ts, 10, 64)
+	if err != nil {
+		return false
+	}
+	want, err := webhook.Sign(secret, id, n, body)
+	if err != nil {
+		return false
+	}
+	for _, sig := range strings.Fields(header) {
+		if hmac.Equal([]byte(sig), []byte(want)) {
+			return true
+		}
+	}
+	return false
+}
+
+// TestStandardWebhooksKeyRotation: with two secrets (old and new, space
+// separated) every request carries two signatures, so receivers on either
+// secret accept it during the rotation; a third secret verifies nothing.
+func TestStandardWebhooksKeyRotation(t *testing.T) {
+	t.Parallel()
+	const oldSecret, newSecret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "whsec_c2Vjb25kIHNlY3JldCBmb3Igcm90YXRpb24="
+	rc := MustReceiver(t, nil)
+	s := MustSink(t, webhook.Config{URL: rc.URL, Auth: webhook.Auth{Type: webhook.AuthStandardWebhooks, Secret: oldSecret + " " + newSecret}})
+	if err := send(t, s, newDelivery("k-rot", `{"a":1}`)); err != nil {
+		t.Fatal(err)
+	}
+	r := rc.Requests()[0]
+	header := r.Header.Get("Webhook-Signature")
+	if n := len(strings.Fields(header)); n != 2 {
+		t.Fatalf("webhook-signature %q: %d signatures, want 2", header, n)
+	}
+	id, ts := r.Header.Get("Webhook-Id"), r.Header.Get("Webhook-Timestamp")
+	for _, secret := range []string{oldSecret, newSecret} {
+		if !verifyStandardWebhooks(secret, id, ts, r.Body, header) {
+			t.Fatalf("a receiver holding %s... rejects the request", secret[:10])
+		}
+	}
+	if verifyStandardWebhooks("whsec_dW5yZWxhdGVk", id, ts, r.Body, header) {
+		t.Fatal("an unrelated secret verified")
+	}
+}

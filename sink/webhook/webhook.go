@@ -138,7 +138,7 @@ type Sink struct {
 	treat409  bool
 	headers   http.Header
 	auth      Auth
-	signKey   []byte // standard-webhooks
+	signKeys  [][]byte // standard-webhooks: one signature each (rotation)
 	log       zerolog.Logger
 
 	transport *http.Transport
@@ -220,8 +220,18 @@ func New(cfg Config) (*Sink, error) {
 		}
 		reserved = append(reserved, "Authorization")
 	case AuthStandardWebhooks:
-		if s.signKey, err = signingKey(cfg.Auth.Secret); err != nil {
-			return fail("auth type standard-webhooks: %v", err)
+		// Several secrets separated by spaces rotate a key without a gap:
+		// the request carries one signature per secret, and Standard
+		// Webhooks receivers accept any signature that verifies.
+		for _, secret := range strings.Fields(cfg.Auth.Secret) {
+			key, err := signingKey(secret)
+			if err != nil {
+				return fail("auth type standard-webhooks: %v", err)
+			}
+			s.signKeys = append(s.signKeys, key)
+		}
+		if len(s.signKeys) == 0 {
+			return fail("auth type standard-webhooks needs a secret")
 		}
 	case AuthHeader:
 		if !validHeaderName(cfg.Auth.Header) || cfg.Auth.Value == "" {
@@ -456,7 +466,11 @@ func (s *Sink) post(d *relay.Delivery) error {
 	}
 	switch s.auth.Type {
 	case AuthStandardWebhooks:
-		h.Set("Webhook-Signature", sign(s.signKey, id, ts, d.Body))
+		sigs := make([]string, len(s.signKeys))
+		for i, key := range s.signKeys {
+			sigs[i] = sign(key, id, ts, d.Body)
+		}
+		h.Set("Webhook-Signature", strings.Join(sigs, " "))
 	case AuthJWT:
 		token, err := jwt.NewWithClaims(jwt.SigningMethodHS256, jwt.MapClaims{
 			"event_key": key,

@@ -299,9 +299,14 @@ func (v *validator) auth(p string, a AuthConfig) {
 		if !set["secret"] && !set["secret_file"] {
 			v.fail(p+".secret", "is required for auth type %s (or secret_file)", a.Type)
 		}
-		if rest, ok := strings.CutPrefix(a.Secret.Reveal(), "whsec_"); ok && a.Type == AuthStandardWebhooks {
-			if _, err := base64.StdEncoding.DecodeString(rest); err != nil {
-				v.fail(p+".secret", "a whsec_ secret must be base64 after the prefix")
+		if a.Type == AuthStandardWebhooks {
+			// Several secrets, separated by spaces, rotate the key.
+			for _, secret := range strings.Fields(a.Secret.Reveal()) {
+				if rest, ok := strings.CutPrefix(secret, "whsec_"); ok {
+					if _, err := base64.StdEncoding.DecodeString(rest); err != nil {
+						v.fail(p+".secret", "a whsec_ secret must be base64 after the prefix")
+					}
+				}
 			}
 		}
 	case AuthHeader:
