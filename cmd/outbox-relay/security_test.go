@@ -530,7 +530,7 @@ func TestTLSConfigValidation(t *testing.T) {
 // and is refused with another CA.
 func TestPostgresTLS(t *testing.T) {
 	if testing.Short() {
-		t.Skip("starts a PostgreSQL cluster")
+		t.Skip("starts a PostgreSQL cluster: skipped with -short")
 	}
 	ca, other := newPKI(t, "test CA"), newPKI(t, "other CA")
 	_, certFile, keyFile := ca.issue(t, "server", false)
@@ -554,7 +554,7 @@ func TestPostgresTLS(t *testing.T) {
 		files = append(files, dst)
 	}
 	if err := chownToServer(dir, files); err != nil {
-		t.Skipf("cannot hand the key to the server's user: %v", err)
+		skipOrFailInCI(t, "cannot hand the key to the server's user: %v", err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -562,7 +562,7 @@ func TestPostgresTLS(t *testing.T) {
 		"ssl": "on", "ssl_cert_file": files[0], "ssl_key_file": files[1],
 	}})
 	if err != nil {
-		t.Skipf("no PostgreSQL cluster: %v", err)
+		skipOrFailInCI(t, "no PostgreSQL cluster: %v", err)
 	}
 	t.Cleanup(func() { c.Close() })
 
@@ -701,4 +701,14 @@ func TestDoctorUsesSinkTLS(t *testing.T) {
 			t.Fatalf("%s: doctor says %s: %s", tc.name, check.Status, check.Detail)
 		}
 	}
+}
+
+// skipOrFailInCI skips a test whose prerequisite is missing, except under
+// CI=true, where a missing prerequisite is a failure.
+func skipOrFailInCI(t *testing.T, format string, args ...any) {
+	t.Helper()
+	if ci := os.Getenv("CI"); ci == "true" || ci == "1" {
+		t.Fatalf("prerequisite missing under CI: "+format, args...)
+	}
+	t.Skipf(format, args...)
 }
