@@ -412,7 +412,7 @@ func (e *Engine) finish(l *lane, t *task, o outcome) {
 	case outcomeDelivered:
 		st.delivered = append(st.delivered, l.name)
 		e.Stats.Delivered.Add(1)
-		ObserveDelivered(l.name, PathStream, st.ev.CommitTime)
+		l.metrics.observeDelivered(st.ev.CommitTime)
 	case outcomeHandOff:
 		e.Stats.HandedOff.Add(1)
 		observeHandedOff(l.name, o.metric())
@@ -430,13 +430,13 @@ func (e *Engine) finish(l *lane, t *task, o outcome) {
 		}
 	case outcomeHeld:
 		e.Stats.Held.Add(1)
-		ObserveHeld(l.name, PathStream)
+		l.metrics.held.Inc()
 		st.held = true
 		st.diverters = append(st.diverters, l)
 		l.handedOff(st.ev)
 	case outcomeDeadLetter:
 		e.Stats.DeadLettered.Add(1)
-		ObserveFailed(l.name, PathStream)
+		l.metrics.failed.Inc()
 		if st.deadLetter != "" {
 			st.deadLetter += "; "
 		}

@@ -12,10 +12,11 @@ import (
 // rest of that aggregate waits behind it in commit order. Events of
 // different aggregates go out concurrently, up to the sink's own window.
 type lane struct {
-	e     *Engine
-	route Route
-	name  string
-	sink  Sink
+	e       *Engine
+	route   Route
+	name    string
+	sink    Sink
+	metrics sinkMetrics
 
 	slots chan struct{} // one token per event the lane holds: back-pressure
 	ready chan *task    // to the dispatcher; never blocks (a task holds a slot)
@@ -52,6 +53,7 @@ func newLane(e *Engine, r Route) *lane {
 		route:     r,
 		name:      r.Sink.Name(),
 		sink:      r.Sink,
+		metrics:   newSinkMetrics(r.Sink.Name()),
 		slots:     make(chan struct{}, e.cfg.LaneCapacity),
 		ready:     make(chan *task, e.cfg.LaneCapacity),
 		busy:      map[AggregateKey]*aggQueue{},
@@ -229,7 +231,7 @@ func (l *lane) result(t *task, err error) {
 	// Transient or unknown: an attempt that counts.
 	t.counted++
 	l.e.Stats.Retried.Add(1)
-	ObserveRetried(l.name, PathStream)
+	l.metrics.retried.Inc()
 	total := ev.Attempts + t.counted
 	if total >= l.e.cfg.MaxAttempts {
 		l.complete(t, outcome{kind: outcomeDeadLetter, reason: "max_attempts reached: " + reason, counted: t.counted})

@@ -117,3 +117,27 @@ func ObserveHeld(sink, path string) { heldTotal.WithLabelValues(sink, path).Inc(
 
 // observeHandedOff counts a hand-off from the stream.
 func observeHandedOff(sink, reason string) { handedOffTotal.WithLabelValues(sink, reason).Inc() }
+
+// sinkMetrics are one sink's stream-path series, resolved once: looking a
+// series up by its labels hashes them, which the per-event path should not.
+type sinkMetrics struct {
+	delivered, failed, retried, held prometheus.Counter
+	latency                          prometheus.Observer
+}
+
+func newSinkMetrics(sink string) sinkMetrics {
+	return sinkMetrics{
+		delivered: deliveredTotal.WithLabelValues(sink, PathStream),
+		failed:    failedTotal.WithLabelValues(sink, PathStream),
+		retried:   retriedTotal.WithLabelValues(sink, PathStream),
+		held:      heldTotal.WithLabelValues(sink, PathStream),
+		latency:   deliveryLatency.WithLabelValues(sink, PathStream),
+	}
+}
+
+func (m sinkMetrics) observeDelivered(since time.Time) {
+	m.delivered.Inc()
+	if !since.IsZero() {
+		m.latency.Observe(time.Since(since).Seconds())
+	}
+}
