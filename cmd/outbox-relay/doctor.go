@@ -195,6 +195,13 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
 	if n.CredsFile != "" {
 		opts = append(opts, nats.UserCredentials(n.CredsFile))
 	}
+	if n.NkeyFile != "" {
+		opt, err := nats.NkeyOptionFromSeed(n.NkeyFile)
+		if err != nil {
+			return []ops.Check{{Name: name, Status: ops.Fail, Detail: "nkey_file: " + err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].nkey_file"}}
+		}
+		opts = append(opts, opt)
+	}
 	if tok := n.Token.Reveal(); tok != "" {
 		opts = append(opts, nats.Token(tok))
 	}

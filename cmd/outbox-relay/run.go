@@ -462,6 +462,13 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 			if n.CredsFile != "" {
 				opts = append(opts, nats.UserCredentials(n.CredsFile))
 			}
+			if n.NkeyFile != "" {
+				opt, err := nats.NkeyOptionFromSeed(n.NkeyFile)
+				if err != nil {
+					return routes, fmt.Errorf("sinks[%d] (%s): nkey_file: %w", i, sc.Name, err)
+				}
+				opts = append(opts, opt)
+			}
 			if tok := n.Token.Reveal(); tok != "" {
 				opts = append(opts, nats.Token(tok))
 			}

@@ -11,6 +11,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/pem"
 	"fmt"
+	"github.com/nats-io/nkeys"
 	"github.com/outbox-relay/outbox-relay/ledger/ops"
 	"io"
 	stdlog "log"
@@ -711,4 +712,47 @@ func skipOrFailInCI(t *testing.T, format string, args ...any) {
 		t.Fatalf("prerequisite missing under CI: "+format, args...)
 	}
 	t.Skipf(format, args...)
+}
+
+// TestNATSNkey: a NATS sink authenticates with a user NKey seed file
+// (nkey_file); without it the server refuses the connection.
+func TestNATSNkey(t *testing.T) {
+	user, err := nkeys.CreateUser()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub, _ := user.PublicKey()
+	seed, _ := user.Seed()
+	seedFile := filepath.Join(t.TempDir(), "user.nk")
+	if err := os.WriteFile(seedFile, seed, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	srv, err := server.NewServer(&server.Options{Host: "127.0.0.1", Port: server.RANDOM_PORT, JetStream: true,
+		StoreDir: t.TempDir(), NoLog: true, NoSigs: true, Nkeys: []*server.NkeyUser{{Nkey: pub}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Start()
+	if !srv.ReadyForConnections(10 * time.Second) {
+		t.Fatal("nats-server not ready")
+	}
+	t.Cleanup(func() { srv.Shutdown(); srv.WaitForShutdown() })
+	url := fmt.Sprintf("nats://127.0.0.1:%d", srv.Addr().(*net.TCPAddr).Port)
+
+	for _, tc := range []struct {
+		name, extra string
+		ok          bool
+	}{{"with nkey_file", fmt.Sprintf("    nkey_file: %q\n", seedFile), true}, {"without", "", false}} {
+		cfg, err := loadSinkConfig(t, fmt.Sprintf("  - name: n\n    type: nats\n    url: %s\n%s", url, tc.extra))
+		if err != nil {
+			t.Fatal(err)
+		}
+		openErr, sendErr := sendOne(t, cfg)
+		if tc.ok && (openErr != nil || sendErr != nil) {
+			t.Fatalf("%s: open %v, send %v", tc.name, openErr, sendErr)
+		}
+		if !tc.ok && openErr == nil {
+			t.Fatalf("%s: connected without the NKey", tc.name)
+		}
+	}
 }

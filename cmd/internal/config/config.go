@@ -310,8 +310,10 @@ type NATSConfig struct {
 	Stream     StreamConfig `yaml:"stream"`
 	MaxPending int          `yaml:"max_pending"`
 	CredsFile  string       `yaml:"creds_file"`
-	Token      Secret       `yaml:"token"`
-	TokenFile  string       `yaml:"token_file"`
+	// NkeyFile is a user NKey seed file (an NKey without a JWT).
+	NkeyFile  string `yaml:"nkey_file"`
+	Token     Secret `yaml:"token"`
+	TokenFile string `yaml:"token_file"`
 }
 
 // StreamConfig describes the JetStream stream that must capture the sink's
