@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"strings"
 	"sync"
 	"syscall"
@@ -10,24 +9,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
 )
-
-// lockedBuffer collects one process's log.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 func (s *setup) walsenderPID(t *testing.T) int64 {
 	t.Helper()
@@ -41,7 +22,7 @@ func (s *setup) walsenderPID(t *testing.T) int64 {
 func TestRelay_HA(t *testing.T) {
 	s := newSetup(t, pgtest.NewDatabase(t))
 	cfgPath := s.configFile(t, "")
-	var logA, logB, logC lockedBuffer
+	var logA, logB, logC syncBuffer
 
 	a := s.startProcess(t, cfgPath, &logA)
 	s.waitSlot(t)

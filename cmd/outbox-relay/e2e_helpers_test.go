@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -208,13 +209,19 @@ http: {listen: "127.0.0.1:0"}
 // startInProcess runs the relay in this process until the test ends.
 func (s *setup) startInProcess(t *testing.T, cfgPath string) (stop func()) {
 	t.Helper()
-	cfg, err := config.Load(config.Options{Path: cfgPath})
+	return runInProcess(t, config.Options{Path: cfgPath}, zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.InfoLevel))
+}
+
+// runInProcess loads the configuration and runs the relay in this process
+// with log until the test ends or stop is called; stop waits for it to exit.
+func runInProcess(t *testing.T, opts config.Options, log zerolog.Logger) (stop func()) {
+	t.Helper()
+	cfg, err := config.Load(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	log := zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.InfoLevel)
 	go func() { done <- runRelay(ctx, cfg, log) }()
 	var once sync.Once
 	stop = func() {
@@ -232,6 +239,25 @@ func (s *setup) startInProcess(t *testing.T, cfgPath string) (stop func()) {
 	}
 	t.Cleanup(stop)
 	return stop
+}
+
+// syncBuffer collects a log written from several goroutines (or a
+// subprocess's output copied by exec).
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 // relayBinary builds the outbox-relay binary once per test run.

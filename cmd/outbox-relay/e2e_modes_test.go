@@ -196,7 +196,7 @@ func TestRelay_KillNineWhileProcessing(t *testing.T) {
 		return 204
 	})
 	cfgPath := s.configFileWith(t, "", "source: {mode: poll, poll_interval: 200ms, lock_timeout: 2s}")
-	var logs lockedBuffer
+	var logs syncBuffer
 	first := s.startProcess(t, cfgPath, &logs)
 	s.publishWriters(t, 1, 40, 40, "processing")
 	eventually(t, 20*time.Second, "rows being processed", func() bool {

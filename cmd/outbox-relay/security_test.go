@@ -41,51 +41,11 @@ import (
 	"github.com/outbox-relay/outbox-relay/sink/nats/natstest"
 )
 
-// syncBuffer is a bytes.Buffer safe for the relay's concurrent loggers.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // startLogged runs the relay in this process at debug level, its log in buf.
 func startLogged(t *testing.T, cfgPath string, buf io.Writer) (stop func()) {
 	t.Helper()
-	cfg, err := config.Load(config.Options{Path: cfgPath, Environ: []string{}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	log := zerolog.New(buf).Level(zerolog.DebugLevel).With().Timestamp().Logger()
-	go func() { done <- runRelay(ctx, cfg, log) }()
-	var once sync.Once
-	stop = func() {
-		once.Do(func() {
-			cancel()
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Errorf("relay: %v", err)
-				}
-			case <-time.After(30 * time.Second):
-				t.Error("relay did not stop within 30s")
-			}
-		})
-	}
-	t.Cleanup(stop)
-	return stop
+	return runInProcess(t, config.Options{Path: cfgPath, Environ: []string{}},
+		zerolog.New(buf).Level(zerolog.DebugLevel).With().Timestamp().Logger())
 }
 
 const (
@@ -711,7 +671,7 @@ func skipOrFailInCI(t *testing.T, format string, args ...any) {
 	if ci := os.Getenv("CI"); ci == "true" || ci == "1" {
 		t.Fatalf("prerequisite missing under CI: "+format, args...)
 	}
-	t.Skipf(format, args...)
+	t.Skipf(format+" (not skipped under CI: it fails there)", args...)
 }
 
 // TestNATSNkey: a NATS sink authenticates with a user NKey seed file
