@@ -248,6 +248,13 @@ func (e *Engine) Submit(ctx context.Context, events []*Event) error {
 
 	entry := e.tracker.add(len(events))
 	now := time.Now()
+	if ct := events[0].CommitTime; !ct.IsZero() {
+		// One transaction's events share their commit time.
+		lag := now.Sub(ct).Seconds()
+		for range events {
+			decodeLatency.Observe(lag)
+		}
+	}
 	for _, ev := range events {
 		st := &eventState{ev: ev, entry: entry}
 		state, seen := known[ev.ID]

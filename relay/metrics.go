@@ -35,6 +35,11 @@ var (
 		Help:    "Time from the event's commit (stream) or creation (claim path) to the sink's acknowledgement.",
 		Buckets: []float64{.0005, .001, .002, .003, .005, .0075, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
 	}, []string{"sink", "path"})
+	decodeLatency = promauto.NewHistogram(prometheus.HistogramOpts{
+		Namespace: "outbox_relay", Name: "decode_latency_seconds",
+		Help:    "Time from the event's commit to its arrival in the engine, decoded (stream path): what the walsender and the decoder add before any sink.",
+		Buckets: []float64{.0005, .001, .002, .003, .005, .0075, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
+	})
 
 	// ModeGauge is 1 for the current source mode (replication, poll).
 	ModeGauge = promauto.NewGaugeVec(prometheus.GaugeOpts{

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -34,7 +35,8 @@ func (h *health) set(ready bool, reason string) {
 // done. It listens on 127.0.0.1 by default; binding another address is
 // logged, because the metrics name tables and sinks. With hc.MetricsToken
 // set, /metrics answers 401 to a request without "Authorization: Bearer
-// <token>"; the health endpoints stay open for probes.
+// <token>"; the health endpoints stay open for probes. hc.Pprof adds the Go
+// profiles under /debug/pprof/, behind the same token.
 func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger) (net.Addr, error) {
 	addr := hc.Listen
 	ln, err := net.Listen("tcp", addr)
@@ -46,6 +48,16 @@ func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog
 	}
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", requireBearer(hc.MetricsToken.Reveal(), promhttp.Handler()))
+	if hc.Pprof {
+		// The profiles show code paths and memory, as sensitive as the
+		// metrics: the same token guards them.
+		guard := func(h http.Handler) http.Handler { return requireBearer(hc.MetricsToken.Reveal(), h) }
+		mux.Handle("GET /debug/pprof/", guard(http.HandlerFunc(pprof.Index)))
+		mux.Handle("GET /debug/pprof/cmdline", guard(http.HandlerFunc(pprof.Cmdline)))
+		mux.Handle("GET /debug/pprof/profile", guard(http.HandlerFunc(pprof.Profile)))
+		mux.Handle("GET /debug/pprof/symbol", guard(http.HandlerFunc(pprof.Symbol)))
+		mux.Handle("GET /debug/pprof/trace", guard(http.HandlerFunc(pprof.Trace)))
+	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		fmt.Fprintln(w, "ok")
 	})

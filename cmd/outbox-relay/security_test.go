@@ -554,7 +554,7 @@ func TestMetricsToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	path := filepath.Join(t.TempDir(), "relay.yaml")
-	if err := os.WriteFile(path, []byte(fmt.Sprintf("http: {listen: \"127.0.0.1:0\", metrics_token_file: %q}\n", tokenFile)), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte(fmt.Sprintf("http: {listen: \"127.0.0.1:0\", metrics_token_file: %q, pprof: true}\n", tokenFile)), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	cfg, err := config.Load(config.Options{Path: path, Environ: []string{}})
@@ -591,6 +591,10 @@ func TestMetricsToken(t *testing.T) {
 		{"/metrics", "Basic bWV0cmljcy1TRUNSRVQ=", 401},
 		{"/metrics", "Bearer metrics-SECRET", 200},
 		{"/metrics", "bearer metrics-SECRET", 200},
+		{"/debug/pprof/", "", 401},
+		{"/debug/pprof/cmdline", "Bearer wrong", 401},
+		{"/debug/pprof/cmdline", "Bearer metrics-SECRET", 200},
+		{"/debug/pprof/heap", "Bearer metrics-SECRET", 200},
 		{"/healthz", "", 200},
 		{"/readyz", "", 200},
 	} {
@@ -609,6 +613,9 @@ func TestMetricsToken(t *testing.T) {
 	}
 	if got := get("/metrics", ""); got != 200 {
 		t.Errorf("GET /metrics without a configured token: %d", got)
+	}
+	if got := get("/debug/pprof/cmdline", ""); got != 404 {
+		t.Errorf("GET /debug/pprof/cmdline without http.pprof: %d, want 404", got)
 	}
 	if err := os.WriteFile(path, []byte("http: {metrics_token: \"a b\"}\n"), 0o600); err != nil {
 		t.Fatal(err)

@@ -336,6 +336,9 @@ type HTTPConfig struct {
 	// (Authorization: Bearer <token>); /healthz and /readyz stay open.
 	MetricsToken     Secret `yaml:"metrics_token"`
 	MetricsTokenFile string `yaml:"metrics_token_file"`
+	// Pprof serves the Go runtime profiles under /debug/pprof/ (behind the
+	// metrics token, when one is set). Off by default.
+	Pprof bool `yaml:"pprof"`
 }
 
 // LogConfig configures zerolog. Level is one of trace, debug, info, warn,
