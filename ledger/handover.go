@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -96,20 +97,35 @@ func isSerializationFailure(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == "40001"
 }
 
+// deliveredDoneChunk is the id range one MarkDeliveredDone statement covers.
+const deliveredDoneChunk = 10_000
+
 // MarkDeliveredDone sets status 'done' on the rows still pending and not
-// handed off whose ledger shows 'delivered' for every one of sinks, in one
-// statement, and returns how many. The relay runs it at start (SPEC §3): a
-// row whose MarkDone was lost in a crash is otherwise never settled, because
-// the slot does not stream it again. A row routed to only some of sinks is
-// not marked. With no sinks it marks nothing. Safe to repeat.
+// handed off whose ledger shows 'delivered' for every one of sinks, and
+// returns how many. The relay runs it at start (SPEC §3), beside the stream:
+// a row whose MarkDone was lost in a crash is otherwise never settled,
+// because the slot does not stream it again. It walks the pending ids in
+// ranges of deliveredDoneChunk, one short transaction each, skipping rows
+// another transaction has locked (they are being settled), so a backlog of a
+// million rows neither delays streaming nor holds locks for long. A row
+// routed to only some of sinks is not marked. With no sinks it marks
+// nothing. Safe to repeat and to cancel between chunks.
 func (s *Store) MarkDeliveredDone(ctx context.Context, sinks []string) (int64, error) {
 	distinct := slices.Compact(slices.Sorted(slices.Values(sinks)))
 	if len(distinct) == 0 {
 		return 0, nil
 	}
-	tag, err := s.pool.Exec(ctx, s.sql.markDeliveredDone, distinct)
-	if err != nil {
-		return 0, fmt.Errorf("mark rows delivered to %v done: %w", distinct, err)
+	var lo, hi pgtype.Int8
+	if err := s.pool.QueryRow(ctx, s.sql.pendingRange).Scan(&lo, &hi); err != nil {
+		return 0, fmt.Errorf("mark rows delivered to %v done: find the pending rows: %w", distinct, err)
 	}
-	return tag.RowsAffected(), nil
+	var marked int64
+	for from := lo.Int64 - 1; lo.Valid && from < hi.Int64; from += deliveredDoneChunk {
+		tag, err := s.pool.Exec(ctx, s.sql.markDeliveredDone, distinct, from, min(from+deliveredDoneChunk, hi.Int64))
+		if err != nil {
+			return marked, fmt.Errorf("mark rows delivered to %v done (ids %d to %d): %w", distinct, from+1, min(from+deliveredDoneChunk, hi.Int64), err)
+		}
+		marked += tag.RowsAffected()
+	}
+	return marked, nil
 }

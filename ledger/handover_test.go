@@ -145,3 +145,46 @@ func TestMarkDeliveredDone(t *testing.T) {
 		t.Errorf("MarkDeliveredDone(webhook) = %d, %v; want 2", n, err)
 	}
 }
+
+// TestMarkDeliveredDoneChunksAndSkipsLocked: the start-up pass covers
+// pending ids far apart (several id ranges) and passes over a row another
+// transaction holds locked instead of waiting for it, so it can run beside
+// the stream.
+func TestMarkDeliveredDoneChunksAndSkipsLocked(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	first := f.MustInsert(t, row{Key: "first"}, row{Key: "locked"})
+	f.MustExec(t, `SELECT setval('integration_outbox_id_seq', 35000)`)
+	last := f.MustInsert(t, row{Key: "last"})
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES
+		('first', 'nats', 'delivered', 1), ('locked', 'nats', 'delivered', 1), ('last', 'nats', 'delivered', 1)`)
+
+	tx, err := f.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `SELECT 1 FROM integration_outbox WHERE id = $1 FOR UPDATE`, first[1]); err != nil {
+		t.Fatal(err)
+	}
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	n, err := f.store.MarkDeliveredDone(cctx, []string{"nats"})
+	if err != nil {
+		t.Fatalf("MarkDeliveredDone beside a locked row: %v", err)
+	}
+	if n != 2 {
+		t.Errorf("marked %d rows, want 2 (first and last, not the locked one)", n)
+	}
+	for id, want := range map[int64]string{first[0]: "done", first[1]: "pending", last[0]: "done"} {
+		if got := f.MustRow(t, id); got.Status != want {
+			t.Errorf("row %d status = %s, want %s", id, got.Status, want)
+		}
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := f.store.MarkDeliveredDone(ctx, []string{"nats"}); err != nil || n != 1 {
+		t.Errorf("after the lock is gone: marked %d, %v; want 1", n, err)
+	}
+}

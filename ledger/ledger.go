@@ -76,6 +76,7 @@ type statements struct {
 	markForClaim         string
 	pendingUnmarked      string
 	markForClaimByID     string
+	pendingRange         string
 	markDeliveredDone    string
 	claimSending         string
 	hold                 string
@@ -203,13 +204,21 @@ UPDATE %s SET handoff_at = now()
  WHERE id = ANY($1::bigint[]) AND status = 'pending' AND handoff_at IS NULL`, outbox),
 
 		// $1 holds distinct sink names, so the count equals its cardinality
-		// exactly when every one of them is delivered.
+		// exactly when every one of them is delivered. One id range at a
+		// time ($2, $3], in id order, skipping rows another statement has
+		// locked (the engine's own MarkDone): it runs beside the stream and
+		// never waits for, or deadlocks with, it.
+		pendingRange: fmt.Sprintf(`
+SELECT min(id), max(id) FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
 		markDeliveredDone: fmt.Sprintf(`
-UPDATE %s AS o SET status = 'done', processed_at = now()
- WHERE o.status = 'pending' AND o.handoff_at IS NULL
+WITH c AS (
+SELECT o.id FROM %s AS o
+ WHERE o.id > $2 AND o.id <= $3 AND o.status = 'pending' AND o.handoff_at IS NULL
    AND (SELECT count(*) FROM %s AS l
          WHERE l.event_key = o.event_key AND l.action = ANY($1::text[]) AND l.state = 'delivered')
-       = cardinality($1::text[])`, outbox, ledger),
+       = cardinality($1::text[])
+   FOR UPDATE SKIP LOCKED)
+UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, ledger, outbox),
 
 		// The claim is the insert itself (never check-then-insert). Only an
 		// 'unknown' pair — held, then released — may be claimed again.

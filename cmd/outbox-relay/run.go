@@ -314,12 +314,6 @@ func (r *relayRun) stream(ctx context.Context) error {
 	for i, s := range r.routes {
 		names[i] = s.Sink.Name()
 	}
-	if n, err := r.store.MarkDeliveredDone(ctx, names); err != nil {
-		return fmt.Errorf("mark rows the ledger shows delivered: %w", err)
-	} else if n > 0 {
-		log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
-	}
-
 	engine, err := relay.NewEngine(relay.EngineConfig{
 		Routes:         r.routes,
 		Store:          r.store,
@@ -365,6 +359,21 @@ func (r *relayRun) stream(ctx context.Context) error {
 	go func() { claimDone <- claimer.Run(claimCtx) }()
 	defer func() { stopClaimer(); <-claimDone }()
 
+	// Rows whose mark-done a crash lost are settled from the ledger beside
+	// the stream, not before it: on a large backlog the pass takes seconds,
+	// and streaming must not wait for bookkeeping. It skips rows the engine
+	// is settling, and a row it misses stays pending until the next start.
+	sweepDone := make(chan struct{})
+	go func() {
+		defer close(sweepDone)
+		if n, err := r.store.MarkDeliveredDone(claimCtx, names); err != nil && claimCtx.Err() == nil {
+			log.Warn().Err(err).Msg("mark rows the ledger shows delivered; they stay pending until the next start")
+		} else if n > 0 {
+			log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
+		}
+	}()
+	defer func() { stopClaimer(); <-sweepDone }()
+
 	relay.SetMode("replication")
 	log.Info().Str("slot", cfg.Source.Slot).Str("outbox", r.tables.Outbox.String()).Int("sinks", len(r.routes)).Msg("relay running")
 	srcErr := source.Run(ctx)
@@ -397,6 +406,13 @@ func newPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	}
 	if !strings.Contains(url, "pool_max_conns") {
 		pcfg.MaxConns = 12
+	}
+	// The relay's statements are short and frequent; a plan that crosses
+	// jit_above_cost (a batch of thousands of ids, the start-up pass over a
+	// large backlog) spends half a second compiling, on the delivery path.
+	// A jit setting in the URL (options=-cjit=on, or jit=on) still wins.
+	if _, set := pcfg.ConnConfig.RuntimeParams["jit"]; !set && !strings.Contains(pcfg.ConnConfig.RuntimeParams["options"], "jit") {
+		pcfg.ConnConfig.RuntimeParams["jit"] = "off"
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
 	if err != nil {

@@ -1,0 +1,42 @@
+package main
+
+import (
+	"context"
+	"strings"
+	"testing"
+
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+)
+
+// TestNewPoolTurnsJITOff: the relay's connections run without JIT (a large
+// batch would otherwise compile for half a second on the delivery path),
+// unless the URL says otherwise.
+func TestNewPoolTurnsJITOff(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	with := func(param string) string {
+		if strings.Contains(url, "?") {
+			return url + "&" + param
+		}
+		return url + "?" + param
+	}
+	ctx := context.Background()
+	for _, tc := range []struct{ url, want string }{
+		{url, "off"},
+		{with("jit=on"), "on"},
+		{with("options=-cjit%3Don"), "on"},
+	} {
+		pool, err := newPool(ctx, tc.url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got string
+		err = pool.QueryRow(ctx, "SHOW jit").Scan(&got)
+		pool.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got != tc.want {
+			t.Errorf("%s: jit = %s, want %s", tc.url, got, tc.want)
+		}
+	}
+}
