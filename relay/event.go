@@ -1,6 +1,7 @@
 package relay
 
 import (
+	"slices"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -62,8 +63,13 @@ const envelopeTime = "2006-01-02T15:04:05.000000Z07:00"
 //	{"id","event_key","event_type","aggregate_type","aggregate_id","payload","created_at"}
 //
 // The bytes depend only on the row, so every attempt on either path sends
-// the same body. payload is jsonb's text form, verbatim.
+// the same body. payload is jsonb's text form, verbatim; AppendEnvelope does
+// not check it, so the envelope is valid JSON only because jsonb's text is
+// (migrate refuses a payload column of another type).
 func (e *Event) AppendEnvelope(dst []byte) []byte {
+	// One allocation for the usual envelope (escapes may still grow it):
+	// the field names, quotes and timestamp take about 150 bytes.
+	dst = slices.Grow(dst, 160+len(e.EventKey)+len(deref(e.EventType))+len(deref(e.AggregateType))+len(deref(e.AggregateID))+len(e.Payload))
 	dst = append(dst, `{"id":`...)
 	dst = strconv.AppendInt(dst, e.ID, 10)
 	dst = append(dst, `,"event_key":`...)

@@ -2,6 +2,7 @@ package relay_test
 
 import (
 	"encoding/json"
+	"strings"
 	"testing"
 	"time"
 
@@ -92,5 +93,16 @@ func TestQualifiedName(t *testing.T) {
 	}
 	if err := relay.ValidateSlotName("Outbox"); err == nil {
 		t.Error("upper-case slot name accepted")
+	}
+}
+
+func BenchmarkAppendEnvelope(b *testing.B) {
+	typ, agg, id := "order.created", "order", "order-123456"
+	e := &relay.Event{ID: 123456, EventKey: "order-123456-created-7f3a", EventType: &typ, AggregateType: &agg, AggregateID: &id,
+		Payload:   []byte(`{"amount": 1234, "currency": "EUR", "items": [` + strings.Repeat(`{"sku": "A-1", "qty": 2}, `, 9) + `{"sku": "B-2", "qty": 1}]}`),
+		CreatedAt: time.Date(2026, 12, 2, 18, 0, 0, 123456789, time.UTC)}
+	b.ReportAllocs()
+	for b.Loop() {
+		_ = e.AppendEnvelope(nil)
 	}
 }
