@@ -156,7 +156,7 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 // Run loads the diverted aggregates, then runs the lanes and the writers
 // until ctx is done. Call Drain first for a graceful stop.
 func (e *Engine) Run(ctx context.Context) error {
-	if err := e.loadDiverted(ctx); err != nil {
+	if err := e.loadDivertedRetrying(ctx); err != nil {
 		return err
 	}
 
@@ -204,6 +204,17 @@ func (e *Engine) Drain(ctx context.Context) error {
 		return ctx.Err()
 	}
 	e.flushMarkDone(ctx)
+	return nil
+}
+
+// WaitSettled waits until every event submitted so far is settled, or ctx
+// ends. The replication source calls it before it creates a slot, so that
+// the new slot's hand-over does not give the claim path rows the engine is
+// still delivering (they would reach the sinks twice).
+func (e *Engine) WaitSettled(ctx context.Context) error {
+	if !e.tracker.waitIdle(ctx.Done()) {
+		return ctx.Err()
+	}
 	return nil
 }
 
@@ -337,12 +348,20 @@ func (e *Engine) Restart(ctx context.Context, horizon LSN) error {
 	}
 	e.tracker.reset()
 	e.horizon.Store(uint64(horizon))
+	return e.loadDivertedRetrying(ctx)
+}
+
+// loadDivertedRetrying is loadDiverted, retried while the database is
+// unreachable (a term that starts just after a PostgreSQL restart); it fails
+// only when ctx ends. Run must not fail on this: the source would keep
+// streaming into an engine that never started.
+func (e *Engine) loadDivertedRetrying(ctx context.Context) error {
 	for attempt := 0; ; attempt++ {
 		err := e.loadDiverted(ctx)
 		if err == nil {
 			return nil
 		}
-		e.log.Warn().Err(err).Msg("reload diverted aggregates; retrying")
+		e.log.Warn().Err(err).Msg("load diverted aggregates; retrying")
 		select {
 		case <-ctx.Done():
 			return ctx.Err()

@@ -40,6 +40,13 @@ type Sink interface {
 	Close(ctx context.Context) error
 }
 
+// ErrEmptyEventKey is the cause of the Permanent error a Sink reports for an
+// event whose event_key is empty. The key is the event's idempotency key —
+// its ledger pair, webhook-id and Nats-Msg-Id — so every event with an empty
+// key would look like a repeat of the first one and be dropped as a
+// duplicate; such an event is dead-lettered instead.
+var ErrEmptyEventKey = errors.New("empty event_key: it is the event's idempotency key, so events with an empty key cannot be told apart")
+
 // ErrorClass says what the engine does with a failed delivery.
 type ErrorClass int
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/ledger/ops"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/relay/poll"
@@ -53,6 +54,14 @@ type relayRun struct {
 	routes []relay.Route
 	owner  string
 	health *health
+	// sinksDown says why sinks that could not be opened are down (see
+	// downSink); while there are any, /readyz answers 503 with it.
+	sinksDown []string
+}
+
+// setReady marks the relay ready, unless a sink is down.
+func (r *relayRun) setReady() {
+	r.health.set(len(r.sinksDown) == 0, strings.Join(r.sinksDown, "; "))
 }
 
 // runRelay wires the configuration into a running relay and blocks until ctx
@@ -79,6 +88,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	r.pool = pool
 
 	if r.tables, err = resolveTables(ctx, pool, cfg.Tables()); err != nil {
+		return err
+	}
+	if err := checkPrivileges(ctx, pool, r.tables, cfg.Source.Mode == config.SourceReplication); err != nil {
 		return err
 	}
 	lcfg := ledger.DefaultConfig()
@@ -114,17 +126,23 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}()
 	defer func() { stopHTTP(); <-retentionDone }()
 
+	for _, rt := range r.routes {
+		if down, ok := rt.Sink.(*downSink); ok {
+			r.sinksDown = append(r.sinksDown, "sink "+down.name+" is down: "+down.err.Error())
+		}
+	}
+
 	if cfg.Source.Mode == config.SourcePoll {
 		// Claimers coordinate through the table (SKIP LOCKED), so every
 		// instance polls; there is no leader.
-		r.health.set(true, "")
+		r.setReady()
 		err := r.poll(ctx, 0)
 		log.Info().Msg("relay stopped")
 		return err
 	}
 
 	for {
-		r.health.set(true, "")
+		r.setReady()
 		leader, err := ledger.AcquireLeader(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot, log)
 		if err != nil {
 			if ctx.Err() != nil {
@@ -339,6 +357,7 @@ func (r *relayRun) stream(ctx context.Context) error {
 		Consumer:     engine,
 		Checkpoint:   r.store,
 		MarkForClaim: r.store.MarkForClaim,
+		WaitSettled:  engine.WaitSettled,
 		Logger:       log,
 	})
 	if err != nil {
@@ -506,6 +525,12 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				MaxPending: n.MaxPending,
 				Logger:     slog,
 			})
+			if credentialsRefused(err) {
+				down := newDownSink(sc.Name, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err))
+				slog.Error().Err(down.err).Msg("sink is down: its events wait on the claim path; the other sinks run")
+				sink = down
+				break
+			}
 			if err != nil {
 				return routes, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)
 			}
@@ -539,6 +564,21 @@ func resolveTables(ctx context.Context, pool *pgxpool.Pool, t config.Tables) (co
 	}
 	t.Outbox.Schema = schema
 	return t, nil
+}
+
+// checkPrivileges fails when the role lacks a privilege the delivery paths
+// need (and, with replication, the REPLICATION attribute), naming each with
+// its GRANT: without them run would start and then fail every claim or
+// settlement, over and over.
+func checkPrivileges(ctx context.Context, pool *pgxpool.Pool, t config.Tables, replication bool) error {
+	tables, err := ops.Resolve(ctx, pool, ops.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
+	if err != nil {
+		return err
+	}
+	if err := ops.CheckRunPrivileges(ctx, pool, tables, replication); err != nil {
+		return fmt.Errorf("check the role's privileges: %w", err)
+	}
+	return nil
 }
 
 func durations(ds []config.Duration) []time.Duration {

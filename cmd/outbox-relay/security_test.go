@@ -10,6 +10,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"github.com/nats-io/nkeys"
 	"github.com/outbox-relay/outbox-relay/ledger/ops"
@@ -682,7 +683,8 @@ func skipOrFailInCI(t *testing.T, format string, args ...any) {
 }
 
 // TestNATSNkey: a NATS sink authenticates with a user NKey seed file
-// (nkey_file); without it the server refuses the connection.
+// (nkey_file); without it the server refuses the connection, and run keeps
+// the sink down (every send fails as SinkDown naming the refusal).
 func TestNATSNkey(t *testing.T) {
 	user, err := nkeys.CreateUser()
 	if err != nil {
@@ -718,8 +720,8 @@ func TestNATSNkey(t *testing.T) {
 		if tc.ok && (openErr != nil || sendErr != nil) {
 			t.Fatalf("%s: open %v, send %v", tc.name, openErr, sendErr)
 		}
-		if !tc.ok && openErr == nil {
-			t.Fatalf("%s: connected without the NKey", tc.name)
+		if class, _ := relay.Classify(sendErr); !tc.ok && (openErr != nil || class != relay.SinkDown || !errors.Is(sendErr, nats.ErrAuthorization)) {
+			t.Fatalf("%s: open %v, send %v; want the sink down with the authorization violation", tc.name, openErr, sendErr)
 		}
 	}
 }

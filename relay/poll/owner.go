@@ -59,8 +59,15 @@ func (c *Claimer) lockOwner(ctx context.Context) (*pgx.Conn, error) {
 	if err != nil {
 		return nil, fmt.Errorf("claim path: connect for the owner lock: %w", err)
 	}
+	// Once sent, the query runs to its answer even if ctx ends: a query cut
+	// short leaves pgx closing the session in the background, holding the
+	// lock if the server granted it, and a Claimer started next with this
+	// owner (auto mode falling back to polling) would find it taken. With
+	// the answer, Run releases a lock it got on its way out.
+	lockCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pingTimeout)
+	defer cancel()
 	var locked bool
-	if err := conn.QueryRow(ctx, c.sql.lockOwner, c.cfg.Owner).Scan(&locked); err != nil {
+	if err := conn.QueryRow(lockCtx, c.sql.lockOwner, c.cfg.Owner).Scan(&locked); err != nil {
 		conn.Close(context.Background())
 		return nil, fmt.Errorf("claim path: take the owner lock of %s: %w", c.cfg.Owner, err)
 	}

@@ -276,6 +276,11 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		}
 	}
 
+	if s.cfg.WaitSettled != nil {
+		if err := s.cfg.WaitSettled(ctx); err != nil {
+			return 0, fmt.Errorf("wait for the consumer to settle before creating the slot: %w", err)
+		}
+	}
 	res, err := pglogrepl.CreateReplicationSlot(ctx, rconn, s.cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
 		SnapshotAction: "EXPORT_SNAPSHOT",
 		Mode:           pglogrepl.LogicalReplication,

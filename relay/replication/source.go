@@ -62,6 +62,12 @@ type Config struct {
 	// must import the snapshot (SET TRANSACTION SNAPSHOT) in a REPEATABLE READ
 	// transaction: those rows are exactly the ones the slot will never stream.
 	MarkForClaim func(ctx context.Context, snapshot string) (int64, error)
+	// WaitSettled, when set, is called before a slot is created (after a
+	// drop or an invalidation, the consumer may still be delivering events
+	// of the old slot): it waits until the consumer has settled everything
+	// submitted, so that MarkForClaim does not hand those rows to the claim
+	// path as well.
+	WaitSettled func(ctx context.Context) error
 
 	// StatusInterval is how often settled positions are acknowledged
 	// [DefaultStatusInterval]. It is lowered to the server's

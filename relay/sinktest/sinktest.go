@@ -5,6 +5,7 @@ package sinktest
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -40,6 +41,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) *Harness) {
 	t.Run("RepeatCarriesSameKeyAndBody", func(t *testing.T) { testRepeat(t, newHarness(t)) })
 	t.Run("CancelledContext", func(t *testing.T) { testCancelled(t, newHarness(t)) })
 	t.Run("CloseWaitsForInFlight", func(t *testing.T) { testClose(t, newHarness(t)) })
+	t.Run("EmptyEventKeyIsPermanent", func(t *testing.T) { testEmptyKey(t, newHarness(t)) })
 }
 
 // Event returns a sample event with id n.
@@ -201,5 +203,20 @@ func testClose(t *testing.T, h *Harness) {
 	}
 	if c := calls.Load(); c != n {
 		t.Fatalf("after Close, done was called %d times, want %d", c, n)
+	}
+}
+
+// testEmptyKey: an event whose key is empty has no usable idempotency key;
+// it fails as Permanent (wrapping relay.ErrEmptyEventKey) and is not sent.
+func testEmptyKey(t *testing.T, h *Harness) {
+	d := NewDelivery(11)
+	d.Event.EventKey = ""
+	d.Body = d.Event.AppendEnvelope(nil)
+	err := send(t, h.Sink, d)
+	if class, _ := relay.Classify(err); class != relay.Permanent || !errors.Is(err, relay.ErrEmptyEventKey) {
+		t.Fatalf("send with an empty event key: %v (class %s), want Permanent wrapping relay.ErrEmptyEventKey", err, class)
+	}
+	if got := h.Received(); len(got) != 0 {
+		t.Fatalf("destination holds %d messages, want none", len(got))
 	}
 }

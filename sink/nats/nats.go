@@ -303,8 +303,9 @@ func (s *Sink) Duplicates() int64 { return s.duplicates.Load() }
 // Send publishes d and calls done exactly once: nil on a PubAck (a duplicate
 // included), or a relay.DeliveryError:
 //   - Permanent, without publishing, when the message (headers included) is
-//     larger than the server's max_payload or the stream's max_msg_size, or
-//     its subject is unusable; or when the server refuses it as too large.
+//     larger than the server's max_payload or the stream's max_msg_size, its
+//     subject is unusable, or its event key is empty (wrapping
+//     relay.ErrEmptyEventKey); or when the server refuses it as too large.
 //   - SinkDown, without publishing, when the connection is not up or the
 //     sink is closed; or when no stream answers (deleted, JetStream down).
 //   - Transient when the stream refused the message (nothing stored), or
@@ -367,6 +368,9 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 // published as it is.
 func (s *Sink) message(d *relay.Delivery) (*nats.Msg, error) {
 	key := d.Event.EventKey
+	if key == "" {
+		return nil, relay.PermanentError(fmt.Errorf("event %d: %w", d.Event.ID, relay.ErrEmptyEventKey))
+	}
 	subject, err := s.subject.render(d.Event)
 	if err == nil {
 		err = validatePublishSubject(subject)

@@ -35,8 +35,10 @@
 //	TLS certificate refused by either side SinkDown: check tls.ca_file,
 //	  (unknown CA, bad hostname, client      cert_file, key_file
 //	  certificate missing or refused)
-//	not written (refused, DNS, TLS, reset  Transient
-//	  or cancelled before the write)
+//	cannot connect (the host does not      SinkDown: check the sink's url and
+//	  resolve, refused, dial timeout)        that the receiver is up
+//	not written otherwise (TLS, reset or   Transient
+//	  cancelled before the write)
 //	written, then timeout, reset or EOF    Unknown
 //	401, 403                               SinkDown: check the credentials
 //	404 whose body says "is not            SinkDown: publish (activate) the

@@ -131,7 +131,9 @@ func TestOutcomes(t *testing.T) {
 	}
 }
 
-func TestRefusedConnectionIsTransient(t *testing.T) {
+// A receiver that cannot be reached fails every event alike: SinkDown, so
+// an outage or a DNS failure does not use up the events' max_attempts.
+func TestRefusedConnectionIsSinkDown(t *testing.T) {
 	t.Parallel()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -141,20 +143,24 @@ func TestRefusedConnectionIsTransient(t *testing.T) {
 	_ = ln.Close()
 	s := MustSink(t, webhook.Config{URL: "http://" + addr + "/hook"})
 	err = send(t, s, newDelivery("k-1", `{}`))
-	if class, _ := relay.Classify(err); class != relay.Transient {
-		t.Fatalf("class %s, want transient (%v)", class, err)
+	if class, _ := relay.Classify(err); class != relay.SinkDown {
+		t.Fatalf("class %s, want sink-down (%v)", class, err)
 	}
-	if !strings.Contains(err.Error(), "not written") {
-		t.Errorf("error %q does not say the request was not written", err)
+	if !strings.Contains(err.Error(), "cannot connect") || !strings.Contains(err.Error(), addr) {
+		t.Errorf("error %q does not say it cannot connect to %s", err, addr)
 	}
 }
 
-func TestUnresolvableHostIsTransient(t *testing.T) {
+func TestUnresolvableHostIsSinkDown(t *testing.T) {
 	t.Parallel()
-	s := MustSink(t, webhook.Config{URL: "http://outbox-relay-no-such-host.invalid/hook", Timeout: 5 * time.Second})
+	const host = "outbox-relay-no-such-host.invalid"
+	s := MustSink(t, webhook.Config{URL: "http://" + host + "/hook", Timeout: 5 * time.Second})
 	err := send(t, s, newDelivery("k-1", `{}`))
-	if class, _ := relay.Classify(err); class != relay.Transient {
-		t.Fatalf("class %s, want transient (%v)", class, err)
+	if class, _ := relay.Classify(err); class != relay.SinkDown {
+		t.Fatalf("class %s, want sink-down (%v)", class, err)
+	}
+	if !strings.Contains(err.Error(), host) {
+		t.Errorf("error %q does not name the host %s", err, host)
 	}
 }
 

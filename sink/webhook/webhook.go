@@ -313,12 +313,17 @@ func (s *Sink) Nudge() bool { return s.nudge }
 // ctx is done, or the sink is closed. It calls done on the calling
 // goroutine, without a request, when ctx is already done or ends while
 // waiting (TransientError wrapping ctx's error), when the sink is closed
-// (SinkDownError wrapping ErrClosed) and when the body is over MaxBody
-// (PermanentError). Otherwise the request runs on its own goroutine, which
-// calls done; ctx no longer affects it (Close does).
+// (SinkDownError wrapping ErrClosed), when the body is over MaxBody and when
+// the event key is empty (PermanentError, wrapping relay.ErrEmptyEventKey).
+// Otherwise the request runs on its own goroutine, which calls done; ctx no
+// longer affects it (Close does).
 //
 // Sending the same Delivery again is safe: the id and body are the same.
 func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
+	if d.Event.EventKey == "" {
+		done(relay.PermanentError(fmt.Errorf("webhook %s: event %d: %w", s.name, d.Event.ID, relay.ErrEmptyEventKey)))
+		return
+	}
 	if err := ctx.Err(); err != nil {
 		done(relay.TransientError(fmt.Errorf("webhook %s: not sent: %w", s.name, err), 0))
 		return
@@ -504,6 +509,14 @@ func (s *Sink) post(d *relay.Delivery) error {
 			event.Msg("webhook TLS handshake failed")
 			return relay.SinkDownError(fmt.Errorf("webhook %s: TLS handshake failed: %w: check the sink's tls settings (ca_file, cert_file, key_file) and the receiver's certificate", s.name, err), 0)
 		}
+		if unreachable(err) {
+			// No connection, so nothing was sent; and the host does not
+			// resolve, refuses or does not answer for every event alike:
+			// a sink-level failure, which must not use up the events'
+			// max_attempts while the receiver or its DNS is down.
+			event.Msg("webhook receiver unreachable")
+			return relay.SinkDownError(fmt.Errorf("webhook %s: event %q: cannot connect to the receiver: %w: check the sink's url and that the receiver is up", s.name, key, err), 0)
+		}
 		switch {
 		case writeErr != nil:
 			event.Msg("webhook request not completely written")
@@ -553,6 +566,14 @@ func tlsRefused(err error) bool {
 		}
 	}
 	return false
+}
+
+// unreachable reports whether err is a failure to connect to the receiver:
+// its host does not resolve, or the connection is refused or times out.
+// Cancellation by Close is not.
+func unreachable(err error) bool {
+	op, ok := errors.AsType[*net.OpError](err)
+	return ok && op.Op == "dial" && !errors.Is(err, context.Canceled)
 }
 
 // n8nStartingUp is the body n8n sends, with status 200, while it starts.
