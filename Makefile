@@ -4,7 +4,7 @@ BIN       := bin
 PKGS      := ./...
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build test vet fmt-check lint run bench clean
+.PHONY: all build test vet fmt-check lint run bench chaos fuzz clean
 
 all: build
 
@@ -30,6 +30,41 @@ vet:
 lint:
 	@command -v staticcheck >/dev/null 2>&1 || $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 	PATH="$$PATH:$$($(GO) env GOPATH)/bin" staticcheck $(PKGS)
+
+## fuzz: each fuzz target for FUZZTIME (10s in CI), one after another with
+## -parallel 1, after replaying its seed corpus (testdata/fuzz/<Name>/); stops
+## at the first failure and names it. A failing input is written to that
+## directory: commit it with the fix. FUZZMINIMIZETIME=0 spends the time on
+## new inputs rather than on shrinking them (set it to 1m to shrink a failing
+## input). FuzzGlobToRegex checks globs against PostgreSQL, which it starts as
+## `make test` does. Go 1.26 can end a run with a bare "context deadline
+## exceeded" and no failing input (golang.org/issue/75804): reported, not a
+## failure.
+FUZZTIME ?= 10s
+FUZZMINIMIZETIME ?= 0
+FUZZ_TARGETS := \
+	./cmd/internal/config:FuzzLoad \
+	./sink/nats:FuzzSanitizeSubjectToken \
+	./sink/nats:FuzzMsgID \
+	./sink/webhook:FuzzIdempotencyKey \
+	./relay:FuzzAppendEnvelope \
+	./relay:FuzzAppendJSONString \
+	./relay/replication:FuzzDecodeMessages \
+	./relay/replication:FuzzDecodeInsert \
+	./relay/poll:FuzzGlobToRegex
+fuzz:
+	@out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
+	for target in $(FUZZ_TARGETS); do \
+		pkg=$${target%%:*}; name=$${target##*:}; start=$$(date +%s); \
+		if $(GO) test -run '^$$' -fuzz "^$$name\$$" -fuzztime $(FUZZTIME) -fuzzminimizetime $(FUZZMINIMIZETIME) -parallel 1 "$$pkg" >"$$out" 2>&1; then note=""; \
+		elif grep -qx '    context deadline exceeded' "$$out" && ! grep -q 'Failing input written\|failure while testing seed corpus' "$$out"; then \
+			note="; ended by golang.org/issue/75804, no failing input"; \
+		else \
+			cat "$$out"; echo "FAIL $$name ($$pkg): see above (a failing input, if any, is in $$pkg/testdata/fuzz/$$name/)"; exit 1; \
+		fi; \
+		execs=$$(grep -o 'execs: [0-9]*' "$$out" | tail -n 1); \
+		echo "ok   $$name ($$pkg) $${execs:-execs: 0, the corpus replay took the time}, $$(( $$(date +%s) - start ))s$$note"; \
+	done
 
 ## run: with DATABASE_URL, attach to that database; without it, start a private
 ## logical-WAL PostgreSQL from the local binaries. Then migrate and show what

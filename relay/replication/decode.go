@@ -2,9 +2,11 @@ package replication
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -120,6 +122,82 @@ func (d *decoder) submit(ctx context.Context) error {
 		return fmt.Errorf("submit: %w", err)
 	}
 	return nil
+}
+
+// parseMessage is pglogrepl.Parse for messages that may be truncated or
+// corrupt. pglogrepl indexes a message without bounds checks and sizes what
+// it allocates by the lengths the message claims, so such a message would
+// panic and take the relay down, or allocate up to 16 GiB, instead of ending
+// the session with an error. parseMessage checks the claimed lengths of the
+// messages that allocate by them, and turns any other out-of-bounds read into
+// an error.
+func parseMessage(data []byte) (m pglogrepl.Message, err error) {
+	if len(data) == 0 {
+		return nil, errors.New("empty message")
+	}
+	if err := checkClaimedLengths(data); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			m, err = nil, fmt.Errorf("truncated or malformed (%d bytes)", len(data))
+		}
+	}()
+	return pglogrepl.Parse(data)
+}
+
+// checkClaimedLengths reports an error when an Insert, Update, Delete or
+// Truncate message claims more values or relations than its bytes can hold.
+func checkClaimedLengths(data []byte) error {
+	typ, rest := pglogrepl.MessageType(data[0]), data[1:]
+	switch typ {
+	case pglogrepl.MessageTypeInsert, pglogrepl.MessageTypeUpdate, pglogrepl.MessageTypeDelete:
+		if len(rest) < 5 {
+			return nil // too short to claim a length
+		}
+		kind, tuple := rest[4], rest[5:] // after the relation id
+		n, err := tupleSize(tuple)
+		if err == nil && typ == pglogrepl.MessageTypeUpdate && (kind == 'K' || kind == 'O') && len(tuple) > n {
+			// The new tuple follows the old one and a byte pglogrepl skips.
+			_, err = tupleSize(tuple[n+1:])
+		}
+		return err
+	case pglogrepl.MessageTypeTruncate:
+		// The relation count and the options byte, then 4 bytes per relation.
+		if len(rest) >= 5 && uint64(binary.BigEndian.Uint32(rest))*4 > uint64(len(rest)-5) {
+			return fmt.Errorf("%d relations in %d bytes", binary.BigEndian.Uint32(rest), len(rest)-5)
+		}
+	}
+	return nil
+}
+
+// tupleSize returns the size of the TupleData at the start of b, or an
+// error when a value's claimed length runs past b's end.
+func tupleSize(b []byte) (int, error) {
+	if len(b) < 2 {
+		return 0, errors.New("tuple cut before its column count")
+	}
+	ncols, off := int(binary.BigEndian.Uint16(b)), 2
+	for i := range ncols {
+		if off >= len(b) {
+			return 0, fmt.Errorf("tuple cut at column %d of %d", i+1, ncols)
+		}
+		kind := b[off]
+		off++
+		if kind != pglogrepl.TupleDataTypeText && kind != pglogrepl.TupleDataTypeBinary {
+			continue
+		}
+		if len(b)-off < 4 {
+			return 0, fmt.Errorf("tuple cut in the length of column %d", i+1)
+		}
+		n := uint64(binary.BigEndian.Uint32(b[off:]))
+		off += 4
+		if n > uint64(len(b)-off) {
+			return 0, fmt.Errorf("tuple column %d claims %d bytes, %d are left", i+1, n, len(b)-off)
+		}
+		off += int(n)
+	}
+	return off, nil
 }
 
 // The outbox columns the stream decodes.
@@ -305,7 +383,8 @@ var infinity = time.Date(9999, 12, 31, 23, 59, 59, 999999000, time.UTC)
 
 // parseTimestamptz parses timestamptz output with DateStyle ISO, which the
 // replication connection sets, as are TimeZone=UTC ("+00"); other offsets are
-// accepted too.
+// accepted too. Years after 9999 have more than four digits and years before
+// 1 AD end in " BC", as PostgreSQL prints them.
 func parseTimestamptz(s string) (time.Time, error) {
 	switch s {
 	case "infinity":
@@ -313,14 +392,48 @@ func parseTimestamptz(s string) (time.Time, error) {
 	case "-infinity":
 		return time.Time{}, nil
 	}
+	text, bc := strings.CutSuffix(s, " BC")
+	year, standIn := 0, false // standIn: text has year 2000 in place of year
+	if digits := strings.IndexByte(text, '-'); digits > 4 || bc && digits == 4 {
+		// Go's layouts read exactly four year digits: parse with a leap
+		// stand-in year, then put the real one back (1 BC is year 0).
+		y, err := strconv.Atoi(text[:digits])
+		if err != nil || y < 1 || text[0] < '0' || text[0] > '9' {
+			return time.Time{}, invalidTimestamptz(s)
+		}
+		year, text, standIn = y, "2000"+text[digits:], true
+		if bc {
+			year = 1 - y
+		}
+	} else if bc {
+		return time.Time{}, invalidTimestamptz(s)
+	}
 	for _, layout := range [...]string{
 		"2006-01-02 15:04:05.999999999Z07",
 		"2006-01-02 15:04:05.999999999Z07:00",
 		"2006-01-02 15:04:05.999999999Z07:00:00",
 	} {
-		if t, err := time.Parse(layout, s); err == nil {
-			return t.UTC(), nil
+		t, err := time.Parse(layout, text)
+		if err != nil {
+			continue
 		}
+		if standIn {
+			_, offset := t.Zone()
+			actual := time.Date(year, t.Month(), t.Day(), t.Hour(), t.Minute(), t.Second(), t.Nanosecond(), time.FixedZone("", offset))
+			if actual.Day() != t.Day() { // February 29 of a year that is not a leap year
+				return time.Time{}, invalidTimestamptz(s)
+			}
+			t = actual
+		}
+		if _, offset := t.Zone(); offset == 0 && strings.HasSuffix(text, "-00:00:01") {
+			// time.Parse reads an offset of -1 s as none: -1 is its sentinel.
+			t = t.Add(time.Second)
+		}
+		return t.UTC(), nil
 	}
-	return time.Time{}, fmt.Errorf("invalid timestamptz %q (want ISO DateStyle, e.g. 2026-12-02 16:17:36.123456+00)", s)
+	return time.Time{}, invalidTimestamptz(s)
+}
+
+func invalidTimestamptz(s string) error {
+	return fmt.Errorf("invalid timestamptz %q (want ISO DateStyle, e.g. 2026-12-02 16:17:36.123456+00)", s)
 }

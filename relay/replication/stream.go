@@ -291,7 +291,7 @@ func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) erro
 			if len(xld.WALData) == 0 {
 				return fmt.Errorf("empty XLogData at %s", relay.LSN(xld.WALStart))
 			}
-			m, err := pglogrepl.Parse(xld.WALData)
+			m, err := parseMessage(xld.WALData)
 			if err != nil {
 				return fmt.Errorf("parse pgoutput message %q at %s: %w", xld.WALData[0], relay.LSN(xld.WALStart), err)
 			}

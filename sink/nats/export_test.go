@@ -11,6 +11,9 @@ var (
 	SubjectCovers          = subjectCovers
 )
 
+// MaxSubjectLen is the longest subject a message is published to.
+const MaxSubjectLen = maxSubjectLen
+
 // RenderSubject renders e's subject with the template text.
 func RenderSubject(text string, e *relay.Event) (string, error) {
 	st, err := parseSubjectTemplate(text)

@@ -62,15 +62,28 @@ func headerSafe(v string) bool {
 
 func isSpace(b byte) bool { return b == ' ' || b == '\t' }
 
-// MsgID returns the Nats-Msg-Id of a delivery: the event key, or for the
-// n-th operator replay "<event_key>~r<n>", so JetStream stores a replay
-// instead of dropping it as a duplicate.
+// MsgID returns the Nats-Msg-Id of a delivery: the event key as HeaderValue
+// sends it, or for the n-th operator replay "<event_key>~r<n>", so JetStream
+// stores a replay instead of dropping it as a duplicate. A key that itself
+// ends in "~r" and digits is encoded like an unsafe HeaderValue, so that no
+// event's id is another event's replay id ("a~r1" is event "a"'s first
+// replay): distinct (key, replay) pairs always get distinct ids.
 func MsgID(d *relay.Delivery) string {
 	id := HeaderValue(d.Event.EventKey)
+	if hasReplaySuffix(id) {
+		id = EncodedPrefix + base64.RawURLEncoding.EncodeToString([]byte(d.Event.EventKey))
+	}
 	if d.Replay > 0 {
 		id += "~r" + strconv.Itoa(d.Replay)
 	}
 	return id
+}
+
+// hasReplaySuffix reports whether id ends like a replay's id: "~r" and one
+// or more digits.
+func hasReplaySuffix(id string) bool {
+	i := strings.LastIndex(id, "~r")
+	return i >= 0 && i+2 < len(id) && strings.Trim(id[i+2:], "0123456789") == ""
 }
 
 // buildHeader returns the message headers of d.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/nats-io/nats-server/v2/server"
@@ -48,8 +49,15 @@ func TestSanitizeSubjectToken(t *testing.T) {
 	}
 }
 
+// FuzzSanitizeSubjectToken checks the sanitiser's contract: the token is
+// never empty, holds none of the characters NATS forbids or treats specially
+// in a token, is valid UTF-8 without U+FFFD, keeps every other character in
+// place (one '_' per replaced character or invalid byte), is deterministic
+// and idempotent, and a subject rendered from such tokens is one nats-server
+// accepts. Distinct inputs may share a token ("a.b", "a_b"): the sanitiser
+// does not promise otherwise, and the subject is only for routing.
 func FuzzSanitizeSubjectToken(f *testing.F) {
-	for _, seed := range []string{"", "order.placed", "a b\tc\r\n", "*>", "\xff\xfe", "été ✓", "\uFFFD."} {
+	for _, seed := range []string{"", "order.placed", "a b\tc\r\n", "*>", "\xff\xfe", "été ✓", "\uFFFD.", "\u0085\u00a0\u2028", "\x7f\x1b[31m", "\f\v"} {
 		f.Add(seed)
 	}
 	f.Fuzz(func(t *testing.T, in string) {
@@ -57,11 +65,29 @@ func FuzzSanitizeSubjectToken(f *testing.F) {
 		if out == "" {
 			t.Fatalf("SanitizeSubjectToken(%q) is empty", in)
 		}
-		if strings.ContainsAny(out, ".*> \t\r\n\x00") {
+		if again := natssink.SanitizeSubjectToken(in); again != out {
+			t.Fatalf("SanitizeSubjectToken(%q) = %q, then %q", in, out, again)
+		}
+		if strings.ContainsAny(out, ".*> \t\r\n\f\v\x00") || strings.ContainsFunc(out, unicode.IsControl) {
 			t.Fatalf("SanitizeSubjectToken(%q) = %q contains a forbidden character", in, out)
 		}
-		if !utf8.ValidString(out) {
-			t.Fatalf("SanitizeSubjectToken(%q) = %q is not valid UTF-8", in, out)
+		if !utf8.ValidString(out) || strings.ContainsRune(out, utf8.RuneError) {
+			t.Fatalf("SanitizeSubjectToken(%q) = %q is not valid UTF-8 or holds U+FFFD", in, out)
+		}
+		// Converting to []rune turns each invalid byte into one U+FFFD, which
+		// is what the sanitiser replaces by one '_'.
+		inRunes, outRunes := []rune(in), []rune(out)
+		if in == "" {
+			inRunes = []rune{'.'}
+		}
+		if len(outRunes) != len(inRunes) {
+			t.Fatalf("SanitizeSubjectToken(%q) = %q: %d characters, want %d", in, out, len(outRunes), len(inRunes))
+		}
+		for i, r := range inRunes {
+			replaced := r == '.' || r == '*' || r == '>' || r == ' ' || r == utf8.RuneError || unicode.IsControl(r)
+			if replaced && outRunes[i] != '_' || !replaced && outRunes[i] != r {
+				t.Fatalf("SanitizeSubjectToken(%q) = %q: character %d is %q, from %q", in, out, i, outRunes[i], r)
+			}
 		}
 		if again := natssink.SanitizeSubjectToken(out); again != out {
 			t.Fatalf("not idempotent: %q -> %q -> %q", in, out, again)
@@ -70,8 +96,27 @@ func FuzzSanitizeSubjectToken(f *testing.F) {
 		if subject := "outbox." + out + ".x"; !server.IsValidPublishSubject(subject) {
 			t.Fatalf("nats-server rejects %q", subject)
 		}
-		if err := natssink.ValidatePublishSubject("outbox." + out); err != nil {
-			t.Fatalf("ValidatePublishSubject(outbox.%s): %v", out, err)
+		if subject := "outbox." + out; len(subject) <= natssink.MaxSubjectLen {
+			if err := natssink.ValidatePublishSubject(subject); err != nil {
+				t.Fatalf("ValidatePublishSubject(%s): %v", subject, err)
+			}
+		}
+
+		// Every field of the event goes through the sanitiser.
+		e := relay.Event{EventKey: in, EventType: &in, AggregateType: &in, AggregateID: &in}
+		subject, err := natssink.RenderSubject("x.{{.AggregateType}}.{{.AggregateID}}.{{.EventType}}.{{.EventKey}}", &e)
+		want := "x." + out + "." + out + "." + out + "." + out
+		switch {
+		case len(want) > natssink.MaxSubjectLen:
+			if err == nil {
+				t.Fatalf("a %d-byte subject rendered without an error", len(want))
+			}
+		case err != nil:
+			t.Fatalf("render with %q: %v", in, err)
+		case subject != want:
+			t.Fatalf("render with %q: %q, want %q", in, subject, want)
+		case !server.IsValidPublishSubject(subject):
+			t.Fatalf("nats-server rejects the rendered %q", subject)
 		}
 	})
 }
@@ -214,6 +259,34 @@ func TestMsgID(t *testing.T) {
 	d.Replay = 3
 	if got := natssink.MsgID(d); got != "evt-1~r3" {
 		t.Fatalf("replay MsgID = %q, want evt-1~r3", got)
+	}
+}
+
+// TestMsgIDReplayNeverEqualsAnotherKey: event "a"'s first replay and an
+// event whose key is "a~r1" once shared the Nats-Msg-Id "a~r1", so within the
+// duplicate window JetStream dropped whichever came second and acknowledged
+// it as a duplicate: that event never reached the stream (found by FuzzMsgID).
+func TestMsgIDReplayNeverEqualsAnotherKey(t *testing.T) {
+	tests := []struct {
+		name, key         string
+		replay            int
+		otherKey          string
+		otherReplay       int
+		wantID, wantOther string
+	}{
+		{"key with a replay suffix", "a~r1", 0, "a", 1, "b64:YX5yMQ", "a~r1"},
+		{"replay of such a key", "a~r1", 2, "a~r1~r2", 0, "b64:YX5yMQ~r2", "b64:YX5yMX5yMg"},
+		{"tilde alone kept", "a~b", 0, "a~r", 0, "a~b", "a~r"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			id := natssink.MsgID(&relay.Delivery{Event: &relay.Event{EventKey: tt.key}, Replay: tt.replay})
+			other := natssink.MsgID(&relay.Delivery{Event: &relay.Event{EventKey: tt.otherKey}, Replay: tt.otherReplay})
+			if id != tt.wantID || other != tt.wantOther {
+				t.Fatalf("MsgID(%q, %d) = %q, MsgID(%q, %d) = %q; want %q and %q",
+					tt.key, tt.replay, id, tt.otherKey, tt.otherReplay, other, tt.wantID, tt.wantOther)
+			}
+		})
 	}
 }
 

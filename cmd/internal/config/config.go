@@ -511,6 +511,9 @@ func conflictsTableFor(table string) string {
 // the credentials in sink URLs as "xxxxx". database_url is a Secret and is
 // therefore redacted whole, since libpq strings carry passwords in more
 // places than a URL's userinfo. A sink shows only the settings of its type.
+// The output is a configuration file that loads back to c with its secrets
+// and header values replaced: a secret read from a file shows only its
+// *_file key, and "$" in a value is written "$$".
 func (c *Config) Redacted() ([]byte, error) {
 	r := *c
 	r.Sinks = make([]SinkConfig, len(c.Sinks))
@@ -525,10 +528,16 @@ func (c *Config) Redacted() ([]byte, error) {
 		}
 		r.Sinks[i] = s
 	}
+	for _, ref := range r.secretRefs() {
+		if ref.file != "" {
+			*ref.secret = "" // setting both is an error
+		}
+	}
 	var root yaml.Node
 	if err := root.Encode(&r); err != nil {
 		return nil, fmt.Errorf("render config: %w", err)
 	}
+	escapeDollars(&root)
 	if k := findKey(&root, "sinks"); k >= 0 {
 		for i, sink := range root.Content[k+1].Content {
 			var other reflect.Type
@@ -557,6 +566,23 @@ func (c *Config) Redacted() ([]byte, error) {
 		return nil, fmt.Errorf("render config: %w", err)
 	}
 	return buf.Bytes(), nil
+}
+
+// escapeDollars writes "$" as "$$" in the values below n, so that loading
+// them does not expand references. Keys are never expanded.
+func escapeDollars(n *yaml.Node) {
+	switch n.Kind {
+	case yaml.ScalarNode:
+		n.Value = strings.ReplaceAll(n.Value, "$", "$$")
+	case yaml.MappingNode:
+		for i := 1; i < len(n.Content); i += 2 {
+			escapeDollars(n.Content[i])
+		}
+	default:
+		for _, c := range n.Content {
+			escapeDollars(c)
+		}
+	}
 }
 
 // redactURLs redacts the credentials of each URL in a comma-separated list.

@@ -250,6 +250,71 @@ func TestLoad_RoundTrip(t *testing.T) {
 	}
 }
 
+// TestLoad_RoundTripFilesAndDollars: a secret read from its *_file key was
+// printed as "[redacted]" beside that key, and a value holding "$" or "${X}"
+// (written "$$" in the file) was printed as it is, so the printed
+// configuration failed to load ("set too"; X not set) or loaded as something
+// else (found by FuzzLoad).
+func TestLoad_RoundTripFilesAndDollars(t *testing.T) {
+	secret := MustWriteFile(t, "secret", "s3cret\n")
+	first := MustLoad(t, fmt.Sprintf(`
+database_url_file: %[1]s
+http: {metrics_token_file: %[1]s}
+data_dir: /srv/$$HOME/$${NOT}/$$$$x/$
+sinks:
+  - name: hook
+    type: webhook
+    url: http://h/x?sig=$$abc
+    auth: {type: jwt, secret_file: %[1]s}
+    headers: {} # printed so; no headers would load back as nil
+  - name: bus
+    type: nats
+    url: nats://h:4222
+    subject: "out$$.{{.EventType}}"
+    token_file: %[1]s
+`, secret))
+	if first.DataDir != "/srv/$HOME/${NOT}/$$x/$" || first.Sinks[0].Webhook.Auth.Secret.Reveal() != "s3cret" {
+		t.Fatalf("loaded data_dir %q, secret %q", first.DataDir, first.Sinks[0].Webhook.Auth.Secret.Reveal())
+	}
+	out, err := first.Redacted()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(out), "s3cret") || strings.Contains(string(out), "[redacted]") {
+		t.Errorf("a secret read from a file is printed, redacted or not:\n%s", out)
+	}
+	second, err := load(t, string(out))
+	if err != nil {
+		t.Fatalf("the printed configuration does not load: %v\n%s", err, out)
+	}
+	assertEqualConfig(t, second, first)
+	if t.Failed() {
+		t.Logf("printed:\n%s", out)
+	}
+}
+
+// TestLoad_BinaryValues: YAML writes a string that is not UTF-8 as !!binary
+// and base64, which is how Redacted prints such a value from a RELAY_
+// variable; Load took the base64 text itself as the value (found by
+// FuzzLoad).
+func TestLoad_BinaryValues(t *testing.T) {
+	c := MustLoad(t, "data_dir: !!binary L3Nydi///g==\nsinks:\n  - {name: a, type: webhook, url: http://h/, headers: {X-Raw: !!binary YWJj}}\n")
+	if c.DataDir != "/srv/\xff\xfe" || c.Sinks[0].Webhook.Headers["X-Raw"] != "abc" {
+		t.Errorf("data_dir %q, header %q", c.DataDir, c.Sinks[0].Webhook.Headers["X-Raw"])
+	}
+	_, err := load(t, "data_dir: !!binary 'not base64'\n")
+	requireErrorContains(t, err, "relay.yaml:1: data_dir: invalid !!binary value")
+
+	fromEnv := MustLoad(t, "", "RELAY_DATA_DIR=/srv/\xff\xfe")
+	out, err := fromEnv.Redacted()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again := MustLoad(t, string(out)); again.DataDir != fromEnv.DataDir {
+		t.Errorf("printed as\n%s\nloaded back as %q", out, again.DataDir)
+	}
+}
+
 func TestLoad_Expansion(t *testing.T) {
 	tests := []struct {
 		name  string

@@ -2,6 +2,7 @@ package config
 
 import (
 	"encoding"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"reflect"
@@ -53,7 +54,18 @@ func (d *decoder) decode(n *yaml.Node, v reflect.Value, path string) {
 	case reflect.Map:
 		d.decodeMap(n, v, path)
 	case reflect.String:
-		v.SetString(n.Value)
+		s := n.Value
+		if n.ShortTag() == "!!binary" {
+			// How YAML writes a string that is not UTF-8, and Redacted
+			// prints one from a RELAY_ variable.
+			b, err := base64.StdEncoding.DecodeString(s)
+			if err != nil {
+				d.fail(n, path, "invalid !!binary value (want base64)")
+				return
+			}
+			s = string(b)
+		}
+		v.SetString(s)
 	case reflect.Bool:
 		b, err := strconv.ParseBool(n.Value)
 		if err != nil {

@@ -1,0 +1,58 @@
+package replication_test
+
+import (
+	"encoding/binary"
+	"runtime"
+	"strings"
+	"testing"
+
+	"github.com/outbox-relay/outbox-relay/relay/replication"
+)
+
+// TestMalformedMessagesAreErrors: pglogrepl.Parse indexes a message without
+// bounds checks and sizes what it allocates by the lengths the message
+// claims, so one truncated or corrupt message panicked the relay (found by
+// FuzzDecodeMessages: "I0000N000") or made it allocate up to 16 GiB. Each
+// must instead be an error, which ends the session and reconnects, and
+// allocate no more than the message's size.
+func TestMalformedMessagesAreErrors(t *testing.T) {
+	rel := relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)
+	row := make([]tupleValue, len(outboxColumns))
+	for i := range row {
+		row[i] = textValue("1")
+	}
+	ins := insertMessage(outboxRelID, row)
+	hugeValue := binary.BigEndian.AppendUint32([]byte{'I', 0, 0, 0x40, 0x06, 'N', 0, 1, 't'}, 0xFFFFFFF0)
+	tests := []struct {
+		name string
+		msgs [][]byte
+	}{
+		{"found by the fuzzer: truncated tuple", [][]byte{[]byte("I0000N000"), []byte("0")}},
+		{"insert cut inside a value", [][]byte{rel, ins[:len(ins)-3]}},
+		{"insert cut after the column count", [][]byte{rel, ins[:8]}},
+		{"insert value of 4 GiB", [][]byte{rel, append(hugeValue, "abc"...)}},
+		{"relation cut inside a column", [][]byte{rel[:40], ins}},
+		{"relation cut after the column count", [][]byte{rel[:len("R")+4+len("public\x00integration_outbox\x00")+1+2]}},
+		{"update with a 4 GiB old key", [][]byte{append([]byte{'U', 0, 0, 0x40, 0x06, 'K', 0, 1, 't', 0xFF, 0xFF, 0xFF, 0xFF}, make([]byte, 8)...)}},
+		{"update with a 4 GiB new value", [][]byte{append([]byte{'U', 0, 0, 0x40, 0x06, 'O', 0, 1, 'n', 'X', 0, 1, 'b', 0xFF, 0xFF, 0xFF, 0xFF}, make([]byte, 8)...)}},
+		{"update cut before its new tuple", [][]byte{{'U', 0, 0, 0x40, 0x06, 'O', 0, 1, 'n'}}},
+		{"delete cut inside its key", [][]byte{{'D', 0, 0, 0x40, 0x06, 'K', 0, 2, 'n'}}},
+		{"truncate of 268 million relations", [][]byte{{'T', 0x0F, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0, 1}}},
+		{"logical message with a long content", [][]byte{{'M', 1, 0, 0, 0, 0, 0, 0, 0, 1, 'p', 0, 0xFF, 0xFF, 0xFF, 0xFF}}},
+		{"logical message without a prefix end", [][]byte{{'M', 1, 0, 0, 0, 0, 0, 0, 0, 1, 'p', 'p', 'p', 'p', 'p'}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			events, err := replication.DecodeMessages(outboxName, tt.msgs...)
+			runtime.ReadMemStats(&after)
+			if err == nil || !strings.HasPrefix(err.Error(), "parse pgoutput message") {
+				t.Fatalf("%d events, error %v; want a parse error", len(events), err)
+			}
+			if n := after.TotalAlloc - before.TotalAlloc; n > 1<<20 {
+				t.Fatalf("decoding allocated %d bytes", n)
+			}
+		})
+	}
+}
