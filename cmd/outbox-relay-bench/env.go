@@ -1,13 +1,11 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -23,6 +21,7 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
 )
 
@@ -37,7 +36,7 @@ type env struct {
 	pgVer string
 
 	cluster *pgtest.Cluster
-	natsCmd *exec.Cmd
+	nats    *harness.NATSServer
 	natsBin string
 	natsVer string
 	natsURL string
@@ -112,16 +111,8 @@ func (e *env) close() {
 	if e.nc != nil {
 		e.nc.Close()
 	}
-	if e.natsCmd != nil && e.natsCmd.Process != nil {
-		_ = e.natsCmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = e.natsCmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = e.natsCmd.Process.Kill()
-			<-done
-		}
+	if e.nats != nil {
+		_ = e.nats.Stop(10 * time.Second)
 	}
 	if e.cluster != nil {
 		_ = e.cluster.Close()
@@ -136,57 +127,23 @@ func (e *env) close() {
 // startNATS builds or finds nats-server and starts it with JetStream on a
 // free loopback port, storing under the work directory.
 func (e *env) startNATS(ctx context.Context) error {
-	e.natsBin = e.o.natsServer
-	if e.natsBin == "" {
-		// The module is in go.mod, so the version is pinned: prefer it to
-		// whatever the machine has installed.
-		bin := filepath.Join(e.work, "nats-server")
-		goCmd := os.Getenv("GO")
-		if goCmd == "" {
-			goCmd = "go"
-		}
-		cmd := exec.CommandContext(ctx, goCmd, "build", "-o", bin, "github.com/nats-io/nats-server/v2")
-		if out, err := cmd.CombinedOutput(); err == nil {
-			e.natsBin = bin
-		} else if p, lerr := exec.LookPath("nats-server"); lerr == nil {
-			e.say("could not build nats-server from go.mod (%v: %s); using %s", err, bytes.TrimSpace(out), p)
-			e.natsBin = p
-		} else {
-			return fmt.Errorf("build nats-server: %v: %s (and none in PATH)", err, bytes.TrimSpace(out))
-		}
-	}
-	if v, err := exec.Command(e.natsBin, "--version").Output(); err == nil {
-		e.natsVer = strings.TrimSpace(string(v))
-	}
-	port, err := freePort()
+	var note string
+	var err error
+	e.natsBin, note, err = harness.NATSServerBinary(ctx, e.o.natsServer, e.work)
 	if err != nil {
 		return err
 	}
-	store := filepath.Join(e.work, "nats-store")
-	log, err := os.Create(filepath.Join(e.work, "nats-server.log"))
-	if err != nil {
+	if note != "" {
+		e.say("%s", note)
+	}
+	e.natsVer = harness.NATSVersion(e.natsBin)
+	if e.nats, err = harness.StartNATS(e.natsBin, e.work); err != nil {
 		return err
 	}
-	defer log.Close()
-	e.natsCmd = exec.Command(e.natsBin, "--addr", "127.0.0.1", "--port", strconv.Itoa(port),
-		"--jetstream", "--store_dir", store)
-	e.natsCmd.Stdout, e.natsCmd.Stderr = log, log
-	e.natsCmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := e.natsCmd.Start(); err != nil {
-		return fmt.Errorf("start nats-server: %w", err)
-	}
-	e.natsURL = fmt.Sprintf("nats://127.0.0.1:%d", port)
+	e.natsURL = e.nats.URL()
 	e.say("nats-server %s (%s) with JetStream at %s", e.natsVer, e.natsBin, e.natsURL)
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		e.nc, err = nats.Connect(e.natsURL, nats.Name("outbox-relay-bench"))
-		if err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("nats-server did not accept connections: %w (log: %s)", err, tail(filepath.Join(e.work, "nats-server.log")))
-		}
-		time.Sleep(50 * time.Millisecond)
+	if e.nc, err = e.nats.Connect(ctx, 15*time.Second, nats.Name("outbox-relay-bench")); err != nil {
+		return err
 	}
 	e.js, err = jetstream.New(e.nc)
 	if err != nil {
@@ -199,13 +156,13 @@ func (e *env) startNATS(ctx context.Context) error {
 }
 
 // roots returns the process trees a phase's CPU is reported for.
-func (e *env) roots(relay *relayProc) cpuGroups {
-	g := cpuGroups{"bench": os.Getpid(), "nats": e.natsCmd.Process.Pid}
+func (e *env) roots(relay *harness.Relay) cpuGroups {
+	g := cpuGroups{"bench": os.Getpid(), "nats": e.nats.Pid()}
 	if pid := e.postmasterPID(); pid > 0 {
 		g["postgres"] = pid
 	}
-	if relay != nil && relay.cmd.Process != nil {
-		g["relay"] = relay.cmd.Process.Pid
+	if relay != nil {
+		g["relay"] = relay.Pid()
 	}
 	return g
 }
@@ -228,10 +185,8 @@ func (e *env) newDatabase(ctx context.Context, name string) (string, error) {
 		return "", err
 	}
 	url := e.cluster.URL(name)
-	cmd := exec.CommandContext(ctx, e.o.relayBin, "migrate", "--database-url", url)
-	cmd.Env = append(os.Environ(), "RELAY_LOG_FORMAT=json")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("outbox-relay migrate: %w\n%s", err, bytes.TrimSpace(out))
+	if err := harness.Migrate(ctx, e.o.relayBin, url); err != nil {
+		return "", err
 	}
 	return url, nil
 }
@@ -289,46 +244,22 @@ func serverCredential() *syscall.Credential {
 	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}
 }
 
-// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
-// tail returns the last lines of a log file, for error messages.
-func tail(path string) string {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return fmt.Sprintf("(%v)", err)
-	}
-	const keep = 3000
-	if len(b) > keep {
-		b = b[len(b)-keep:]
-	}
-	return string(bytes.TrimSpace(b))
-}
-
 // receiver is the webhook destination: it answers 204 and records when each
 // event_key (read from the body) first arrived, in the current tracker.
 type receiver struct {
 	e   *env
-	srv *http.Server
+	srv *harness.HTTPServer
 	url string
 	cur atomic.Pointer[tracker]
 }
 
 func newReceiver(e *env) (*receiver, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	r := &receiver{e: e}
+	srv, err := harness.ServeHTTP(r, "/hook")
 	if err != nil {
 		return nil, err
 	}
-	r := &receiver{e: e, url: "http://" + ln.Addr().String() + "/hook"}
-	r.srv = &http.Server{Handler: r, ReadHeaderTimeout: 10 * time.Second}
-	go func() { _ = r.srv.Serve(ln) }()
+	r.srv, r.url = srv, srv.URL
 	return r, nil
 }
 
@@ -353,8 +284,4 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-func (r *receiver) close() {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	_ = r.srv.Shutdown(ctx)
-}
+func (r *receiver) close() { r.srv.Close() }

@@ -16,6 +16,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 )
 
 // allPhases are the phases in the order they run.
@@ -192,9 +194,9 @@ func (e *env) drain(ctx context.Context, r *report, s relaySetup, n, per, parall
 	if err != nil {
 		return d, err
 	}
-	defer rp.stop(30 * time.Second)
+	defer rp.Stop(30 * time.Second)
 	meter := startCPU(e.roots(rp))
-	rss := sampleRSS(rp.cmd.Process.Pid)
+	rss := sampleRSS(rp.Pid())
 	start := time.Now()
 	lastProgress, lastCount := start, uint64(0)
 	lastSay := start
@@ -218,11 +220,11 @@ func (e *env) drain(ctx context.Context, r *report, s relaySetup, n, per, parall
 		if progress > lastCount {
 			lastProgress, lastCount = time.Now(), progress
 		}
-		if rp.exited() {
-			return d, rp.failure()
+		if rp.Exited() {
+			return d, rp.Failure()
 		}
 		if time.Since(lastProgress) > 60*time.Second {
-			return d, fmt.Errorf("no progress for 60 s: JetStream holds %d of %d, webhook got %d (log %s)", msgs, n, hooks, rp.logPath)
+			return d, fmt.Errorf("no progress for 60 s: JetStream holds %d of %d, webhook got %d (log %s)", msgs, n, hooks, rp.LogPath())
 		}
 		if time.Since(lastSay) >= 5*time.Second {
 			lastSay = time.Now()
@@ -236,7 +238,7 @@ func (e *env) drain(ctx context.Context, r *report, s relaySetup, n, per, parall
 	}
 	d.usage = meter.stop()
 	d.peak, d.maxRSS = rss.finish()
-	if err := rp.stop(30 * time.Second); err != nil {
+	if err := rp.Stop(30 * time.Second); err != nil {
 		e.say("warning: %v", err)
 	}
 	return d, nil
@@ -298,9 +300,9 @@ type loadPlan struct {
 	name     string
 	url      string
 	t        *tracker
-	relay    *relayProc // nil: no relay (the seed poller)
-	nats     bool       // wait for and report t.nats arrivals
-	hook     bool       // wait for and report webhook arrivals
+	relay    *harness.Relay // nil: no relay (the seed poller)
+	nats     bool           // wait for and report t.nats arrivals
+	hook     bool           // wait for and report webhook arrivals
 	warmup   bool
 	onStart  func() // called right before the measured load
 	duration time.Duration
@@ -327,7 +329,7 @@ func (e *env) measureLoad(ctx context.Context, r *report, p loadPlan) (loadOutco
 	}
 	var rss *rssSampler
 	if p.relay != nil {
-		rss = sampleRSS(p.relay.cmd.Process.Pid)
+		rss = sampleRSS(p.relay.Pid())
 	}
 	e.say("%s: %.0f events/s for %s, one event per transaction", p.name, e.o.rate, p.duration)
 	if p.onStart != nil {
@@ -344,8 +346,8 @@ func (e *env) measureLoad(ctx context.Context, r *report, p loadPlan) (loadOutco
 		if (!p.hook || p.t.hook.unique.Load() >= want) && (!p.nats || p.t.nats.unique.Load() >= want) {
 			break
 		}
-		if p.relay != nil && p.relay.exited() {
-			return out, p.relay.failure()
+		if p.relay != nil && p.relay.Exited() {
+			return out, p.relay.Failure()
 		}
 		select {
 		case <-ctx.Done():
@@ -420,7 +422,7 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	if err != nil {
 		return err
 	}
-	defer rp.stop(30 * time.Second)
+	defer rp.Stop(30 * time.Second)
 	if err := e.waitSlotActive(ctx, s, rp, 60*time.Second); err != nil {
 		return err
 	}
@@ -443,7 +445,7 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	addLatencies(r, phase, "commit→webhook 2xx", o.hook, o.hookMissing, o.usage, true)
 	r.addCPU(phase, o.usage, "")
 	r.relayHookP50 = percentile(o.hook, 0.5)
-	if err := rp.stop(30 * time.Second); err != nil {
+	if err := rp.Stop(30 * time.Second); err != nil {
 		e.say("warning: %v", err)
 	}
 	return nil
@@ -515,14 +517,14 @@ func phasePollMode(ctx context.Context, e *env, r *report) error {
 	if err != nil {
 		return err
 	}
-	defer rp.stop(30 * time.Second)
+	defer rp.Stop(30 * time.Second)
 	select {
-	case <-rp.done:
-		if rp.exitCode() == 3 {
+	case <-rp.Done():
+		if rp.ExitCode() == 3 {
 			r.add(phase, "relay `source.mode: poll`", "poll mode: not available in this build", "—", "n/a", cpuUsage{})
 			return nil
 		}
-		return rp.failure()
+		return rp.Failure()
 	case <-time.After(3 * time.Second):
 	case <-ctx.Done():
 		return ctx.Err()

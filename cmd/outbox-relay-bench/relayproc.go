@@ -2,17 +2,16 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats.go"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 )
 
 // relaySetup is what a phase's relay configuration varies.
@@ -60,87 +59,14 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 	return path, os.WriteFile(path, []byte(b.String()), 0o600)
 }
 
-// relayProc is a running `outbox-relay run`.
-type relayProc struct {
-	cmd     *exec.Cmd
-	logPath string
-	done    chan struct{}
-	err     error // exit error, valid once done is closed
-}
-
 // startRelay starts `outbox-relay run --config cfg`, appending its output to
 // the phase's log file.
-func (e *env) startRelay(s relaySetup, cfg string) (*relayProc, error) {
-	logPath := filepath.Join(e.work, "relay-"+s.name+".log")
-	log, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
-	if err != nil {
-		return nil, err
-	}
-	defer log.Close()
-	cmd := exec.Command(e.o.relayBin, "run", "--config", cfg)
-	cmd.Stdout, cmd.Stderr = log, log
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start outbox-relay run: %w", err)
-	}
-	r := &relayProc{cmd: cmd, logPath: logPath, done: make(chan struct{})}
-	go func() {
-		r.err = cmd.Wait()
-		close(r.done)
-	}()
-	return r, nil
-}
-
-// exited reports whether the relay has exited.
-func (r *relayProc) exited() bool {
-	select {
-	case <-r.done:
-		return true
-	default:
-		return false
-	}
-}
-
-// exitCode is the relay's exit code once it has exited.
-func (r *relayProc) exitCode() int {
-	<-r.done
-	var ee *exec.ExitError
-	if errors.As(r.err, &ee) {
-		return ee.ExitCode()
-	}
-	if r.err != nil {
-		return -1
-	}
-	return 0
-}
-
-// failure describes an unexpected exit, with the end of the relay's log.
-func (r *relayProc) failure() error {
-	return fmt.Errorf("outbox-relay run exited (code %d); end of its log %s:\n%s", r.exitCode(), r.logPath, tail(r.logPath))
-}
-
-// stop sends SIGTERM (the relay's graceful stop) and waits; after timeout it
-// kills the relay and returns an error.
-func (r *relayProc) stop(timeout time.Duration) error {
-	if r.exited() {
-		return nil
-	}
-	_ = r.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-r.done:
-		if c := r.exitCode(); c != 0 {
-			return fmt.Errorf("outbox-relay run exited with code %d after SIGTERM (log %s)", c, r.logPath)
-		}
-		return nil
-	case <-time.After(timeout):
-		_ = r.cmd.Process.Kill()
-		<-r.done
-		return fmt.Errorf("outbox-relay run did not stop within %s of SIGTERM; killed (log %s)", timeout, r.logPath)
-	}
+func (e *env) startRelay(s relaySetup, cfg string) (*harness.Relay, error) {
+	return harness.StartRelay(e.o.relayBin, cfg, filepath.Join(e.work, "relay-"+s.name+".log"))
 }
 
 // waitSlotActive waits until the relay streams from its slot.
-func (e *env) waitSlotActive(ctx context.Context, s relaySetup, r *relayProc, timeout time.Duration) error {
+func (e *env) waitSlotActive(ctx context.Context, s relaySetup, r *harness.Relay, timeout time.Duration) error {
 	conn, err := pgx.Connect(ctx, s.url)
 	if err != nil {
 		return err
@@ -148,23 +74,18 @@ func (e *env) waitSlotActive(ctx context.Context, s relaySetup, r *relayProc, ti
 	defer conn.Close(context.Background())
 	deadline := time.Now().Add(timeout)
 	for {
-		var active bool
-		// A slot is also active while CREATE_REPLICATION_SLOT builds it (and
-		// gone if the walsender exits then): wait for START_REPLICATION.
-		err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_replication_slots s
-			JOIN pg_stat_replication r ON r.pid = s.active_pid
-			WHERE s.slot_name = $1 AND r.state IN ('catchup', 'streaming'))`, s.slot()).Scan(&active)
+		active, err := harness.SlotStreaming(ctx, conn, s.slot())
 		if err != nil {
 			return err
 		}
 		if active {
 			return nil
 		}
-		if r.exited() {
-			return r.failure()
+		if r.Exited() {
+			return r.Failure()
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("the relay did not start streaming from slot %s within %s (log %s)", s.slot(), timeout, r.logPath)
+			return fmt.Errorf("the relay did not start streaming from slot %s within %s (log %s)", s.slot(), timeout, r.LogPath())
 		}
 		select {
 		case <-ctx.Done():
@@ -183,10 +104,10 @@ func (e *env) createSlot(ctx context.Context, s relaySetup, cfg string) error {
 		return err
 	}
 	if err := e.waitSlotActive(ctx, s, r, 60*time.Second); err != nil {
-		_ = r.stop(5 * time.Second)
+		_ = r.Stop(5 * time.Second)
 		return err
 	}
-	return r.stop(30 * time.Second)
+	return r.Stop(30 * time.Second)
 }
 
 // subscribe records the arrival of every message of s's subjects in t, by

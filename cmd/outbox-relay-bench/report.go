@@ -7,10 +7,11 @@ import (
 	"io"
 	"math"
 	"os"
-	"os/exec"
 	"runtime"
 	"strings"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 )
 
 // report collects the results of every phase, and the values later phases
@@ -98,7 +99,7 @@ func (r *report) print(w io.Writer, e *env, args []string, load string, took tim
 	fmt.Fprintf(w, "Command: `outbox-relay-bench %s` (via `make bench ARGS=...`), %.0f s in all.\n\n", strings.Join(args, " "), took.Seconds())
 	fmt.Fprintf(w, "Machine: %d CPUs (%s), %s RAM; %s (fsync on, private cluster); nats-server %s (external process, JetStream file storage, default sync); %s %s/%s; relay %s. Load average at start: %s.\n\n",
 		runtime.NumCPU(), cpuModel(), memTotal(), e.pgVer, strings.TrimPrefix(e.natsVer, "nats-server: "),
-		runtime.Version(), runtime.GOOS, runtime.GOARCH, relayVersion(o.relayBin), load)
+		runtime.Version(), runtime.GOOS, runtime.GOARCH, harness.RelayVersion(o.relayBin), load)
 	fmt.Fprintf(w, "Workload: %s aggregates, %d-byte payloads (jsonb), ledger on, one event per transaction under load, %d rows per transaction for the drains; a fresh database per phase.\n\n",
 		thousands(o.aggregates), o.payloadSize, o.drainBatch)
 	fmt.Fprintln(w, "| phase | metric | value | target | verdict | other processes' CPU |")
@@ -127,22 +128,6 @@ func (r *report) print(w io.Writer, e *env, args []string, load string, took tim
 	fmt.Fprintln(w)
 }
 
-// relayVersion asks the relay binary for its version.
-func relayVersion(bin string) string {
-	out, err := exec.Command(bin, "--version").Output()
-	if err != nil {
-		return "unknown"
-	}
-	v := strings.TrimSpace(string(out))
-	if rev, err := exec.Command("git", "rev-parse", "--short", "HEAD").Output(); err == nil {
-		v += " at " + strings.TrimSpace(string(rev))
-		if st, err := exec.Command("git", "status", "--porcelain", "--untracked-files=no").Output(); err == nil && len(st) > 0 {
-			v += " (with local changes)"
-		}
-	}
-	return v
-}
-
 // passMiss is a verdict.
 func passMiss(ok bool) string {
 	if ok {
@@ -169,22 +154,7 @@ func fmtMS(v float64) string {
 func mb(b int64) string { return fmt.Sprintf("%.0f MB", float64(b)/(1<<20)) }
 
 // thousands formats n with comma separators.
-func thousands(n int) string {
-	s := fmt.Sprint(n)
-	neg := strings.HasPrefix(s, "-")
-	s = strings.TrimPrefix(s, "-")
-	var b strings.Builder
-	for i, c := range s {
-		if i > 0 && (len(s)-i)%3 == 0 {
-			b.WriteByte(',')
-		}
-		b.WriteRune(c)
-	}
-	if neg {
-		return "-" + b.String()
-	}
-	return b.String()
-}
+func thousands(n int) string { return harness.Thousands(n) }
 
 // mdEscape keeps a message from breaking the table.
 func mdEscape(s string) string {

@@ -1,0 +1,391 @@
+package main
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+)
+
+// event is a committed outbox row as the table holds it after the run.
+type event struct {
+	Key, Agg  string
+	Seq       int64 // within the aggregate, from the payload
+	Status    string
+	LastError string
+}
+
+// delivery is one arrival at a sink, keyed by the event_key in its body.
+type delivery struct {
+	Index int // arrival order at this sink
+	At    time.Duration
+	Key   string // the body's event_key ("" when the body does not decode)
+	ID    string // webhook-id or Nats-Msg-Id
+	Body  string
+	OK    bool // delivered: answered with a 2xx, or stored by the stream
+}
+
+// sinkRecord is what one sink received.
+type sinkRecord struct {
+	Name   string // in messages: webhook, nats
+	Action string // the ledger's action: the sink's configured name
+	// Arrivals are in arrival order; missing events and order are judged on
+	// them (the webhook: every request; NATS: the stream's stored copies).
+	Arrivals []delivery
+	// AckedRepeatsNeedCrash: every arrival after the first OK one must
+	// follow a crash (the webhook, whose 2xx the relay receives; the
+	// stream's second copies are judged by the duplicate window instead).
+	AckedRepeatsNeedCrash bool
+	// Extra are further attempts observed (NATS: every publish the tap
+	// saw, duplicates the stream dropped included): they must carry the
+	// same id and body too.
+	Extra []delivery
+}
+
+// ledgerRow is one row of the idempotency ledger.
+type ledgerRow struct{ Key, Action, State string }
+
+// runFacts is everything the invariants are judged on.
+type runFacts struct {
+	Events  []event
+	Written []string // keys the writers saw committed
+	Sinks   []sinkRecord
+	Ledger  []ledgerRow
+	// SideEffects counts, per event_key, the webhook-ids whose side effect
+	// the receiver applied (it applies one per webhook-id).
+	SideEffects map[string]int
+	MaxRetained int64 // bytes of WAL the slot retained, at most
+	WALBound    int64
+	// WantID is the idempotency id the relay must send for a key; nil
+	// checks only that repeats agree with the first copy.
+	WantID func(key string) string
+	// Crashes are the times of the faults after which the relay may have
+	// lost what it knew of an outcome (a killed relay, PostgreSQL gone
+	// before a ledger write): the only excuses for a repeat after a 2xx.
+	Crashes []time.Duration
+}
+
+// invariant is one checked guarantee.
+type invariant struct {
+	Name       string
+	Checked    string // what was checked, with its figures
+	Violations []string
+}
+
+func (iv invariant) ok() bool { return len(iv.Violations) == 0 }
+
+// maxListed bounds the violations listed per invariant.
+const maxListed = 20
+
+// violations collects an invariant's violations, listing at most maxListed.
+type violations struct {
+	list []string
+	more int
+}
+
+func (v *violations) add(format string, args ...any) {
+	if len(v.list) < maxListed {
+		v.list = append(v.list, fmt.Sprintf(format, args...))
+		return
+	}
+	v.more++
+}
+
+func (v *violations) result() []string {
+	if v.more > 0 {
+		return append(v.list, fmt.Sprintf("… and %d more", v.more))
+	}
+	return v.list
+}
+
+// check judges the run. Every invariant is reported, violated or not.
+func check(f runFacts) []invariant {
+	byKey := make(map[string]event, len(f.Events))
+	for _, e := range f.Events {
+		byKey[e.Key] = e
+	}
+	return []invariant{
+		checkWritten(f, byKey),
+		checkMissing(f),
+		checkLedger(f, byKey),
+		checkIdentity(f, byKey),
+		checkSideEffects(f),
+		checkRepeatCauses(f),
+		checkOrder(f),
+		checkWAL(f),
+		checkFailed(f),
+	}
+}
+
+// checkWritten: the table holds exactly the events the writers committed
+// (so "missing" is counted against the truth, unknown commit outcomes
+// included).
+func checkWritten(f runFacts, byKey map[string]event) invariant {
+	var v violations
+	written := make(map[string]bool, len(f.Written))
+	for _, k := range f.Written {
+		written[k] = true
+		if _, ok := byKey[k]; !ok {
+			v.add("%s: the writer saw it committed, the table does not hold it", k)
+		}
+	}
+	for _, e := range f.Events {
+		if !written[e.Key] {
+			v.add("%s: in the table, but its writer never saw it committed", e.Key)
+		}
+	}
+	return invariant{Name: "committed events = the writers' record",
+		Checked:    fmt.Sprintf("%d rows in the table, %d seen committed by the writers", len(f.Events), len(written)),
+		Violations: v.result()}
+}
+
+// checkMissing: every committed event reached every sink (a 2xx, a stored
+// message) at least once.
+func checkMissing(f runFacts) invariant {
+	var v violations
+	var counts []string
+	for _, s := range f.Sinks {
+		ok := map[string]bool{}
+		for _, d := range s.Arrivals {
+			if d.OK {
+				ok[d.Key] = true
+			}
+		}
+		missing := 0
+		for _, e := range f.Events {
+			if !ok[e.Key] {
+				missing++
+				v.add("%s: %s never delivered (row status %s, last_error %q)", s.Name, e.Key, e.Status, e.LastError)
+			}
+		}
+		counts = append(counts, fmt.Sprintf("%s %d missing", s.Name, missing))
+	}
+	return invariant{Name: "no event missing at any sink",
+		Checked:    fmt.Sprintf("%d events × %d sinks: %s", len(f.Events), len(f.Sinks), strings.Join(counts, ", ")),
+		Violations: v.result()}
+}
+
+// checkLedger: exactly one delivered ledger row per (event_key, action),
+// nothing left sending or unknown, no row for an event that does not exist.
+func checkLedger(f runFacts, byKey map[string]event) invariant {
+	var v violations
+	state := map[string]map[string][]string{} // action → key → states
+	for _, r := range f.Ledger {
+		if state[r.Action] == nil {
+			state[r.Action] = map[string][]string{}
+		}
+		state[r.Action][r.Key] = append(state[r.Action][r.Key], r.State)
+		if _, ok := byKey[r.Key]; !ok {
+			v.add("ledger row (%s, %s) for an event the table does not hold", r.Key, r.Action)
+		}
+	}
+	var counts []string
+	for _, s := range f.Sinks {
+		delivered := 0
+		for _, e := range f.Events {
+			states := state[s.Action][e.Key]
+			switch {
+			case len(states) == 1 && states[0] == "delivered":
+				delivered++
+			case len(states) == 0:
+				v.add("(%s, %s): no ledger row", e.Key, s.Action)
+			default:
+				v.add("(%s, %s): ledger rows %v, want one delivered", e.Key, s.Action, states)
+			}
+		}
+		counts = append(counts, fmt.Sprintf("%s %d/%d", s.Action, delivered, len(f.Events)))
+	}
+	return invariant{Name: "exactly one delivered ledger row per (event_key, action)",
+		Checked: "delivered rows per action: " + strings.Join(counts, ", "), Violations: v.result()}
+}
+
+// checkIdentity: every copy of an event at a sink carries the same
+// idempotency id (the one the relay must send) and a byte-identical body.
+func checkIdentity(f runFacts, byKey map[string]event) invariant {
+	var v violations
+	var counts []string
+	for _, s := range f.Sinks {
+		first := map[string]delivery{}
+		var repeats [2]int // of Arrivals, of Extra
+		for g, group := range [][]delivery{s.Arrivals, s.Extra} {
+			seen := map[string]bool{}
+			for _, d := range group {
+				if _, ok := byKey[d.Key]; !ok {
+					v.add("%s: a delivery whose body names no committed event (event_key %q, id %q): %.120s", s.Name, d.Key, d.ID, d.Body)
+					continue
+				}
+				if seen[d.Key] {
+					repeats[g]++
+				}
+				seen[d.Key] = true
+				if f.WantID != nil && d.ID != f.WantID(d.Key) {
+					v.add("%s: %s sent with id %q, want %q", s.Name, d.Key, d.ID, f.WantID(d.Key))
+				}
+				f0, ok := first[d.Key]
+				if !ok {
+					first[d.Key] = d
+					continue
+				}
+				if d.ID != f0.ID {
+					v.add("%s: a repeat of %s carries id %q, the first copy %q", s.Name, d.Key, d.ID, f0.ID)
+				}
+				if d.Body != f0.Body {
+					v.add("%s: a repeat of %s has another body:\n    first  %s\n    repeat %s", s.Name, d.Key, f0.Body, d.Body)
+				}
+			}
+		}
+		c := fmt.Sprintf("%s %d repeats", s.Name, repeats[0])
+		if len(s.Extra) > 0 {
+			c += fmt.Sprintf(" (+%d among other attempts seen)", repeats[1])
+		}
+		counts = append(counts, c)
+	}
+	return invariant{Name: "every repeat carries the same idempotency id and body",
+		Checked: strings.Join(counts, ", "), Violations: v.result()}
+}
+
+// crashSlack is how long before a delivery's 2xx was recorded a crash may
+// have happened and still explain a repeat: a request written just before
+// the relay died can be read and answered after it.
+const crashSlack = time.Second
+
+// checkRepeatCauses: a sink sees a repeat only for an attempt whose outcome
+// was unknown (SPEC §2.2). After a 2xx the relay knows the outcome, so a
+// later copy needs a crash in between: one at or after the 2xx (less
+// crashSlack) and at or before the copy.
+func checkRepeatCauses(f runFacts) invariant {
+	var v violations
+	var counts []string
+	for _, s := range f.Sinks {
+		if !s.AckedRepeatsNeedCrash {
+			continue
+		}
+		acked := map[string]time.Duration{}
+		explained, unexplained := 0, 0
+		for _, d := range s.Arrivals {
+			first, ok := acked[d.Key]
+			if !ok {
+				if d.OK {
+					acked[d.Key] = d.At
+				}
+				continue
+			}
+			crashed := false
+			for _, c := range f.Crashes {
+				if c >= first-crashSlack && c <= d.At {
+					crashed = true
+					break
+				}
+			}
+			if crashed {
+				explained++
+				continue
+			}
+			unexplained++
+			v.add("%s: %s arrived again at %.2f s after its 2xx at %.2f s, with no crash in between", s.Name, d.Key, d.At.Seconds(), first.Seconds())
+		}
+		counts = append(counts, fmt.Sprintf("%s: %d repeats after a 2xx, %d of them after a crash", s.Name, explained+unexplained, explained))
+	}
+	return invariant{Name: "a repeat after a 2xx only follows a crash",
+		Checked: strings.Join(counts, "; "), Violations: v.result()}
+}
+
+// checkSideEffects: deduplicating by webhook-id, the receiver applied each
+// event's side effect exactly once (a repeat with another id would apply it
+// twice).
+func checkSideEffects(f runFacts) invariant {
+	var v violations
+	once := 0
+	for _, e := range f.Events {
+		switch n := f.SideEffects[e.Key]; n {
+		case 1:
+			once++
+		case 0:
+			v.add("%s: side effect never applied", e.Key)
+		default:
+			v.add("%s: side effect applied %d times (once per distinct webhook-id)", e.Key, n)
+		}
+	}
+	return invariant{Name: "webhook side effect applied exactly once per event (dedup by webhook-id)",
+		Checked: fmt.Sprintf("%d of %d events applied once", once, len(f.Events)), Violations: v.result()}
+}
+
+// checkOrder: per sink and aggregate, no event arrives (in any attempt)
+// before the aggregate's previous event was delivered; so the first
+// deliveries are in sequence order. An event dead-lettered (failed) does not
+// hold its successors back.
+func checkOrder(f runFacts) invariant {
+	var v violations
+	byAgg := map[string][]event{}
+	for _, e := range f.Events {
+		byAgg[e.Agg] = append(byAgg[e.Agg], e)
+	}
+	aggs := make([]string, 0, len(byAgg))
+	for a, es := range byAgg {
+		aggs = append(aggs, a)
+		sort.Slice(es, func(i, j int) bool { return es[i].Seq < es[j].Seq })
+	}
+	sort.Strings(aggs)
+	pairs := 0
+	for _, s := range f.Sinks {
+		firstAny, firstOK := map[string]int{}, map[string]int{}
+		for _, d := range s.Arrivals {
+			if _, ok := firstAny[d.Key]; !ok {
+				firstAny[d.Key] = d.Index
+			}
+			if _, ok := firstOK[d.Key]; !ok && d.OK {
+				firstOK[d.Key] = d.Index
+			}
+		}
+		for _, a := range aggs {
+			es := byAgg[a]
+			for i := 1; i < len(es); i++ {
+				prev, next := es[i-1], es[i]
+				pairs++
+				arrived, ok := firstAny[next.Key]
+				if !ok || prev.Status == "failed" {
+					continue
+				}
+				delivered, ok := firstOK[prev.Key]
+				switch {
+				case !ok:
+					v.add("%s: aggregate %s: seq %d (%s) arrived but seq %d (%s) was never delivered", s.Name, a, next.Seq, next.Key, prev.Seq, prev.Key)
+				case arrived < delivered:
+					v.add("%s: aggregate %s: seq %d (%s) arrived (#%d) before seq %d (%s) was delivered (#%d)", s.Name, a, next.Seq, next.Key, arrived, prev.Seq, prev.Key, delivered)
+				}
+			}
+		}
+	}
+	return invariant{Name: "per-aggregate order",
+		Checked: fmt.Sprintf("%d aggregates, %d consecutive pairs over %d sinks", len(aggs), pairs, len(f.Sinks)), Violations: v.result()}
+}
+
+// checkWAL: the WAL the slot retained stayed under the bound.
+func checkWAL(f runFacts) invariant {
+	var v violations
+	if f.MaxRetained > f.WALBound {
+		v.add("the slot retained %s of WAL, over the %s bound", mb(f.MaxRetained), mb(f.WALBound))
+	}
+	return invariant{Name: "retained WAL bounded",
+		Checked: fmt.Sprintf("max %s ≤ %s", mb(f.MaxRetained), mb(f.WALBound)), Violations: v.result()}
+}
+
+// checkFailed: every dead-lettered row says why.
+func checkFailed(f runFacts) invariant {
+	var v violations
+	failed := 0
+	for _, e := range f.Events {
+		if e.Status != "failed" {
+			continue
+		}
+		failed++
+		if strings.TrimSpace(e.LastError) == "" {
+			v.add("%s: failed without a last_error", e.Key)
+		}
+	}
+	return invariant{Name: "every failed row has a reason",
+		Checked: fmt.Sprintf("%d failed rows", failed), Violations: v.result()}
+}
+
+// mb formats bytes as MiB.
+func mb(b int64) string { return fmt.Sprintf("%.1f MB", float64(b)/(1<<20)) }

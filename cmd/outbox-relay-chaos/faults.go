@@ -1,0 +1,260 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"time"
+)
+
+// faultKind is one kind of fault; faultKinds lists them in report order.
+type faultKind string
+
+const (
+	relayKill       faultKind = "relay-kill"
+	postgresRestart faultKind = "postgres-restart"
+	natsRestart     faultKind = "nats-restart"
+	webhookOutage   faultKind = "webhook-outage"
+	slotDrop        faultKind = "slot-drop"
+	leaderKill      faultKind = "leader-kill"
+)
+
+var faultKinds = []faultKind{relayKill, postgresRestart, natsRestart, webhookOutage, slotDrop, leaderKill}
+
+// faultWhat says what each kind does, for the report.
+var faultWhat = map[faultKind]string{
+	relayKill:       "kill -9 of both relay processes, restarted at once",
+	postgresRestart: "SIGKILL of the postmaster (crash), then start",
+	natsRestart:     "SIGKILL of nats-server, start on the same port and store",
+	webhookOutage:   "receiver answers 503, then holds requests past the relay's timeout, then answers slowly (another fault meanwhile)",
+	slotDrop:        "walsender terminated, pg_drop_replication_slot",
+	leaderKill:      "kill -9 of the HA leader; restarted as standby after the takeover",
+}
+
+// step is one fault of the schedule.
+type step struct {
+	kind  faultKind
+	cycle int
+	round int           // relay-kill: which of the profile's kills
+	pause time.Duration // relay-kill, restarts: how long the process stays down
+	after time.Duration // quiet time before the next step
+	// during (webhook-outage) is a fault injected halfway through the
+	// outage's slow phase, while deliveries queue up in the relay.
+	during faultKind
+}
+
+// duringOutage is what cycle c injects in the middle of its webhook outage:
+// the same for every seed, so that each profile always covers the first.
+var duringOutage = []faultKind{slotDrop, leaderKill, relayKill}
+
+// closeShare of the faults are followed by the next one after only
+// closeGap (±50%), while the first is still recovering (a kill while the
+// claim path drains the outage's backlog, say); the others by p.gap.
+const (
+	closeShare = 0.3
+	closeGap   = 2 * time.Second
+)
+
+// schedule draws the run's faults from seed: each cycle injects every kind
+// once, in a shuffled order, relay-kill as p.kills kills in a row.
+func schedule(p profile, seed uint64) []step {
+	rng := rand.New(rand.NewPCG(seed, 0x6368616f73))
+	jitter := func(d time.Duration, frac float64) time.Duration {
+		return time.Duration(float64(d) * (1 - frac + 2*frac*rng.Float64()))
+	}
+	var steps []step
+	for c := range p.cycles {
+		kinds := slices.Clone(faultKinds)
+		rng.Shuffle(len(kinds), func(i, j int) { kinds[i], kinds[j] = kinds[j], kinds[i] })
+		for _, k := range kinds {
+			gap := jitter(p.gap, 0.2)
+			if rng.Float64() < closeShare {
+				gap = jitter(closeGap, 0.5)
+			}
+			pause := jitter(500*time.Millisecond, 0.6)
+			if k != relayKill {
+				st := step{kind: k, cycle: c, pause: pause, after: gap}
+				if k == webhookOutage {
+					st.during = duringOutage[c%len(duringOutage)]
+				}
+				steps = append(steps, st)
+				continue
+			}
+			for r := range p.kills {
+				after := jitter(p.killSpacing, 0.5)
+				if r == p.kills-1 {
+					after = gap
+				}
+				steps = append(steps, step{kind: k, cycle: c, round: r, pause: jitter(500*time.Millisecond, 0.6), after: after})
+			}
+		}
+	}
+	return steps
+}
+
+// describe is the schedule in one line.
+func describe(steps []step) string {
+	var parts []string
+	for _, st := range steps {
+		during := ""
+		if st.during != "" {
+			during = "[" + string(st.during) + "]"
+		}
+		parts = append(parts, fmt.Sprintf("%s%s(+%.0fs)", st.kind, during, st.after.Seconds()))
+	}
+	return strings.Join(parts, " ")
+}
+
+// faultRecord is one injected fault and what followed.
+type faultRecord struct {
+	step
+	at, healed time.Duration // since the run's start
+	note       string
+	err        error
+	// Filled in after the run; -1: never.
+	firstNew time.Duration // healed → the first event committed afterwards at both sinks
+	drained  time.Duration // healed → every event committed before it at both sinks
+}
+
+// inject injects one fault and returns once it is healed, with its record
+// first and then that of a fault injected during it.
+func (s *stack) inject(ctx context.Context, st step) []faultRecord {
+	rec := faultRecord{step: st, at: s.since()}
+	var during []faultRecord
+	switch st.kind {
+	case relayKill:
+		for _, r := range s.relays {
+			r.kill()
+		}
+		sleep(ctx, st.pause)
+		for _, r := range s.relays {
+			rec.err = errors.Join(rec.err, r.restart())
+		}
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("down %.1f s", (rec.healed - rec.at).Seconds())
+	case postgresRestart:
+		rec.err = s.cluster.Kill()
+		sleep(ctx, st.pause)
+		if err := s.cluster.Start(ctx); err != nil {
+			rec.err = errors.Join(rec.err, err)
+		}
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("down %.1f s", (rec.healed - rec.at).Seconds())
+	case natsRestart:
+		rec.err = s.nats.Kill()
+		sleep(ctx, st.pause)
+		if err := s.nats.Start(); err != nil {
+			rec.err = errors.Join(rec.err, err)
+		} else if nc, err := s.nats.Connect(ctx, 15*time.Second); err != nil {
+			rec.err = errors.Join(rec.err, err)
+		} else {
+			nc.Close()
+		}
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("down %.1f s", (rec.healed - rec.at).Seconds())
+	case webhookOutage:
+		p := s.o.profile
+		s.hook.setMode(hook503)
+		sleep(ctx, p.outage503)
+		s.hook.setMode(hookHang)
+		sleep(ctx, p.outageHang)
+		s.hook.setMode(hookSlow)
+		slowEnds := time.Now().Add(p.outageSlow)
+		if st.during != "" {
+			sleep(ctx, p.outageSlow/2)
+			during = s.inject(ctx, step{kind: st.during, cycle: st.cycle, pause: st.pause})
+			during[0].note += " (during the webhook outage's slow phase)"
+		}
+		sleep(ctx, time.Until(slowEnds))
+		s.hook.setMode(hookHealthy)
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("503 for %.0f s, held for %.0f s, slow for %.0f s", p.outage503.Seconds(), p.outageHang.Seconds(), p.outageSlow.Seconds())
+		if st.during != "" {
+			rec.note += ", " + string(st.during) + " halfway through"
+		}
+	case slotDrop:
+		attempts, err := s.dropSlot(ctx)
+		rec.healed = s.since()
+		if err != nil {
+			rec.err = err
+			break
+		}
+		if err := s.waitStreaming(ctx, 60*time.Second); err != nil {
+			rec.err = err
+			break
+		}
+		rec.note = fmt.Sprintf("dropped at attempt %d; streaming again after %.1f s", attempts, (s.since() - rec.healed).Seconds())
+	case leaderKill:
+		leader, err := s.leader(ctx, 30*time.Second)
+		if err != nil {
+			rec.err = err
+			rec.healed = s.since()
+			break
+		}
+		rec.at = s.since()
+		leader.kill()
+		rec.healed = rec.at // the takeover is the recovery
+		took, err := s.takeover(ctx, leader, 30*time.Second)
+		if err != nil {
+			rec.err = err
+		} else {
+			rec.note = fmt.Sprintf("%s killed; the standby led after %.1f s", leader.name, took.Seconds())
+		}
+		rec.err = errors.Join(rec.err, leader.restart())
+	}
+	return append([]faultRecord{rec}, during...)
+}
+
+// dropSlot terminates the walsender on the slot and drops it, retrying
+// while the relay reconnects.
+func (s *stack) dropSlot(ctx context.Context) (int, error) {
+	var err error
+	for attempt := 1; attempt <= 400; attempt++ {
+		_, _ = s.pool.Exec(ctx, `SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active_pid IS NOT NULL`, slotName)
+		if _, err = s.pool.Exec(ctx, `SELECT pg_drop_replication_slot($1)`, slotName); err == nil {
+			return attempt, nil
+		}
+		sleep(ctx, 5*time.Millisecond)
+	}
+	return 0, fmt.Errorf("could not drop slot %s: %w", slotName, err)
+}
+
+// takeover waits until a relay other than killed leads the slot and
+// streams.
+func (s *stack) takeover(ctx context.Context, killed *relaySlot, timeout time.Duration) (time.Duration, error) {
+	start := time.Now()
+	for {
+		for _, r := range s.relays {
+			if r != killed && r.leading() {
+				if err := s.waitStreaming(ctx, timeout-time.Since(start)); err != nil {
+					return 0, err
+				}
+				return time.Since(start), nil
+			}
+		}
+		if time.Since(start) > timeout {
+			return 0, fmt.Errorf("no standby took over within %s of the leader's kill", timeout)
+		}
+		if !sleep(ctx, 20*time.Millisecond) {
+			return 0, ctx.Err()
+		}
+	}
+}
+
+// sleep waits d or until ctx ends; false means ctx ended.
+func sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

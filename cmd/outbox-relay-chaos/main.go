@@ -1,0 +1,195 @@
+// Command outbox-relay-chaos runs the relay binary under continuous load
+// while it injects the faults of SPEC §2, then checks the guarantees and
+// prints a markdown table. `make chaos` runs it; exit status 1 means an
+// invariant was violated (the violations are listed), 2 a usage error.
+//
+// It starts everything it needs under a fresh work directory: a private
+// PostgreSQL cluster (ledger/pgtest, fsync on), an external nats-server with
+// JetStream and a file store (built from the module in go.mod), a webhook
+// receiver, and two `outbox-relay run` processes on one configuration — a
+// leader and a standby. Writers insert continuously (single-row, multi-row
+// and now and then a few hundred rows in one transaction) over a few hundred
+// aggregates; every payload carries the event's sequence number within its
+// aggregate. Another table, outside the publication, takes about 2 MB/s of
+// WAL, so the slot must keep releasing WAL it does not need.
+//
+// Faults, on a schedule drawn from -seed (each cycle runs every kind once,
+// in a shuffled order, with quiet time after each — except that about a
+// third are followed by the next fault within 1–3 s, while they are still
+// recovering):
+//
+//	relay-kill        kill -9 of every relay process, restarted at once
+//	                  (repeated a few times in a row)
+//	postgres-restart  SIGKILL of the postmaster (crash), then start
+//	nats-restart      SIGKILL of nats-server, then start on the same port
+//	                  and store
+//	webhook-outage    the receiver answers 503, then holds requests past the
+//	                  relay's webhook timeout (outcome unknown), then answers
+//	                  2xx slowly (deliveries queue up), then heals; halfway
+//	                  through the slow phase, cycle 1 drops the slot, cycle 2
+//	                  kills the leader, cycle 3 kills both relays (for every
+//	                  seed, so each profile covers the first)
+//	slot-drop         the walsender terminated and the slot dropped
+//	leader-kill       kill -9 of the HA leader; the standby takes over and
+//	                  the killed relay comes back as the standby
+//
+// Afterwards — writers stopped, everything delivered (or -quiesce passed),
+// the relays stopped with SIGTERM — it checks: no committed event missing at
+// either sink; exactly one delivered ledger row per (event_key, action);
+// every repeat carries the same idempotency id and a byte-identical body,
+// and the receiver applied each event's side effect exactly once
+// (deduplicating by webhook-id); per-aggregate order; the WAL retained by
+// the slot stayed under -wal-bound; every failed row has a reason.
+//
+// Recovery times are measured from the moment a fault was healed (the
+// process restarted, the server up again, the receiver answering again) to
+// the first event committed afterwards reaching both sinks, and to every
+// event committed before it having reached both sinks (backlog drained).
+// They are reported, never asserted.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sort"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// profile sizes a run. Both profiles inject the same faults and check the
+// same invariants; full repeats the cycle and waits longer between faults.
+type profile struct {
+	name        string
+	warmup      time.Duration // load before the first fault
+	cycles      int           // times every fault kind is injected
+	gap         time.Duration // quiet time after each fault (±20%)
+	kills       int           // kill -9 rounds per relay-kill fault
+	killSpacing time.Duration // between those rounds (±50%)
+	outage503   time.Duration // webhook outage: the 503 phase …
+	outageHang  time.Duration // … then the phase of requests held past the timeout …
+	outageSlow  time.Duration // … then 2xx answers after half the timeout
+	rate        float64       // events/s from all writers together
+	writers     int
+	aggregates  int
+	quiesce     time.Duration // longest wait for the last deliveries
+}
+
+var profiles = map[string]profile{
+	"ci": {name: "ci", warmup: 8 * time.Second, cycles: 2, gap: 14 * time.Second, kills: 3, killSpacing: 3 * time.Second,
+		outage503: 6 * time.Second, outageHang: 5 * time.Second, outageSlow: 4 * time.Second, rate: 150, writers: 4, aggregates: 160, quiesce: 120 * time.Second},
+	"full": {name: "full", warmup: 15 * time.Second, cycles: 3, gap: 32 * time.Second, kills: 3, killSpacing: 4 * time.Second,
+		outage503: 12 * time.Second, outageHang: 8 * time.Second, outageSlow: 6 * time.Second, rate: 200, writers: 6, aggregates: 300, quiesce: 180 * time.Second},
+}
+
+// options are the command-line flags.
+type options struct {
+	relayBin    string
+	natsServer  string
+	profile     profile
+	seed        uint64
+	walBound    int64 // bytes
+	hookTimeout time.Duration
+	keep        bool
+}
+
+func main() {
+	var o options
+	var profileName string
+	var walBoundMB int64
+	var rate float64
+	var writers, aggregates int
+	fs := flag.NewFlagSet("outbox-relay-chaos", flag.ExitOnError)
+	fs.StringVar(&o.relayBin, "relay", "", "path to the outbox-relay binary (default: bin/outbox-relay)")
+	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
+	fs.StringVar(&profileName, "profile", "full", "ci (about 4 minutes) or full (about 10 minutes): the same faults and invariants")
+	fs.Uint64Var(&o.seed, "seed", 1, "seed of the fault schedule and the load")
+	fs.Int64Var(&walBoundMB, "wal-bound", 256, "largest WAL the relay's slot may retain (restart_lsn to the current position), MB")
+	fs.DurationVar(&o.hookTimeout, "hook-timeout", time.Second, "the relay's webhook timeout (the outage holds requests past it)")
+	fs.Float64Var(&rate, "rate", 0, "events/s from all writers together (0: the profile's)")
+	fs.IntVar(&writers, "writers", 0, "writer connections (0: the profile's)")
+	fs.IntVar(&aggregates, "aggregates", 0, "distinct aggregates, at least 100 (0: the profile's)")
+	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (relay and server logs, config, WAL samples, webhook deliveries, faults)")
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "usage: outbox-relay-chaos [flags]\n\nRuns the relay under faults and load, checks SPEC §2's guarantees, prints a markdown table.\n\n")
+		fs.PrintDefaults()
+	}
+	_ = fs.Parse(os.Args[1:])
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "outbox-relay-chaos: unexpected arguments %q\n", fs.Args())
+		os.Exit(2)
+	}
+	p, ok := profiles[profileName]
+	if !ok {
+		fmt.Fprintf(os.Stderr, "outbox-relay-chaos: -profile: unknown profile %q (profiles: %s)\n", profileName, strings.Join(profileNames(), ", "))
+		os.Exit(2)
+	}
+	if rate > 0 {
+		p.rate = rate
+	}
+	if writers > 0 {
+		p.writers = writers
+	}
+	if aggregates > 0 {
+		p.aggregates = aggregates
+	}
+	o.profile = p
+	o.walBound = walBoundMB << 20
+	if err := o.validate(); err != nil {
+		fmt.Fprintf(os.Stderr, "outbox-relay-chaos: %v\n", err)
+		os.Exit(2)
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	violations, err := run(ctx, o, os.Args[1:])
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "outbox-relay-chaos: %v\n", err)
+		stop()
+		os.Exit(1)
+	}
+	if violations > 0 {
+		stop()
+		os.Exit(1)
+	}
+}
+
+func profileNames() []string {
+	var names []string
+	for n := range profiles {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// validate checks the flags and resolves the relay binary.
+func (o *options) validate() error {
+	if o.relayBin == "" {
+		o.relayBin = filepath.Join("bin", "outbox-relay")
+	}
+	abs, err := filepath.Abs(o.relayBin)
+	if err != nil {
+		return err
+	}
+	o.relayBin = abs
+	if _, err := os.Stat(o.relayBin); err != nil {
+		return fmt.Errorf("relay binary: %w (run make build, or pass --relay)", err)
+	}
+	p := o.profile
+	switch {
+	case p.rate <= 0 || p.writers <= 0:
+		return fmt.Errorf("-rate and -writers must be positive")
+	case p.aggregates < 100 || p.aggregates < p.writers:
+		return fmt.Errorf("-aggregates must be at least 100 and at least -writers")
+	case o.walBound <= 0:
+		return fmt.Errorf("-wal-bound must be positive")
+	case o.hookTimeout < 100*time.Millisecond:
+		return fmt.Errorf("-hook-timeout must be at least 100ms")
+	}
+	return nil
+}

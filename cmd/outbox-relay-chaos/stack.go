@@ -1,0 +1,255 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/nats-io/nats.go"
+	"github.com/nats-io/nats.go/jetstream"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
+	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+)
+
+// The names the run uses: database, slot, sinks (= ledger actions), stream.
+const (
+	dbName     = "chaos"
+	slotName   = "chaos"
+	natsAction = "nats"
+	hookAction = "hook"
+	streamName = "CHAOS"
+	subjects   = "chaos.>"
+)
+
+// stack is everything the run starts: the servers, the receiver and the
+// relay pair.
+type stack struct {
+	o     options
+	work  string
+	base  time.Time
+	out   io.Writer
+	pgVer string
+
+	cluster *pgtest.Cluster
+	pgLog   *os.File
+	dbURL   string
+	pool    *pgxpool.Pool // the harness's own queries
+
+	nats    *harness.NATSServer
+	natsBin string
+	natsVer string
+	nc      *nats.Conn
+	js      jetstream.JetStream
+
+	hook   *receiver
+	tap    *tap
+	cfg    string
+	relays []*relaySlot
+}
+
+// say prints a progress line with the time since the start.
+func (s *stack) say(format string, args ...any) {
+	fmt.Fprintf(s.out, "==> %6.1fs "+format+"\n", append([]any{time.Since(s.base).Seconds()}, args...)...)
+}
+
+// since is the time since the run's start.
+func (s *stack) since() time.Duration { return time.Since(s.base) }
+
+// setUp starts PostgreSQL (and migrates), nats-server, the receiver and the
+// NATS tap, and writes the relays' configuration.
+func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
+	s := &stack{o: o, base: time.Now(), out: out}
+	var err error
+	if s.work, err = os.MkdirTemp("", "outbox-relay-chaos-"); err != nil {
+		return nil, err
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			s.close()
+		}
+	}()
+
+	s.say("starting a private PostgreSQL cluster (wal_level=logical, fsync=on)")
+	if s.pgLog, err = os.Create(filepath.Join(s.work, "postgres.log")); err != nil {
+		return nil, err
+	}
+	if s.cluster, err = pgtest.StartCluster(ctx, pgtest.Options{Log: s.pgLog}); err != nil {
+		return nil, err
+	}
+	if err := s.cluster.CreateDatabase(ctx, dbName); err != nil {
+		return nil, err
+	}
+	s.dbURL = s.cluster.URL(dbName)
+	if err := harness.Migrate(ctx, o.relayBin, s.dbURL); err != nil {
+		return nil, err
+	}
+	pcfg, err := pgxpool.ParseConfig(s.dbURL)
+	if err != nil {
+		return nil, err
+	}
+	pcfg.MaxConns = int32(o.profile.writers) + 4
+	if s.pool, err = pgxpool.NewWithConfig(ctx, pcfg); err != nil {
+		return nil, err
+	}
+	if err := s.pool.QueryRow(ctx, "SELECT version()").Scan(&s.pgVer); err != nil {
+		return nil, err
+	}
+	if _, err := s.pool.Exec(ctx, "CREATE TABLE "+otherTable+" (id bigserial PRIMARY KEY, pad text)"); err != nil {
+		return nil, err
+	}
+	if i := strings.Index(s.pgVer, " on "); i > 0 {
+		s.pgVer = s.pgVer[:i]
+	}
+
+	var note string
+	if s.natsBin, note, err = harness.NATSServerBinary(ctx, o.natsServer, s.work); err != nil {
+		return nil, err
+	}
+	if note != "" {
+		s.say("%s", note)
+	}
+	s.natsVer = strings.TrimPrefix(harness.NATSVersion(s.natsBin), "nats-server: ")
+	if s.nats, err = harness.StartNATS(s.natsBin, s.work); err != nil {
+		return nil, err
+	}
+	s.say("nats-server %s with JetStream at %s (store %s)", s.natsVer, s.nats.URL(), filepath.Join(s.work, "nats-store"))
+	if s.nc, err = s.nats.Connect(ctx, 15*time.Second, nats.Name("outbox-relay-chaos"), nats.MaxReconnects(-1), nats.ReconnectWait(100*time.Millisecond)); err != nil {
+		return nil, err
+	}
+	if s.js, err = jetstream.New(s.nc); err != nil {
+		return nil, err
+	}
+	if s.tap, err = startTap(s.nats.URL(), subjects, s.since); err != nil {
+		return nil, err
+	}
+
+	// A held request outlives the relay's timeout by far, so the relay's
+	// outcome is always "unknown", never a late answer; a slow answer comes
+	// well within it.
+	if s.hook, err = newReceiver(s.since, 10*o.hookTimeout, o.hookTimeout/2); err != nil {
+		return nil, err
+	}
+	if s.cfg, err = s.writeConfig(); err != nil {
+		return nil, err
+	}
+	for _, name := range []string{"relay-a", "relay-b"} {
+		s.relays = append(s.relays, newRelaySlot(name, o.relayBin, s.cfg, filepath.Join(s.work, name+".log")))
+	}
+	ok = true
+	return s, nil
+}
+
+// writeConfig writes the configuration both relays run with. Backoff is
+// short and max_attempts high, so that the outage's backlog drains within
+// the run and no event is dead-lettered for being retried during it.
+func (s *stack) writeConfig() (string, error) {
+	var b strings.Builder
+	fmt.Fprintf(&b, "database_url: %q\n", s.dbURL)
+	fmt.Fprintf(&b, "data_dir: %q\n", filepath.Join(s.work, "relay-data"))
+	fmt.Fprintf(&b, "source:\n  slot: %s\n  poll_interval: 500ms\n", slotName)
+	b.WriteString("delivery:\n  backoff: [500ms, 1s, 2s, 3s]\n  max_attempts: 1000\n")
+	b.WriteString("sinks:\n")
+	fmt.Fprintf(&b, "  - name: %s\n    type: nats\n    url: %q\n", natsAction, s.nats.URL())
+	fmt.Fprintf(&b, "    subject: %q\n", "chaos.{{.AggregateType}}.{{.EventType}}")
+	fmt.Fprintf(&b, "    stream: {name: %s, subjects: [%q], create: true}\n", streamName, subjects)
+	fmt.Fprintf(&b, "  - name: %s\n    type: webhook\n    url: %q\n    timeout: %s\n", hookAction, s.hook.url(), s.o.hookTimeout)
+	b.WriteString("http: {listen: \"127.0.0.1:0\"}\n")
+	b.WriteString("shutdown_timeout: 20s\n")
+	b.WriteString("log: {level: info, format: json}\n")
+	path := filepath.Join(s.work, "relay.yaml")
+	return path, os.WriteFile(path, []byte(b.String()), 0o600)
+}
+
+// waitStreaming waits until some relay streams from the slot.
+func (s *stack) waitStreaming(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		active, err := harness.SlotStreaming(ctx, s.pool, slotName)
+		if err == nil && active {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("no relay streams from slot %s after %s (logs in %s; last error %v)", slotName, timeout, s.work, err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// leader returns the relay that leads the slot, waiting up to timeout for
+// exactly one to lead.
+func (s *stack) leader(ctx context.Context, timeout time.Duration) (*relaySlot, error) {
+	deadline := time.Now().Add(timeout)
+	for {
+		var leading []*relaySlot
+		for _, r := range s.relays {
+			if r.leading() {
+				leading = append(leading, r)
+			}
+		}
+		if len(leading) == 1 {
+			return leading[0], nil
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("%d relays lead the slot after %s, want 1", len(leading), timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// close stops whatever still runs and removes the work directory (unless
+// -keep).
+func (s *stack) close() {
+	for _, r := range s.relays {
+		r.mu.Lock()
+		r.stopping = true
+		r.mu.Unlock()
+		r.kill()
+	}
+	if s.hook != nil {
+		s.hook.close()
+	}
+	if s.tap != nil {
+		s.tap.stop()
+	}
+	if s.nc != nil {
+		s.nc.Close()
+	}
+	if s.nats != nil {
+		_ = s.nats.Stop(10 * time.Second)
+	}
+	if s.pool != nil {
+		s.pool.Close()
+	}
+	if s.cluster != nil {
+		_ = s.cluster.Close()
+	}
+	if s.pgLog != nil {
+		s.pgLog.Close()
+	}
+	if s.o.keep {
+		fmt.Fprintf(s.out, "==> kept the work directory %s\n", s.work)
+		return
+	}
+	_ = os.RemoveAll(s.work)
+}
+
+// sqlConn opens a single connection (the WAL monitor's).
+func (s *stack) sqlConn(ctx context.Context) (*pgx.Conn, error) {
+	return pgx.Connect(ctx, s.dbURL)
+}
