@@ -19,6 +19,9 @@
 //	drain-js    the relay drains the same number of rows, inserted after its
 //	            slot exists while it is stopped, into JetStream: events/s and
 //	            the ratio to the ceiling.
+//	drain-js-nomark
+//	            the same with delivery.mark_done: off (the ledger is the
+//	            record of delivery: no UPDATE of the outbox row per event).
 //	drain-both  the same into JetStream and the webhook together.
 //	floor       a bare pglogrepl client under the steady load (for half of
 //	            -duration, at most 10 s): commit→decode
@@ -94,7 +97,7 @@ func main() {
 	fs := flag.NewFlagSet("outbox-relay-bench", flag.ExitOnError)
 	fs.StringVar(&o.relayBin, "relay", "", "path to the outbox-relay binary (default: bin/outbox-relay)")
 	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
-	fs.IntVar(&o.n, "n", 200000, "rows for the drain phases (ceiling, drain-js, drain-both)")
+	fs.IntVar(&o.n, "n", 200000, "rows for the drain phases (ceiling, drain-js, drain-js-nomark, drain-both)")
 	fs.IntVar(&o.ceilingRuns, "ceiling-runs", 3, "pg_recvlogical drains of the same rows (the median is the ceiling)")
 	fs.Float64Var(&o.rate, "rate", 1000, "steady load in events/s")
 	fs.DurationVar(&o.duration, "duration", 60*time.Second, "measured duration of the steady load")

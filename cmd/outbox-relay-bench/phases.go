@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -21,7 +22,7 @@ import (
 )
 
 // allPhases are the phases in the order they run.
-var allPhases = []string{"ceiling", "drain-js", "drain-both", "floor", "steady", "poller", "pollmode", "rss-queued", "rss-bigtx"}
+var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady", "poller", "pollmode", "rss-queued", "rss-bigtx"}
 
 func isPhase(p string) bool {
 	for _, q := range allPhases {
@@ -34,15 +35,16 @@ func isPhase(p string) bool {
 
 // phaseFuncs maps each phase to its function.
 var phaseFuncs = map[string]func(context.Context, *env, *report) error{
-	"ceiling":    phaseCeiling,
-	"drain-js":   func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false) },
-	"drain-both": func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, true) },
-	"floor":      phaseFloor,
-	"steady":     phaseSteady,
-	"poller":     phasePoller,
-	"pollmode":   phasePollMode,
-	"rss-queued": func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, false) },
-	"rss-bigtx":  func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
+	"ceiling":         phaseCeiling,
+	"drain-js":        func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "") },
+	"drain-js-nomark": func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "off") },
+	"drain-both":      func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, true, "") },
+	"floor":           phaseFloor,
+	"steady":          phaseSteady,
+	"poller":          phasePoller,
+	"pollmode":        phasePollMode,
+	"rss-queued":      func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, false) },
+	"rss-bigtx":       func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
 }
 
 // quiet waits for a quiet machine before a measured window and says so.
@@ -127,8 +129,9 @@ func phaseCeiling(ctx context.Context, e *env, r *report) error {
 		all[i] = thousands(int(float64(n) / c.elapsed.Seconds()))
 	}
 	r.add(phase, fmt.Sprintf("pg_recvlogical drain of %s rows (pgoutput), median of %d", thousands(n), runs),
-		fmt.Sprintf("%s rows/s (%.2f s; %.0f MB/s of WAL, %.1f MB output; runs, fastest first: %s rows/s)", thousands(int(rate)), med.elapsed.Seconds(),
-			float64(walBytes)/1e6/med.elapsed.Seconds(), float64(med.out)/1e6, strings.Join(all, ", ")),
+		fmt.Sprintf("%s rows/s (%.2f s; %.0f MB/s of WAL, %.1f MB output; runs, fastest first: %s rows/s); CPU per row: PostgreSQL (the walsender) %.1f µs, pg_recvlogical %.1f µs",
+			thousands(int(rate)), med.elapsed.Seconds(), float64(walBytes)/1e6/med.elapsed.Seconds(), float64(med.out)/1e6, strings.Join(all, ", "),
+			med.usage.groups["postgres"]*med.usage.wall.Seconds()/float64(n)*1e6, med.usage.groups["reaped"]*med.usage.wall.Seconds()/float64(n)*1e6),
 		"reference ~87,000 rows/s", "ceiling", med.usage)
 	r.addCPU(phase, med.usage, "pg_recvlogical")
 	return nil
@@ -245,11 +248,15 @@ func (e *env) drain(ctx context.Context, r *report, s relaySetup, n, per, parall
 }
 
 // phaseDrain times the relay draining -n rows into JetStream (and the
-// webhook).
-func phaseDrain(ctx context.Context, e *env, r *report, webhook bool) error {
+// webhook), with delivery.mark_done set to markDone (empty: the default,
+// async).
+func phaseDrain(ctx context.Context, e *env, r *report, webhook bool, markDone string) error {
 	name, what := "drain-js", "JetStream"
 	if webhook {
 		name, what = "drain-both", "JetStream + webhook"
+	}
+	if markDone == "off" {
+		name, what = name+"-nomark", what+" with `mark_done: off` (the ledger is the record)"
 	}
 	db := "bench_" + strings.ReplaceAll(name, "-", "_")
 	url, err := e.newDatabase(ctx, db)
@@ -257,7 +264,7 @@ func phaseDrain(ctx context.Context, e *env, r *report, webhook bool) error {
 		return err
 	}
 	defer e.dropDatabase(db)
-	s := relaySetup{name: name, url: url, webhook: webhook}
+	s := relaySetup{name: name, url: url, webhook: webhook, markDone: markDone}
 	defer e.deleteStream(s.stream())
 	d, err := e.drain(ctx, r, s, e.o.n, e.o.drainBatch, 4)
 	if err != nil {
@@ -265,8 +272,8 @@ func phaseDrain(ctx context.Context, e *env, r *report, webhook bool) error {
 	}
 	rate := float64(e.o.n) / d.elapsed.Seconds()
 	steady := float64(e.o.n) / (d.elapsed - d.first).Seconds()
-	value := fmt.Sprintf("%s events/s (%.2f s from start; first delivery after %.2f s, then %s/s); peak RSS %s",
-		thousands(int(rate)), d.elapsed.Seconds(), d.first.Seconds(), thousands(int(steady)), mb(d.peak))
+	value := fmt.Sprintf("%s events/s (%.2f s from start; first delivery after %.2f s, then %s/s); peak RSS %s; %s",
+		thousands(int(rate)), d.elapsed.Seconds(), d.first.Seconds(), thousands(int(steady)), mb(d.peak), cpuPerEvent(d.usage, e.o.n))
 	target, verdict := "≥ 40% of the ceiling", "n/a (no ceiling)"
 	if webhook {
 		target = "— (SPEC: CPU caps both sinks near 20,000/s here)"
@@ -280,10 +287,24 @@ func phaseDrain(ctx context.Context, e *env, r *report, webhook bool) error {
 	}
 	r.add(name, fmt.Sprintf("relay drain of %s rows → %s", thousands(e.o.n), what), value, target, verdict, d.usage)
 	r.addCPU(name, d.usage, "")
-	if !webhook {
+	if !webhook && markDone == "" {
 		r.drainJS = rate
 	}
 	return nil
+}
+
+// cpuPerEvent says how much CPU each process tree spent per event over a
+// window in which n events were processed, and the rate that would use up
+// every core of the machine at that cost: the CPU floor of a drain.
+func cpuPerEvent(u cpuUsage, n int) string {
+	if n <= 0 || u.wall <= 0 {
+		return "CPU per event unknown"
+	}
+	per := func(cores float64) float64 { return cores * u.wall.Seconds() / float64(n) * 1e6 }
+	relay, pg, nats := per(u.groups["relay"]), per(u.groups["postgres"]), per(u.groups["nats"])
+	total := relay + pg + nats
+	return fmt.Sprintf("CPU per event: relay %.0f µs, PostgreSQL %.0f µs, nats-server %.0f µs; %.0f µs in all, so %d cores cap this at %s events/s",
+		relay, pg, nats, total, runtime.NumCPU(), thousands(int(float64(runtime.NumCPU())/total*1e6)))
 }
 
 // loadOutcome is what a paced load measured.

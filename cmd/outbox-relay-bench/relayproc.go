@@ -20,6 +20,8 @@ type relaySetup struct {
 	url     string // database
 	webhook bool   // deliver to the receiver as well as JetStream
 	mode    string // source.mode; empty: the default (auto)
+	// markDone is delivery.mark_done; empty: the default (async).
+	markDone string
 }
 
 // slot is the replication slot of the phase (slot names are cluster-wide).
@@ -51,6 +53,9 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 	if s.webhook {
 		b.WriteString("  - name: hook\n    type: webhook\n")
 		fmt.Fprintf(&b, "    url: %q\n", e.recv.url)
+	}
+	if s.markDone != "" {
+		fmt.Fprintf(&b, "delivery:\n  mark_done: %s\n", s.markDone)
 	}
 	b.WriteString("http:\n  listen: 127.0.0.1:0\n")
 	b.WriteString("shutdown_timeout: 20s\n")

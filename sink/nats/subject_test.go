@@ -172,6 +172,35 @@ func TestRenderSubject(t *testing.T) {
 	}
 }
 
+// TestRenderSubjectByConcatenation: templates of literal text and bare
+// fields render by concatenation, exactly as text/template renders them;
+// any other template still goes through text/template.
+func TestRenderSubjectByConcatenation(t *testing.T) {
+	event := relay.Event{EventKey: "k 1>", EventType: ptr("order.placed"), AggregateType: ptr("ordér"), AggregateID: ptr("42")}
+	for _, tc := range []struct {
+		template string
+		fast     bool
+	}{
+		{natssink.DefaultSubject, true},
+		{"x.{{.EventType}}.{{.AggregateType}}.{{.AggregateID}}.{{.EventKey}}", true},
+		{"orders-{{.AggregateType}}.v1", true},
+		{"fixed.subject", true},
+		{"{{.EventKey}}", true},
+		{"x.{{printf \"%s-%s\" .AggregateType .AggregateID}}", false},
+		{"x.{{if .AggregateID}}{{.AggregateID}}{{else}}none{{end}}", false},
+		{"x.{{.EventType | printf \"%s\"}}", false},
+		{"x.{{$t := .EventType}}{{$t}}", false},
+	} {
+		concat, executed, fast, err := natssink.RenderSubjectBothWays(tc.template, &event)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.template, err)
+		}
+		if fast != tc.fast || concat != executed {
+			t.Errorf("%s: fast path %v (want %v), rendered %q, text/template %q", tc.template, fast, tc.fast, concat, executed)
+		}
+	}
+}
+
 func TestSubjectTemplateErrors(t *testing.T) {
 	tests := []struct {
 		name, template, wantErr string
@@ -337,6 +366,29 @@ func TestClassifyPublishError(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			if got, _ := relay.Classify(natssink.ClassifyPublishError("evt-1", tt.err)); got != tt.want {
 				t.Fatalf("class %s, want %s", got, tt.want)
+			}
+		})
+	}
+}
+
+// BenchmarkRenderSubject: the default template, by concatenation and
+// through text/template.
+func BenchmarkRenderSubject(b *testing.B) {
+	event := relay.Event{EventKey: "order-42-1", EventType: ptr("order.placed"), AggregateType: ptr("order"), AggregateID: ptr("42")}
+	for _, way := range []struct {
+		name string
+		slow bool
+	}{{"concatenation", false}, {"text-template", true}} {
+		b.Run(way.name, func(b *testing.B) {
+			render, err := natssink.SubjectRenderer(natssink.DefaultSubject, way.slow)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := render(&event); err != nil {
+					b.Fatal(err)
+				}
 			}
 		})
 	}
