@@ -489,15 +489,36 @@ func (e *Engine) queueSettle(st *eventState) {
 // settleBatch bounds one Store.Settle call.
 const settleBatch = 2000
 
+// settleLinger is how long the settle loop, woken by a first outcome, lets
+// more gather before it writes. Without it a steady trickle (1,000 events/s
+// arriving one by one) costs one PostgreSQL transaction per event, which
+// at that rate took a quarter of a core from the server and showed up as
+// tail latency for every event. Settling is off the delivery path: the
+// linger delays only the ledger row and the acknowledgement.
+const settleLinger = 5 * time.Millisecond
+
 // settleLoop writes outcomes in batches: one transaction per batch, then
 // the events count as settled. A failed write is retried; nothing settles
 // (so nothing is acknowledged) until it succeeds.
 func (e *Engine) settleLoop(ctx context.Context) {
+	linger := time.NewTimer(0)
+	<-linger.C
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-e.settleWake:
+		}
+		e.settleMu.Lock()
+		full := len(e.toSettle) >= settleBatch
+		e.settleMu.Unlock()
+		if !full {
+			linger.Reset(settleLinger)
+			select {
+			case <-ctx.Done():
+				return
+			case <-linger.C:
+			}
 		}
 		for {
 			e.settleMu.Lock()
