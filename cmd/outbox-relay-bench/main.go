@@ -17,8 +17,9 @@
 //	            inserted after its slot was created: rows/s, the median of
 //	            -ceiling-runs drains of the same rows (one slot each).
 //	drain-js    the relay drains the same number of rows, inserted after its
-//	            slot exists while it is stopped, into JetStream: events/s and
-//	            the ratio to the ceiling.
+//	            slot exists while it is stopped, into JetStream: events/s
+//	            (the median of -drain-runs drains, each on fresh rows), the
+//	            ratio to the ceiling and the CPU each process spent per event.
 //	drain-js-nomark
 //	            the same with delivery.mark_done: off (the ledger is the
 //	            record of delivery: no UPDATE of the outbox row per event).
@@ -62,6 +63,7 @@ type options struct {
 	natsServer     string
 	n              int
 	ceilingRuns    int
+	drainRuns      int
 	rate           float64
 	duration       time.Duration
 	warmup         time.Duration
@@ -90,6 +92,7 @@ var quickValues = map[string]string{
 	"queued":          "100000",
 	"bigtx":           "20000",
 	"quiet-wait":      "2s",
+	"drain-runs":      "1",
 }
 
 func main() {
@@ -99,6 +102,7 @@ func main() {
 	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
 	fs.IntVar(&o.n, "n", 200000, "rows for the drain phases (ceiling, drain-js, drain-js-nomark, drain-both)")
 	fs.IntVar(&o.ceilingRuns, "ceiling-runs", 3, "pg_recvlogical drains of the same rows (the median is the ceiling)")
+	fs.IntVar(&o.drainRuns, "drain-runs", 3, "relay drains per drain phase, each on fresh rows (the median is reported; this shared VM varies by ±30% from one run to the next)")
 	fs.Float64Var(&o.rate, "rate", 1000, "steady load in events/s")
 	fs.DurationVar(&o.duration, "duration", 60*time.Second, "measured duration of the steady load")
 	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "unmeasured load before each measured load")
