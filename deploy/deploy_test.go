@@ -40,6 +40,7 @@ var relayMetrics = map[string]string{
 	"outbox_relay_handed_off_total":             "counter",
 	"outbox_relay_delivery_latency_seconds":     "histogram",
 	"outbox_relay_decode_latency_seconds":       "histogram",
+	"outbox_relay_walsender_lag_seconds":        "histogram",
 	"outbox_relay_rows":                         "gauge",
 	"outbox_relay_pending_rows":                 "gauge",
 	"outbox_relay_oldest_pending_age_seconds":   "gauge",

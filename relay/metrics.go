@@ -41,6 +41,15 @@ var (
 		Buckets: []float64{.0005, .001, .002, .003, .005, .0075, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
 	})
 
+	// WalSenderLag is, per transaction streamed, the time from its commit to
+	// the walsender sending its Commit message (both PostgreSQL's clocks):
+	// what the server adds, apart from what the relay adds after it.
+	WalSenderLag = promauto.NewHistogram(prometheus.HistogramOpts{
+		Namespace: "outbox_relay", Name: "walsender_lag_seconds",
+		Help:    "Time from a streamed transaction's commit to the walsender sending its Commit message (PostgreSQL's timestamps): the server's share of decode_latency_seconds.",
+		Buckets: []float64{.0005, .001, .002, .003, .005, .0075, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
+	})
+
 	// ModeGauge is 1 for the current source mode (replication, poll).
 	ModeGauge = promauto.NewGaugeVec(prometheus.GaugeOpts{
 		Namespace: "outbox_relay", Name: "mode",

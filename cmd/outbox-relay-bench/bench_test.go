@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bufio"
 	"encoding/json"
 	"math"
 	"os"
+	"strings"
 	"testing"
 )
 
@@ -64,5 +66,24 @@ func TestReadProcTimesSelf(t *testing.T) {
 	}
 	if s.total <= 0 || len(s.procs) == 0 {
 		t.Fatalf("empty snapshot: %+v", s.total)
+	}
+}
+
+func TestParseHistogram(t *testing.T) {
+	text := `# HELP outbox_relay_decode_latency_seconds x
+outbox_relay_decode_latency_seconds_bucket{le="0.005"} 90
+outbox_relay_decode_latency_seconds_bucket{le="0.01"} 97
+outbox_relay_decode_latency_seconds_bucket{le="+Inf"} 100
+outbox_relay_decode_latency_seconds_sum 1.5
+outbox_relay_other_bucket{le="0.01"} 5
+`
+	h, err := parseHistogram(bufio.NewScanner(strings.NewReader(text)), "outbox_relay_decode_latency_seconds")
+	if err != nil {
+		t.Fatal(err)
+	}
+	earlier := histogram{0.005: 40, 0.01: 47, inf: 48}
+	over, total := h.since(earlier).over(0.01)
+	if over != 2 || total != 52 {
+		t.Fatalf("over 10 ms %v of %v, want 2 of 52", over, total)
 	}
 }

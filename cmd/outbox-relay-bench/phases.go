@@ -455,7 +455,11 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 		return err
 	}
 	defer e.dropDatabase(db)
-	s := relaySetup{name: phase, url: url, webhook: true}
+	port, err := harness.FreePort()
+	if err != nil {
+		return err
+	}
+	s := relaySetup{name: phase, url: url, webhook: true, httpPort: port}
 	defer e.deleteStream(s.stream())
 	cfg, err := e.writeConfig(s)
 	if err != nil {
@@ -477,8 +481,22 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 		return err
 	}
 	defer sub.Unsubscribe()
+	// The relay's decode_latency_seconds (PostgreSQL's commit timestamp →
+	// the event decoded in the engine, before any sink), scraped around the
+	// measured load, tells what the database and the walsender add to the
+	// tail from what the relay and the sinks add.
+	metrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
+	var before, senderBefore histogram
 	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, warmup: true,
-		duration: e.o.duration, settle: 30 * time.Second})
+		duration: e.o.duration, settle: 30 * time.Second, onStart: func() {
+			var err error
+			if before, err = scrapeHistogram(ctx, metrics, decodeLatency); err != nil {
+				e.say("warning: %v", err)
+			}
+			if senderBefore, err = scrapeHistogram(ctx, metrics, walSenderLag); err != nil {
+				e.say("warning: %v", err)
+			}
+		}})
 	if err != nil {
 		return err
 	}
@@ -486,12 +504,45 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	r.add(phase, "load (relay: replication, JetStream + webhook)", loadSummary(e, o, true), "", "info", o.usage)
 	addLatencies(r, phase, "commit→NATS arrival", o.nats, o.natsMissing, o.usage, true)
 	addLatencies(r, phase, "commit→webhook 2xx", o.hook, o.hookMissing, o.usage, true)
+	after, err := scrapeHistogram(ctx, metrics, decodeLatency)
+	senderAfter, err2 := scrapeHistogram(ctx, metrics, walSenderLag)
+	if err != nil || err2 != nil || before == nil || senderBefore == nil {
+		e.say("warning: decode latency not measured: %v %v", err, err2)
+	} else {
+		r.add(phase, "where the tail comes from: events over 10 ms / over 25 ms", tailSources(senderAfter.since(senderBefore), after.since(before), o.nats), "", "info", o.usage)
+	}
 	r.addCPU(phase, o.usage, "")
 	r.relayHookP50 = percentile(o.hook, 0.5)
 	if err := rp.Stop(30 * time.Second); err != nil {
 		e.say("warning: %v", err)
 	}
 	return nil
+}
+
+// The relay's histograms of commit → decoded in the engine and commit →
+// sent by the walsender.
+const (
+	decodeLatency = "outbox_relay_decode_latency_seconds"
+	walSenderLag  = "outbox_relay_walsender_lag_seconds"
+)
+
+// tailSources says how many transactions the walsender sent late (sent),
+// how many events were late when the relay had decoded them (decoded), and
+// how many were late at NATS (natsMS, sorted latencies in ms): which stage
+// the tail comes from. One event per transaction, as the steady load writes.
+func tailSources(sent, decoded histogram, natsMS []float64) string {
+	late := func(ms float64) int {
+		i, _ := slices.BinarySearch(natsMS, ms)
+		return len(natsMS) - i
+	}
+	s10, sTotal := sent.over(0.01)
+	s25, _ := sent.over(0.025)
+	d10, dTotal := decoded.over(0.01)
+	d25, _ := decoded.over(0.025)
+	return fmt.Sprintf("sent by the walsender (PostgreSQL's commit timestamp → its send time): %s / %s of %s; "+
+		"decoded in the relay (commit timestamp → engine, before any sink): %s / %s of %s; at NATS: %s / %s of %s",
+		thousands(int(s10)), thousands(int(s25)), thousands(int(sTotal)),
+		thousands(int(d10)), thousands(int(d25)), thousands(int(dTotal)), thousands(late(10)), thousands(late(25)), thousands(len(natsMS)))
 }
 
 // phasePoller measures the seed poller under the same load.

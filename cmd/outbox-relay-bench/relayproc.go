@@ -22,6 +22,8 @@ type relaySetup struct {
 	mode    string // source.mode; empty: the default (auto)
 	// markDone is delivery.mark_done; empty: the default (async).
 	markDone string
+	// httpPort is where the relay serves /metrics; 0: any free port.
+	httpPort int
 }
 
 // slot is the replication slot of the phase (slot names are cluster-wide).
@@ -57,7 +59,7 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 	if s.markDone != "" {
 		fmt.Fprintf(&b, "delivery:\n  mark_done: %s\n", s.markDone)
 	}
-	b.WriteString("http:\n  listen: 127.0.0.1:0\n")
+	fmt.Fprintf(&b, "http:\n  listen: 127.0.0.1:%d\n", s.httpPort)
 	b.WriteString("shutdown_timeout: 20s\n")
 	b.WriteString("log: {level: info, format: json}\n")
 	path := filepath.Join(e.work, "relay-"+s.name+".yaml")

@@ -295,11 +295,14 @@ func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) erro
 			if err != nil {
 				return fmt.Errorf("parse pgoutput message %q at %s: %w", xld.WALData[0], relay.LSN(xld.WALStart), err)
 			}
-			switch m.(type) {
+			switch m := m.(type) {
 			case *pglogrepl.BeginMessage:
 				r.inTxn = true
 			case *pglogrepl.CommitMessage:
 				r.inTxn = false
+				if !m.CommitTime.IsZero() && !xld.ServerTime.IsZero() {
+					relay.WalSenderLag.Observe(max(xld.ServerTime.Sub(m.CommitTime), 0).Seconds())
+				}
 			}
 			return r.push(ctx, streamItem{msg: m, size: int64(len(xld.WALData))})
 		}
