@@ -51,10 +51,11 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 )
 
 // options are the command-line flags.
@@ -154,17 +155,11 @@ func main() {
 
 // validate checks the flags and resolves the relay binary.
 func (o *options) validate() error {
-	if o.relayBin == "" {
-		o.relayBin = filepath.Join("bin", "outbox-relay")
-	}
-	abs, err := filepath.Abs(o.relayBin)
+	bin, err := harness.RelayBinary(o.relayBin)
 	if err != nil {
 		return err
 	}
-	o.relayBin = abs
-	if _, err := os.Stat(o.relayBin); err != nil {
-		return fmt.Errorf("relay binary: %w (run make build, or pass --relay)", err)
-	}
+	o.relayBin = bin
 	switch {
 	case o.n <= 0 || o.queued <= 0 || o.bigTx <= 0:
 		return fmt.Errorf("-n, -queued and -bigtx must be positive")

@@ -54,11 +54,12 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"sort"
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 )
 
 // profile sizes a run. Both profiles inject the same faults and check the
@@ -169,17 +170,11 @@ func profileNames() []string {
 
 // validate checks the flags and resolves the relay binary.
 func (o *options) validate() error {
-	if o.relayBin == "" {
-		o.relayBin = filepath.Join("bin", "outbox-relay")
-	}
-	abs, err := filepath.Abs(o.relayBin)
+	bin, err := harness.RelayBinary(o.relayBin)
 	if err != nil {
 		return err
 	}
-	o.relayBin = abs
-	if _, err := os.Stat(o.relayBin); err != nil {
-		return fmt.Errorf("relay binary: %w (run make build, or pass --relay)", err)
-	}
+	o.relayBin = bin
 	p := o.profile
 	switch {
 	case p.rate <= 0 || p.writers <= 0:

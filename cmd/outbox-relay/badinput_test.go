@@ -1076,37 +1076,14 @@ type jsMessage struct {
 // event key in the body.
 func biJetStream(t *testing.T, srv *natstest.Server) map[string]jsMessage {
 	t.Helper()
-	nc, err := nats.Connect(srv.URL(), srv.ClientOptions()...)
-	if err != nil {
-		t.Fatalf("nats: %v", err)
-	}
-	defer nc.Close()
-	js, _ := jetstream.New(nc)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	stream, err := js.Stream(ctx, "OUTBOX")
-	if err != nil {
-		t.Fatalf("stream: %v", err)
-	}
-	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		t.Fatalf("consumer: %v", err)
-	}
 	out := map[string]jsMessage{}
-	for {
-		batch, err := cons.FetchNoWait(1000)
-		if err != nil {
-			t.Fatalf("fetch: %v", err)
-		}
-		n := 0
-		for m := range batch.Messages() {
-			n++
-			out[parseDelivery(m.Data(), "").EventKey] = jsMessage{Subject: m.Subject(), Header: m.Headers(), Data: m.Data()}
-		}
-		if n == 0 {
-			return out
-		}
+	found := forEachOutboxMessage(t, srv, func(m jetstream.Msg) {
+		out[parseDelivery(m.Data(), "").EventKey] = jsMessage{Subject: m.Subject(), Header: m.Headers(), Data: m.Data()}
+	})
+	if !found {
+		t.Fatalf("stream: the OUTBOX stream does not exist")
 	}
+	return out
 }
 
 func ptr[T any](v T) *T { return &v }

@@ -155,8 +155,20 @@ http: {listen: "127.0.0.1:0"}
 	}
 }
 
-// natsMessages reads the OUTBOX stream of a server that may need a token.
+// natsMessages reads the OUTBOX stream of a server that may need a token
+// (nil while the stream does not exist).
 func natsMessages(t *testing.T, srv *natstest.Server) []delivery {
+	t.Helper()
+	var out []delivery
+	forEachOutboxMessage(t, srv, func(m jetstream.Msg) {
+		out = append(out, parseDelivery(m.Data(), m.Headers().Get("Nats-Msg-Id")))
+	})
+	return out
+}
+
+// forEachOutboxMessage calls visit for every message of the OUTBOX stream of
+// srv, in order, and reports whether the stream exists.
+func forEachOutboxMessage(t *testing.T, srv *natstest.Server, visit func(jetstream.Msg)) bool {
 	t.Helper()
 	nc, err := nats.Connect(srv.URL(), srv.ClientOptions()...)
 	if err != nil {
@@ -168,13 +180,12 @@ func natsMessages(t *testing.T, srv *natstest.Server) []delivery {
 	defer cancel()
 	stream, err := js.Stream(ctx, "OUTBOX")
 	if err != nil {
-		return nil
+		return false
 	}
 	cons, err := stream.OrderedConsumer(ctx, jetstream.OrderedConsumerConfig{})
 	if err != nil {
 		t.Fatalf("consumer: %v", err)
 	}
-	var out []delivery
 	for {
 		batch, err := cons.FetchNoWait(1000)
 		if err != nil {
@@ -182,11 +193,11 @@ func natsMessages(t *testing.T, srv *natstest.Server) []delivery {
 		}
 		n := 0
 		for m := range batch.Messages() {
-			out = append(out, parseDelivery(m.Data(), m.Headers().Get("Nats-Msg-Id")))
+			visit(m)
 			n++
 		}
 		if n == 0 {
-			return out
+			return true
 		}
 	}
 }

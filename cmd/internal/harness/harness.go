@@ -18,6 +18,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -111,4 +112,21 @@ func RelayVersion(bin string) string {
 		}
 	}
 	return v
+}
+
+// RelayBinary resolves the --relay flag of a tool: path (bin/outbox-relay
+// when empty) made absolute, and an error telling how to build it when it
+// does not exist.
+func RelayBinary(path string) (string, error) {
+	if path == "" {
+		path = filepath.Join("bin", "outbox-relay")
+	}
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return "", err
+	}
+	if _, err := os.Stat(abs); err != nil {
+		return "", fmt.Errorf("relay binary: %w (run make build, or pass --relay)", err)
+	}
+	return abs, nil
 }
