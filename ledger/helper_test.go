@@ -10,8 +10,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
 	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }

@@ -9,7 +9,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 // TestLeader: one relay leads a slot, another stands by; when the leader's

@@ -14,8 +14,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/rs/zerolog"
 
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
 	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 

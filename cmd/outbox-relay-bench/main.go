@@ -4,7 +4,7 @@
 // external NATS server process with JetStream.
 //
 // It starts everything it needs and removes it afterwards: a throwaway
-// PostgreSQL cluster with wal_level=logical (ledger/pgtest, fsync on), a
+// PostgreSQL cluster with wal_level=logical (migrations/pgtest, fsync on), a
 // nats-server process on a free loopback port (built from the nats-server
 // module in go.mod, else the one in PATH; never the machine's own server on
 // 4222), and an in-process HTTP receiver that records when each event_key

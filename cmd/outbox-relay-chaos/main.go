@@ -4,7 +4,7 @@
 // invariant was violated (the violations are listed), 2 a usage error.
 //
 // It starts everything it needs under a fresh work directory: a private
-// PostgreSQL cluster (ledger/pgtest, fsync on), an external nats-server with
+// PostgreSQL cluster (migrations/pgtest, fsync on), an external nats-server with
 // JetStream and a file store (built from the module in go.mod), a webhook
 // receiver, and two `outbox-relay run` processes on one configuration — a
 // leader and a standby. Writers insert continuously (single-row, multi-row

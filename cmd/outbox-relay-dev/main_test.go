@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }

@@ -4,7 +4,7 @@
 //
 // It installs n8n 2.8.4 from the npm registry into a cache directory outside
 // the clone (default $HOME/.cache/outbox-relay/n8n-2.8.4; reused while it
-// works), starts a private PostgreSQL cluster (ledger/pgtest), migrates it
+// works), starts a private PostgreSQL cluster (migrations/pgtest), migrates it
 // with the relay binary and creates the workflow's tables
 // (deploy/n8n/tables.sql), imports the workflow's credentials and the
 // workflow into a throwaway n8n user folder, publishes it, starts n8n on a
@@ -56,7 +56,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 // sinkName is the relay's name for the n8n sink: the ledger's action.

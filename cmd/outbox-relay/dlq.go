@@ -18,7 +18,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
 // defaultListLimit is how many rows dlq list shows without --limit.
@@ -53,9 +53,9 @@ func (f *selectionFlags) register(cmd *cobra.Command, withSink, withLimit bool, 
 	}
 }
 
-// selection turns the flags into an ops.Selection over statuses.
-func (f *selectionFlags) selection(cfg *config.Config, statuses []string, now time.Time) (ops.Selection, error) {
-	sel := ops.Selection{Statuses: statuses, EventType: f.eventType, Limit: f.limit}
+// selection turns the flags into an admin.Selection over statuses.
+func (f *selectionFlags) selection(cfg *config.Config, statuses []string, now time.Time) (admin.Selection, error) {
+	sel := admin.Selection{Statuses: statuses, EventType: f.eventType, Limit: f.limit}
 	if f.limit < 0 {
 		return sel, usageError{fmt.Errorf("--limit must be 0 (all) or more, got %d", f.limit)}
 	}
@@ -159,7 +159,7 @@ func newDLQListCommand(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			s, err := sel.selection(cfg, ops.DeadStatuses, time.Now())
+			s, err := sel.selection(cfg, admin.DeadStatuses, time.Now())
 			if err != nil {
 				return err
 			}
@@ -173,7 +173,7 @@ func newDLQListCommand(g *globals) *cobra.Command {
 				return err
 			}
 			defer pool.Close()
-			ids, err := ops.SelectIDs(ctx, pool, tables, s)
+			ids, err := admin.SelectIDs(ctx, pool, tables, s)
 			if err != nil {
 				return err
 			}
@@ -181,13 +181,13 @@ func newDLQListCommand(g *globals) *cobra.Command {
 			if more {
 				ids = ids[:sel.limit]
 			}
-			entries, err := ops.List(ctx, pool, tables, ids)
+			entries, err := admin.List(ctx, pool, tables, ids)
 			if err != nil {
 				return err
 			}
 			if asJSON {
 				if entries == nil {
-					entries = []ops.Entry{}
+					entries = []admin.Entry{}
 				}
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				enc.SetIndent("", "  ")
@@ -207,7 +207,7 @@ func newDLQListCommand(g *globals) *cobra.Command {
 
 // printDLQ prints entries as a table; the sinks column shows each sink that
 // routes the event, and any other sink the ledger names.
-func printDLQ(w io.Writer, entries []ops.Entry, sinks []config.SinkConfig) {
+func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig) {
 	if len(entries) == 0 {
 		fmt.Fprintln(w, "no failed or held events match")
 		return
@@ -302,13 +302,13 @@ for every sink or only --sink, in one transaction per 1,000 events. Sinks that a
 an event keep their 'delivered' row and do not get it again.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return changeRows(cmd, g, &sel, yes, ops.DeadStatuses, rowChange{
+			return changeRows(cmd, g, &sel, yes, admin.DeadStatuses, rowChange{
 				verb: "retry", done: "retried",
 				question: func(n int, sink string) string {
 					return fmt.Sprintf("Reset %s failed/held events to pending and clear their undelivered ledger rows for %s?", count(n), sinkScope(sink))
 				},
-				apply: func(c changeContext, ids []int64) (ops.Changed, error) {
-					return ops.Retry(c.ctx, c.pool, c.tables, ids, c.sinks)
+				apply: func(c changeContext, ids []int64) (admin.Changed, error) {
+					return admin.Retry(c.ctx, c.pool, c.tables, ids, c.sinks)
 				},
 				notDeliveredFilter: true,
 			})
@@ -335,13 +335,13 @@ any done row. Find them with: SELECT … WHERE status = 'done' AND last_error LI
 The ledger is left as it is.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return changeRows(cmd, g, &sel, yes, ops.DeadStatuses, rowChange{
+			return changeRows(cmd, g, &sel, yes, admin.DeadStatuses, rowChange{
 				verb: "discard", done: "discarded",
 				question: func(n int, _ string) string {
 					return fmt.Sprintf("Discard %s failed/held events (status done, not delivered)?", count(n))
 				},
-				apply: func(c changeContext, ids []int64) (ops.Changed, error) {
-					return ops.Discard(c.ctx, c.pool, c.tables, ids)
+				apply: func(c changeContext, ids []int64) (admin.Changed, error) {
+					return admin.Discard(c.ctx, c.pool, c.tables, ids)
 				},
 				notDeliveredFilter: true,
 			})
@@ -387,7 +387,7 @@ func confirm(cmd *cobra.Command, question string) error {
 // newProgress returns a progress bar on w for total rows, or nil when total
 // fits in one batch.
 func newProgress(w io.Writer, total int, what string) *progressbar.ProgressBar {
-	if total <= ops.BatchSize {
+	if total <= admin.BatchSize {
 		return nil
 	}
 	return progressbar.NewOptions(total,
@@ -404,17 +404,17 @@ func newProgress(w io.Writer, total int, what string) *progressbar.ProgressBar {
 // changeContext is what one batch of a change needs.
 type changeContext struct {
 	ctx    context.Context
-	pool   ops.DB
-	tables ops.Tables
+	pool   admin.DB
+	tables admin.Tables
 	sinks  []string // nil: every sink
-	sel    ops.Selection
+	sel    admin.Selection
 }
 
 // rowChange describes a batch change (retry, discard, replay).
 type rowChange struct {
 	verb, done string
 	question   func(n int, sink string) string
-	apply      func(c changeContext, ids []int64) (ops.Changed, error)
+	apply      func(c changeContext, ids []int64) (admin.Changed, error)
 	// notDeliveredFilter: --sink also keeps only events not delivered to
 	// that sink (the dead letters that concern it).
 	notDeliveredFilter bool
@@ -423,7 +423,7 @@ type rowChange struct {
 }
 
 // changeRows selects the rows, asks, and applies the change in batches of
-// ops.BatchSize, one transaction each, with a progress bar for large sets.
+// admin.BatchSize, one transaction each, with a progress bar for large sets.
 func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, statuses []string, change rowChange) error {
 	cfg, err := g.loadConfig()
 	if err != nil {
@@ -442,7 +442,7 @@ func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, s
 		return err
 	}
 	defer pool.Close()
-	ids, err := ops.SelectIDs(ctx, pool, tables, s)
+	ids, err := admin.SelectIDs(ctx, pool, tables, s)
 	if err != nil {
 		return err
 	}
@@ -471,8 +471,8 @@ func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, s
 		}
 	}
 	bar := newProgress(cmd.ErrOrStderr(), len(ids), change.verb)
-	var total ops.Changed
-	for _, batch := range ops.Batches(ids, ops.BatchSize) {
+	var total admin.Changed
+	for _, batch := range admin.Batches(ids, admin.BatchSize) {
 		changed, err := change.apply(c, batch)
 		if err != nil {
 			// Earlier batches are committed; the rows they changed no longer

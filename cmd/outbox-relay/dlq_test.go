@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
 func TestDLQList(t *testing.T) {
@@ -59,7 +59,7 @@ func TestDLQList(t *testing.T) {
 			if code != exitOK {
 				t.Fatalf("exit %d\n%s%s", code, out, errOut)
 			}
-			var entries []ops.Entry
+			var entries []admin.Entry
 			if err := json.Unmarshal([]byte(out), &entries); err != nil {
 				t.Fatalf("%v\n%s", err, out)
 			}

@@ -20,7 +20,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 )
 
@@ -57,7 +57,7 @@ Doctor only reads. It exits 1 when a check fails, 0 otherwise (warnings included
 			checks := doctor(cmd.Context(), cfg)
 			failed := 0
 			for _, c := range checks {
-				if c.Status == ops.Fail {
+				if c.Status == admin.Fail {
 					failed++
 				}
 			}
@@ -66,8 +66,8 @@ Doctor only reads. It exits 1 when a check fails, 0 otherwise (warnings included
 				enc := json.NewEncoder(out)
 				enc.SetIndent("", "  ")
 				if err := enc.Encode(struct {
-					OK     bool        `json:"ok"`
-					Checks []ops.Check `json:"checks"`
+					OK     bool          `json:"ok"`
+					Checks []admin.Check `json:"checks"`
 				}{failed == 0, checks}); err != nil {
 					return err
 				}
@@ -88,11 +88,11 @@ Doctor only reads. It exits 1 when a check fails, 0 otherwise (warnings included
 }
 
 // doctor runs the database checks, then one or more checks per sink.
-func doctor(ctx context.Context, cfg *config.Config) []ops.Check {
+func doctor(ctx context.Context, cfg *config.Config) []admin.Check {
 	t := cfg.Tables()
-	checks := ops.Diagnose(ctx, ops.DiagnoseConfig{
+	checks := admin.Diagnose(ctx, admin.DiagnoseConfig{
 		ConnString:      cfg.DatabaseURL.Reveal(),
-		Tables:          ops.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint},
+		Tables:          admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint},
 		Publication:     cfg.Source.Publication,
 		Slot:            cfg.Source.Slot,
 		Replication:     cfg.Source.Mode != config.SourcePoll,
@@ -111,31 +111,31 @@ func doctor(ctx context.Context, cfg *config.Config) []ops.Check {
 }
 
 // printChecks prints one line per check and its fix indented below.
-func printChecks(w io.Writer, checks []ops.Check) {
+func printChecks(w io.Writer, checks []admin.Check) {
 	width := 0
 	for _, c := range checks {
 		width = max(width, len(c.Name))
 	}
-	counts := map[ops.CheckStatus]int{}
+	counts := map[admin.CheckStatus]int{}
 	for _, c := range checks {
 		counts[c.Status]++
 		fmt.Fprintf(w, "%-4s  %-*s  %s\n", c.Status, width, c.Name, c.Detail)
-		if c.Fix != "" && c.Status != ops.OK {
+		if c.Fix != "" && c.Status != admin.OK {
 			indent := strings.Repeat(" ", 6)
 			fmt.Fprintf(w, "%sfix: %s\n", indent, strings.ReplaceAll(c.Fix, "\n", "\n"+indent+"     "))
 		}
 	}
-	fmt.Fprintf(w, "\n%d ok, %d warnings, %d failed\n", counts[ops.OK], counts[ops.Warn], counts[ops.Fail])
+	fmt.Fprintf(w, "\n%d ok, %d warnings, %d failed\n", counts[admin.OK], counts[admin.Warn], counts[admin.Fail])
 }
 
 // checkWebhook reaches the webhook's host over TCP, and completes a TLS
 // handshake for https, without sending a request: a POST would deliver
 // something, and n8n answers other methods on a webhook path with 404.
-func checkWebhook(ctx context.Context, i int, s config.SinkConfig) ops.Check {
+func checkWebhook(ctx context.Context, i int, s config.SinkConfig) admin.Check {
 	name := "sink " + s.Name
 	u, err := url.Parse(s.URL)
 	if err != nil { // config.Validate refused it already
-		return ops.Check{Name: name, Status: ops.Fail, Detail: "the url does not parse", Fix: fmt.Sprintf("fix sinks[%d].url", i)}
+		return admin.Check{Name: name, Status: admin.Fail, Detail: "the url does not parse", Fix: fmt.Sprintf("fix sinks[%d].url", i)}
 	}
 	port := u.Port()
 	if port == "" {
@@ -147,17 +147,17 @@ func checkWebhook(ctx context.Context, i int, s config.SinkConfig) ops.Check {
 	fix := fmt.Sprintf("check sinks[%d].url (%s) and that the receiver is up and reachable from here (DNS, firewall, proxy)", i, addr)
 	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return ops.Check{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("webhook host %s unreachable: %v", addr, unwrapOpError(err)), Fix: fix}
+		return admin.Check{Name: name, Status: admin.Fail, Detail: fmt.Sprintf("webhook host %s unreachable: %v", addr, unwrapOpError(err)), Fix: fix}
 	}
 	defer conn.Close()
 	if u.Scheme != "https" {
-		return ops.Check{Name: name, Status: ops.OK, Detail: fmt.Sprintf("webhook host %s reachable (TCP; nothing sent)", addr)}
+		return admin.Check{Name: name, Status: admin.OK, Detail: fmt.Sprintf("webhook host %s reachable (TCP; nothing sent)", addr)}
 	}
 	// The sink's own tls section (CA, client certificate) applies here too;
 	// otherwise a private CA would fail a check that run passes.
 	tlsCfg, err := s.TLS.ClientConfig()
 	if err != nil {
-		return ops.Check{Name: name, Status: ops.Fail, Detail: err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].tls"}
+		return admin.Check{Name: name, Status: admin.Fail, Detail: err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].tls"}
 	}
 	if tlsCfg == nil {
 		tlsCfg = &tls.Config{MinVersion: tls.VersionTLS12}
@@ -166,11 +166,11 @@ func checkWebhook(ctx context.Context, i int, s config.SinkConfig) ops.Check {
 	tlsCfg.ServerName = u.Hostname()
 	tc := tls.Client(conn, tlsCfg)
 	if err := tc.HandshakeContext(ctx); err != nil {
-		return ops.Check{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("TLS handshake with %s failed: %v", addr, err),
+		return admin.Check{Name: name, Status: admin.Fail, Detail: fmt.Sprintf("TLS handshake with %s failed: %v", addr, err),
 			Fix: "the server's certificate must be valid for " + u.Hostname() + " and signed by a CA this machine trusts"}
 	}
 	cert := tc.ConnectionState().PeerCertificates[0]
-	return ops.Check{Name: name, Status: ops.OK, Detail: fmt.Sprintf("webhook host %s reachable (TLS; certificate valid until %s; nothing sent)",
+	return admin.Check{Name: name, Status: admin.OK, Detail: fmt.Sprintf("webhook host %s reachable (TLS; certificate valid until %s; nothing sent)",
 		addr, cert.NotAfter.UTC().Format(time.DateOnly))}
 }
 
@@ -185,20 +185,20 @@ func unwrapOpError(err error) error {
 // sink publishes to: it exists (or run creates it), one of its subjects
 // captures every subject the template renders, and its duplicate window is
 // at least the configured one.
-func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
+func checkNATS(ctx context.Context, i int, s config.SinkConfig) []admin.Check {
 	name := "sink " + s.Name
 	n := s.NATS
 	if s.URL == "" {
-		return []ops.Check{{Name: name, Status: ops.OK, Detail: "embedded NATS server: run starts it under data_dir (single instance only)"}}
+		return []admin.Check{{Name: name, Status: admin.OK, Detail: "embedded NATS server: run starts it under data_dir (single instance only)"}}
 	}
-	opts := []nats.Option{nats.Name(ops.CLIApplicationName + " doctor"), nats.Timeout(sinkCheckTimeout), nats.NoReconnect()}
+	opts := []nats.Option{nats.Name(admin.CLIApplicationName + " doctor"), nats.Timeout(sinkCheckTimeout), nats.NoReconnect()}
 	if n.CredsFile != "" {
 		opts = append(opts, nats.UserCredentials(n.CredsFile))
 	}
 	if n.NkeyFile != "" {
 		opt, err := nats.NkeyOptionFromSeed(n.NkeyFile)
 		if err != nil {
-			return []ops.Check{{Name: name, Status: ops.Fail, Detail: "nkey_file: " + err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].nkey_file"}}
+			return []admin.Check{{Name: name, Status: admin.Fail, Detail: "nkey_file: " + err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].nkey_file"}}
 		}
 		opts = append(opts, opt)
 	}
@@ -206,13 +206,13 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
 		opts = append(opts, nats.Token(tok))
 	}
 	if tc, err := s.TLS.ClientConfig(); err != nil {
-		return []ops.Check{{Name: name, Status: ops.Fail, Detail: err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].tls"}}
+		return []admin.Check{{Name: name, Status: admin.Fail, Detail: err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].tls"}}
 	} else if tc != nil {
 		opts = append(opts, nats.Secure(tc))
 	}
 	nc, err := nats.Connect(s.URL, opts...)
 	if err != nil {
-		return []ops.Check{{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("cannot connect to NATS: %v", err),
+		return []admin.Check{{Name: name, Status: admin.Fail, Detail: fmt.Sprintf("cannot connect to NATS: %v", err),
 			Fix: fmt.Sprintf("check sinks[%d].url, its credentials (creds_file, token) and that nats-server is up", i)}}
 	}
 	defer nc.Close()
@@ -220,13 +220,13 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
 	defer cancel()
 	js, err := jetstream.New(nc)
 	if err != nil {
-		return []ops.Check{{Name: name, Status: ops.Fail, Detail: fmt.Sprintf("JetStream: %v", err)}}
+		return []admin.Check{{Name: name, Status: admin.Fail, Detail: fmt.Sprintf("JetStream: %v", err)}}
 	}
-	checks := []ops.Check{{Name: name, Status: ops.OK, Detail: fmt.Sprintf("connected to NATS %s at %s", nc.ConnectedServerVersion(), nc.ConnectedUrlRedacted())}}
+	checks := []admin.Check{{Name: name, Status: admin.OK, Detail: fmt.Sprintf("connected to NATS %s at %s", nc.ConnectedServerVersion(), nc.ConnectedUrlRedacted())}}
 
 	pattern, err := subjectPattern(n.Subject)
 	if err != nil {
-		return append(checks, ops.Check{Name: name + " subject", Status: ops.Fail, Detail: err.Error(), Fix: fmt.Sprintf("fix sinks[%d].subject", i)})
+		return append(checks, admin.Check{Name: name + " subject", Status: admin.Fail, Detail: err.Error(), Fix: fmt.Sprintf("fix sinks[%d].subject", i)})
 	}
 	prefix := literalPrefix(pattern)
 	window := n.Stream.DuplicateWindow
@@ -234,16 +234,16 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
 	stream, err := js.Stream(ctx, n.Stream.Name)
 	switch {
 	case errors.Is(err, jetstream.ErrStreamNotFound) && n.Stream.Create:
-		return append(checks, ops.Check{Name: streamName, Status: ops.OK,
+		return append(checks, admin.Check{Name: streamName, Status: admin.OK,
 			Detail: fmt.Sprintf("does not exist yet: run creates it (stream.create: true) with subjects %q and duplicate_window %s", n.Stream.Subjects, window)})
 	case errors.Is(err, jetstream.ErrStreamNotFound):
-		return append(checks, ops.Check{Name: streamName, Status: ops.Fail, Detail: "does not exist, and stream.create is false",
+		return append(checks, admin.Check{Name: streamName, Status: admin.Fail, Detail: "does not exist, and stream.create is false",
 			Fix: fmt.Sprintf("nats stream add %s --subjects %q --dupe-window %s --storage file --defaults\n# or set sinks[%d].stream.create: true", n.Stream.Name, prefix, window, i)})
 	case errors.Is(err, jetstream.ErrJetStreamNotEnabled), errors.Is(err, jetstream.ErrJetStreamNotEnabledForAccount):
-		return append(checks, ops.Check{Name: streamName, Status: ops.Fail, Detail: "JetStream is not enabled",
+		return append(checks, admin.Check{Name: streamName, Status: admin.Fail, Detail: "JetStream is not enabled",
 			Fix: "enable JetStream on the server (jetstream {} in its config, or nats-server -js) and for the account"})
 	case err != nil:
-		return append(checks, ops.Check{Name: streamName, Status: ops.Fail, Detail: fmt.Sprintf("look up the stream: %v", err)})
+		return append(checks, admin.Check{Name: streamName, Status: admin.Fail, Detail: fmt.Sprintf("look up the stream: %v", err)})
 	}
 	sc := stream.CachedInfo().Config
 	covered := false
@@ -251,18 +251,18 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig) []ops.Check {
 		covered = covered || server.SubjectMatchesFilter(pattern, filter)
 	}
 	if covered {
-		checks = append(checks, ops.Check{Name: streamName, Status: ops.OK, Detail: fmt.Sprintf("subjects %q capture %q", sc.Subjects, pattern)})
+		checks = append(checks, admin.Check{Name: streamName, Status: admin.OK, Detail: fmt.Sprintf("subjects %q capture %q", sc.Subjects, pattern)})
 	} else {
-		checks = append(checks, ops.Check{Name: streamName, Status: ops.Fail,
+		checks = append(checks, admin.Check{Name: streamName, Status: admin.Fail,
 			Detail: fmt.Sprintf("subjects %q do not capture the sink's subjects %q: publishes would fail with no responders", sc.Subjects, pattern),
 			Fix:    fmt.Sprintf("nats stream edit %s --subjects %q   # adds %q to the stream's subjects", n.Stream.Name, strings.Join(append(sc.Subjects, prefix), ","), prefix)})
 	}
 	if sc.Duplicates < time.Duration(window) {
-		checks = append(checks, ops.Check{Name: name + " duplicate_window", Status: ops.Fail,
+		checks = append(checks, admin.Check{Name: name + " duplicate_window", Status: admin.Fail,
 			Detail: fmt.Sprintf("stream %s deduplicates over %s, less than the sink's duplicate_window %s: a retry after that stores a second copy", n.Stream.Name, config.Duration(sc.Duplicates), window),
 			Fix:    fmt.Sprintf("nats stream edit %s --dupe-window %s\n# or lower sinks[%d].stream.duplicate_window", n.Stream.Name, window, i)})
 	} else {
-		checks = append(checks, ops.Check{Name: name + " duplicate_window", Status: ops.OK,
+		checks = append(checks, admin.Check{Name: name + " duplicate_window", Status: admin.OK,
 			Detail: fmt.Sprintf("stream %s deduplicates over %s (configured: at least %s)", n.Stream.Name, config.Duration(sc.Duplicates), window)})
 	}
 	return checks

@@ -18,8 +18,8 @@ import (
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/sink/nats/natstest"
 )
 
@@ -95,15 +95,15 @@ func TestDoctor_ReplicaClusterRoleWithoutReplication(t *testing.T) {
 	// --json: the same findings, machine-readable.
 	code, out, _ = execute(t, "doctor", "--config", cfg, "--json")
 	var report struct {
-		OK     bool        `json:"ok"`
-		Checks []ops.Check `json:"checks"`
+		OK     bool          `json:"ok"`
+		Checks []admin.Check `json:"checks"`
 	}
 	if err := json.Unmarshal([]byte(out), &report); err != nil {
 		t.Fatalf("doctor --json: %v\n%s", err, out)
 	}
 	failed := 0
 	for _, c := range report.Checks {
-		if c.Status == ops.Fail {
+		if c.Status == admin.Fail {
 			failed++
 			if c.Fix == "" {
 				t.Errorf("failing check %q has no fix", c.Name)

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 func (s *setup) walsenderPID(t *testing.T) int64 {

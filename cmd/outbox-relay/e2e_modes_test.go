@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
 	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 // TestRelay_AutoPollsWithoutLogicalWAL: on a wal_level=replica cluster,

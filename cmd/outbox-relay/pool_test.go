@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 // TestNewPoolTurnsJITOff: the relay's connections run without JIT (a large

@@ -6,7 +6,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
-	"github.com/outbox-relay/outbox-relay/relay/poll"
+	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 func newReconcileCommand(g *globals) *cobra.Command {
@@ -37,7 +37,7 @@ The ledger prevents double delivery if the stream did deliver some of them.`,
 			if err != nil {
 				return err
 			}
-			n, err := poll.Reconcile(ctx, pool, tables.Outbox, olderThan.Duration())
+			n, err := claim.Reconcile(ctx, pool, tables.Outbox, olderThan.Duration())
 			if err != nil {
 				return err
 			}

@@ -5,7 +5,7 @@ import (
 
 	"github.com/spf13/cobra"
 
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
 func newReplayCommand(g *globals) *cobra.Command {
@@ -30,19 +30,19 @@ the original key in Outbox-Event-Key, so the stream's duplicate window does not 
 			if sel.since == "" && sel.ids == "" {
 				return usageError{fmt.Errorf("say what to replay: --since TIME and/or --ids 1,2,3")}
 			}
-			return changeRows(cmd, g, &sel, yes, ops.ReplayStatuses, rowChange{
+			return changeRows(cmd, g, &sel, yes, admin.ReplayStatuses, rowChange{
 				verb: "replay", done: "replayed",
 				question: func(n int, sink string) string {
 					return fmt.Sprintf("Replay %s events to %s?", count(n), sinkScope(sink))
 				},
-				apply: func(c changeContext, ids []int64) (ops.Changed, error) {
-					return ops.Replay(c.ctx, c.pool, c.tables, ids, c.sinks)
+				apply: func(c changeContext, ids []int64) (admin.Changed, error) {
+					return admin.Replay(c.ctx, c.pool, c.tables, ids, c.sinks)
 				},
 				note: func(c changeContext) string {
 					// Events in flight may match the filters too: say why they were not replayed.
 					s := c.sel
 					s.Statuses = []string{"pending", "processing"}
-					inFlight, err := ops.SelectIDs(c.ctx, c.pool, c.tables, s)
+					inFlight, err := admin.SelectIDs(c.ctx, c.pool, c.tables, s)
 					if err != nil || len(inFlight) == 0 {
 						return ""
 					}

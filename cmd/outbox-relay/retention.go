@@ -7,19 +7,19 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
-// retentionConfig converts the retention section for ops.Prune.
-func retentionConfig(r config.RetentionConfig) ops.RetentionConfig {
-	return ops.RetentionConfig{
+// retentionConfig converts the retention section for admin.Prune.
+func retentionConfig(r config.RetentionConfig) admin.RetentionConfig {
+	return admin.RetentionConfig{
 		DoneAfter:   time.Duration(r.DoneAfter),
 		LedgerAfter: time.Duration(r.LedgerAfter),
 		Batch:       r.Batch,
 	}
 }
 
-// runRetention prunes old done rows and ledger rows (ops.Prune) at once and
+// runRetention prunes old done rows and ledger rows (admin.Prune) at once and
 // then every retention.interval until ctx ends, and returns nil then. It
 // returns at once when retention is disabled. A failed pass is logged and
 // retried at the next interval. db needs DELETE on the outbox and the
@@ -28,7 +28,7 @@ func retentionConfig(r config.RetentionConfig) ops.RetentionConfig {
 // Pruning is safe on several relays at once (rows locked by another pass
 // are skipped), but only one needs to do it: run starts it for the
 // leader's term.
-func runRetention(ctx context.Context, db ops.DB, tables config.Tables, cfg *config.Config, log zerolog.Logger) error {
+func runRetention(ctx context.Context, db admin.DB, tables config.Tables, cfg *config.Config, log zerolog.Logger) error {
 	r := cfg.Retention
 	if !r.Enabled {
 		return nil
@@ -36,6 +36,6 @@ func runRetention(ctx context.Context, db ops.DB, tables config.Tables, cfg *con
 	log = log.With().Str("component", "retention").Logger()
 	log.Info().Stringer("done_after", r.DoneAfter).Stringer("ledger_after", r.LedgerAfter).Stringer("interval", r.Interval).
 		Int("batch", r.Batch).Msg("retention: pruning old done rows and ledger rows")
-	return ops.RunRetention(ctx, db, ops.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint},
+	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint},
 		retentionConfig(r), time.Duration(r.Interval), log)
 }

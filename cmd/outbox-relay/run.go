@@ -16,10 +16,10 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger"
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/poll"
+	"github.com/outbox-relay/outbox-relay/relay/claim"
 	"github.com/outbox-relay/outbox-relay/relay/replication"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 	"github.com/outbox-relay/outbox-relay/sink/webhook"
@@ -71,7 +71,7 @@ func (r *relayRun) setReady() {
 // order: stop the source, drain the engine (outcomes written), then the
 // sinks are closed.
 func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error {
-	r := &relayRun{cfg: cfg, log: log, owner: poll.NewOwner(), health: &health{}}
+	r := &relayRun{cfg: cfg, log: log, owner: claim.NewOwner(), health: &health{}}
 	r.health.set(false, "starting")
 
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
@@ -227,9 +227,9 @@ func (r *relayRun) lead(ctx context.Context) error {
 
 // newClaimer builds the claim path; all claims every due row (poll mode),
 // otherwise only rows handed to it.
-func (r *relayRun) newClaimer(all bool, engine *relay.Engine) (*poll.Claimer, error) {
+func (r *relayRun) newClaimer(all bool, engine *relay.Engine) (*claim.Claimer, error) {
 	cfg := r.cfg
-	pc := poll.Config{
+	pc := claim.Config{
 		Pool:         r.pool,
 		Outbox:       r.tables.Outbox,
 		Ledger:       r.tables.Ledger,
@@ -252,7 +252,7 @@ func (r *relayRun) newClaimer(all bool, engine *relay.Engine) (*poll.Claimer, er
 		pc.OnAggregateSettled = engine.Undiverted
 		pc.DivertSeq = engine.DivertSeq
 	}
-	return poll.New(pc)
+	return claim.New(pc)
 }
 
 // poll runs the claim path over every due row for d (0: until ctx ends).
@@ -571,11 +571,11 @@ func resolveTables(ctx context.Context, pool *pgxpool.Pool, t config.Tables) (co
 // its GRANT: without them run would start and then fail every claim or
 // settlement, over and over.
 func checkPrivileges(ctx context.Context, pool *pgxpool.Pool, t config.Tables, replication bool) error {
-	tables, err := ops.Resolve(ctx, pool, ops.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
+	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
 	if err != nil {
 		return err
 	}
-	if err := ops.CheckRunPrivileges(ctx, pool, tables, replication); err != nil {
+	if err := admin.CheckRunPrivileges(ctx, pool, tables, replication); err != nil {
 		return fmt.Errorf("check the role's privileges: %w", err)
 	}
 	return nil

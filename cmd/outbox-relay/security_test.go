@@ -13,7 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"github.com/nats-io/nkeys"
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"io"
 	stdlog "log"
 	"math/big"
@@ -37,7 +37,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/sink/nats/natstest"
 )
@@ -677,7 +677,7 @@ func TestDoctorUsesSinkTLS(t *testing.T) {
 			t.Fatal(err)
 		}
 		check := checkWebhook(context.Background(), 0, cfg.Sinks[0])
-		if (check.Status == ops.OK) != tc.ok {
+		if (check.Status == admin.OK) != tc.ok {
 			t.Fatalf("%s: doctor says %s: %s", tc.name, check.Status, check.Detail)
 		}
 	}

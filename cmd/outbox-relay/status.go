@@ -15,7 +15,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger"
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
 func newStatusCommand(g *globals) *cobra.Command {
@@ -44,7 +44,7 @@ whether a relay runs or not:
 				return err
 			}
 			defer pool.Close()
-			st, err := ops.ReadStatus(ctx, pool, tables, cfg.Source.Slot, ledger.LeaderLockKey(cfg.Source.Slot))
+			st, err := admin.ReadStatus(ctx, pool, tables, cfg.Source.Slot, ledger.LeaderLockKey(cfg.Source.Slot))
 			if err != nil {
 				return err
 			}
@@ -66,7 +66,7 @@ whether a relay runs or not:
 	return cmd
 }
 
-func printStatus(w io.Writer, st *ops.Status, now time.Time) {
+func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	defer tw.Flush()
 	line := func(k, format string, args ...any) { fmt.Fprintf(tw, "%s\t%s\n", k, fmt.Sprintf(format, args...)) }
@@ -92,7 +92,7 @@ func printStatus(w io.Writer, st *ops.Status, now time.Time) {
 		}
 		retained := "unknown"
 		if s.RetainedWALBytes != nil {
-			retained = ops.FormatBytes(*s.RetainedWALBytes)
+			retained = admin.FormatBytes(*s.RetainedWALBytes)
 		}
 		line("slot:", "%s: %s; wal_status %s, retained WAL %s, confirmed %s", s.Name, state, s.WALStatus, retained, s.ConfirmedFlushLSN)
 	}
@@ -102,11 +102,11 @@ func printStatus(w io.Writer, st *ops.Status, now time.Time) {
 	line("relay sessions:", "%d", len(st.Relays))
 
 	var counts []string
-	for _, status := range ops.Statuses {
+	for _, status := range admin.Statuses {
 		counts = append(counts, fmt.Sprintf("%s %d", status, st.Rows[status]))
 	}
 	for _, status := range sortedKeys(st.Rows) {
-		if !slices.Contains(ops.Statuses, status) {
+		if !slices.Contains(admin.Statuses, status) {
 			counts = append(counts, fmt.Sprintf("%s %d", status, st.Rows[status]))
 		}
 	}
@@ -127,7 +127,7 @@ func printStatus(w io.Writer, st *ops.Status, now time.Time) {
 	line("delivered (1h):", "%s", strings.Join(delivered, ", "))
 }
 
-func describeSession(s ops.Session, now time.Time) string {
+func describeSession(s admin.Session, now time.Time) string {
 	out := fmt.Sprintf("pid %d %q", s.PID, s.ApplicationName)
 	if s.ClientAddr != "" {
 		out += " from " + s.ClientAddr
@@ -160,29 +160,29 @@ func sortedKeys[V any](m map[string]V) []string {
 }
 
 // connectOps opens a small pool for an operator command, named
-// ops.CLIApplicationName (status does not count it as a relay), and
+// admin.CLIApplicationName (status does not count it as a relay), and
 // schema-qualifies the configured tables.
-func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, ops.Tables, error) {
+func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.Tables, error) {
 	pc, err := pgxpool.ParseConfig(cfg.DatabaseURL.Reveal())
 	if err != nil {
 		// pgx's parse errors can quote the string, password included.
-		return nil, ops.Tables{}, usageError{fmt.Errorf("database_url does not parse as a PostgreSQL URL or key=value string")}
+		return nil, admin.Tables{}, usageError{fmt.Errorf("database_url does not parse as a PostgreSQL URL or key=value string")}
 	}
-	pc.ConnConfig.RuntimeParams["application_name"] = ops.CLIApplicationName
+	pc.ConnConfig.RuntimeParams["application_name"] = admin.CLIApplicationName
 	pc.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
-		return nil, ops.Tables{}, fmt.Errorf("database: %w", err)
+		return nil, admin.Tables{}, fmt.Errorf("database: %w", err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, ops.Tables{}, fmt.Errorf("connect to the database: %w", err)
+		return nil, admin.Tables{}, fmt.Errorf("connect to the database: %w", err)
 	}
 	t := cfg.Tables()
-	tables, err := ops.Resolve(ctx, pool, ops.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
+	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
 	if err != nil {
 		pool.Close()
-		return nil, ops.Tables{}, err
+		return nil, admin.Tables{}, err
 	}
 	return pool, tables, nil
 }

@@ -15,8 +15,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
-	"github.com/outbox-relay/outbox-relay/ledger/ops"
-	"github.com/outbox-relay/outbox-relay/ledger/pgtest"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
 // opsDB is a migrated database for the operator commands, with a config
@@ -181,11 +181,11 @@ func TestStatusCommand(t *testing.T) {
 	if code != exitOK {
 		t.Fatalf("exit %d\n%s%s", code, out, errOut)
 	}
-	var st ops.Status
+	var st admin.Status
 	if err := json.Unmarshal([]byte(out), &st); err != nil {
 		t.Fatalf("status --json: %v\n%s", err, out)
 	}
-	if st.Mode != ops.ModePoll || st.Leader == nil || st.Leader.By != "lock" || st.Leader.PID != int32(leader.PgConn().PID()) ||
+	if st.Mode != admin.ModePoll || st.Leader == nil || st.Leader.By != "lock" || st.Leader.PID != int32(leader.PgConn().PID()) ||
 		!st.Slot.Exists || st.Slot.Active || st.Slot.RetainedWALBytes == nil || st.Rows["failed"] != 1 || st.DeliveredLastHour["nats"] != 2 {
 		t.Fatalf("status --json: %s", out)
 	}

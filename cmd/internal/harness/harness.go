@@ -6,7 +6,7 @@
 // small helpers they share (a free port, the end of a log, the relay's
 // migrate command, "is the slot streaming?").
 //
-// PostgreSQL comes from ledger/pgtest. Every process started here gets the
+// PostgreSQL comes from migrations/pgtest. Every process started here gets the
 // Linux parent-death signal SIGKILL, so a tool that crashes leaves nothing
 // behind.
 package harness

@@ -1,0 +1,280 @@
+package admin
+
+import (
+	"context"
+	"fmt"
+	"path"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// DeadStatuses are the statuses the dlq commands work on: dead letters and
+// rows held for a person.
+var DeadStatuses = []string{"failed", "held"}
+
+// Selection chooses outbox rows for the dlq and replay commands. The zero
+// value of each filter means "any".
+type Selection struct {
+	// Statuses the rows must have (required).
+	Statuses []string
+	// IDs restricts the selection to these ids.
+	IDs []int64
+	// Since keeps rows created at or after it.
+	Since time.Time
+	// EventType is a path.Match glob over event_type, as in a sink's
+	// events; a NULL event_type matches only "*".
+	EventType string
+	// Routes keeps rows whose event_type matches one of these globs (a
+	// sink's events), with the same NULL rule.
+	Routes []string
+	// NotDeliveredTo keeps rows the ledger does not show delivered to this
+	// sink: the dead letters that concern it.
+	NotDeliveredTo string
+	// Limit stops after this many rows, in id order.
+	Limit int
+}
+
+// matches applies the glob filters, which SQL cannot express exactly.
+func (s Selection) matches(eventType *string) bool {
+	if s.EventType != "" && !globMatch(s.EventType, eventType) {
+		return false
+	}
+	if len(s.Routes) == 0 {
+		return true
+	}
+	for _, g := range s.Routes {
+		if globMatch(g, eventType) {
+			return true
+		}
+	}
+	return false
+}
+
+// globMatch matches like the engine routes: "*" takes every event type
+// (NULL and ones with a '/', which path.Match's "*" does not match); other
+// globs are path.Match patterns and never match NULL.
+func globMatch(glob string, eventType *string) bool {
+	if glob == "*" {
+		return true
+	}
+	if eventType == nil {
+		return false
+	}
+	ok, err := path.Match(glob, *eventType)
+	return err == nil && ok
+}
+
+// SelectIDs returns the ids of the rows sel chooses, in id order. It pages
+// through the outbox by id, BatchSize rows per query, so its memory is the
+// result's ids. It returns an error for an invalid glob.
+func SelectIDs(ctx context.Context, db DB, t Tables, sel Selection) ([]int64, error) {
+	for _, g := range append([]string{sel.EventType}, sel.Routes...) {
+		if _, err := path.Match(g, ""); err != nil {
+			return nil, fmt.Errorf("event type pattern %q: %w", g, err)
+		}
+	}
+	if len(sel.Statuses) == 0 {
+		return nil, fmt.Errorf("select rows: no statuses given")
+	}
+	q := fmt.Sprintf(`
+SELECT o.id, o.event_type
+  FROM %s AS o
+ WHERE o.id > $1 AND o.status = ANY($2::text[])
+   AND ($3::bigint[] IS NULL OR o.id = ANY($3::bigint[]))
+   AND ($4::timestamptz IS NULL OR o.created_at >= $4)
+   AND ($5::text IS NULL OR NOT EXISTS (
+        SELECT 1 FROM %s AS l WHERE l.event_key = o.event_key AND l.action = $5 AND l.state = 'delivered'))
+ ORDER BY o.id
+ LIMIT $6`, t.Outbox.Quoted(), t.Ledger.Quoted())
+
+	var ids, since, sink any
+	if sel.IDs != nil {
+		ids = sel.IDs
+	}
+	if !sel.Since.IsZero() {
+		since = sel.Since
+	}
+	if sel.NotDeliveredTo != "" {
+		sink = sel.NotDeliveredTo
+	}
+	var out []int64
+	after := int64(-1 << 63)
+	for {
+		rows, err := db.Query(ctx, q, after, sel.Statuses, ids, since, sink, BatchSize)
+		if err != nil {
+			return nil, fmt.Errorf("select rows: %w", err)
+		}
+		var (
+			id        int64
+			eventType *string
+			n         int
+		)
+		_, err = pgx.ForEachRow(rows, []any{&id, &eventType}, func() error {
+			n++
+			after = id
+			if sel.matches(eventType) && (sel.Limit <= 0 || len(out) < sel.Limit) {
+				out = append(out, id)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("select rows: %w", err)
+		}
+		if n < BatchSize || (sel.Limit > 0 && len(out) >= sel.Limit) {
+			return out, nil
+		}
+	}
+}
+
+// Entry is one outbox row with its ledger rows, as dlq list shows it.
+type Entry struct {
+	ID            int64       `json:"id"`
+	EventKey      string      `json:"event_key"`
+	EventType     *string     `json:"event_type"`
+	AggregateType *string     `json:"aggregate_type"`
+	AggregateID   *string     `json:"aggregate_id"`
+	Status        string      `json:"status"`
+	Attempts      int32       `json:"attempts"`
+	Replays       int32       `json:"replays"`
+	LastError     *string     `json:"last_error"`
+	CreatedAt     *time.Time  `json:"created_at"`
+	AvailableAt   *time.Time  `json:"available_at"`
+	ProcessedAt   *time.Time  `json:"processed_at"`
+	Ledger        []LedgerRow `json:"ledger"`
+}
+
+// LedgerRow is one sink's ledger row for an event.
+type LedgerRow struct {
+	Action      string     `json:"sink"`
+	State       string     `json:"state"`
+	Attempts    int32      `json:"attempts"`
+	DeliveredAt *time.Time `json:"delivered_at,omitempty"`
+	Detail      *string    `json:"detail,omitempty"`
+}
+
+// List returns the rows with these ids, in id order, each with its ledger
+// rows (ordered by sink). Ids that no longer exist are left out.
+func List(ctx context.Context, db DB, t Tables, ids []int64) ([]Entry, error) {
+	var out []Entry
+	for _, batch := range Batches(ids, BatchSize) {
+		rows, err := db.Query(ctx, fmt.Sprintf(`
+SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, coalesce(o.status, ''),
+       coalesce(o.attempts, 0)::int4, coalesce(o.replays, 0)::int4, o.last_error,
+       o.created_at, o.available_at, o.processed_at
+  FROM %s AS o WHERE o.id = ANY($1::bigint[]) ORDER BY o.id`, t.Outbox.Quoted()), batch)
+		if err != nil {
+			return nil, fmt.Errorf("list rows: %w", err)
+		}
+		entries, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Entry, error) {
+			var e Entry
+			err := r.Scan(&e.ID, &e.EventKey, &e.EventType, &e.AggregateType, &e.AggregateID, &e.Status,
+				&e.Attempts, &e.Replays, &e.LastError, &e.CreatedAt, &e.AvailableAt, &e.ProcessedAt)
+			e.Ledger = []LedgerRow{}
+			return e, err
+		})
+		if err != nil {
+			return nil, fmt.Errorf("list rows: %w", err)
+		}
+		byKey := make(map[string]*Entry, len(entries))
+		keys := make([]string, len(entries))
+		for i := range entries {
+			byKey[entries[i].EventKey] = &entries[i]
+			keys[i] = entries[i].EventKey
+		}
+		rows, err = db.Query(ctx, fmt.Sprintf(`
+SELECT event_key, action, state, attempts, delivered_at, detail
+  FROM %s WHERE event_key = ANY($1::text[]) ORDER BY event_key, action`, t.Ledger.Quoted()), keys)
+		if err != nil {
+			return nil, fmt.Errorf("list ledger rows: %w", err)
+		}
+		var (
+			key string
+			lr  LedgerRow
+		)
+		_, err = pgx.ForEachRow(rows, []any{&key, &lr.Action, &lr.State, &lr.Attempts, &lr.DeliveredAt, &lr.Detail}, func() error {
+			if e := byKey[key]; e != nil {
+				e.Ledger = append(e.Ledger, lr)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, fmt.Errorf("list ledger rows: %w", err)
+		}
+		out = append(out, entries...)
+	}
+	return out, nil
+}
+
+// Changed counts what one retry, discard or replay batch changed.
+type Changed struct {
+	// Rows is the number of outbox rows changed; rows whose status moved on
+	// since they were selected are skipped.
+	Rows int64
+	// LedgerRows is the number of ledger rows deleted.
+	LedgerRows int64
+}
+
+// Retry makes the dead letters and held rows among ids deliverable again,
+// in one statement (one transaction): status pending, attempts 0,
+// available_at and handoff_at now (the claim path takes handed-off rows in
+// replication mode as in poll mode), last_error, processed_at and the claim
+// cleared. The ledger rows of the chosen sinks (nil: every sink) that are
+// not 'delivered' — 'sending' claims and 'unknown' outcomes — are deleted,
+// so the claim path claims afresh; delivered pairs stay, so a sink that has
+// the event does not get it again. Only rows still failed or held change:
+// Retry is safe to repeat. Pass at most a few thousand ids (BatchSize).
+func Retry(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (Changed, error) {
+	var c Changed
+	err := db.QueryRow(ctx, fmt.Sprintf(`
+WITH reset AS (
+    UPDATE %s AS o
+       SET status = 'pending', attempts = 0, available_at = now(), handoff_at = now(),
+           last_error = NULL, processed_at = NULL, locked_at = NULL, locked_by = NULL
+     WHERE o.id = ANY($1::bigint[]) AND o.status IN ('failed', 'held')
+    RETURNING o.event_key),
+cleared AS (
+    DELETE FROM %s AS l USING reset AS r
+     WHERE l.event_key = r.event_key AND l.state <> 'delivered'
+       AND ($2::text[] IS NULL OR l.action = ANY($2::text[]))
+    RETURNING 1)
+SELECT (SELECT count(*) FROM reset), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted()),
+		ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
+	if err != nil {
+		return Changed{}, fmt.Errorf("retry %d rows: %w", len(ids), err)
+	}
+	return c, nil
+}
+
+// DiscardPrefix starts the last_error of a discarded row.
+//
+// SPEC §3 fixes the five statuses, and the claim query, the ordering check
+// and a legacy poller all rely on them, so a discarded row becomes 'done'
+// (settled, no longer blocking, pruned by retention like any done row) and
+// keeps its error behind this prefix: WHERE last_error LIKE 'discarded: %'
+// finds them.
+const DiscardPrefix = "discarded: "
+
+// Discard settles the dead letters and held rows among ids without
+// delivering them: status done, processed_at now, last_error prefixed with
+// DiscardPrefix. The ledger is left as it is (the record of what happened).
+// Only rows still failed or held change: Discard is safe to repeat.
+func Discard(ctx context.Context, db DB, t Tables, ids []int64) (Changed, error) {
+	tag, err := db.Exec(ctx, fmt.Sprintf(`
+UPDATE %s
+   SET status = 'done', processed_at = now(), locked_at = NULL, locked_by = NULL,
+       last_error = $2 || coalesce(last_error, '')
+ WHERE id = ANY($1::bigint[]) AND status IN ('failed', 'held')`, t.Outbox.Quoted()), ids, DiscardPrefix)
+	if err != nil {
+		return Changed{}, fmt.Errorf("discard %d rows: %w", len(ids), err)
+	}
+	return Changed{Rows: tag.RowsAffected()}, nil
+}
+
+// nilIfEmpty sends an empty list as SQL NULL ("every sink").
+func nilIfEmpty(s []string) any {
+	if len(s) == 0 {
+		return nil
+	}
+	return s
+}

@@ -1,0 +1,228 @@
+package admin_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
+	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+const day = 24 * time.Hour
+
+var week = admin.RetentionConfig{DoneAfter: 7 * day, LedgerAfter: 30 * day, Batch: 1000}
+
+// MustLogDeletes records the number of rows each DELETE statement on table
+// removes, in deletes_log(n) — the proof that Prune deletes in batches.
+func (f *fixture) MustLogDeletes(tb testing.TB, table relay.QualifiedName) {
+	tb.Helper()
+	MustExec(tb, f.pool, `CREATE TABLE IF NOT EXISTS public.deletes_log (tbl text, n bigint, at timestamptz DEFAULT clock_timestamp())`)
+	MustExec(tb, f.pool, `CREATE OR REPLACE FUNCTION public.log_deletes() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO public.deletes_log (tbl, n) SELECT TG_TABLE_NAME, count(*) FROM gone;
+    RETURN NULL;
+END $$`)
+	MustExec(tb, f.pool, fmt.Sprintf(`CREATE TRIGGER log_deletes AFTER DELETE ON %s REFERENCING OLD TABLE AS gone
+		FOR EACH STATEMENT EXECUTE FUNCTION public.log_deletes()`, table.Quoted()))
+}
+
+func (f *fixture) MustDeleteSizes(tb testing.TB, table relay.QualifiedName) []int64 {
+	tb.Helper()
+	rows, err := f.pool.Query(context.Background(), `SELECT n FROM public.deletes_log WHERE tbl = $1 ORDER BY at`, table.Name)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer rows.Close()
+	var out []int64
+	for rows.Next() {
+		var n int64
+		if err := rows.Scan(&n); err != nil {
+			tb.Fatal(err)
+		}
+		out = append(out, n)
+	}
+	return out
+}
+
+func TestPrune_DoneRowsInBatches(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	// 2,500 done rows processed 8 days ago, each with a ledger row delivered
+	// then (younger than ledger_after: kept).
+	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, status, created_at, processed_at)
+		SELECT 'old' || g, 'done', now() - interval '9 days', now() - interval '8 days' FROM generate_series(1, 2500) g`, f.tables.Outbox.Quoted()))
+	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, action, state, delivered_at)
+		SELECT 'old' || g, 'nats', 'delivered', now() - interval '8 days' FROM generate_series(1, 2500) g`, f.tables.Ledger.Quoted()))
+	young := f.MustInsert(t, row{key: "young", status: "done", processed: 6 * day})
+	legacy := f.MustInsert(t, row{key: "legacy-old", status: "done", created: 8 * day}) // no processed_at: ages from created_at
+	legacyYoung := f.MustInsert(t, row{key: "legacy-young", status: "done", created: day})
+	var keep []int64
+	for _, status := range []string{"pending", "processing", "held", "failed"} {
+		keep = append(keep, f.MustInsert(t, row{key: "ancient-" + status, status: status, created: 400 * day, processed: 300 * day}))
+	}
+	f.MustLogDeletes(t, f.tables.Outbox)
+
+	done, ledger, err := admin.Prune(ctx, f.pool, f.tables, week)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done != 2501 || ledger != 0 {
+		t.Fatalf("pruned %d done rows and %d ledger rows, want 2501 and 0", done, ledger)
+	}
+	if got := f.MustDeleteSizes(t, f.tables.Outbox); !slices.Equal(got, []int64{1000, 1000, 501}) {
+		t.Fatalf("DELETE statements removed %v rows, want batches of 1000, 1000, 501", got)
+	}
+	for _, id := range append(keep, young, legacyYoung) {
+		if f.MustCount(t, f.tables.Outbox, "id = $1", id) != 1 {
+			t.Fatalf("row %d was pruned", id)
+		}
+	}
+	if f.MustCount(t, f.tables.Outbox, "id = $1", legacy) != 0 {
+		t.Fatal("an old done row without processed_at was kept")
+	}
+	if n := f.MustCount(t, f.tables.Ledger, "true"); n != 2500 {
+		t.Fatalf("%d ledger rows left, want all 2500 (younger than ledger_after)", n)
+	}
+
+	// Repeating finds nothing.
+	if done, ledger, err := admin.Prune(ctx, f.pool, f.tables, week); err != nil || done != 0 || ledger != 0 {
+		t.Fatalf("second prune: %d %d %v", done, ledger, err)
+	}
+}
+
+func TestPrune_Ledger(t *testing.T) {
+	for name, names := range map[string]migrations.Names{"default names": migrations.DefaultNames(), "hostile names": hostileNames()} {
+		t.Run(name, func(t *testing.T) {
+			f := MustFixtureNames(t, names)
+			ctx := context.Background()
+			old := 31 * day
+			f.MustInsert(t, row{key: "done", status: "done", processed: time.Hour})
+			for _, status := range []string{"pending", "processing", "held", "failed"} {
+				f.MustInsert(t, row{key: status, status: status, created: 400 * day})
+				f.MustLedger(t, status, "nats", "delivered", old) // another sink still owes it
+				f.MustLedger(t, status, "n8n", "unknown", old)
+			}
+			f.MustLedger(t, "done", "nats", "delivered", old)      // row done, old: pruned
+			f.MustLedger(t, "done", "n8n", "delivered", 29*day)    // row done, young: kept
+			f.MustLedger(t, "gone", "nats", "delivered", old)      // row pruned already, old: pruned
+			f.MustLedger(t, "gone", "n8n", "delivered", day)       // row pruned already, young: kept
+			f.MustLedger(t, "gone-untimed", "nats", "unknown", -1) // no time, row gone: pruned
+			f.MustLedger(t, "done", "untimed", "unknown", -1)      // no time, row still there: kept
+			f.MustLedger(t, "gone-sending", "n8n", "sending", old) // old claim, row gone: pruned
+
+			done, ledger, err := admin.Prune(ctx, f.pool, f.tables, admin.RetentionConfig{DoneAfter: 7 * day, LedgerAfter: 30 * day, Batch: 2})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if done != 0 || ledger != 4 {
+				t.Fatalf("pruned %d done rows and %d ledger rows, want 0 and 4", done, ledger)
+			}
+			want := map[string]map[string]string{
+				"done":         {"n8n": "delivered", "untimed": "unknown"},
+				"gone":         {"n8n": "delivered"},
+				"gone-untimed": {},
+				"gone-sending": {},
+			}
+			for _, status := range []string{"pending", "processing", "held", "failed"} {
+				want[status] = map[string]string{"nats": "delivered", "n8n": "unknown"}
+			}
+			for key, states := range want {
+				if got := f.MustLedgerStates(t, key); fmt.Sprint(got) != fmt.Sprint(states) {
+					t.Errorf("ledger of %s: %v, want %v", key, got, states)
+				}
+			}
+		})
+	}
+}
+
+func TestPrune_RefusesZeroAges(t *testing.T) {
+	f := MustFixture(t)
+	if _, _, err := admin.Prune(context.Background(), f.pool, f.tables, admin.RetentionConfig{LedgerAfter: day}); err == nil {
+		t.Fatal("Prune with done_after 0 would delete every done row")
+	}
+}
+
+// syncBuffer is a log destination safe for the retention goroutine.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func TestRunRetention(t *testing.T) {
+	f := MustFixture(t)
+	old := f.MustInsert(t, row{key: "old", status: "done", processed: 8 * day})
+	var logs syncBuffer
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() {
+		errc <- admin.RunRetention(ctx, f.pool, f.tables, week, 50*time.Millisecond, zerolog.New(&logs))
+	}()
+
+	// The first pass runs at once; later passes pick up rows that age.
+	waitFor(t, func() bool { return f.MustCount(t, f.tables.Outbox, "id = $1", old) == 0 })
+	later := f.MustInsert(t, row{key: "later", status: "done", processed: 8 * day})
+	waitFor(t, func() bool { return f.MustCount(t, f.tables.Outbox, "id = $1", later) == 0 })
+
+	cancel()
+	select {
+	case err := <-errc:
+		if err != nil {
+			t.Fatalf("RunRetention returned %v after cancel, want nil", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("RunRetention did not return after cancel")
+	}
+	if !strings.Contains(logs.String(), `"done_rows":1`) || !strings.Contains(logs.String(), "retention: pruned old rows") {
+		t.Fatalf("logs: %s", logs.String())
+	}
+}
+
+func TestRunRetention_KeepsGoingAfterAnError(t *testing.T) {
+	f := MustFixture(t)
+	missing := f.tables
+	missing.Outbox = relay.QualifiedName{Name: "no_such_table"}
+	var logs syncBuffer
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- admin.RunRetention(ctx, f.pool, missing, week, 20*time.Millisecond, zerolog.New(&logs))
+	}()
+	waitFor(t, func() bool { return strings.Count(logs.String(), "pruning failed") >= 2 })
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatalf("RunRetention: %v", err)
+	}
+}
+
+func waitFor(tb testing.TB, cond func() bool) {
+	tb.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			tb.Fatal("condition not met within 10s")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

@@ -1,0 +1,275 @@
+package admin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Mode is how the relay is running, as far as the database can tell.
+type Mode string
+
+// Modes, from the strongest evidence to none.
+const (
+	// ModeReplication: a process is streaming from the slot.
+	ModeReplication Mode = "replication"
+	// ModePoll: no one streams from the slot, but an outbox-relay session
+	// is connected to the database (the claim path polls).
+	ModePoll Mode = "poll"
+	// ModeStopped: no outbox-relay session at all.
+	ModeStopped Mode = "stopped"
+)
+
+// Session is a server process as pg_stat_activity shows it. BackendStart
+// and ClientAddr are visible only for sessions of the same role or with
+// pg_read_all_stats; otherwise they are nil and empty.
+type Session struct {
+	PID             int32      `json:"pid"`
+	ApplicationName string     `json:"application_name"`
+	BackendStart    *time.Time `json:"backend_start,omitempty"`
+	ClientAddr      string     `json:"client_addr,omitempty"`
+}
+
+// Leader is the session that leads the relays of a slot: the holder of the
+// leader lock ("lock") or, when no one holds it, the process streaming from
+// the slot ("slot").
+type Leader struct {
+	Session
+	By string `json:"by"`
+}
+
+// SlotStatus describes the replication slot.
+type SlotStatus struct {
+	Name   string `json:"name"`
+	Exists bool   `json:"exists"`
+	Active bool   `json:"active"`
+	// Holder is the process streaming from the slot, when Active.
+	Holder *Session `json:"holder,omitempty"`
+	// WALStatus is reserved, extended, unreserved or lost ("" when the slot
+	// does not exist).
+	WALStatus string `json:"wal_status,omitempty"`
+	// RetainedWALBytes is the WAL the slot keeps from being removed: from
+	// its restart_lsn to the server's current position. Nil when unknown
+	// (no slot, or lost).
+	RetainedWALBytes  *int64 `json:"retained_wal_bytes,omitempty"`
+	ConfirmedFlushLSN string `json:"confirmed_flush_lsn,omitempty"`
+}
+
+// CheckpointStatus is the slot's row in the checkpoint table.
+type CheckpointStatus struct {
+	ConfirmedLSN string    `json:"confirmed_lsn"`
+	UpdatedAt    time.Time `json:"updated_at"`
+}
+
+// Status is what the status command shows.
+type Status struct {
+	Mode   Mode    `json:"mode"`
+	Leader *Leader `json:"leader"`
+	// Relays are the connected outbox-relay sessions (the operator
+	// commands' own sessions excluded).
+	Relays     []Session         `json:"relays"`
+	Slot       SlotStatus        `json:"slot"`
+	Checkpoint *CheckpointStatus `json:"checkpoint,omitempty"`
+	// Rows counts outbox rows by status; the five statuses of SPEC §3 are
+	// always present, others (a legacy poller's) only when they occur.
+	Rows map[string]int64 `json:"rows"`
+	// OldestPendingSeconds is the age of the oldest pending row (by
+	// created_at), nil when none is pending.
+	OldestPendingSeconds *float64 `json:"oldest_pending_seconds"`
+	// DeliveredLastHour counts ledger rows delivered in the last hour, per
+	// sink (the ledger's action).
+	DeliveredLastHour map[string]int64 `json:"delivered_last_hour"`
+	Held              int64            `json:"held"`
+	Failed            int64            `json:"failed"`
+}
+
+// Statuses are the outbox statuses of SPEC §3.
+var Statuses = []string{"pending", "processing", "held", "failed", "done"}
+
+// ReadStatus reads the state of the relays of slot from the database. The
+// leader is the session holding the session advisory lock leaderKey (the
+// relay's leader lock for slot, ledger.LeaderLockKey), or else the process
+// streaming from the slot. It only reads. The counts scan the outbox and
+// the ledger (which has no index on delivered_at); retention keeps both
+// small.
+func ReadStatus(ctx context.Context, db DB, t Tables, slot string, leaderKey int64) (*Status, error) {
+	st := &Status{Slot: SlotStatus{Name: slot}, Rows: map[string]int64{}, DeliveredLastHour: map[string]int64{}, Relays: []Session{}}
+
+	// The retained WAL is measured up to the server's current position; on
+	// a standby (which has no slots of this relay unless synced) the last
+	// replayed one.
+	var (
+		pid      int32
+		retained *int64
+		walStat  *string
+		flushLSN *string
+	)
+	err := db.QueryRow(ctx, `
+SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), confirmed_flush_lsn::text,
+       pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END,
+                       restart_lsn)::bigint
+  FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&pid, &walStat, &flushLSN, &retained)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return nil, fmt.Errorf("read slot %s: %w", slot, err)
+	default:
+		st.Slot.Exists = true
+		st.Slot.Active = pid != 0
+		st.Slot.WALStatus = deref(walStat)
+		st.Slot.ConfirmedFlushLSN = deref(flushLSN)
+		st.Slot.RetainedWALBytes = retained
+	}
+
+	sessions, err := relaySessions(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	st.Relays = sessions
+	if st.Slot.Active {
+		s, err := session(ctx, db, pid)
+		if err != nil {
+			return nil, err
+		}
+		st.Slot.Holder = &s
+	}
+
+	lockHolder, err := lockHolder(ctx, db, leaderKey)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case lockHolder != nil:
+		st.Leader = &Leader{Session: *lockHolder, By: "lock"}
+	case st.Slot.Holder != nil:
+		st.Leader = &Leader{Session: *st.Slot.Holder, By: "slot"}
+	}
+
+	switch {
+	case st.Slot.Active:
+		st.Mode = ModeReplication
+	case len(st.Relays) > 0:
+		st.Mode = ModePoll
+	default:
+		st.Mode = ModeStopped
+	}
+
+	var cp CheckpointStatus
+	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT confirmed_lsn::text, updated_at FROM %s WHERE slot_name = $1`, t.Checkpoint.Quoted()), slot).
+		Scan(&cp.ConfirmedLSN, &cp.UpdatedAt)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return nil, fmt.Errorf("read checkpoint: %w", err)
+	default:
+		st.Checkpoint = &cp
+	}
+
+	for _, s := range Statuses {
+		st.Rows[s] = 0
+	}
+	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT coalesce(status, '(null)'), count(*) FROM %s GROUP BY 1`, t.Outbox.Quoted()))
+	if err != nil {
+		return nil, fmt.Errorf("count outbox rows: %w", err)
+	}
+	var (
+		status string
+		n      int64
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&status, &n}, func() error { st.Rows[status] = n; return nil }); err != nil {
+		return nil, fmt.Errorf("count outbox rows: %w", err)
+	}
+	st.Held, st.Failed = st.Rows["held"], st.Rows["failed"]
+
+	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(created_at))::float8 FROM %s WHERE status = 'pending'`,
+		t.Outbox.Quoted())).Scan(&st.OldestPendingSeconds)
+	if err != nil {
+		return nil, fmt.Errorf("oldest pending row: %w", err)
+	}
+
+	rows, err = db.Query(ctx, fmt.Sprintf(`
+SELECT action, count(*) FROM %s
+ WHERE state = 'delivered' AND delivered_at >= now() - interval '1 hour'
+ GROUP BY action`, t.Ledger.Quoted()))
+	if err != nil {
+		return nil, fmt.Errorf("count deliveries: %w", err)
+	}
+	var action string
+	if _, err := pgx.ForEachRow(rows, []any{&action, &n}, func() error { st.DeliveredLastHour[action] = n; return nil }); err != nil {
+		return nil, fmt.Errorf("count deliveries: %w", err)
+	}
+	return st, nil
+}
+
+// sessionColumns reads a Session from pg_stat_activity (alias a).
+const sessionColumns = `a.pid, coalesce(a.application_name, ''), a.backend_start, coalesce(host(a.client_addr), '')`
+
+func scanSession(row pgx.Row) (Session, error) {
+	var s Session
+	err := row.Scan(&s.PID, &s.ApplicationName, &s.BackendStart, &s.ClientAddr)
+	return s, err
+}
+
+// session returns pid's session; a process that has just exited is
+// returned with its pid only.
+func session(ctx context.Context, db DB, pid int32) (Session, error) {
+	s, err := scanSession(db.QueryRow(ctx, `SELECT `+sessionColumns+` FROM pg_stat_activity a WHERE a.pid = $1`, pid))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Session{PID: pid}, nil
+	}
+	if err != nil {
+		return Session{}, fmt.Errorf("read session %d: %w", pid, err)
+	}
+	return s, nil
+}
+
+// relaySessions lists the sessions of relays in this database (a
+// walsender of a logical slot is connected to its database too). The
+// operator commands and this session are not relays.
+func relaySessions(ctx context.Context, db DB) ([]Session, error) {
+	rows, err := db.Query(ctx, `
+SELECT `+sessionColumns+`
+  FROM pg_stat_activity a
+ WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+   AND a.application_name LIKE 'outbox-relay%' AND a.application_name NOT LIKE $1 || '%'
+ ORDER BY a.backend_start, a.pid`, CLIApplicationName)
+	if err != nil {
+		return nil, fmt.Errorf("list relay sessions: %w", err)
+	}
+	sessions, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Session, error) { return scanSession(r) })
+	if err != nil {
+		return nil, fmt.Errorf("list relay sessions: %w", err)
+	}
+	return sessions, nil
+}
+
+// lockHolder returns the session holding the session advisory lock key in
+// this database, or nil.
+func lockHolder(ctx context.Context, db DB, key int64) (*Session, error) {
+	classid, objid := lockIDs(key)
+	s, err := scanSession(db.QueryRow(ctx, `
+SELECT `+sessionColumns+`
+  FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory' AND l.granted
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND l.classid::bigint = $1 AND l.objid::bigint = $2 AND l.objsubid = 1
+ LIMIT 1`, int64(classid), int64(objid)))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read leader lock: %w", err)
+	}
+	return &s, nil
+}
+
+func deref[T any](p *T) T {
+	var zero T
+	if p == nil {
+		return zero
+	}
+	return *p
+}

@@ -1,0 +1,162 @@
+package admin_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
+)
+
+// MustConnect opens a connection with application_name app.
+func MustConnect(tb testing.TB, url, app string) *pgx.Conn {
+	tb.Helper()
+	cc, err := pgx.ParseConfig(url)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	cc.RuntimeParams["application_name"] = app
+	conn, err := pgx.ConnectConfig(context.Background(), cc)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
+}
+
+// MustStream starts streaming from slot on a replication connection named
+// app and returns the connection (its walsender holds the slot).
+func MustStream(tb testing.TB, url, slot, publication, app string) *pgconn.PgConn {
+	tb.Helper()
+	ctx := context.Background()
+	pc, err := pgconn.ParseConfig(url)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	pc.RuntimeParams["replication"] = "database"
+	pc.RuntimeParams["application_name"] = app
+	conn, err := pgconn.ConnectConfig(ctx, pc)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { conn.Close(context.Background()) })
+	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", fmt.Sprintf("publication_names '%s'", publication)},
+	})
+	if err != nil {
+		tb.Fatalf("start replication: %v", err)
+	}
+	return conn
+}
+
+func TestReadStatus_Counts(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustInsert(t, row{key: "p1", status: "pending", created: 10 * time.Minute})
+	f.MustInsert(t, row{key: "p2", status: "pending", created: time.Minute})
+	f.MustInsert(t, row{key: "h", status: "held"})
+	f.MustInsert(t, row{key: "f1", status: "failed"})
+	f.MustInsert(t, row{key: "f2", status: "failed"})
+	f.MustInsert(t, row{key: "d", status: "done"})
+	f.MustLedger(t, "d", "nats", "delivered", 10*time.Minute)
+	f.MustLedger(t, "d", "n8n", "delivered", 2*time.Hour) // not in the last hour
+	f.MustLedger(t, "h", "n8n", "unknown", 0)
+	f.MustLedger(t, "f1", "nats", "delivered", 0)
+
+	st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]int64{"pending": 2, "processing": 0, "held": 1, "failed": 2, "done": 1}
+	if fmt.Sprint(st.Rows) != fmt.Sprint(want) || st.Held != 1 || st.Failed != 2 {
+		t.Fatalf("rows %v held %d failed %d, want %v", st.Rows, st.Held, st.Failed, want)
+	}
+	if st.OldestPendingSeconds == nil || *st.OldestPendingSeconds < 595 || *st.OldestPendingSeconds > 700 {
+		t.Fatalf("oldest pending %v s, want about 600", st.OldestPendingSeconds)
+	}
+	if fmt.Sprint(st.DeliveredLastHour) != "map[nats:2]" {
+		t.Fatalf("delivered last hour: %v", st.DeliveredLastHour)
+	}
+	if st.Mode != admin.ModeStopped || st.Leader != nil || st.Slot.Exists || len(st.Relays) != 0 || st.Checkpoint != nil {
+		t.Fatalf("status of a database without relays: %+v", st)
+	}
+
+	// Nothing pending: no age.
+	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = 'done' WHERE status = 'pending'")
+	if st, err = admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay")); err != nil || st.OldestPendingSeconds != nil {
+		t.Fatalf("oldest pending with none pending: %v %v", st.OldestPendingSeconds, err)
+	}
+}
+
+func TestReadStatus_ModeAndLeader(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	read := func() *admin.Status {
+		t.Helper()
+		st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+
+	// An operator command's session is not a relay.
+	MustConnect(t, f.url, admin.CLIApplicationName)
+	if st := read(); st.Mode != admin.ModeStopped {
+		t.Fatalf("mode %s with only a CLI session, want stopped", st.Mode)
+	}
+
+	// A relay polling: connected, no slot.
+	poller := MustConnect(t, f.url, "outbox-relay")
+	st := read()
+	if st.Mode != admin.ModePoll || len(st.Relays) != 1 || st.Relays[0].PID != int32(poller.PgConn().PID()) || st.Leader != nil {
+		t.Fatalf("polling relay: %+v", st)
+	}
+
+	// It takes the leader lock.
+	MustExec(t, poller, "SELECT pg_advisory_lock($1)", ledger.LeaderLockKey("outbox_relay"))
+	st = read()
+	if st.Leader == nil || st.Leader.By != "lock" || st.Leader.PID != int32(poller.PgConn().PID()) || st.Leader.ApplicationName != "outbox-relay" || st.Leader.BackendStart == nil {
+		t.Fatalf("leader by lock: %+v", st.Leader)
+	}
+	// A lock on another key is not the leader's.
+	MustExec(t, poller, "SELECT pg_advisory_unlock($1)", ledger.LeaderLockKey("outbox_relay"))
+	MustExec(t, poller, "SELECT pg_advisory_lock($1)", ledger.LeaderLockKey("another_slot"))
+	if st = read(); st.Leader != nil {
+		t.Fatalf("leader from another lock: %+v", st.Leader)
+	}
+	// Keys with the sign bit set split into classid/objid the same way.
+	MustExec(t, poller, "SELECT pg_advisory_lock(-5)")
+	if st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", -5); err != nil || st.Leader == nil || st.Leader.By != "lock" {
+		t.Fatalf("leader by a negative key: %+v %v", st, err)
+	}
+
+	// A slot that exists but is not consumed.
+	MustExec(t, f.pool, "SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')")
+	MustExec(t, f.pool, "INSERT INTO "+f.tables.Checkpoint.Quoted()+" (slot_name, confirmed_lsn) VALUES ('outbox_relay', '0/16B3F10')")
+	st = read()
+	if !st.Slot.Exists || st.Slot.Active || st.Slot.WALStatus != "reserved" || st.Slot.RetainedWALBytes == nil || st.Slot.ConfirmedFlushLSN == "" || st.Mode != admin.ModePoll {
+		t.Fatalf("idle slot: %+v mode %s", st.Slot, st.Mode)
+	}
+	if st.Checkpoint == nil || st.Checkpoint.ConfirmedLSN != "0/16B3F10" {
+		t.Fatalf("checkpoint: %+v", st.Checkpoint)
+	}
+
+	// Streaming: replication mode, the walsender leads (no lock held).
+	stream := MustStream(t, f.url, "outbox_relay", "outbox_relay", "outbox-relay")
+	waitFor(t, func() bool { return read().Slot.Active })
+	st = read()
+	if st.Mode != admin.ModeReplication || st.Slot.Holder == nil || st.Slot.Holder.PID != int32(stream.PID()) ||
+		st.Leader == nil || st.Leader.By != "slot" || st.Leader.PID != int32(stream.PID()) {
+		t.Fatalf("streaming: mode %s slot %+v leader %+v", st.Mode, st.Slot, st.Leader)
+	}
+	if len(st.Relays) != 2 {
+		t.Fatalf("relays: %+v, want the poller and the walsender", st.Relays)
+	}
+}

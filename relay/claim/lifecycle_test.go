@@ -1,0 +1,178 @@
+package claim_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/claim"
+)
+
+// An unknown outcome holds the row at a hold sink (one request, no second)
+// and is sent again at a retry sink; a held row released by `dlq retry`
+// (status back to pending, ledger pair still 'unknown') is claimed and
+// delivered.
+func TestUnknownOutcome(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		hold bool
+	}{{"retry sink", false}, {"hold sink", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := MustFixture(t)
+			f.MustInsert(t, event{Key: "k", AggType: "order", AggID: "A", HandedOff: true},
+				event{Key: "k2", AggType: "order", AggID: "A", HandedOff: true})
+			var sends atomic.Int32
+			a := newFakeSink("a", func(d *relay.Delivery) error {
+				if d.Event.EventKey == "k" && sends.Add(1) == 1 {
+					return relay.UnknownError(errors.New("request written, no response"))
+				}
+				return nil
+			})
+			MustStart(t, f, claim.Config{Routes: []relay.Route{{Sink: a, Hold: tc.hold}}, PollInterval: 50 * time.Millisecond,
+				Backoff: []time.Duration{100 * time.Millisecond}})
+			key := relay.LedgerKey{EventKey: "k", Action: "a"}
+
+			if tc.hold {
+				waitFor(t, 10*time.Second, "k held", func() bool { return f.MustRow(t, "k").Status == "held" })
+				time.Sleep(300 * time.Millisecond)
+				if pair := f.MustLedger(t)[key]; pair.State != "unknown" || !strings.Contains(deref(pair.Detail), "no response") {
+					t.Errorf("ledger pair %+v (%s), want unknown with the reason", pair, deref(pair.Detail))
+				}
+				if r := f.MustRow(t, "k2"); r.Status != "pending" {
+					t.Errorf("k2 is %s behind a held row, want pending", r.Status)
+				}
+				if n := sends.Load(); n != 1 {
+					t.Fatalf("%d requests for a held event, want 1", n)
+				}
+				// dlq retry: the person releases the row.
+				f.MustExec(t, `UPDATE integration_outbox SET status = 'pending' WHERE event_key = 'k'`)
+			}
+			waitFor(t, 10*time.Second, "k and k2 done", func() bool {
+				rows := f.MustRows(t)
+				return rows["k"].Status == "done" && rows["k2"].Status == "done"
+			})
+			pair := f.MustLedger(t)[key]
+			if pair.State != "delivered" || pair.Attempts != 2 {
+				t.Errorf("ledger pair %+v, want delivered at its second claim", pair)
+			}
+			if n := sends.Load(); n != 2 {
+				t.Errorf("%d requests, want 2 (the unknown one and the resend)", n)
+			}
+			var bodies []string
+			for _, c := range a.Calls() {
+				if c.Key == "k" {
+					bodies = append(bodies, string(c.Body))
+				}
+			}
+			if len(bodies) != 2 || bodies[0] != bodies[1] {
+				t.Errorf("bodies of k's requests %q, want two identical", bodies)
+			}
+		})
+	}
+}
+
+// When the owner-lock connection dies, the Claimer takes the lock again on
+// a new connection and goes on claiming.
+func TestOwnerLockIsTakenAgain(t *testing.T) {
+	f := MustFixture(t)
+	a := newFakeSink("a", nil)
+	c := MustStart(t, f, claim.Config{Routes: routes(a), All: true, PollInterval: 50 * time.Millisecond})
+	lockHeld := func() bool {
+		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
+			AND classid = $1 AND objid = hashtext($2)::oid`, int64(claim.OwnerLockClass), c.Owner()) == 1
+	}
+	waitFor(t, 5*time.Second, "the owner lock", lockHeld)
+	if n := f.MustInt(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+		WHERE application_name = 'outbox-relay owner lock' AND datname = current_database()`); n != 1 {
+		t.Fatalf("terminated %d owner-lock sessions, want 1", n)
+	}
+	time.Sleep(100 * time.Millisecond)
+	waitFor(t, 10*time.Second, "the owner lock again", lockHeld)
+	f.MustInsert(t, event{Key: "after"})
+	waitFor(t, 10*time.Second, "a row claimed after the lock came back", func() bool { return f.MustRow(t, "after").Status == "done" })
+}
+
+// Stopping sends nothing new, finishes the deliveries in flight and settles
+// them (rows not yet sent go back to pending without an attempt), then
+// releases the owner lock.
+func TestRunStopsAfterSettlingInFlight(t *testing.T) {
+	f := MustFixture(t)
+	f.MustInsertMany(t, "evt", 5, 0, true)
+	started := make(chan struct{}, 5)
+	a := newFakeSink("a", func(*relay.Delivery) error {
+		started <- struct{}{}
+		time.Sleep(500 * time.Millisecond)
+		return nil
+	})
+	c, err := claim.New(claim.Config{Pool: f.pool, Routes: routes(a), PollInterval: 50 * time.Millisecond, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	<-started
+	cancel()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	sent := len(a.Calls())
+	if n := f.MustStatusCount(t, "done"); n != int64(sent) {
+		t.Errorf("%d rows done after stopping, want the %d sent", n, sent)
+	}
+	for key, r := range f.MustRows(t) {
+		if r.Status != "done" && (r.Status != "pending" || r.Attempts != 0) {
+			t.Errorf("%s: status %s, attempts %d after stopping; want done, or pending without an attempt", key, r.Status, r.Attempts)
+		}
+	}
+	t.Logf("%d of 5 rows were in flight when Run was stopped", sent)
+	if n := f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(claim.OwnerLockClass)); n != 0 {
+		t.Errorf("owner lock still held after Run returned")
+	}
+}
+
+// Config errors name what is wrong.
+func TestNewRejectsBadConfig(t *testing.T) {
+	f := MustFixture(t)
+	a := newFakeSink("a", nil)
+	for _, tc := range []struct {
+		name string
+		cfg  claim.Config
+		want string
+	}{
+		{"no pool", claim.Config{}, "no connection pool"},
+		{"owner without prefix", claim.Config{Pool: f.pool, Owner: "host:1"}, "must start with"},
+		{"duplicate sinks", claim.Config{Pool: f.pool, Routes: routes(a, a)}, `two sinks named "a"`},
+		{"bad glob", claim.Config{Pool: f.pool, Routes: []relay.Route{{Sink: a, Events: []string{"order.["}}}}, "syntax error in pattern"},
+		{"bad channel", claim.Config{Pool: f.pool, Notify: "a\x01"}, "notify channel"},
+	} {
+		if _, err := claim.New(tc.cfg); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: New = %v, want an error containing %q", tc.name, err, tc.want)
+		}
+	}
+	c, err := claim.New(claim.Config{Pool: f.pool})
+	if err != nil || !strings.HasPrefix(c.Owner(), claim.OwnerPrefix) {
+		t.Errorf("default owner %q, %v", c.Owner(), err)
+	}
+	// A second Claimer with a live owner's id cannot start.
+	first := MustStart(t, f, claim.Config{Routes: routes(a)})
+	waitFor(t, 5*time.Second, "the first owner lock", func() bool {
+		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(claim.OwnerLockClass)) == 1
+	})
+	second, err := claim.New(claim.Config{Pool: f.pool, Owner: first.Owner(), Routes: routes(a)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := second.Run(context.Background()); !errors.Is(err, claim.ErrOwnerTaken) {
+		t.Errorf("Run with a live owner's id = %v, want ErrOwnerTaken", err)
+	}
+}

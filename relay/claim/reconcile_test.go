@@ -1,0 +1,74 @@
+package claim_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/claim"
+)
+
+// Rows the stream never delivered trip the sweep_after alarm without being
+// claimed; Reconcile marks them for the claim path, which then delivers
+// them, skipping pairs the ledger shows delivered.
+func TestReconcile(t *testing.T) {
+	f := MustFixture(t)
+	f.MustInsert(t,
+		event{Key: "old1", AggType: "order", AggID: "A", Age: time.Hour},
+		event{Key: "old2", AggType: "order", AggID: "A", Age: time.Hour},
+		event{Key: "old-delivered", Age: time.Hour},
+		event{Key: "old-done", Status: "done", Age: time.Hour},
+		event{Key: "old-failed", Status: "failed", Age: time.Hour},
+		event{Key: "old-marked", HandedOff: true, Age: time.Hour},
+		event{Key: "new", Age: time.Minute},
+	)
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
+		VALUES ('old-delivered', 'a', 'delivered', 1, now())`)
+	ctx := context.Background()
+	outbox := migrations.DefaultNames().Outbox
+
+	a := newFakeSink("a", nil)
+	c := MustStart(t, f, claim.Config{Routes: []relay.Route{{Sink: a}}, PollInterval: 50 * time.Millisecond,
+		SweepAfter: 10 * time.Minute})
+	waitFor(t, 5*time.Second, "the alarm", func() bool { return c.StuckRows() == 3 })
+	if age := c.OldestUnclaimedAge(); age < time.Hour || age > time.Hour+time.Minute {
+		t.Errorf("OldestUnclaimedAge = %s, want about 1h", age)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if sent := a.Delivered(); sent["old1"]+sent["old2"] != 0 {
+		t.Fatalf("age alone transferred rows to the claim path: sent %v", sent)
+	}
+
+	if _, err := claim.Reconcile(ctx, f.pool, outbox, 0); err == nil {
+		t.Error("Reconcile with older-than 0: no error")
+	}
+	n, err := claim.Reconcile(ctx, f.pool, outbox, 10*time.Minute)
+	if err != nil || n != 3 {
+		t.Fatalf("Reconcile = %d, %v; want 3 rows marked", n, err)
+	}
+	rows := f.MustRows(t)
+	for key, want := range map[string]bool{"old1": true, "old2": true, "old-delivered": true, "old-marked": true,
+		"new": false, "old-done": false, "old-failed": false} {
+		if rows[key].HandedOff != want {
+			t.Errorf("%s: handed off %v, want %v", key, rows[key].HandedOff, want)
+		}
+	}
+	if n, err := claim.Reconcile(ctx, f.pool, outbox, 10*time.Minute); err != nil || n != 0 {
+		t.Errorf("second Reconcile = %d, %v; want 0", n, err)
+	}
+
+	waitFor(t, 10*time.Second, "reconciled rows done", func() bool {
+		rows := f.MustRows(t)
+		return rows["old1"].Status == "done" && rows["old2"].Status == "done" && rows["old-delivered"].Status == "done"
+	})
+	waitFor(t, 5*time.Second, "the alarm to clear", func() bool { return c.StuckRows() == 0 && c.OldestUnclaimedAge() == 0 })
+	sent := a.Delivered()
+	if len(sent) != 3 || sent["old1"] != 1 || sent["old2"] != 1 || sent["old-marked"] != 1 {
+		t.Errorf("sent %v, want old1, old2 and old-marked once each", sent)
+	}
+	if r := f.MustRow(t, "new"); r.Status != "pending" {
+		t.Errorf("new: status %s, want pending (the stream's)", r.Status)
+	}
+}
