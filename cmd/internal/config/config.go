@@ -44,7 +44,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"reflect"
+	"slices"
 	"strings"
 	"time"
 
@@ -556,17 +556,12 @@ func (c *Config) Redacted() ([]byte, error) {
 	escapeDollars(&root)
 	if k := findKey(&root, "sinks"); k >= 0 {
 		for i, sink := range root.Content[k+1].Content {
-			var other reflect.Type
-			switch r.Sinks[i].Type {
-			case SinkWebhook:
-				other = reflect.TypeFor[NATSConfig]()
-			case SinkNATS:
-				other = reflect.TypeFor[WebhookConfig]()
-			default:
-				continue
+			typ := r.Sinks[i].Type
+			if !slices.Contains(typ.choices(), string(typ)) {
+				continue // Validate refuses it: print every setting
 			}
-			for _, f := range fieldsOf(other) {
-				if j := findKey(sink, f.name); j >= 0 {
+			for _, f := range fieldsOf(sinkType) {
+				if part, j := sinkPart(f), findKey(sink, f.name); part != "" && part != typ && j >= 0 {
 					sink.Content = append(sink.Content[:j], sink.Content[j+2:]...)
 				}
 			}

@@ -14,10 +14,12 @@ import (
 
 // decode fills cfg, which holds the defaults, from the tree with every layer
 // applied. yaml.v3 decodes the values (yaml.Node.Decode); before it, a walk
-// along the schema applies the rules that are this product's, checks keys
-// and numbers the nodes, so that each error the library reports as "line N"
-// leads back to the key path and origin of node N. It returns where each key
-// path's value came from, for Validate.
+// along the schema applies the rules that are this product's and numbers the
+// nodes, so that each error the library reports as "line N" leads back to
+// the key path and origin of node N. The walk also checks the keys, because
+// the library's KnownFields exists only for a Decoder reading text, not for
+// Node.Decode (go-yaml/yaml#460), and the layers are merged as nodes. It
+// returns where each key path's value came from, for Validate.
 func (t *tree) decode(cfg *Config) (origins map[string]string, errs []error) {
 	d := decoder{tree: t, origins: map[string]string{}}
 	d.walk(t.root, configType, "")
@@ -160,11 +162,11 @@ var errLine = regexp.MustCompile(`^line (\d+): (.*)$`)
 // node's origin and key path.
 func (d *decoder) located(msg string) error {
 	m := errLine.FindStringSubmatch(msg)
-	if m == nil {
-		return fmt.Errorf("%s: %s", d.tree.file, msg)
+	i := 0
+	if m != nil {
+		i, _ = strconv.Atoi(m[1])
 	}
-	i, _ := strconv.Atoi(m[1])
-	if i < 1 || i > len(d.nodes) {
+	if i < 1 || i > len(d.nodes) { // not from the library's decoder
 		return fmt.Errorf("%s: %s", d.tree.file, msg)
 	}
 	at := d.nodes[i-1]
