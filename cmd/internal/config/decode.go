@@ -156,7 +156,7 @@ func scalar(n *yaml.Node, typ reflect.Type, fail func(format string, args ...any
 }
 
 // errLine matches the errors yaml.v3 collects in a *yaml.TypeError.
-var errLine = regexp.MustCompile(`^line (\d+): (.*)$`)
+var errLine = regexp.MustCompile(`(?s)^line (\d+): (.*)$`)
 
 // located turns an error of the library about node N into one naming the
 // node's origin and key path.
