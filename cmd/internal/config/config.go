@@ -44,7 +44,7 @@ import (
 	"fmt"
 	"net/url"
 	"os"
-	"reflect"
+	"slices"
 	"strings"
 	"time"
 
@@ -105,6 +105,8 @@ const (
 	SourcePoll        SourceMode = "poll"
 )
 
+func (SourceMode) choices() []string { return strs(SourceAuto, SourceReplication, SourcePoll) }
+
 // SourceConfig configures the replication and poll sources.
 type SourceConfig struct {
 	Mode              SourceMode `yaml:"mode"`
@@ -131,6 +133,8 @@ const (
 	OrderingNone      Ordering = "none"
 )
 
+func (Ordering) choices() []string { return strs(OrderingAggregate, OrderingNone) }
+
 // MarkDone says whether delivered rows are marked done in the outbox.
 type MarkDone string
 
@@ -139,6 +143,8 @@ const (
 	MarkDoneAsync MarkDone = "async"
 	MarkDoneOff   MarkDone = "off"
 )
+
+func (MarkDone) choices() []string { return strs(MarkDoneAsync, MarkDoneOff) }
 
 // DeliveryConfig configures retries and ordering.
 type DeliveryConfig struct {
@@ -158,6 +164,8 @@ const (
 	SinkWebhook SinkType = "webhook"
 	SinkNATS    SinkType = "nats"
 )
+
+func (SinkType) choices() []string { return strs(SinkWebhook, SinkNATS) }
 
 // SinkConfig is one sink. Only the part matching Type may be set: Validate
 // refuses a NATS setting on a webhook sink and the reverse.
@@ -247,6 +255,8 @@ const (
 	BodyNudge    BodyFormat = "nudge"
 )
 
+func (BodyFormat) choices() []string { return strs(BodyEnvelope, BodyNudge) }
+
 // OnUnknown says what to do when a request was written but its outcome is
 // unknown (timeout or reset after the write).
 type OnUnknown string
@@ -256,6 +266,8 @@ const (
 	OnUnknownRetry OnUnknown = "retry"
 	OnUnknownHold  OnUnknown = "hold"
 )
+
+func (OnUnknown) choices() []string { return strs(OnUnknownRetry, OnUnknownHold) }
 
 // WebhookConfig holds the settings of a webhook sink.
 type WebhookConfig struct {
@@ -283,6 +295,10 @@ const (
 	AuthBasic            AuthType = "basic"
 	AuthStandardWebhooks AuthType = "standard-webhooks"
 )
+
+func (AuthType) choices() []string {
+	return strs(AuthNone, AuthJWT, AuthHeader, AuthBasic, AuthStandardWebhooks)
+}
 
 // AuthConfig holds a webhook's credentials. Each secret may instead be read
 // from the file its *_file key names; after Load the secret holds the file's
@@ -540,17 +556,12 @@ func (c *Config) Redacted() ([]byte, error) {
 	escapeDollars(&root)
 	if k := findKey(&root, "sinks"); k >= 0 {
 		for i, sink := range root.Content[k+1].Content {
-			var other reflect.Type
-			switch r.Sinks[i].Type {
-			case SinkWebhook:
-				other = reflect.TypeFor[NATSConfig]()
-			case SinkNATS:
-				other = reflect.TypeFor[WebhookConfig]()
-			default:
-				continue
+			typ := r.Sinks[i].Type
+			if !slices.Contains(typ.choices(), string(typ)) {
+				continue // Validate refuses it: print every setting
 			}
-			for _, f := range fieldsOf(other) {
-				if j := findKey(sink, f.name); j >= 0 {
+			for _, f := range fieldsOf(sinkType) {
+				if part, j := sinkPart(f), findKey(sink, f.name); part != "" && part != typ && j >= 0 {
 					sink.Content = append(sink.Content[:j], sink.Content[j+2:]...)
 				}
 			}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"reflect"
 	"strings"
 )
 
@@ -63,10 +62,9 @@ func Load(opts Options) (*Config, error) {
 	errs = append(errs, t.apply(overrides)...)
 
 	cfg := Default()
-	d := decoder{tree: t, origins: map[string]string{}}
-	d.decode(t.root, reflect.ValueOf(&cfg).Elem(), "")
-	errs = append(errs, d.errs...)
-	cfg.origins = d.origins
+	origins, decodeErrs := t.decode(&cfg)
+	errs = append(errs, decodeErrs...)
+	cfg.origins = origins
 
 	if cfg.Outbox.ConflictsTable == "" {
 		cfg.Outbox.ConflictsTable = conflictsTableFor(cfg.Outbox.Table)

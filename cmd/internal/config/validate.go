@@ -41,8 +41,8 @@ func (c *Config) Validate() error {
 		v.fail("data_dir", "must not be empty")
 	}
 	v.positive("shutdown_timeout", c.ShutdownTimeout)
-	oneOf(v, "log.level", c.Log.Level, "trace", "debug", "info", "warn", "error")
-	oneOf(v, "log.format", c.Log.Format, "json", "console", "auto")
+	oneOf(v, "log.level", c.Log.Level, []string{"trace", "debug", "info", "warn", "error"})
+	oneOf(v, "log.format", c.Log.Format, []string{"json", "console", "auto"})
 	v.positive("migrate.lock_timeout", c.Migrate.LockTimeout)
 	v.positive("migrate.timeout", c.Migrate.Timeout)
 	v.retention(c.Retention)
@@ -106,15 +106,19 @@ func (v *validator) atLeast(path string, n, lowest int) {
 	}
 }
 
-func oneOf[T ~string](v *validator, path string, got T, allowed ...T) {
-	if slices.Contains(allowed, got) {
-		return
+func oneOf[T ~string](v *validator, path string, got T, allowed []string) {
+	if !slices.Contains(allowed, string(got)) {
+		v.fail(path, "%q is not one of %s", got, strings.Join(allowed, ", "))
 	}
-	names := make([]string, len(allowed))
-	for i, a := range allowed {
-		names[i] = string(a)
+}
+
+// strs returns an enum's values as strings, for its choices method.
+func strs[T ~string](values ...T) []string {
+	out := make([]string, len(values))
+	for i, v := range values {
+		out[i] = string(v)
 	}
-	v.fail(path, "%q is not one of %s", got, strings.Join(names, ", "))
+	return out
 }
 
 func (v *validator) outbox(o OutboxConfig) {
@@ -150,7 +154,7 @@ func (v *validator) outbox(o OutboxConfig) {
 }
 
 func (v *validator) source(s SourceConfig) {
-	oneOf(v, "source.mode", s.Mode, SourceAuto, SourceReplication, SourcePoll)
+	oneOf(v, "source.mode", s.Mode, s.Mode.choices())
 	if err := relay.ValidateSlotName(s.Slot); err != nil {
 		v.fail("source.slot", "%v", err)
 	}
@@ -169,7 +173,7 @@ func (v *validator) source(s SourceConfig) {
 }
 
 func (v *validator) delivery(d DeliveryConfig) {
-	oneOf(v, "delivery.ordering", d.Ordering, OrderingAggregate, OrderingNone)
+	oneOf(v, "delivery.ordering", d.Ordering, d.Ordering.choices())
 	v.atLeast("delivery.inline_attempts", d.InlineAttempts, 0)
 	v.atLeast("delivery.max_attempts", d.MaxAttempts, 1)
 	if len(d.Backoff) == 0 {
@@ -178,7 +182,7 @@ func (v *validator) delivery(d DeliveryConfig) {
 	for i, b := range d.Backoff {
 		v.positive(fmt.Sprintf("delivery.backoff[%d]", i), b)
 	}
-	oneOf(v, "delivery.mark_done", d.MarkDone, MarkDoneAsync, MarkDoneOff)
+	oneOf(v, "delivery.mark_done", d.MarkDone, d.MarkDone.choices())
 	v.positive("delivery.lane_block_max", d.LaneBlockMax)
 }
 
@@ -213,7 +217,7 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 	case "":
 		v.fail(p+".type", "is required (webhook or nats)")
 	default:
-		oneOf(v, p+".type", s.Type, SinkWebhook, SinkNATS)
+		oneOf(v, p+".type", s.Type, s.Type.choices())
 	}
 }
 
@@ -266,8 +270,8 @@ func (v *validator) webhook(p string, s *SinkConfig) {
 			v.fail(p+".headers."+name, "must not contain line breaks or NUL")
 		}
 	}
-	oneOf(v, p+".body", w.Body, BodyEnvelope, BodyNudge)
-	oneOf(v, p+".on_unknown", w.OnUnknown, OnUnknownRetry, OnUnknownHold)
+	oneOf(v, p+".body", w.Body, w.Body.choices())
+	oneOf(v, p+".on_unknown", w.OnUnknown, w.OnUnknown.choices())
 	if w.MaxBody <= 0 {
 		v.fail(p+".max_body", "must be greater than zero, got %s", w.MaxBody)
 	}
@@ -330,7 +334,7 @@ func (v *validator) auth(p string, a AuthConfig) {
 			v.fail(p+".password", "is required for auth type basic (or password_file)")
 		}
 	default:
-		oneOf(v, p+".type", a.Type, AuthNone, AuthJWT, AuthHeader, AuthBasic, AuthStandardWebhooks)
+		oneOf(v, p+".type", a.Type, a.Type.choices())
 		return
 	}
 	for _, f := range fieldsOf(reflect.TypeFor[AuthConfig]()) {

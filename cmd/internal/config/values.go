@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"go.yaml.in/yaml/v3"
 )
 
 const redacted = "[redacted]"
@@ -150,3 +152,9 @@ func (b *ByteSize) UnmarshalText(text []byte) error {
 	*b = ByteSize(n) * mult
 	return nil
 }
+
+// UnmarshalYAML reads a single value as UnmarshalText does.
+func (d *Duration) UnmarshalYAML(n *yaml.Node) error { return unmarshalScalar(n, d.UnmarshalText) }
+
+// UnmarshalYAML reads a single value as UnmarshalText does.
+func (b *ByteSize) UnmarshalYAML(n *yaml.Node) error { return unmarshalScalar(n, b.UnmarshalText) }
