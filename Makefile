@@ -51,7 +51,7 @@ FUZZ_TARGETS := \
 	./relay:FuzzAppendJSONString \
 	./relay/replication:FuzzDecodeMessages \
 	./relay/replication:FuzzDecodeInsert \
-	./relay/claim:FuzzGlobToRegex
+	./ledger:FuzzGlobToRegex
 fuzz:
 	@out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
 	for target in $(FUZZ_TARGETS); do \

@@ -32,7 +32,12 @@ import (
 // that UPDATE fails with a serialization error; MarkForClaim then reads the
 // ids in the snapshot instead and marks those still pending and not handed
 // off, at READ COMMITTED.
-func (s *Store) MarkForClaim(ctx context.Context, snapshot string) (int64, error) {
+//
+// In the transaction that marks the rows it records the hand-over as done
+// for slot at consistent, the slot's consistent point (see BeginSlot and
+// HandedOver): a slot whose hand-over was cut short by a crash is then
+// recognised and made again.
+func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consistent relay.LSN) (int64, error) {
 	if snapshot == "" {
 		return 0, errors.New("mark rows for the claim path: empty snapshot name")
 	}
@@ -48,7 +53,11 @@ func (s *Store) MarkForClaim(ctx context.Context, snapshot string) (int64, error
 			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
 		}
 		tag, err := tx.Exec(ctx, s.sql.markForClaim)
+		if err != nil {
+			return err
+		}
 		marked = tag.RowsAffected()
+		_, err = tx.Exec(ctx, s.sql.handedOver, slot, consistent)
 		return err
 	})
 	if err == nil {
@@ -83,7 +92,8 @@ func (s *Store) MarkForClaim(ctx context.Context, snapshot string) (int64, error
 			}
 			marked += tag.RowsAffected()
 		}
-		return nil
+		_, err := tx.Exec(ctx, s.sql.handedOver, slot, consistent)
+		return err
 	})
 	if err != nil {
 		return 0, fmt.Errorf("mark %d rows of snapshot %s for the claim path: %w", len(ids), snapshot, err)
@@ -128,4 +138,31 @@ func (s *Store) MarkDeliveredDone(ctx context.Context, sinks []string) (int64, e
 		marked += tag.RowsAffected()
 	}
 	return marked, nil
+}
+
+// BeginSlot records, before a slot named slot is created, that its
+// hand-over has not happened yet: until MarkForClaim records it, HandedOver
+// reports false for whatever slot of that name exists. Safe to repeat.
+func (s *Store) BeginSlot(ctx context.Context, slot string) error {
+	_, err := s.runSteps(ctx, s.sql.setSynchronousCommit, []step{exec("record the slot's creation", s.sql.beginSlot, slot)})
+	if err != nil {
+		return fmt.Errorf("record the creation of slot %s: %w", slot, err)
+	}
+	return nil
+}
+
+// HandedOver reports whether the slot-creation hand-over of slot finished:
+// its checkpoint row exists with the hand-over recorded. A slot created by
+// a relay that crashed before its hand-over committed, or one this relay
+// did not create, reports false. It only reads.
+func (s *Store) HandedOver(ctx context.Context, slot string) (bool, error) {
+	var done bool
+	err := s.pool.QueryRow(ctx, s.sql.handoverDone, slot).Scan(&done)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("read the hand-over record of slot %s: %w", slot, err)
+	}
+	return done, nil
 }

@@ -5,10 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
-	"net"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
 )
 
@@ -22,15 +22,13 @@ func LeaderLockKey(slot string) int64 {
 	return int64(h.Sum64())
 }
 
-// Keepalive settings of the lock connection: a dead leader host is noticed
-// by the server after about idle + interval×count = 11 s, which frees the
-// lock for a standby.
+// The leader pings its lock connection every second; a ping that does not
+// answer within two ends the term. The connection's keepalives (see
+// dedicatedConfig) let the server notice a dead leader host after about
+// 11 s, which frees the lock for a standby.
 const (
-	keepaliveIdle     = 5 * time.Second
-	keepaliveInterval = 2 * time.Second
-	keepaliveCount    = 3
 	pingEvery         = time.Second
-	pingTimeout       = 2 * time.Second
+	leaderPingTimeout = 2 * time.Second
 )
 
 // Leader is held leadership: a session advisory lock on its own connection.
@@ -50,17 +48,12 @@ type Leader struct {
 // caller must then stop delivering at once, because another relay may
 // already be taking over.
 func AcquireLeader(ctx context.Context, connString, slot string, log zerolog.Logger) (*Leader, error) {
-	cfg, err := pgx.ParseConfig(connString)
+	base, err := pgx.ParseConfig(connString)
 	if err != nil {
 		return nil, fmt.Errorf("leader lock: %w", err)
 	}
-	dialer := &net.Dialer{Timeout: 10 * time.Second, KeepAliveConfig: net.KeepAliveConfig{
-		Enable: true, Idle: keepaliveIdle, Interval: keepaliveInterval, Count: keepaliveCount}}
-	cfg.DialFunc = dialer.DialContext
-	cfg.RuntimeParams["application_name"] = "outbox-relay leader " + slot
-	cfg.RuntimeParams["tcp_keepalives_idle"] = fmt.Sprint(int(keepaliveIdle.Seconds()))
-	cfg.RuntimeParams["tcp_keepalives_interval"] = fmt.Sprint(int(keepaliveInterval.Seconds()))
-	cfg.RuntimeParams["tcp_keepalives_count"] = fmt.Sprint(keepaliveCount)
+	base.RuntimeParams["application_name"] = "outbox-relay leader " + slot
+	cfg := dedicatedConfig(base, "leader")
 
 	key := LeaderLockKey(slot)
 	waiting := false
@@ -116,7 +109,7 @@ func (l *Leader) ping(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
-		pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+		pctx, cancel := context.WithTimeout(ctx, leaderPingTimeout)
 		var held bool
 		// The lock is ours only while this session lives; checking pg_locks
 		// also catches a session that was reset.
@@ -171,4 +164,46 @@ func TerminateStaleWalsender(ctx context.Context, connString, slot string) (int3
 		return 0, fmt.Errorf("end walsender %d on slot %s: %w", *pid, slot, err)
 	}
 	return *pid, nil
+}
+
+// Slots watches and drops one replication slot: the supervisor's view of
+// the relay's slot.
+type Slots struct {
+	pool *pgxpool.Pool
+	slot string
+	url  string
+}
+
+// NewSlots returns the view of slot over pool; connString opens the
+// connection that ends a stale walsender.
+func NewSlots(pool *pgxpool.Pool, connString, slot string) *Slots {
+	return &Slots{pool: pool, slot: slot, url: connString}
+}
+
+// Slot reports whether the slot exists, whether a process streams from it,
+// and the WAL it retains (pg_current_wal_lsn - restart_lsn).
+func (s *Slots) Slot(ctx context.Context) (exists, active bool, retained int64, err error) {
+	err = s.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(bool_or(active), false),
+		coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint FROM pg_replication_slots WHERE slot_name = $1`,
+		s.slot).Scan(&exists, &active, &retained)
+	if err != nil {
+		return false, false, 0, fmt.Errorf("look up slot %s: %w", s.slot, err)
+	}
+	return exists, active, retained, nil
+}
+
+// DropSlot drops the slot if it exists and nobody streams from it, and
+// reports whether it did.
+func (s *Slots) DropSlot(ctx context.Context) (bool, error) {
+	tag, err := s.pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, s.slot)
+	if err != nil {
+		return false, fmt.Errorf("drop slot %s: %w", s.slot, err)
+	}
+	return tag.RowsAffected() > 0, nil
+}
+
+// EndStaleWalsender ends another backend still streaming from the slot (see
+// TerminateStaleWalsender).
+func (s *Slots) EndStaleWalsender(ctx context.Context) (int32, error) {
+	return TerminateStaleWalsender(ctx, s.url, s.slot)
 }

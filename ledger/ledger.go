@@ -12,8 +12,13 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"sync"
+
+	"errors"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -21,8 +26,9 @@ import (
 )
 
 var (
-	_ relay.Store      = (*Store)(nil)
-	_ relay.Checkpoint = (*Store)(nil)
+	_ relay.StreamStore = (*Store)(nil)
+	_ relay.ClaimStore  = (*Store)(nil)
+	_ relay.Checkpoint  = (*Store)(nil)
 )
 
 // maxIDsPerQuery bounds the arrays sent in one statement, so that a huge
@@ -42,6 +48,20 @@ type Config struct {
 	// crash in between loses only settlements the slot will stream again.
 	// DefaultConfig sets it.
 	AsyncCommit bool
+
+	// Sinks route the claim query's ordering check: a row waits for an
+	// earlier row of its aggregate only while that row is undelivered to a
+	// sink both are routed to.
+	Sinks []Sink
+	// Unordered drops the ordering check (ordering: none).
+	Unordered bool
+}
+
+// Sink is a sink's name (the ledger's action) and the event_type globs it
+// takes (empty: all).
+type Sink struct {
+	Name   string
+	Events []string
 }
 
 // DefaultConfig returns the table names of SPEC §3 with AsyncCommit on.
@@ -58,29 +78,31 @@ type Store struct {
 	asyncCommit bool
 	sql         statements
 	outbox      string // quoted, for the few statements built elsewhere
+	routes      []Sink
+
+	// claimSQL is the claim query for the table's shape, chosen once.
+	claimOnce sync.Once
+	claimSQL  string
+	claimErr  error
 }
 
 // statements is every SQL text the Store runs, rendered once with the
 // configured names quoted as identifiers.
 type statements struct {
-	settleDelivered   string
-	settleHandOffs    string
-	settleDeadLetters string
-	restreamed        string
-	markDone          string
-	diverted          string
+	stream streamStatements
+	claim  claimStatements
 
 	loadCheckpoint string
 	saveCheckpoint string
 
 	markForClaim         string
+	handedOver           string
+	beginSlot            string
+	handoverDone         string
 	pendingUnmarked      string
 	markForClaimByID     string
 	pendingRange         string
 	markDeliveredDone    string
-	claimSending         string
-	hold                 string
-	release              string
 	setAsyncCommit       string
 	setSynchronousCommit string
 }
@@ -102,87 +124,15 @@ func New(pool *pgxpool.Pool, cfg Config) *Store {
 		outbox:      cfg.Outbox.Quoted(),
 		pool:        pool,
 		asyncCommit: cfg.AsyncCommit,
-		sql:         render(cfg.Outbox.Quoted(), cfg.Ledger.Quoted(), cfg.Checkpoint.Quoted()),
+		sql:         render(cfg.Outbox.Quoted(), cfg.Ledger.Quoted(), cfg.Checkpoint.Quoted(), claimOptions{unordered: cfg.Unordered}),
+		routes:      cfg.Sinks,
 	}
 }
 
-func render(outbox, ledger, checkpoint string) statements {
+func render(outbox, ledger, checkpoint string, claim claimOptions) statements {
 	return statements{
-		// ON CONFLICT DO UPDATE may touch a row only once per statement, so
-		// the pairs are made distinct first; the order makes concurrent
-		// settlements lock ledger rows in one order. A pair already
-		// delivered is left exactly as it is (insert-only); a 'sending' or
-		// 'unknown' claim of a hold sink becomes delivered.
-		settleDelivered: fmt.Sprintf(`
-INSERT INTO %s AS l (event_key, action, state, attempts, delivered_at)
-SELECT t.k, t.a, 'delivered', 1, now()
-  FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
-    ON CONFLICT (event_key, action) DO UPDATE
-   SET state = 'delivered', delivered_at = now()
- WHERE l.state <> 'delivered'`, ledger),
-
-		// A NULL available_at means "due now"; an empty error keeps the
-		// row's previous last_error.
-		// Each row change reports, from its own snapshot, the ids it could
-		// not see at all: the walsender may send a transaction before the
-		// committing backend has left the proc array, so a fast delivery can
-		// settle a row no other session sees yet. A separate check would run
-		// in a later snapshot and could see the row then, hiding the miss.
-		settleHandOffs: fmt.Sprintf(`
-WITH t AS (SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS t(id, avail, err, n)),
-changed AS (
-UPDATE %s AS o
-   SET handoff_at = now(),
-       available_at = COALESCE(t.avail, now()),
-       last_error = COALESCE(NULLIF(t.err, ''), o.last_error),
-       attempts = COALESCE(o.attempts, 0) + t.n
-  FROM t
- WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
-RETURNING o.id)
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
-
-		settleDeadLetters: fmt.Sprintf(`
-WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[]) AS t(id, err)),
-changed AS (
-UPDATE %s AS o
-   SET status = 'failed', last_error = t.err, processed_at = now(),
-       locked_at = NULL, locked_by = NULL
-  FROM t
- WHERE o.id = t.id AND o.status = 'pending'
-RETURNING o.id)
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
-
-		// The lateral subquery is a prefix scan of the ledger's primary key
-		// (event_key, action) per row.
-		restreamed: fmt.Sprintf(`
-SELECT o.id,
-       (o.status = 'pending' AND o.handoff_at IS NULL) IS TRUE,
-       d.actions
-  FROM %s AS o
-  LEFT JOIN LATERAL (
-       SELECT array_agg(l.action ORDER BY l.action) AS actions
-         FROM %s AS l
-        WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true
- WHERE o.id = ANY($1::bigint[])`, outbox, ledger),
-
-		markDone: fmt.Sprintf(`
-WITH t AS (SELECT unnest($1::bigint[]) AS id),
-changed AS (
-UPDATE %s o SET status = 'done', processed_at = now()
-  FROM t
- WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
-RETURNING o.id)
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
-
-		// The status list repeats the predicate of the ordering index
-		// (aggregate_type, aggregate_id, id) WHERE status IN (…), so the
-		// planner may scan that small partial index in aggregate order.
-		diverted: fmt.Sprintf(`
-SELECT DISTINCT aggregate_type, aggregate_id
-  FROM %s
- WHERE status IN ('pending', 'processing', 'held')
-   AND (handoff_at IS NOT NULL OR status = 'held')
-   AND aggregate_type IS NOT NULL AND aggregate_id IS NOT NULL`, outbox),
+		stream: renderStream(outbox, ledger),
+		claim:  renderClaim(outbox, ledger, claim),
 
 		loadCheckpoint: fmt.Sprintf(`SELECT confirmed_lsn::text FROM %s WHERE slot_name = $1`, checkpoint),
 
@@ -190,17 +140,30 @@ SELECT DISTINCT aggregate_type, aggregate_id
 		// reordered save (two relays racing during a takeover, a retry of an
 		// older position) cannot make the relay re-ack an older position.
 		saveCheckpoint: fmt.Sprintf(`
-INSERT INTO %s AS c (slot_name, confirmed_lsn, updated_at)
-VALUES ($1, $2::text::pg_lsn, now())
+INSERT INTO %s AS c (slot_name, confirmed_lsn, updated_at, handover_lsn)
+VALUES ($1, $2::text::pg_lsn, now(), $2::text::pg_lsn)
     ON CONFLICT (slot_name) DO UPDATE
    SET confirmed_lsn = GREATEST(c.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now()`, checkpoint),
 
+		// The hand-over record (docs/architecture.md, "slot creation").
+		beginSlot: fmt.Sprintf(`
+INSERT INTO %s AS c (slot_name, confirmed_lsn, updated_at, handover_lsn)
+VALUES ($1, '0/0', now(), NULL)
+    ON CONFLICT (slot_name) DO UPDATE SET handover_lsn = NULL, updated_at = now()`, checkpoint),
+		handedOver: fmt.Sprintf(`
+UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirmed_lsn, $2::text::pg_lsn), updated_at = now()
+ WHERE slot_name = $1`, checkpoint),
+		handoverDone: fmt.Sprintf(`SELECT handover_lsn IS NOT NULL FROM %s WHERE slot_name = $1`, checkpoint),
+
+		// The rows pending in the new slot's snapshot: they become the
+		// claim path's, due now when they had no available_at.
 		markForClaim: fmt.Sprintf(`
-UPDATE %s SET handoff_at = now() WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
+UPDATE %s SET handoff_at = now(), available_at = COALESCE(available_at, now())
+ WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
 		pendingUnmarked: fmt.Sprintf(`
 SELECT id FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
 		markForClaimByID: fmt.Sprintf(`
-UPDATE %s SET handoff_at = now()
+UPDATE %s SET handoff_at = now(), available_at = COALESCE(available_at, now())
  WHERE id = ANY($1::bigint[]) AND status = 'pending' AND handoff_at IS NULL`, outbox),
 
 		// $1 holds distinct sink names, so the count equals its cardinality
@@ -219,35 +182,6 @@ SELECT o.id FROM %s AS o
        = cardinality($1::text[])
    FOR UPDATE SKIP LOCKED)
 UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, ledger, outbox),
-
-		// The claim is the insert itself (never check-then-insert). Only an
-		// 'unknown' pair — held, then released — may be claimed again.
-		claimSending: fmt.Sprintf(`
-INSERT INTO %s AS l (event_key, action, state, attempts, owner, claimed_at)
-VALUES ($1, $2, 'sending', 1, $3, now())
-    ON CONFLICT (event_key, action) DO UPDATE
-   SET state = 'sending', owner = EXCLUDED.owner, claimed_at = now(), attempts = l.attempts + 1
- WHERE l.state = 'unknown'
-RETURNING true`, ledger),
-
-		// The row is held only when the pair is not delivered: a delivered
-		// pair has a known outcome. A data-modifying CTE runs even when the
-		// outer statement does not read it; here the UPDATE reads it.
-		hold: fmt.Sprintf(`
-WITH unknown AS (
-    INSERT INTO %s AS l (event_key, action, state, attempts, detail)
-    VALUES ($1, $2, 'unknown', 1, $3)
-        ON CONFLICT (event_key, action) DO UPDATE
-       SET state = 'unknown', detail = EXCLUDED.detail
-     WHERE l.state <> 'delivered'
-    RETURNING 1)
-UPDATE %s SET status = 'held', last_error = $3
- WHERE id = $4 AND status = 'pending' AND EXISTS (SELECT FROM unknown)`, ledger, outbox),
-
-		// A claim whose send is known not to have happened (nothing was
-		// written) is withdrawn, so whoever delivers next may claim afresh.
-		release: fmt.Sprintf(`
-DELETE FROM %s WHERE event_key = $1 AND action = $2 AND owner = $3 AND state = 'sending'`, ledger),
 
 		setAsyncCommit: `SET LOCAL synchronous_commit = off`,
 		// Explicitly synchronous even where the role or database default is
@@ -295,4 +229,75 @@ func chunks(ids []int64) [][]int64 {
 		out = append(out, ids)
 	}
 	return out
+}
+
+// querier is what reads need: a pool, a connection or a transaction.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}
+
+// step is one statement of a settlement transaction.
+type step struct {
+	kind string // for errors: "hand off 3 rows"
+	sql  string
+	args []any
+	// ids: the statement returns ids of rows it could not see.
+	ids bool
+}
+
+func exec(kind, sql string, args ...any) step { return step{kind: kind, sql: sql, args: args} }
+func ids(kind, sql string, args ...any) step {
+	return step{kind: kind, sql: sql, args: args, ids: true}
+}
+func idsStep(kind, sql string, args ...any) step {
+	return ids(kind, sql, args...)
+}
+
+// runSteps runs steps in one transaction and one round trip (besides BEGIN
+// and COMMIT), after the statement that sets the commit mode (setCommit;
+// empty keeps the server's default), and returns the ids the id-returning
+// steps report. The transaction commits only when every step succeeded;
+// an error names the failing step and, when a row's data was refused
+// (SQLSTATE class 22 or 23), wraps relay.ErrRowData.
+func (s *Store) runSteps(ctx context.Context, setCommit string, steps []step) ([]int64, error) {
+	var out []int64
+	err := s.inTx(ctx, setCommit, func(b *pgx.Batch) {
+		for _, st := range steps {
+			b.Queue(st.sql, st.args...)
+		}
+	}, func(br pgx.BatchResults) error {
+		for _, st := range steps {
+			if !st.ids {
+				if _, err := br.Exec(); err != nil {
+					return fmt.Errorf("%s: %w", st.kind, err)
+				}
+				continue
+			}
+			rows, err := br.Query()
+			if err != nil {
+				return fmt.Errorf("%s: %w", st.kind, err)
+			}
+			got, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+			if err != nil {
+				return fmt.Errorf("%s: %w", st.kind, err)
+			}
+			out = append(out, got...)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, rowDataError(err)
+	}
+	return out, nil
+}
+
+// rowDataError marks err with relay.ErrRowData when PostgreSQL refused a
+// row's data (SQLSTATE class 22, data exception, or 23, integrity
+// constraint violation), as opposed to a connection or server failure.
+func rowDataError(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "23")) {
+		return fmt.Errorf("%w: %w", relay.ErrRowData, err)
+	}
+	return err
 }

@@ -3,7 +3,8 @@ package ledger
 import (
 	"context"
 	"fmt"
-	"strings"
+	"slices"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -11,154 +12,436 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// Settle writes s in one transaction and one round trip: at most one
-// statement per kind, each taking its rows as arrays.
-//
-//   - Delivered pairs are inserted as 'delivered'. A pair already delivered
-//     is left untouched (a re-streamed duplicate does not abort the batch,
-//     which is why this is unnest … ON CONFLICT and not COPY); a 'sending' or
-//     'unknown' claim of the same pair becomes delivered.
-//   - Hand-offs mark rows for the claim path (handoff_at, available_at — now
-//     when zero —, last_error unless empty, attempts += Attempts), only while
-//     the row is pending and not yet handed off.
-//   - Dead letters set status 'failed' with the error, only while the row is
-//     pending. They run after the hand-offs, so a row in both lists (which
-//     the engine should not produce) ends failed.
-//
-// With Config.AsyncCommit the transaction commits with synchronous_commit =
-// off: it becomes durable with the next SaveCheckpoint. An empty Settlement
-// does nothing. Any error rolls everything back and names the failing kind;
-// Settle is safe to repeat with the same or an overlapping Settlement.
-func (s *Store) Settle(ctx context.Context, st relay.Settlement) ([]int64, error) {
-	if len(st.Delivered) == 0 && len(st.HandOffs) == 0 && len(st.DeadLetters) == 0 {
-		return nil, nil
+// streamStatements are the stream path's SQL texts.
+type streamStatements struct {
+	delivered  string
+	handOffs   string
+	deadLetter string
+	held       string
+	unknown    string
+	release    string
+	restreamed string
+	ledgerOf   string
+	claimPairs string
+	markDone   string
+	diverted   string
+}
+
+func renderStream(outbox, ledger string) streamStatements {
+	// Each row change reports, from its own snapshot, the ids it could not
+	// see at all: the walsender may send a transaction before the
+	// committing backend has left the proc array (with synchronous
+	// replication, until a standby confirms it), so a fast delivery can
+	// settle a row no other session sees yet. A separate check would run in
+	// a later snapshot and could see the row then, hiding the miss.
+	invisible := func(update string) string {
+		return update + fmt.Sprintf(`
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox)
 	}
-	setCommit := ""
-	if s.asyncCommit {
-		setCommit = s.sql.setAsyncCommit
+	return streamStatements{
+		delivered: deliveredSQL(ledger, false),
+
+		// A hand-off: the row becomes the claim path's, due at available_at.
+		handOffs: invisible(fmt.Sprintf(`
+WITH t AS (SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS t(id, avail, err, n)),
+changed AS (
+UPDATE %s AS o
+   SET handoff_at = now(),
+       available_at = COALESCE(t.avail, now()),
+       last_error = COALESCE(NULLIF(t.err, ''), o.last_error),
+       attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
+  FROM t
+ WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+RETURNING o.id)`, outbox)),
+
+		deadLetter: invisible(fmt.Sprintf(`
+WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)),
+changed AS (
+UPDATE %s AS o
+   SET status = 'failed', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n),
+       processed_at = now(), locked_at = NULL, locked_by = NULL
+  FROM t
+ WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+RETURNING o.id)`, outbox)),
+
+		held: invisible(fmt.Sprintf(`
+WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)),
+changed AS (
+UPDATE %s AS o
+   SET status = 'held', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
+  FROM t
+ WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+RETURNING o.id)`, outbox)),
+
+		// A pair whose outcome is unknown at a sink that holds such events:
+		// 'unknown' (never claimed again but by dlq retry). A pair the
+		// ledger shows delivered has a known outcome and is left alone.
+		unknown: fmt.Sprintf(`
+INSERT INTO %s AS l (event_key, action, state, attempts, detail)
+SELECT t.k, t.a, 'unknown', 1, t.d
+  FROM (SELECT DISTINCT ON (k, a) k, a, d FROM unnest($1::text[], $2::text[], $3::text[]) AS u(k, a, d) ORDER BY k, a) AS t
+    ON CONFLICT (event_key, action) DO UPDATE
+   SET state = 'unknown', detail = EXCLUDED.detail
+ WHERE l.state <> 'delivered'`, ledger),
+
+		release: releaseSQL(ledger),
+
+		// The lateral subquery is a prefix scan of the ledger's primary key
+		// (event_key, action) per row.
+		restreamed: fmt.Sprintf(`
+SELECT o.id,
+       (o.status = 'pending' AND o.handoff_at IS NULL) IS TRUE,
+       d.actions
+  FROM %s AS o
+  LEFT JOIN LATERAL (
+       SELECT array_agg(l.action ORDER BY l.action) AS actions
+         FROM %s AS l
+        WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true
+ WHERE o.id = ANY($1::bigint[])`, outbox, ledger),
+
+		ledgerOf: ledgerPairsSQL(ledger),
+
+		// The claim before sending is the insert itself (never
+		// check-then-insert). Only an 'unknown' pair — held, then released
+		// by dlq retry — may be claimed again.
+		claimPairs: fmt.Sprintf(`
+INSERT INTO %s AS l (event_key, action, state, attempts, owner, claimed_at)
+SELECT t.k, t.a, 'sending', 1, $3, now()
+  FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
+    ON CONFLICT (event_key, action) DO UPDATE
+   SET state = 'sending', owner = EXCLUDED.owner, claimed_at = now(), attempts = l.attempts + 1
+ WHERE l.state = 'unknown'
+RETURNING l.event_key, l.action`, ledger),
+
+		markDone: fmt.Sprintf(`
+WITH t AS (SELECT unnest($1::bigint[]) AS id),
+changed AS (
+UPDATE %s o SET status = 'done', processed_at = now()
+  FROM t
+ WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+RETURNING o.id)
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
+
+		// The status list repeats the predicate of the ordering index
+		// (aggregate_type, aggregate_id, id) WHERE status IN (…), so the
+		// planner may scan that small partial index in aggregate order.
+		diverted: fmt.Sprintf(`
+SELECT DISTINCT aggregate_type, aggregate_id
+  FROM %s
+ WHERE status IN ('pending', 'processing', 'held')
+   AND (handoff_at IS NOT NULL OR status = 'held')
+   AND aggregate_type IS NOT NULL AND aggregate_id IS NOT NULL`, outbox),
 	}
-	var kinds []string
-	queue := func(b *pgx.Batch) {
-		if n := len(st.Delivered); n > 0 {
-			keys, actions := make([]string, n), make([]string, n)
-			for i, d := range st.Delivered {
-				keys[i], actions[i] = d.EventKey, d.Action
-			}
-			b.Queue(s.sql.settleDelivered, keys, actions)
-			kinds = append(kinds, fmt.Sprintf("insert %d delivered ledger rows", n))
-		}
-		if n := len(st.HandOffs); n > 0 {
-			ids := make([]int64, n)
-			avail := make([]pgtype.Timestamptz, n)
-			errs := make([]string, n)
-			attempts := make([]int32, n)
-			for i, h := range st.HandOffs {
-				ids[i], errs[i], attempts[i] = h.ID, h.LastError, int32(h.Attempts)
-				avail[i] = pgtype.Timestamptz{Time: h.AvailableAt, Valid: !h.AvailableAt.IsZero()}
-			}
-			b.Queue(s.sql.settleHandOffs, ids, avail, errs, attempts)
-			kinds = append(kinds, fmt.Sprintf("hand off %d rows", n))
-		}
-		if n := len(st.DeadLetters); n > 0 {
-			ids, errs := make([]int64, n), make([]string, n)
-			for i, d := range st.DeadLetters {
-				ids[i], errs[i] = d.ID, d.LastError
-			}
-			b.Queue(s.sql.settleDeadLetters, ids, errs)
-			kinds = append(kinds, fmt.Sprintf("dead-letter %d rows", n))
-		}
+}
+
+// deliveredSQL inserts delivered ledger pairs. ON CONFLICT DO UPDATE may
+// touch a row only once per statement, so the pairs are made distinct
+// first; the order makes concurrent settlements lock ledger rows in one
+// order. A pair already delivered is left exactly as it is (insert-only); a
+// claim ('sending', 'unknown') becomes delivered — on the claim path only
+// the owner's own.
+func deliveredSQL(ledger string, owned bool) string {
+	owner, cond := "NULL::text", ""
+	if owned {
+		owner, cond = "$3", " AND (l.state <> 'sending' OR l.owner = EXCLUDED.owner)"
 	}
-	var invisible []int64
-	err := s.inTx(ctx, setCommit, queue, func(br pgx.BatchResults) error {
-		for _, kind := range kinds {
-			if !strings.HasPrefix(kind, "insert") {
-				rows, err := br.Query()
-				if err != nil {
-					return fmt.Errorf("%s: %w", kind, err)
-				}
-				ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-				if err != nil {
-					return fmt.Errorf("%s: %w", kind, err)
-				}
-				invisible = append(invisible, ids...)
-				continue
-			}
-			if _, err := br.Exec(); err != nil {
-				return fmt.Errorf("%s: %w", kind, err)
-			}
-		}
+	return fmt.Sprintf(`
+INSERT INTO %s AS l (event_key, action, state, attempts, owner, claimed_at, delivered_at)
+SELECT t.k, t.a, 'delivered', 1, %s, now(), now()
+  FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
+    ON CONFLICT (event_key, action) DO UPDATE
+   SET state = 'delivered', delivered_at = now()
+ WHERE l.state <> 'delivered'%s`, ledger, owner, cond)
+}
+
+// releaseSQL withdraws the owner's claims whose send is known not to have
+// reached the sink, so whoever delivers next claims afresh.
+func releaseSQL(ledger string) string {
+	return fmt.Sprintf(`
+DELETE FROM %s AS l
+ USING unnest($1::text[], $2::text[]) AS t(k, a)
+ WHERE l.event_key = t.k AND l.action = t.a AND l.owner = $3 AND l.state = 'sending'`, ledger)
+}
+
+// ledgerPairsSQL reads the ledger's pairs of some event keys: a prefix scan
+// of the primary key (event_key, action).
+func ledgerPairsSQL(ledger string) string {
+	return fmt.Sprintf(`
+SELECT event_key, action, state, owner FROM %s WHERE event_key = ANY($1::text[])`, ledger)
+}
+
+// ledgerEntry is a pair as the ledger shows it.
+type ledgerEntry struct {
+	state string
+	owner string
+}
+
+// readLedger reads the ledger's pairs of keys.
+func readLedger(ctx context.Context, q querier, sql string, keys []string) (map[relay.LedgerKey]ledgerEntry, error) {
+	known := map[relay.LedgerKey]ledgerEntry{}
+	rows, err := q.Query(ctx, sql, keys)
+	if err != nil {
+		return nil, fmt.Errorf("read the ledger: %w", err)
+	}
+	var (
+		k     relay.LedgerKey
+		state string
+		owner pgtype.Text
+	)
+	_, err = pgx.ForEachRow(rows, []any{&k.EventKey, &k.Action, &state, &owner}, func() error {
+		known[k] = ledgerEntry{state: state, owner: owner.String}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("settle: %w", err)
+		return nil, fmt.Errorf("read the ledger: %w", err)
 	}
-	return invisible, nil
+	return known, nil
 }
 
-// Restreamed returns, for the events' rows that still exist, whether the
-// stream still owns the row (status 'pending' and not handed off) and the
-// sinks the ledger shows delivered (sorted; nil when none). It runs one query
-// per 10,000 ids. It only reads, so it is safe to repeat; an error names the
-// chunk's first id and discards the partial result.
-func (s *Store) Restreamed(ctx context.Context, events []*relay.Event) (map[int64]relay.RowState, error) {
-	ids := make([]int64, len(events))
-	for i, e := range events {
-		ids[i] = e.ID
-	}
-	states := make(map[int64]relay.RowState, len(ids))
-	for _, chunk := range chunks(ids) {
-		rows, err := s.pool.Query(ctx, s.sql.restreamed, chunk)
-		if err != nil {
-			return nil, fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)
-		}
-		var (
-			id    int64
-			state relay.RowState
-		)
-		_, err = pgx.ForEachRow(rows, []any{&id, &state.Owned, &state.Delivered}, func() error {
-			states[id] = state
-			state.Delivered = nil // the next row scans into a fresh slice
-			return nil
-		})
-		if err != nil {
-			return nil, fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)
+// PrepareStream implements relay.StreamStore.
+func (s *Store) PrepareStream(ctx context.Context, works []*relay.Work, restreamed bool, owner string) error {
+	if restreamed {
+		if err := s.restreamed(ctx, works); err != nil {
+			return err
 		}
 	}
-	return states, nil
-}
-
-// MarkDone sets status 'done' on the rows among ids that are still pending
-// and not handed off; others (handed off, held, failed, already done,
-// missing) are left alone. It always commits with synchronous_commit = off:
-// a lost update only leaves delivered rows pending, which MarkDeliveredDone
-// repairs at start. Safe to repeat.
-func (s *Store) MarkDone(ctx context.Context, ids []int64) ([]int64, error) {
-	if len(ids) == 0 {
-		return nil, nil
+	var keys, actions []string
+	var claiming []*relay.Pair
+	var claimingEvents []*relay.Event
+	for _, w := range works {
+		if w.Skip {
+			continue
+		}
+		for _, p := range w.Pairs {
+			if p.Hold && p.State == relay.PairSend && !p.Claimed {
+				keys, actions = append(keys, w.Event.EventKey), append(actions, p.Sink)
+				claiming, claimingEvents = append(claiming, p), append(claimingEvents, w.Event)
+			}
+		}
 	}
-	var invisible []int64
-	err := s.inTx(ctx, s.sql.setAsyncCommit, func(b *pgx.Batch) {
-		b.Queue(s.sql.markDone, ids)
+	if len(keys) == 0 {
+		return nil
+	}
+	claimed := map[relay.LedgerKey]bool{}
+	err := s.inTx(ctx, s.sql.setSynchronousCommit, func(b *pgx.Batch) {
+		b.Queue(s.sql.stream.claimPairs, keys, actions, owner)
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
 		if err != nil {
 			return err
 		}
-		invisible, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+		var k relay.LedgerKey
+		_, err = pgx.ForEachRow(rows, []any{&k.EventKey, &k.Action}, func() error {
+			claimed[k] = true
+			return nil
+		})
 		return err
 	})
+	if err != nil {
+		return fmt.Errorf("claim %d pairs before sending: %w", len(keys), err)
+	}
+	var refused []string
+	for i, p := range claiming {
+		if claimed[relay.LedgerKey{EventKey: claimingEvents[i].EventKey, Action: p.Sink}] {
+			p.Claimed = true
+		} else {
+			refused = append(refused, claimingEvents[i].EventKey)
+		}
+	}
+	if len(refused) == 0 {
+		return nil
+	}
+	// Delivered already (a re-stream), or claimed before a crash or by
+	// another relay: its outcome is unknown.
+	known, err := readLedger(ctx, s.pool, s.sql.stream.ledgerOf, refused)
+	if err != nil {
+		return err
+	}
+	for i, p := range claiming {
+		if p.Claimed {
+			continue
+		}
+		prev := known[relay.LedgerKey{EventKey: claimingEvents[i].EventKey, Action: p.Sink}]
+		if prev.state == "delivered" {
+			p.State = relay.PairDelivered
+		} else {
+			p.State, p.PrevOwner = relay.PairUnknown, prev.owner
+		}
+	}
+	return nil
+}
+
+// restreamed marks the works whose row is no longer the stream's as Skip,
+// and their pairs the ledger shows delivered as PairDelivered; one query
+// per 10,000 rows. Rows missing from the table are left as they are.
+func (s *Store) restreamed(ctx context.Context, works []*relay.Work) error {
+	byID := make(map[int64]*relay.Work, len(works))
+	ids := make([]int64, len(works))
+	for i, w := range works {
+		ids[i] = w.Event.ID
+		byID[w.Event.ID] = w
+	}
+	for _, chunk := range chunks(ids) {
+		rows, err := s.pool.Query(ctx, s.sql.stream.restreamed, chunk)
+		if err != nil {
+			return fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)
+		}
+		var (
+			id        int64
+			owned     bool
+			delivered []string
+		)
+		_, err = pgx.ForEachRow(rows, []any{&id, &owned, &delivered}, func() error {
+			w := byID[id]
+			if !owned {
+				w.Skip = true
+			}
+			for _, p := range w.Pairs {
+				if slices.Contains(delivered, p.Sink) {
+					p.State = relay.PairDelivered
+				}
+			}
+			delivered = nil
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)
+		}
+	}
+	return nil
+}
+
+// settlementRows is a batch of decisions split by statement.
+type settlementRows struct {
+	deliveredKeys, deliveredActions []string
+	unknownKeys, unknownActions     []string
+	unknownDetails                  []string
+	releaseKeys, releaseActions     []string
+	// row changes by kind: hand-offs, dead letters, held
+	handIDs   []int64
+	handAt    []pgtype.Timestamptz
+	handErrs  []string
+	handN     []int32
+	deadIDs   []int64
+	deadErrs  []string
+	deadN     []int32
+	heldIDs   []int64
+	heldErrs  []string
+	heldN     []int32
+	doneIDs   []int64
+	retryIDs  []int64
+	retryMS   []int64
+	retryErrs []*string
+	retryN    []int32
+}
+
+// split sorts the pairs and rows of works into the statements that write
+// them. Pairs: newly delivered ones into the ledger; claims whose outcome
+// is unknown become 'unknown'; other claims are withdrawn.
+func split(works []*relay.Work) *settlementRows {
+	r := &settlementRows{}
+	now := time.Now()
+	for _, w := range works {
+		ev, d := w.Event, w.Decision
+		for _, p := range w.Pairs {
+			switch {
+			case p.Outcome.Kind == relay.Delivered && p.State != relay.PairDelivered:
+				r.deliveredKeys, r.deliveredActions = append(r.deliveredKeys, ev.EventKey), append(r.deliveredActions, p.Sink)
+			case p.Claimed && p.Outcome.Kind != relay.Delivered && (p.Outcome.Unknown || p.Outcome.Kind == relay.Held):
+				detail := "outcome unknown: " + p.Outcome.Reason
+				if p.Outcome.Kind == relay.Held {
+					detail = p.Outcome.Reason
+				}
+				r.unknownKeys, r.unknownActions = append(r.unknownKeys, ev.EventKey), append(r.unknownActions, p.Sink)
+				r.unknownDetails = append(r.unknownDetails, relay.ShortError(detail))
+			case p.Claimed && p.Outcome.Kind != relay.Delivered:
+				r.releaseKeys, r.releaseActions = append(r.releaseKeys, ev.EventKey), append(r.releaseActions, p.Sink)
+			}
+		}
+		reason := relay.ShortError(d.Reason)
+		switch d.Kind {
+		case relay.Done:
+			r.doneIDs = append(r.doneIDs, ev.ID)
+		case relay.Later:
+			r.handIDs = append(r.handIDs, ev.ID)
+			r.handAt = append(r.handAt, pgtype.Timestamptz{Time: d.At, Valid: !d.At.IsZero()})
+			r.handErrs, r.handN = append(r.handErrs, reason), append(r.handN, int32(d.Attempts))
+			r.retryIDs, r.retryMS = append(r.retryIDs, ev.ID), append(r.retryMS, max(d.At.Sub(now), 0).Milliseconds())
+			var e *string
+			if reason != "" {
+				e = &reason
+			}
+			r.retryErrs, r.retryN = append(r.retryErrs, e), append(r.retryN, int32(d.Attempts))
+		case relay.DeadLetter:
+			r.deadIDs, r.deadErrs, r.deadN = append(r.deadIDs, ev.ID), append(r.deadErrs, reason), append(r.deadN, int32(d.Attempts))
+		case relay.Hold:
+			r.heldIDs, r.heldErrs, r.heldN = append(r.heldIDs, ev.ID), append(r.heldErrs, reason), append(r.heldN, int32(d.Attempts))
+		}
+	}
+	return r
+}
+
+// SettleStream implements relay.StreamStore: one transaction, one round
+// trip, at most one statement per kind. With Config.AsyncCommit it commits
+// with synchronous_commit = off: it becomes durable with the next
+// SaveCheckpoint. An error rolls everything back; a data error (SQLSTATE
+// class 22 or 23) wraps relay.ErrRowData. Safe to repeat with the same or
+// an overlapping batch.
+func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
+	r := split(works)
+	setCommit := ""
+	if s.asyncCommit {
+		setCommit = s.sql.setAsyncCommit
+	}
+	st := s.sql.stream
+	var steps []step
+	if len(r.deliveredKeys) > 0 {
+		steps = append(steps, exec(fmt.Sprintf("insert %d delivered ledger rows", len(r.deliveredKeys)), st.delivered, r.deliveredKeys, r.deliveredActions))
+	}
+	if len(r.unknownKeys) > 0 {
+		steps = append(steps, exec(fmt.Sprintf("mark %d ledger pairs unknown", len(r.unknownKeys)), st.unknown, r.unknownKeys, r.unknownActions, r.unknownDetails))
+	}
+	if len(r.releaseKeys) > 0 {
+		steps = append(steps, exec(fmt.Sprintf("withdraw %d ledger claims", len(r.releaseKeys)), st.release, r.releaseKeys, r.releaseActions, owner))
+	}
+	if len(r.handIDs) > 0 {
+		steps = append(steps, ids(fmt.Sprintf("hand off %d rows", len(r.handIDs)), st.handOffs, r.handIDs, r.handAt, r.handErrs, r.handN))
+	}
+	if len(r.deadIDs) > 0 {
+		steps = append(steps, ids(fmt.Sprintf("dead-letter %d rows", len(r.deadIDs)), st.deadLetter, r.deadIDs, r.deadErrs, r.deadN))
+	}
+	if len(r.heldIDs) > 0 {
+		steps = append(steps, ids(fmt.Sprintf("hold %d rows", len(r.heldIDs)), st.held, r.heldIDs, r.heldErrs, r.heldN))
+	}
+	if len(steps) == 0 {
+		return nil, nil
+	}
+	invisible, err := s.runSteps(ctx, setCommit, steps)
+	if err != nil {
+		return nil, fmt.Errorf("settle %d stream events: %w", len(works), err)
+	}
+	return invisible, nil
+}
+
+// MarkDone implements relay.StreamStore. It always commits with
+// synchronous_commit = off: a lost update only leaves delivered rows
+// pending, which MarkDeliveredDone repairs at start.
+func (s *Store) MarkDone(ctx context.Context, ids []int64) ([]int64, error) {
+	if len(ids) == 0 {
+		return nil, nil
+	}
+	invisible, err := s.runSteps(ctx, s.sql.setAsyncCommit, []step{idsStep("mark rows done", s.sql.stream.markDone, ids)})
 	if err != nil {
 		return nil, fmt.Errorf("mark %d rows done: %w", len(ids), err)
 	}
 	return invisible, nil
 }
 
-// Diverted returns the distinct aggregates (non-NULL aggregate_type and
-// aggregate_id) that have a row handed off to the claim path and not yet
-// settled (pending or processing) or a held row: the stream hands their later
-// events off too, to keep per-aggregate order. It only reads.
+// Diverted implements relay.StreamStore: the distinct aggregates (non-NULL
+// aggregate_type and aggregate_id) with a row handed off to the claim path
+// and not yet settled, or held. It only reads.
 func (s *Store) Diverted(ctx context.Context) ([]relay.AggregateKey, error) {
-	rows, err := s.pool.Query(ctx, s.sql.diverted)
+	rows, err := s.pool.Query(ctx, s.sql.stream.diverted)
 	if err != nil {
 		return nil, fmt.Errorf("read diverted aggregates: %w", err)
 	}

@@ -278,6 +278,7 @@ var sqlMigrations = []string{
 	"004_ledger.sql",
 	"005_outbox_publish.sql",
 	"006_replays.sql",
+	"007_handover_record.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the

@@ -4,14 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"path"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
+	"golang.org/x/sync/errgroup"
+	"golang.org/x/sync/semaphore"
 )
 
 // Route connects a sink to the engine.
@@ -24,121 +24,112 @@ type Route struct {
 	Nudge bool
 	// Hold (on_unknown: hold) claims each event in the ledger before sending
 	// and holds it for a person when the outcome is unknown, instead of
-	// sending it again. It costs one synchronous round trip per event.
+	// sending it again.
 	Hold bool
 }
 
-// EngineConfig configures an Engine. Zero values take the defaults in brackets.
+// EngineConfig configures an Engine. Zero values take the defaults in
+// brackets.
 type EngineConfig struct {
 	Routes []Route
-	Store  Store
+	Policy Policy
 	// Unordered turns off per-aggregate ordering (ordering: none).
 	Unordered bool
-	// InlineAttempts is how many times the stream tries an event in memory
-	// before handing it to the claim path [3]; 0 hands off on first failure.
-	InlineAttempts int
-	// MaxAttempts dead-letters an event after this many counted attempts [10].
-	MaxAttempts int
-	// Backoff is the claim path's schedule, indexed by attempts made
-	// [1s 5s 30s 2m 5m 15m 30m 1h]; 0–10% jitter is added.
-	Backoff []time.Duration
-	// LaneBlockMax is how long a full lane may block decoding before the
-	// event is handed off instead [2s].
-	LaneBlockMax time.Duration
 	// LaneCapacity bounds the events a sink holds (queued, in flight or
 	// waiting to retry) [4096].
 	LaneCapacity int
-	// MarkDone marks fully delivered rows done, in batches, off the
+	// MaxUnsettled bounds the events taken and not yet settled, whatever
+	// holds them (a lane, the settle queue, a failing store): when it is
+	// reached, sources wait [2 × LaneCapacity].
+	MaxUnsettled int
+	// MarkDone marks fully delivered stream rows done, in batches, off the
 	// acknowledgement path [false: the ledger is the record].
 	MarkDone bool
-	// Holds and Owner serve routes with Hold; Owner names this instance in
-	// the ledger's claims.
-	Holds  HoldStore
-	Owner  string
-	Logger zerolog.Logger
+	// Stream and Claim are the paths' stores; Claim may be nil when no
+	// claim path feeds the engine.
+	Stream StreamStore
+	Claim  ClaimStore
+	// Owner names this relay in the ledger's claims and locked_by.
+	Owner string
+	// ClaimLease is the lease of the claim path's rows and ledger claims
+	// (source.lock_timeout) [5m]; the engine renews it while it works.
+	ClaimLease time.Duration
+	Logger     zerolog.Logger
 }
 
-func (c *EngineConfig) setDefaults() {
-	if c.InlineAttempts < 0 {
-		c.InlineAttempts = 0
-	}
-	if c.MaxAttempts <= 0 {
-		c.MaxAttempts = 10
-	}
-	if len(c.Backoff) == 0 {
-		c.Backoff = []time.Duration{time.Second, 5 * time.Second, 30 * time.Second, 2 * time.Minute,
-			5 * time.Minute, 15 * time.Minute, 30 * time.Minute, time.Hour}
-	}
-	if c.LaneBlockMax <= 0 {
-		c.LaneBlockMax = 2 * time.Second
-	}
-	if c.LaneCapacity <= 0 {
-		c.LaneCapacity = 4096
-	}
-}
-
-// Engine delivers streamed events to sinks. It implements Consumer for the
-// replication source: events come in commit order, each routed sink gets its
-// own lane, per-aggregate order is kept within a lane, and every outcome is
-// written through the Store before the event counts as settled.
+// Engine is the one delivery core (docs/architecture.md): the stream and the
+// claim path feed it events; it routes each to its sinks' lanes (per
+// aggregate order, back-pressure, circuits), sends, decides every outcome
+// with the Policy, writes the decisions through the path's store in
+// batches, and only then counts the events as settled (and the stream may
+// acknowledge them).
 type Engine struct {
 	cfg   EngineConfig
 	log   zerolog.Logger
 	lanes []*lane
 
-	tracker   *tracker
-	horizon   atomic.Uint64 // events committed before this LSN may have been seen before
+	// unsettled bounds the works taken and not yet settled.
+	unsettled *semaphore.Weighted
+
+	mu sync.Mutex
+	// inflight holds the works taken and not yet settled, by path and id:
+	// the stream joins an event the slot sends again while it is in flight,
+	// and the claim path renews the leases of its rows.
+	inflight map[Path]map[int64]*Work
+	idle     *sync.Cond // broadcast when inflight empties
+
 	divertSeq atomic.Uint64 // orders diverts against the claim path's checks
+	draining  atomic.Bool   // stop retrying inline: hand waiting retries off
 
-	settleMu   sync.Mutex
-	toSettle   []*eventState
-	settleWake chan struct{}
+	settle map[Path]*settleQueue
+	marks  *markQueue
 
-	doneMu   sync.Mutex
-	toMark   []int64
-	markWake chan struct{}
-	markTry  map[int64]int // ids whose row was not visible yet: tries so far
+	started chan struct{}
+	runCtx  context.Context
 
-	runCtx   context.Context // valid once Run started; timers use it
-	runStop  context.CancelFunc
-	started  chan struct{}
-	stopping chan struct{} // closed when Drain asks inline retries to hand off
-	stopOnce sync.Once
+	stream *streamFeed
+	// claimSettled is called after claim-path settlements (OnClaimSettled).
+	claimSettled func()
 
-	// Metrics hooks for tests and /metrics.
+	// Stats counts outcomes; safe to read concurrently.
 	Stats EngineStats
 }
 
-// EngineStats counts outcomes; safe to read concurrently.
+// EngineStats counts outcomes of (event, sink) pairs, and events skipped.
 type EngineStats struct {
 	Delivered, HandedOff, DeadLettered, Held, Retried, Skipped atomic.Int64
 }
 
-var _ Consumer = (*Engine)(nil)
-
-// NewEngine builds an engine; call Run before submitting events.
+// NewEngine validates cfg and builds an engine; call Run before feeding it.
 func NewEngine(cfg EngineConfig) (*Engine, error) {
-	cfg.setDefaults()
-	if cfg.Store == nil {
-		return nil, errors.New("engine: no store")
+	cfg.Policy.setDefaults()
+	if cfg.LaneCapacity <= 0 {
+		cfg.LaneCapacity = DefaultLaneCapacity
 	}
-	for _, r := range cfg.Routes {
-		if r.Hold && (cfg.Holds == nil || cfg.Owner == "") {
-			return nil, fmt.Errorf("engine: sink %s holds unknown outcomes but the engine has no hold store or owner", r.Sink.Name())
-		}
+	if cfg.MaxUnsettled <= 0 {
+		cfg.MaxUnsettled = 2 * cfg.LaneCapacity
+	}
+	if cfg.ClaimLease <= 0 {
+		cfg.ClaimLease = 5 * time.Minute
+	}
+	if cfg.Stream == nil {
+		return nil, errors.New("engine: no stream store")
 	}
 	e := &Engine{
-		cfg:        cfg,
-		log:        cfg.Logger,
-		tracker:    newTracker(),
-		settleWake: make(chan struct{}, 1),
-		markWake:   make(chan struct{}, 1),
-		markTry:    map[int64]int{},
-		started:    make(chan struct{}),
-		stopping:   make(chan struct{}),
+		cfg:       cfg,
+		log:       cfg.Logger,
+		unsettled: semaphore.NewWeighted(int64(cfg.MaxUnsettled)),
+		inflight:  map[Path]map[int64]*Work{PathStream: {}, PathClaim: {}},
+		started:   make(chan struct{}),
+		marks:     newMarkQueue(),
 	}
+	e.idle = sync.NewCond(&e.mu)
+	e.settle = map[Path]*settleQueue{PathStream: newSettleQueue(e, PathStream), PathClaim: newSettleQueue(e, PathClaim)}
 	names := map[string]bool{}
 	for _, r := range cfg.Routes {
+		if r.Sink == nil {
+			return nil, errors.New("engine: a route has no sink")
+		}
 		if names[r.Sink.Name()] {
 			return nil, fmt.Errorf("engine: two sinks named %q", r.Sink.Name())
 		}
@@ -148,38 +139,107 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 				return nil, fmt.Errorf("engine: sink %s: bad event glob %q: %w", r.Sink.Name(), g, err)
 			}
 		}
+		if r.Hold && cfg.Owner == "" {
+			return nil, fmt.Errorf("engine: sink %s holds unknown outcomes but the engine has no owner", r.Sink.Name())
+		}
 		e.lanes = append(e.lanes, newLane(e, r))
 	}
+	e.stream = newStreamFeed(e)
 	return e, nil
 }
 
+// Stream returns the Consumer the replication source feeds.
+func (e *Engine) Stream() Consumer { return e.stream }
+
 // Run loads the diverted aggregates, then runs the lanes and the writers
-// until ctx is done. Call Drain first for a graceful stop.
+// until ctx is done. Call Drain first for a graceful stop. Every goroutine
+// it starts has ended when it returns.
 func (e *Engine) Run(ctx context.Context) error {
 	if err := e.loadDivertedRetrying(ctx); err != nil {
 		return err
 	}
-
-	ctx, cancel := context.WithCancel(ctx)
-	e.runCtx, e.runStop = ctx, cancel
+	g, ctx := errgroup.WithContext(ctx)
+	e.runCtx = ctx
 	close(e.started)
-
-	var wg sync.WaitGroup
 	for _, l := range e.lanes {
-		wg.Go(func() { l.dispatch(ctx) })
+		g.Go(func() error { l.dispatch(ctx); return nil })
 	}
-	wg.Go(func() { e.settleLoop(ctx) })
-	wg.Go(func() { e.markDoneLoop(ctx) })
+	for _, q := range e.settle {
+		g.Go(func() error { q.run(ctx); return nil })
+	}
+	if e.cfg.MarkDone {
+		g.Go(func() error { e.markDoneLoop(ctx); return nil })
+	}
+	if e.cfg.Claim != nil {
+		g.Go(func() error { e.renewLeases(ctx); return nil })
+	}
 	<-ctx.Done()
-	cancel()
-	wg.Wait()
+	return g.Wait()
+}
+
+// waitStarted waits until Run has started the lanes, or ctx ends.
+func (e *Engine) waitStarted(ctx context.Context) error {
+	select {
+	case <-e.started:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// BeginDrain makes failed attempts go to the claim path from now on instead
+// of being retried in memory; Drain calls it. Safe to call more than once.
+func (e *Engine) BeginDrain() { e.draining.Store(true) }
+
+// Drain waits until every work taken is settled; from now on, failed
+// attempts are handed off instead of retried in memory. It returns ctx's
+// error if that comes first.
+func (e *Engine) Drain(ctx context.Context) error {
+	e.draining.Store(true)
+	if err := e.WaitSettled(ctx); err != nil {
+		return err
+	}
+	e.flushMarkDone(ctx)
+	return nil
+}
+
+// WaitSettled waits until every work taken so far is settled, or ctx ends.
+// The replication source calls it before it creates a slot, so that the new
+// slot's hand-over does not give the claim path rows the engine is still
+// delivering (they would reach the sinks twice).
+func (e *Engine) WaitSettled(ctx context.Context) error {
+	return e.waitInFlight(ctx, func() int { return len(e.inflight[PathStream]) + len(e.inflight[PathClaim]) })
+}
+
+// WaitPathSettled waits until every work of path p taken so far is
+// settled, or ctx ends. The claim source calls it before it releases its
+// owner lock.
+func (e *Engine) WaitPathSettled(ctx context.Context, p Path) error {
+	return e.waitInFlight(ctx, func() int { return len(e.inflight[p]) })
+}
+
+func (e *Engine) waitInFlight(ctx context.Context, count func() int) error {
+	stop := context.AfterFunc(ctx, func() {
+		e.mu.Lock()
+		e.idle.Broadcast()
+		e.mu.Unlock()
+	})
+	defer stop()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for count() > 0 {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		e.idle.Wait()
+	}
 	return nil
 }
 
 // loadDiverted marks, in every lane, the aggregates the table shows with a
 // handed-off or held event, so their new events follow them.
 func (e *Engine) loadDiverted(ctx context.Context) error {
-	diverted, err := e.cfg.Store.Diverted(ctx)
+	diverted, err := e.cfg.Stream.Diverted(ctx)
 	if err != nil {
 		return fmt.Errorf("load diverted aggregates: %w", err)
 	}
@@ -196,39 +256,54 @@ func (e *Engine) loadDiverted(ctx context.Context) error {
 	return nil
 }
 
-// Drain waits until every submitted event is settled; inline retries still
-// waiting are handed off at once. It returns ctx's error if that comes first.
-func (e *Engine) Drain(ctx context.Context) error {
-	e.stopOnce.Do(func() { close(e.stopping) })
-	if !e.tracker.waitIdle(ctx.Done()) {
-		return ctx.Err()
-	}
-	e.flushMarkDone(ctx)
-	return nil
+// loadDivertedRetrying is loadDiverted, retried while the database is
+// unreachable; it fails only when ctx ends.
+func (e *Engine) loadDivertedRetrying(ctx context.Context) error {
+	return retry(ctx, func() error { return e.loadDiverted(ctx) }, func(err error, wait time.Duration) {
+		e.log.Warn().Err(err).Dur("retry_in", wait).Msg("load diverted aggregates; retrying")
+	})
 }
 
-// WaitSettled waits until every event submitted so far is settled, or ctx
-// ends. The replication source calls it before it creates a slot, so that
-// the new slot's hand-over does not give the claim path rows the engine is
-// still delivering (they would reach the sinks twice).
-func (e *Engine) WaitSettled(ctx context.Context) error {
-	if !e.tracker.waitIdle(ctx.Done()) {
-		return ctx.Err()
+// retry runs f until it succeeds or ctx ends, waiting RetryDelay between
+// attempts and telling warn each time.
+func retry(ctx context.Context, f func() error, warn func(error, time.Duration)) error {
+	for attempt := 1; ; attempt++ {
+		err := f()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		wait := RetryDelay(attempt)
+		warn(err, wait)
+		if !sleepCtx(ctx, wait) {
+			return ctx.Err()
+		}
 	}
-	return nil
 }
 
-// DivertSeq returns the current divert sequence number. The claim path reads
-// it before checking the table for an aggregate's unsettled hand-offs and
-// passes it to Undiverted.
+// sleepCtx waits d or until ctx ends; it reports whether d passed.
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// DivertSeq returns the current divert sequence number; see undiverted.
 func (e *Engine) DivertSeq() uint64 { return e.divertSeq.Load() }
 
-// Undiverted lets the stream deliver an aggregate's events again once the
+// undiverted lets the stream deliver an aggregate's events again once the
 // claim path has settled its last handed-off or held event. seq is DivertSeq
-// read before the claim path looked at the table: a hand-off the engine made
-// (or wrote) after that, or one not yet written, keeps the aggregate
-// diverted, so a later event never overtakes it.
-func (e *Engine) Undiverted(a AggregateKey, seq uint64) {
+// read before the claim path looked at the table: a hand-off decided after
+// that, or one not yet written, keeps the aggregate diverted, so a later
+// event never overtakes it.
+func (e *Engine) undiverted(a AggregateKey, seq uint64) {
 	for _, l := range e.lanes {
 		l.mu.Lock()
 		if at, ok := l.diverted[a]; ok && at <= seq && l.unwritten[a] == 0 {
@@ -238,491 +313,227 @@ func (e *Engine) Undiverted(a AggregateKey, seq uint64) {
 	}
 }
 
-// Submit implements Consumer.
-func (e *Engine) Submit(ctx context.Context, events []*Event) error {
-	if len(events) == 0 {
+// route builds the work of ev: one pair per sink that takes its type.
+func (e *Engine) route(p Path, ev *Event) *Work {
+	w := &Work{Event: ev, path: p}
+	for _, l := range e.lanes {
+		if Matches(l.route.Events, ev.EventType) {
+			w.Pairs = append(w.Pairs, &Pair{Sink: l.name, Hold: l.route.Hold})
+			w.lanes = append(w.lanes, l)
+		}
+	}
+	return w
+}
+
+// take acquires room for n works, blocking while MaxUnsettled works are
+// unsettled (back-pressure on every source).
+func (e *Engine) take(ctx context.Context, n int) error {
+	if n == 0 {
 		return nil
 	}
-	select {
-	case <-e.started:
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-
-	var known map[int64]RowState
-	if h := LSN(e.horizon.Load()); h != 0 && events[0].CommitLSN < h {
-		var err error
-		if known, err = e.restreamed(ctx, events); err != nil {
-			return err
-		}
-	}
-
-	entry := e.tracker.add(len(events))
-	now := time.Now()
-	if ct := events[0].CommitTime; !ct.IsZero() {
-		// One transaction's events share their commit time.
-		lag := now.Sub(ct).Seconds()
-		for range events {
-			decodeLatency.Observe(lag)
-		}
-	}
-	for _, ev := range events {
-		st := &eventState{ev: ev, entry: entry}
-		state, seen := known[ev.ID]
-		switch {
-		case ev.Status != "" && ev.Status != "pending":
-			// Inserted already settled (or held) by the application: not ours.
-			e.Stats.Skipped.Add(1)
-			e.resolveSkipped(st)
-			continue
-		case seen && !state.Owned:
-			// Settled, handed off or claimed before the restart.
-			e.Stats.Skipped.Add(1)
-			e.resolveSkipped(st)
-			continue
-		}
-
-		var routed []*lane
-		for _, l := range e.lanes {
-			if l.routes(ev) && !contains(state.Delivered, l.name) {
-				routed = append(routed, l)
-			}
-		}
-		if len(routed) == 0 {
-			st.allDelivered = true
-			e.resolveSkipped(st)
-			continue
-		}
-		st.remaining.Store(int32(len(routed)))
-		if !ev.AvailableAt.IsZero() && ev.AvailableAt.After(now) {
-			// Scheduled for later: the claim path honours available_at.
-			for _, l := range routed {
-				e.finish(l, &task{st: st}, outcome{kind: outcomeHandOff, reason: "available_at is in the future",
-					availableAt: ev.AvailableAt, why: "scheduled"})
-			}
-			continue
-		}
-		for _, l := range routed {
-			if err := l.enqueue(ctx, &task{st: st}); err != nil {
-				return err
-			}
-		}
+	if err := e.unsettled.Acquire(ctx, int64(n)); err != nil {
+		return err
 	}
 	return nil
 }
 
-// restreamed asks the store about events the slot may be sending again,
-// retrying while the database is unreachable.
-func (e *Engine) restreamed(ctx context.Context, events []*Event) (map[int64]RowState, error) {
-	for attempt := 0; ; attempt++ {
-		known, err := e.cfg.Store.Restreamed(ctx, events)
-		if err == nil {
-			return known, nil
-		}
-		e.log.Warn().Err(err).Msg("check re-streamed events against the ledger; retrying")
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-time.After(retryDelay(attempt)):
-		}
+// admit registers w as in flight. For the stream it counts w in ticket's
+// transaction first.
+func (e *Engine) admit(w *Work, ticket *txnEntry) {
+	e.mu.Lock()
+	if ticket != nil {
+		e.stream.tracker.count(ticket)
+		w.tickets = append(w.tickets, ticket)
 	}
+	e.inflight[w.path][w.Event.ID] = w
+	e.mu.Unlock()
 }
 
-// Commit implements Consumer.
-func (e *Engine) Commit(endLSN LSN) { e.tracker.commit(endLSN) }
-
-// Keepalive implements Consumer.
-func (e *Engine) Keepalive(walEnd LSN) { e.tracker.keepalive(walEnd) }
-
-// Settled implements Consumer.
-func (e *Engine) Settled() (LSN, bool) { return e.tracker.position() }
-
-// Restart implements Consumer.
-//
-// It also reloads the diverted aggregates: a new slot's hand-over has just
-// given the claim path every row pending before it, and the stream must not
-// overtake those.
-func (e *Engine) Restart(ctx context.Context, horizon LSN) error {
-	if !e.tracker.waitIdle(ctx.Done()) {
-		return ctx.Err()
+// joinInFlight attaches ticket to the stream work of id already in flight,
+// and reports whether there was one.
+func (e *Engine) joinInFlight(id int64, ticket *txnEntry) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	w, ok := e.inflight[PathStream][id]
+	if !ok {
+		return false
 	}
-	e.tracker.reset()
-	e.horizon.Store(uint64(horizon))
-	return e.loadDivertedRetrying(ctx)
-}
-
-// loadDivertedRetrying is loadDiverted, retried while the database is
-// unreachable (a term that starts just after a PostgreSQL restart); it fails
-// only when ctx ends. Run must not fail on this: the source would keep
-// streaming into an engine that never started.
-func (e *Engine) loadDivertedRetrying(ctx context.Context) error {
-	for attempt := 0; ; attempt++ {
-		err := e.loadDiverted(ctx)
-		if err == nil {
-			return nil
-		}
-		e.log.Warn().Err(err).Msg("load diverted aggregates; retrying")
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(retryDelay(attempt)):
-		}
-	}
-}
-
-// eventState collects the outcome of one event across its sinks.
-type eventState struct {
-	ev        *Event
-	entry     *txnEntry
-	remaining atomic.Int32 // routed sinks without an outcome yet
-
-	bodyOnce sync.Once
-	envelope []byte
-	nudge    []byte
-
-	mu           sync.Mutex
-	delivered    []string
-	handOff      *HandOff
-	deadLetter   string
-	held         bool // the store already holds the row
-	allDelivered bool
-	diverters    []*lane // lanes that handed the event off or held it
-	// invisibleSince is when a row change first found the row invisible.
-	invisibleSince time.Time
-}
-
-func (st *eventState) body(nudge bool) []byte {
-	st.bodyOnce.Do(func() { st.envelope = st.ev.AppendEnvelope(nil) })
-	if !nudge {
-		return st.envelope
-	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if st.nudge == nil {
-		st.nudge = st.ev.AppendNudge(nil)
-	}
-	return st.nudge
-}
-
-type outcomeKind int
-
-const (
-	outcomeDelivered outcomeKind = iota
-	outcomeHandOff
-	outcomeDeadLetter
-	outcomeHeld // written by HoldStore.Hold before the outcome is recorded
-)
-
-type outcome struct {
-	kind        outcomeKind
-	reason      string
-	availableAt time.Time
-	counted     int    // attempts that count against max_attempts
-	why         string // hand-off reason for the metric label
-}
-
-// metric is the handed_off_total reason label.
-func (o outcome) metric() string {
-	if o.why == "" {
-		return "retries"
-	}
-	return o.why
-}
-
-// finish records one sink's outcome for an event; the last one queues the
-// event for settlement.
-func (e *Engine) finish(l *lane, t *task, o outcome) {
-	st := t.st
-	st.mu.Lock()
-	switch o.kind {
-	case outcomeDelivered:
-		st.delivered = append(st.delivered, l.name)
-		e.Stats.Delivered.Add(1)
-		l.metrics.observeDelivered(st.ev.CommitTime)
-	case outcomeHandOff:
-		e.Stats.HandedOff.Add(1)
-		observeHandedOff(l.name, o.metric())
-		st.diverters = append(st.diverters, l)
-		l.handedOff(st.ev)
-		reason := "sink " + l.name + ": " + o.reason
-		if st.handOff == nil {
-			st.handOff = &HandOff{ID: st.ev.ID, AvailableAt: o.availableAt, LastError: reason, Attempts: o.counted}
-		} else {
-			if o.availableAt.Before(st.handOff.AvailableAt) {
-				st.handOff.AvailableAt = o.availableAt
-			}
-			st.handOff.LastError += "; " + reason
-			st.handOff.Attempts = max(st.handOff.Attempts, o.counted)
-		}
-	case outcomeHeld:
-		e.Stats.Held.Add(1)
-		l.metrics.held.Inc()
-		st.held = true
-		st.diverters = append(st.diverters, l)
-		l.handedOff(st.ev)
-	case outcomeDeadLetter:
-		e.Stats.DeadLettered.Add(1)
-		l.metrics.failed.Inc()
-		if st.deadLetter != "" {
-			st.deadLetter += "; "
-		}
-		st.deadLetter += "sink " + l.name + ": " + o.reason
-	}
-	st.mu.Unlock()
-	if st.remaining.Add(-1) == 0 {
-		e.queueSettle(st)
-	}
-}
-
-func (e *Engine) resolveSkipped(st *eventState) { e.queueSettle(st) }
-
-func (e *Engine) queueSettle(st *eventState) {
-	e.settleMu.Lock()
-	e.toSettle = append(e.toSettle, st)
-	e.settleMu.Unlock()
-	select {
-	case e.settleWake <- struct{}{}:
-	default:
-	}
-}
-
-// settleBatch bounds one Store.Settle call.
-const settleBatch = 2000
-
-// settleLinger is how long the settle loop, woken by a first outcome, lets
-// more gather before it writes. Without it a steady trickle (1,000 events/s
-// arriving one by one) costs one PostgreSQL transaction per event, which
-// at that rate took a quarter of a core from the server and showed up as
-// tail latency for every event. Settling is off the delivery path: the
-// linger delays only the ledger row and the acknowledgement.
-const settleLinger = 5 * time.Millisecond
-
-// settleLoop writes outcomes in batches: one transaction per batch, then
-// the events count as settled. A failed write is retried; nothing settles
-// (so nothing is acknowledged) until it succeeds.
-func (e *Engine) settleLoop(ctx context.Context) {
-	linger := time.NewTimer(0)
-	<-linger.C
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-e.settleWake:
-		}
-		e.settleMu.Lock()
-		full := len(e.toSettle) >= settleBatch
-		e.settleMu.Unlock()
-		if !full {
-			linger.Reset(settleLinger)
-			select {
-			case <-ctx.Done():
-				return
-			case <-linger.C:
-			}
-		}
-		for {
-			e.settleMu.Lock()
-			n := min(len(e.toSettle), settleBatch)
-			batch := make([]*eventState, n)
-			copy(batch, e.toSettle)
-			e.toSettle = e.toSettle[n:]
-			if len(e.toSettle) == 0 {
-				e.toSettle = nil
-			}
-			e.settleMu.Unlock()
-			if n == 0 {
-				break
-			}
-			if !e.settle(ctx, batch) {
-				return
-			}
-		}
-	}
-}
-
-func (e *Engine) settle(ctx context.Context, batch []*eventState) bool {
-	var s Settlement
-	var done []int64
-	for _, st := range batch {
-		st.mu.Lock()
-		for _, sink := range st.delivered {
-			s.Delivered = append(s.Delivered, LedgerKey{EventKey: st.ev.EventKey, Action: sink})
-		}
-		switch {
-		case st.deadLetter != "":
-			s.DeadLetters = append(s.DeadLetters, DeadLetter{ID: st.ev.ID, LastError: st.deadLetter})
-		case st.held:
-			// Hold wrote the row; it waits for a person.
-		case st.handOff != nil:
-			s.HandOffs = append(s.HandOffs, *st.handOff)
-		case len(st.delivered) > 0 || st.allDelivered:
-			done = append(done, st.ev.ID)
-		}
-		st.mu.Unlock()
-	}
-	var invisible []int64
-	if len(s.Delivered)+len(s.HandOffs)+len(s.DeadLetters) > 0 {
-		for attempt := 0; ; attempt++ {
-			var err error
-			invisible, err = e.cfg.Store.Settle(ctx, s)
-			if err == nil {
-				break
-			}
-			e.log.Error().Err(err).Int("events", len(batch)).Msg("write delivery outcomes; retrying (the slot is not acknowledged past them until this succeeds)")
-			select {
-			case <-ctx.Done():
-				return false
-			case <-time.After(retryDelay(attempt)):
-			}
-		}
-	}
-	if len(invisible) > 0 {
-		batch = e.retryInvisible(batch, invisible)
-	}
-	for _, st := range batch {
-		for _, l := range st.diverters {
-			l.written(st.ev)
-		}
-		e.tracker.done(st.entry)
-	}
-	if e.cfg.MarkDone && len(done) > 0 {
-		e.doneMu.Lock()
-		e.toMark = append(e.toMark, done...)
-		e.doneMu.Unlock()
-		select {
-		case e.markWake <- struct{}{}:
-		default:
-		}
-	}
+	e.stream.tracker.count(ticket)
+	w.tickets = append(w.tickets, ticket)
 	return true
 }
 
-// invisibleRetryFor bounds how long the engine waits for a decoded row to
-// become visible before it gives up on changing it.
-const invisibleRetryFor = 30 * time.Second
-
-// retryInvisible takes the events whose row change could not be applied
-// because the row is not visible yet out of batch, and settles them again
-// shortly; they stay unsettled (so unacknowledged) meanwhile. Their ledger
-// rows are written already. It returns the rest of the batch.
-func (e *Engine) retryInvisible(batch []*eventState, invisible []int64) []*eventState {
-	ids := make(map[int64]bool, len(invisible))
-	for _, id := range invisible {
-		ids[id] = true
+// dispatch starts w's pairs: those Prepare settled go straight to their
+// outcome, the others into their lanes. A scheduled stream event (its
+// available_at is in the future) goes to the claim path. block says how
+// long a full lane may hold the caller: the stream waits at most
+// LaneBlockMax, the claim path until ctx ends. A pair that cannot be queued
+// because ctx ended is deferred.
+func (e *Engine) dispatch(ctx context.Context, w *Work, now time.Time) {
+	w.remaining.Store(int32(len(w.Pairs)))
+	if len(w.Pairs) == 0 {
+		e.finishWork(w)
+		return
 	}
-	rest := batch[:0:0]
-	for _, st := range batch {
-		if !ids[st.ev.ID] {
-			rest = append(rest, st)
-			continue
+	scheduled := w.path == PathStream && !w.Event.AvailableAt.IsZero() && w.Event.AvailableAt.After(now)
+	for i, p := range w.Pairs {
+		l := w.lanes[i]
+		t := &task{w: w, p: p, l: l}
+		switch {
+		case p.State == PairDelivered:
+			l.complete(t, Outcome{Kind: Delivered}, false)
+		case p.State == PairBlocked:
+			l.complete(t, Outcome{Kind: Deferred, Reason: "another owner (" + orUnknown(p.PrevOwner) + ") holds a live claim to send it",
+				Until: now.Add(time.Second), Why: "claimed"}, false)
+		case p.State == PairUnknown && p.Hold:
+			reason := "outcome unknown: claimed for sending before a restart or by another relay"
+			if p.PrevOwner != "" {
+				reason = "outcome unknown: took over the ledger claim of " + p.PrevOwner + " (lease passed or owner gone)"
+			}
+			l.complete(t, Outcome{Kind: Held, Reason: reason, Unknown: true}, false)
+		case scheduled:
+			// Diverted now, by complete: the next event of the aggregate,
+			// decoded a moment later, must follow it.
+			l.complete(t, Outcome{Kind: Deferred, Reason: "available_at is in the future", Until: w.Event.AvailableAt, Why: "scheduled"}, false)
+		default:
+			if p.State == PairUnknown {
+				e.log.Warn().Str("sink", p.Sink).Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Str("old_owner", orUnknown(p.PrevOwner)).
+					Msg("took over a ledger claim whose lease passed or whose owner is gone: outcome unknown, sending again with the same id and body")
+			}
+			l.enqueue(ctx, t)
 		}
-		st.mu.Lock()
-		st.delivered = nil
-		if st.invisibleSince.IsZero() {
-			st.invisibleSince = time.Now()
-		}
-		waited := time.Since(st.invisibleSince)
-		st.mu.Unlock()
-		if waited > invisibleRetryFor {
-			e.log.Error().Int64("id", st.ev.ID).Str("event_key", st.ev.EventKey).
-				Msg("the row of a decoded event never became visible (deleted?); its hand-off or dead letter was not written")
-			rest = append(rest, st)
-			continue
-		}
-		time.AfterFunc(20*time.Millisecond, func() { e.queueSettle(st) })
 	}
-	return rest
 }
 
-// markDoneLoop marks delivered rows done in batches, at most every 200 ms.
-// It is off the acknowledgement path: a row left pending is marked done at
-// the next start from the ledger.
-func (e *Engine) markDoneLoop(ctx context.Context) {
-	tick := time.NewTicker(200 * time.Millisecond)
+// finishWork decides w once every pair has an outcome and queues it for
+// settlement.
+func (e *Engine) finishWork(w *Work) {
+	if !w.Skip {
+		outcomes := make([]Outcome, len(w.Pairs))
+		sinks := make([]string, len(w.Pairs))
+		for i, p := range w.Pairs {
+			outcomes[i], sinks[i] = p.Outcome, p.Sink
+		}
+		w.Decision = e.cfg.Policy.decide(time.Now(), w.Event.Attempts, outcomes, sinks)
+		e.logDecision(w)
+	} else {
+		w.Decision = Decision{Kind: Skip}
+	}
+	e.settle[w.path].add(w)
+}
+
+func (e *Engine) logDecision(w *Work) {
+	d := w.Decision
+	switch d.Kind {
+	case DeadLetter:
+		e.log.Warn().Str("path", string(w.path)).Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Int("attempts", d.Attempts).
+			Str("error", d.Reason).Msg("event failed: dead-lettered")
+	case Hold:
+		e.log.Warn().Str("path", string(w.path)).Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Str("reason", d.Reason).
+			Msg("event held: its outcome is unknown and the sink holds such events; see outbox-relay dlq list")
+	}
+}
+
+// settled is called once w's decision is written (or needs no write): it
+// frees w's room, lets the stream acknowledge it, and tells the lanes the
+// claim path can now see a hand-off.
+func (e *Engine) settled(w *Work) {
+	for i, p := range w.Pairs {
+		if diverts(p.Outcome.Kind) && w.Decision.Kind != Skip {
+			w.lanes[i].written(w.Event)
+		}
+	}
+	e.mu.Lock()
+	tickets := w.tickets
+	w.tickets = nil
+	if e.inflight[w.path][w.Event.ID] == w {
+		delete(e.inflight[w.path], w.Event.ID)
+	}
+	for _, t := range tickets {
+		e.stream.tracker.done(t)
+	}
+	if len(e.inflight[w.path]) == 0 {
+		e.idle.Broadcast()
+	}
+	e.mu.Unlock()
+	e.unsettled.Release(1)
+	if e.cfg.MarkDone && w.path == PathStream && w.Decision.Kind == Done {
+		e.marks.add(w.Event.ID)
+	}
+}
+
+// diverts reports whether a pair with this outcome leaves its event with
+// the claim path (or a person), so that the aggregate's later events must
+// follow it.
+func diverts(k OutcomeKind) bool { return k == Retry || k == Deferred || k == Held }
+
+// renewLeases extends the claim path's leases on the rows it is working on,
+// every third of the lease, until ctx ends.
+func (e *Engine) renewLeases(ctx context.Context) {
+	every := max(e.cfg.ClaimLease/3, 100*time.Millisecond)
+	tick := time.NewTicker(every)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
-		case <-e.markWake:
-			// Let a batch gather; the ticker bounds the delay.
+		}
+		e.mu.Lock()
+		ids := make([]int64, 0, len(e.inflight[PathClaim]))
+		for id := range e.inflight[PathClaim] {
+			ids = append(ids, id)
+		}
+		e.mu.Unlock()
+		if len(ids) == 0 {
 			continue
 		}
-		e.flushMarkDone(ctx)
-	}
-}
-
-func (e *Engine) flushMarkDone(ctx context.Context) {
-	e.doneMu.Lock()
-	ids := e.toMark
-	e.toMark = nil
-	e.doneMu.Unlock()
-	flushed := ids
-	var again []int64
-	for len(ids) > 0 {
-		n := min(len(ids), 5000)
-		invisible, err := e.cfg.Store.MarkDone(ctx, ids[:n])
-		if err != nil {
-			e.log.Warn().Err(err).Int("rows", n).Msg("mark rows done; they stay pending until the next start marks them from the ledger")
-		}
-		again = append(again, invisible...)
-		ids = ids[n:]
-	}
-	// Rows not visible yet are tried again at the next flush, for up to
-	// about invisibleRetryFor.
-	e.doneMu.Lock()
-	defer e.doneMu.Unlock()
-	if len(e.markTry) > 0 {
-		retrying := make(map[int64]bool, len(again))
-		for _, id := range again {
-			retrying[id] = true
-		}
-		for _, id := range flushed {
-			if !retrying[id] {
-				delete(e.markTry, id)
-			}
-		}
-	}
-	for _, id := range again {
-		if e.markTry[id]++; e.markTry[id] < int(invisibleRetryFor/(200*time.Millisecond)) {
-			e.toMark = append(e.toMark, id)
-		} else {
-			delete(e.markTry, id)
+		if err := e.cfg.Claim.ExtendLeases(ctx, ids, e.cfg.Owner); err != nil && ctx.Err() == nil {
+			e.log.Warn().Err(err).Int("rows", len(ids)).Msg("extend the leases of rows being delivered; retrying at the next renewal")
 		}
 	}
 }
 
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
+// SubmitClaimed hands rows the claim path claimed to the engine: it
+// prepares their ledger claims and queues them. It blocks while the engine
+// applies back-pressure. On an error (ctx ended, or the ledger claims could
+// not be made) the rows it did not take are returned to the caller, which
+// puts them back; every row it took is settled by the engine.
+func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*Work, err error) {
+	if e.cfg.Claim == nil {
+		return works, errors.New("engine: no claim store")
 	}
-	return false
+	if err := e.waitStarted(ctx); err != nil {
+		return works, err
+	}
+	if len(works) == 0 {
+		return nil, nil
+	}
+	for _, w := range works {
+		w.path = PathClaim
+		routed := e.route(PathClaim, w.Event)
+		w.Pairs, w.lanes = routed.Pairs, routed.lanes
+	}
+	if err := e.take(ctx, len(works)); err != nil {
+		return works, err
+	}
+	if err := e.cfg.Claim.PrepareClaim(ctx, works, e.cfg.Owner, e.cfg.ClaimLease); err != nil {
+		e.unsettled.Release(int64(len(works)))
+		return works, fmt.Errorf("claim the ledger pairs of %d rows: %w", len(works), err)
+	}
+	now := time.Now()
+	for _, w := range works {
+		e.admit(w, nil)
+	}
+	for _, w := range works {
+		e.dispatch(ctx, w, now)
+	}
+	return nil, nil
 }
 
-// retryDelay is the backoff for the engine's own database retries.
-func retryDelay(attempt int) time.Duration {
-	d := 100 * time.Millisecond << min(attempt, 6)
-	return d + rand.N(d/4+1)
-}
-
-// backoff returns the claim path's delay after the given number of attempts,
-// with 0–10% jitter.
-func (e *Engine) backoff(attempts int) time.Duration {
-	b := e.cfg.Backoff
-	d := b[min(max(attempts-1, 0), len(b)-1)]
-	return d + rand.N(d/10+1)
-}
-
-// firstLine keeps error text to one short line for last_error.
-func firstLine(s string) string {
-	if i := strings.IndexAny(s, "\r\n"); i >= 0 {
-		s = s[:i]
+func orUnknown(owner string) string {
+	if owner == "" {
+		return "unknown owner"
 	}
-	if len(s) > 500 {
-		s = s[:500]
-	}
-	return s
+	return owner
 }

@@ -1,158 +1,365 @@
 package relay
 
 import (
+	"container/heap"
 	"context"
-	"path"
 	"sync"
 	"time"
 )
 
 // lane is one sink's share of the engine. It holds at most LaneCapacity
-// events; with ordering on, one event per aggregate is in flight and the
-// rest of that aggregate waits behind it in commit order. Events of
-// different aggregates go out concurrently, up to the sink's own window.
+// pairs; with ordering on, one pair per aggregate is in flight and the rest
+// of that aggregate waits behind it in arrival order, whichever path it came
+// from. Pairs of different aggregates go out concurrently, up to the sink's
+// own window. One goroutine, dispatch, sends; the sink's callbacks decide
+// each outcome (result) and complete it.
 type lane struct {
 	e       *Engine
 	route   Route
 	name    string
 	sink    Sink
-	metrics sinkMetrics
+	metrics map[Path]sinkMetrics
 
-	slots chan struct{} // one token per event the lane holds: back-pressure
-	ready chan *task    // to the dispatcher; never blocks (a task holds a slot)
+	slots   chan struct{} // one token per pair the lane holds: back-pressure
+	ready   chan *task    // to the dispatcher; never blocks (a task holds a slot)
+	retryIn chan *task    // inline retries, to the dispatcher's timer heap
 
 	mu   sync.Mutex
-	busy map[AggregateKey]*aggQueue // aggregates with an event in flight
-	// diverted holds aggregates with an event at the claim path (handed off
-	// or held), with the engine's divert sequence number of the latest
-	// hand-off; unwritten counts hand-offs not yet written to the table.
-	// Undiverted uses both so that the claim path, which learns from the
+	busy map[AggregateKey]*aggQueue // aggregates with a pair in flight
+	// diverted holds the aggregates with an event at the claim path (handed
+	// off or held) with the divert sequence number of the latest decision;
+	// unwritten counts such decisions not yet written to the table.
+	// undiverted uses both so that the claim path, which learns from the
 	// table, never clears a mark the table does not show yet.
 	diverted  map[AggregateKey]uint64
 	unwritten map[AggregateKey]int
-
-	// The circuit: open while the sink is down (credentials, not published,
-	// unreachable); events then go to the claim path at once.
-	openUntil time.Time
-	downCount int
+	circuit   circuit
 }
 
 type aggQueue struct{ waiting []*task }
 
-// task is one event on its way to one sink.
+// task is one pair on its way through the lane.
 type task struct {
-	st      *eventState
-	tries   int  // sends made; the attempt header counts them
-	counted int  // failed attempts that count against max_attempts
-	claimed bool // the ledger holds our 'sending' claim (Hold routes)
+	w       *Work
+	p       *Pair
+	l       *lane
+	tries   int    // sends made in this pass; the attempt header counts them
+	counted int    // failed attempts of this pass that count
+	last    string // the last failure
+	due     time.Time
+	index   int // in the retry heap
 }
 
 func newLane(e *Engine, r Route) *lane {
+	name := r.Sink.Name()
 	return &lane{
 		e:         e,
 		route:     r,
-		name:      r.Sink.Name(),
+		name:      name,
 		sink:      r.Sink,
-		metrics:   newSinkMetrics(r.Sink.Name()),
+		metrics:   map[Path]sinkMetrics{PathStream: newSinkMetrics(name, PathStream), PathClaim: newSinkMetrics(name, PathClaim)},
 		slots:     make(chan struct{}, e.cfg.LaneCapacity),
 		ready:     make(chan *task, e.cfg.LaneCapacity),
+		retryIn:   make(chan *task, e.cfg.LaneCapacity),
 		busy:      map[AggregateKey]*aggQueue{},
 		diverted:  map[AggregateKey]uint64{},
 		unwritten: map[AggregateKey]int{},
 	}
 }
 
-// routes reports whether the sink takes this event type.
-func (l *lane) routes(ev *Event) bool {
-	if len(l.route.Events) == 0 {
-		return true
-	}
-	for _, g := range l.route.Events {
-		if g == "*" {
-			return true
-		}
-		if ev.EventType != nil {
-			if ok, _ := path.Match(g, *ev.EventType); ok {
-				return true
-			}
-		}
-	}
-	return false
-}
-
 func (l *lane) ordered(ev *Event) bool { return !l.e.cfg.Unordered && ev.Ordered() }
 
-// enqueue takes an event into the lane. It blocks while the lane is full —
-// back-pressure on decoding — but never longer than LaneBlockMax: then the
-// event is handed off and the stream moves on.
-func (l *lane) enqueue(ctx context.Context, t *task) error {
-	select {
-	case l.slots <- struct{}{}:
-	default:
-		timer := time.NewTimer(l.e.cfg.LaneBlockMax)
-		select {
-		case l.slots <- struct{}{}:
-			timer.Stop()
-		case <-timer.C:
-			l.divert(t.st.ev)
-			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "lane blocked longer than lane_block_max", availableAt: time.Now(), why: "lane_blocked"})
-			return nil
-		case <-ctx.Done():
-			timer.Stop()
-			return ctx.Err()
-		}
+// enqueue takes a pair into the lane. It blocks while the lane is full:
+// back-pressure on the source. A stream pair waits at most LaneBlockMax,
+// then goes to the claim path and the stream moves on; a claim-path pair
+// waits until ctx ends. A pair that could not be queued because ctx ended
+// is deferred.
+func (l *lane) enqueue(ctx context.Context, t *task) {
+	if !l.acquire(ctx, t) {
+		return
 	}
-
-	ev := t.st.ev
+	ev := t.w.Event
+	now := time.Now()
 	l.mu.Lock()
-	if until := l.openUntil; time.Now().Before(until) {
+	if until, open := l.circuit.isOpen(now); open {
 		l.mu.Unlock()
-		<-l.slots
-		l.divert(ev)
-		l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until, why: "sink_down"})
-		return nil
+		l.complete(t, Outcome{Kind: Deferred, Reason: "circuit open: sink is down", Until: until, Why: "sink_down"}, true)
+		return
 	}
 	if l.ordered(ev) {
 		agg := ev.AggregateKey()
-		if _, ok := l.diverted[agg]; ok {
+		_, diverted := l.diverted[agg]
+		switch {
+		case t.w.path == PathStream && diverted:
 			l.mu.Unlock()
-			<-l.slots
-			l.e.finish(l, t, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now(), why: "ordering"})
-			return nil
+			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is with the claim path", Until: now, Why: "ordering"}, true)
+			return
+		case t.w.path == PathClaim && l.unwritten[agg] > 0:
+			// The stream decided to hand an earlier event of this aggregate
+			// off and has not written it yet: the table does not show it,
+			// so the claim query could not wait for it. Try again shortly.
+			l.mu.Unlock()
+			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is being handed off", Until: now.Add(100 * time.Millisecond), Why: "ordering"}, true)
+			return
 		}
 		if q, ok := l.busy[agg]; ok {
 			q.waiting = append(q.waiting, t)
 			l.mu.Unlock()
-			return nil
+			return
 		}
 		l.busy[agg] = &aggQueue{}
 	}
 	l.mu.Unlock()
 	l.ready <- t
-	return nil
 }
 
-func (l *lane) divert(ev *Event) {
-	if !l.ordered(ev) {
+// acquire takes a slot for t, waiting as enqueue says; when it gives up it
+// completes t itself and reports false.
+func (l *lane) acquire(ctx context.Context, t *task) bool {
+	select {
+	case l.slots <- struct{}{}:
+		return true
+	default:
+	}
+	var timeout <-chan time.Time
+	if t.w.path == PathStream {
+		timer := time.NewTimer(l.e.cfg.Policy.LaneBlockMax)
+		defer timer.Stop()
+		timeout = timer.C
+	}
+	select {
+	case l.slots <- struct{}{}:
+		return true
+	case <-timeout:
+		l.complete(t, Outcome{Kind: Deferred, Reason: "lane blocked longer than lane_block_max", Until: time.Now(), Why: "lane_blocked"}, false)
+	case <-ctx.Done():
+		l.complete(t, Outcome{Kind: Deferred, Reason: "not sent: its source stopped", Until: time.Now(), Why: "stopping"}, false)
+	}
+	return false
+}
+
+// dispatch sends ready pairs and due retries until ctx ends. Send blocks
+// while the sink's window is full.
+func (l *lane) dispatch(ctx context.Context) {
+	var retries retryHeap
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for {
+		var due <-chan time.Time
+		if len(retries) > 0 {
+			timer.Reset(time.Until(retries[0].due))
+			due = timer.C
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case t := <-l.ready:
+			l.send(ctx, t)
+		case t := <-l.retryIn:
+			heap.Push(&retries, t)
+		case <-due:
+			now := time.Now()
+			for len(retries) > 0 && !retries[0].due.After(now) {
+				t := heap.Pop(&retries).(*task)
+				if l.e.draining.Load() {
+					l.complete(t, l.retryOutcome(t, 0), true)
+					continue
+				}
+				l.send(ctx, t)
+			}
+		}
+		if !timer.Stop() {
+			select {
+			case <-timer.C:
+			default:
+			}
+		}
+	}
+}
+
+// send gives t to the sink, unless the sink's circuit is open.
+func (l *lane) send(ctx context.Context, t *task) {
+	l.mu.Lock()
+	until, open := l.circuit.isOpen(time.Now())
+	l.mu.Unlock()
+	if open {
+		o := Outcome{Kind: Deferred, Reason: "circuit open: sink is down", Until: until, Why: "sink_down"}
+		if t.counted > 0 {
+			o = Outcome{Kind: Retry, Reason: t.last + "; then the circuit opened", Until: until, Counted: t.counted}
+		}
+		l.complete(t, o, true)
 		return
 	}
-	l.mu.Lock()
-	l.diverted[ev.AggregateKey()] = l.e.divertSeq.Add(1)
-	l.mu.Unlock()
+	t.tries++
+	w := t.w
+	d := &Delivery{Event: w.Event, Body: l.body(w), Attempt: w.Event.Attempts + t.tries, Replay: w.Replay}
+	l.sink.Send(ctx, d, func(err error) { l.result(t, err) })
 }
 
-// handedOff counts a hand-off of ev by this lane until written is called.
-func (l *lane) handedOff(ev *Event) {
-	if !l.ordered(ev) {
+// body is the event's envelope or nudge, built once per event: every
+// attempt and every sink send the same bytes.
+func (l *lane) body(w *Work) []byte {
+	if l.route.Nudge {
+		w.nudgeOnce.Do(func() { w.nudge = w.Event.AppendNudge(nil) })
+		return w.nudge
+	}
+	w.envelopeOnce.Do(func() { w.envelope = w.Event.AppendEnvelope(nil) })
+	return w.envelope
+}
+
+// result decides what happens after one send. It runs on the sink's
+// callback and never blocks.
+func (l *lane) result(t *task, err error) {
+	if err == nil {
+		l.mu.Lock()
+		closed := l.circuit.close()
+		l.mu.Unlock()
+		if closed {
+			l.e.log.Info().Str("sink", l.name).Msg("sink is back: circuit closed")
+		}
+		l.complete(t, Outcome{Kind: Delivered}, true)
 		return
 	}
-	l.mu.Lock()
-	l.unwritten[ev.AggregateKey()]++
-	l.mu.Unlock()
+	class, retryAfter := Classify(err)
+	reason := ShortError(err.Error())
+	switch class {
+	case Permanent:
+		l.complete(t, Outcome{Kind: Failed, Reason: reason, Counted: t.counted + 1}, true)
+		return
+	case SinkDown:
+		now := time.Now()
+		l.mu.Lock()
+		until, opened := l.circuit.open(now, retryAfter)
+		l.mu.Unlock()
+		if opened {
+			l.e.log.Warn().Str("sink", l.name).Str("error", reason).Dur("retry_in", until.Sub(now).Round(time.Millisecond)).
+				Msg("sink is down: circuit open, its events wait without counting attempts")
+		}
+		o := Outcome{Kind: Deferred, Reason: reason, Until: until, Why: "sink_down"}
+		if t.counted > 0 {
+			o = Outcome{Kind: Retry, Reason: t.last + "; then " + reason, Until: until, Counted: t.counted}
+		}
+		l.complete(t, o, true)
+		return
+	}
+	if class == Unknown && t.p.Hold {
+		// The sink may have acted on it: park it for a person, never resend.
+		l.complete(t, Outcome{Kind: Held, Reason: ShortError("outcome unknown: " + reason), Unknown: true, Counted: t.counted + 1}, true)
+		return
+	}
+	// Transient, or unknown at a sink that retries: an attempt that counts.
+	t.counted++
+	t.last = reason
+	l.e.Stats.Retried.Add(1)
+	l.metrics[t.w.path].retried.Inc()
+	unknown := class == Unknown
+	t.p.Outcome.Unknown = t.p.Outcome.Unknown || unknown
+	delay := max(inlineDelay(t.counted), retryAfter)
+	if t.w.path == PathStream && t.counted < l.e.cfg.Policy.InlineAttempts && delay <= l.e.cfg.Policy.LaneBlockMax &&
+		t.w.Event.Attempts+t.counted < l.e.cfg.Policy.MaxAttempts && !l.e.draining.Load() {
+		t.due = time.Now().Add(delay)
+		l.retryIn <- t
+		return
+	}
+	l.complete(t, l.retryOutcome(t, retryAfter), true)
 }
 
-// written is called once the hand-off of ev is in the table: from now on the
-// claim path can see it.
+// retryOutcome is the final outcome of a pair whose counted attempts
+// failed: try again after the backoff (or dead-letter it at max_attempts;
+// the policy decides).
+func (l *lane) retryOutcome(t *task, retryAfter time.Duration) Outcome {
+	o := Outcome{Kind: Retry, Reason: t.last, Counted: t.counted, Unknown: t.p.Outcome.Unknown}
+	if retryAfter > 0 {
+		o.Until = time.Now().Add(retryAfter)
+	}
+	return o
+}
+
+// complete records the pair's outcome. held says whether t holds a slot of
+// the lane: then the slot is freed and the next pair of the aggregate goes
+// out, unless the outcome leaves the event with the claim path: then the
+// aggregate is diverted at once and the pairs waiting behind it follow it,
+// so none overtakes it.
+func (l *lane) complete(t *task, o Outcome, held bool) {
+	ev := t.w.Event
+	var next *task
+	var follow []*task
+	if l.ordered(ev) {
+		agg := ev.AggregateKey()
+		l.mu.Lock()
+		if diverts(o.Kind) {
+			l.diverted[agg] = l.e.divertSeq.Add(1)
+			l.unwritten[agg]++
+		}
+		if held {
+			q := l.busy[agg]
+			switch {
+			case q == nil:
+			case diverts(o.Kind):
+				follow = q.waiting
+				delete(l.busy, agg)
+			case len(q.waiting) > 0:
+				next = q.waiting[0]
+				q.waiting = q.waiting[1:]
+			default:
+				delete(l.busy, agg)
+			}
+		}
+		l.mu.Unlock()
+	}
+	if held {
+		<-l.slots
+	}
+	l.record(t, o)
+	for _, f := range follow {
+		l.complete(f, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is with the claim path", Until: time.Now(), Why: "ordering"}, true)
+	}
+	if next != nil {
+		l.ready <- next
+	}
+}
+
+// record stores the pair's outcome and counts it; the last pair of the
+// event has it decided and queued for settlement.
+func (l *lane) record(t *task, o Outcome) {
+	w, p := t.w, t.p
+	m := l.metrics[w.path]
+	unknown := p.Outcome.Unknown || o.Unknown
+	p.Outcome = o
+	p.Outcome.Unknown = unknown && o.Kind != Delivered
+	switch o.Kind {
+	case Delivered:
+		if p.State != PairDelivered {
+			l.e.Stats.Delivered.Add(1)
+			since := w.Event.CommitTime
+			if w.path == PathClaim {
+				since = w.Event.CreatedAt
+			}
+			m.observeDelivered(since)
+		}
+	case Failed:
+		l.e.Stats.DeadLettered.Add(1)
+		m.failed.Inc()
+	case Held:
+		l.e.Stats.Held.Add(1)
+		m.held.Inc()
+	case Retry, Deferred:
+		if w.path == PathStream {
+			l.e.Stats.HandedOff.Add(1)
+			why := o.Why
+			if o.Kind == Retry {
+				why = "retries"
+			}
+			observeHandedOff(l.name, why)
+		}
+	}
+	if w.remaining.Add(-1) == 0 {
+		l.e.finishWork(w)
+	}
+}
+
+// written is called once the hand-off of ev is in the table: from now on
+// the claim path can see it.
 func (l *lane) written(ev *Event) {
 	if !l.ordered(ev) {
 		return
@@ -166,218 +373,17 @@ func (l *lane) written(ev *Event) {
 	l.mu.Unlock()
 }
 
-// dispatch sends ready events; Send blocks while the sink's window is full.
-func (l *lane) dispatch(ctx context.Context) {
-	for {
-		var t *task
-		select {
-		case <-ctx.Done():
-			return
-		case t = <-l.ready:
-		}
-		l.mu.Lock()
-		until := l.openUntil
-		l.mu.Unlock()
-		if time.Now().Before(until) {
-			l.complete(t, outcome{kind: outcomeHandOff, reason: "circuit open: sink is down", availableAt: until, counted: t.counted, why: "sink_down"})
-			continue
-		}
-		if l.route.Hold && !t.claimed {
-			ok, err := l.e.cfg.Holds.ClaimSending(ctx, l.key(t), l.e.cfg.Owner)
-			if err != nil {
-				l.complete(t, outcome{kind: outcomeHandOff, reason: "claim before sending: " + firstLine(err.Error()),
-					availableAt: time.Now().Add(l.e.backoff(1)), counted: t.counted})
-				continue
-			}
-			if !ok {
-				go l.unclaimable(ctx, t)
-				continue
-			}
-			t.claimed = true
-		}
-		t.tries++
-		st := t.st
-		d := &Delivery{Event: st.ev, Body: st.body(l.route.Nudge), Attempt: st.ev.Attempts + t.tries}
-		l.sink.Send(ctx, d, func(err error) { l.result(t, err) })
-	}
-}
+// retryHeap orders inline retries by due time.
+type retryHeap []*task
 
-// result decides what happens after one send.
-func (l *lane) result(t *task, err error) {
-	if err == nil {
-		l.closeCircuit()
-		l.complete(t, outcome{kind: outcomeDelivered})
-		return
-	}
-	class, retryAfter := Classify(err)
-	reason := firstLine(err.Error())
-	ev := t.st.ev
-	switch class {
-	case Permanent:
-		l.complete(t, outcome{kind: outcomeDeadLetter, reason: reason})
-		return
-	case SinkDown:
-		until := l.openCircuit(reason, retryAfter)
-		l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: until, counted: t.counted, why: "sink_down"})
-		return
-	}
-
-	if class == Unknown && l.route.Hold {
-		// The sink may have acted on it: park it for a person, never resend.
-		go l.hold(t, "outcome unknown: "+reason)
-		return
-	}
-
-	// Transient or unknown: an attempt that counts.
-	t.counted++
-	l.e.Stats.Retried.Add(1)
-	l.metrics.retried.Inc()
-	total := ev.Attempts + t.counted
-	if total >= l.e.cfg.MaxAttempts {
-		l.complete(t, outcome{kind: outcomeDeadLetter, reason: "max_attempts reached: " + reason, counted: t.counted})
-		return
-	}
-	delay := 100 * time.Millisecond << min(t.counted-1, 5)
-	delay = max(delay, retryAfter)
-	select {
-	case <-l.e.stopping:
-		l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: time.Now().Add(max(l.e.backoff(total), retryAfter)), counted: t.counted})
-		return
-	default:
-	}
-	if t.counted < l.e.cfg.InlineAttempts && delay <= l.e.cfg.LaneBlockMax {
-		time.AfterFunc(delay, func() {
-			select {
-			case <-l.e.stopping:
-				l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: time.Now().Add(l.e.backoff(total)), counted: t.counted})
-			default:
-				l.ready <- t
-			}
-		})
-		return
-	}
-	l.complete(t, outcome{kind: outcomeHandOff, reason: reason, availableAt: time.Now().Add(max(l.e.backoff(total), retryAfter)), counted: t.counted})
-}
-
-func (l *lane) key(t *task) LedgerKey {
-	return LedgerKey{EventKey: t.st.ev.EventKey, Action: l.name}
-}
-
-// hold parks the event: the ledger pair becomes unknown and the row held.
-// It runs on its own goroutine: sinks call done where blocking is not allowed.
-func (l *lane) hold(t *task, reason string) {
-	for attempt := 0; ; attempt++ {
-		err := l.e.cfg.Holds.Hold(l.e.runCtx, t.st.ev.ID, l.key(t), reason)
-		if err == nil {
-			break
-		}
-		if l.e.runCtx.Err() != nil {
-			return // stopping: the row stays the stream's and is re-streamed
-		}
-		l.e.log.Warn().Err(err).Int64("id", t.st.ev.ID).Msg("hold an event whose outcome is unknown; retrying")
-		time.Sleep(retryDelay(attempt))
-	}
-	l.e.log.Warn().Str("sink", l.name).Int64("id", t.st.ev.ID).Str("event_key", t.st.ev.EventKey).Str("reason", reason).
-		Msg("event held: its outcome is unknown and the sink holds such events; see outbox-relay dlq list")
-	l.complete(t, outcome{kind: outcomeHeld, reason: reason})
-}
-
-// unclaimable handles an event whose ledger claim was refused: delivered
-// already (a re-stream), or claimed before a crash, whose outcome is
-// therefore unknown.
-func (l *lane) unclaimable(ctx context.Context, t *task) {
-	for attempt := 0; ; attempt++ {
-		known, err := l.e.cfg.Store.Restreamed(ctx, []*Event{t.st.ev})
-		if err == nil {
-			if contains(known[t.st.ev.ID].Delivered, l.name) {
-				l.complete(t, outcome{kind: outcomeDelivered})
-				return
-			}
-			break
-		}
-		if ctx.Err() != nil {
-			return
-		}
-		time.Sleep(retryDelay(attempt))
-	}
-	l.hold(t, "outcome unknown: claimed for sending before a restart or by another relay")
-}
-
-// complete records the sink's outcome, frees the slot and lets the next
-// event of the aggregate go. A hand-off or hold diverts the aggregate: the
-// events waiting behind it follow it to the claim path, so none overtakes it.
-// A claim whose send is known not to have happened is released first.
-func (l *lane) complete(t *task, o outcome) {
-	if t.claimed && o.kind != outcomeDelivered && o.kind != outcomeHeld {
-		t.claimed = false
-		go func() {
-			if err := l.e.cfg.Holds.Release(l.e.runCtx, l.key(t), l.e.cfg.Owner); err != nil {
-				l.e.log.Warn().Err(err).Int64("id", t.st.ev.ID).Msg("release the ledger claim of an event handed off; the claim path takes it over after lock_timeout")
-			}
-			l.complete(t, o)
-		}()
-		return
-	}
-	<-l.slots
-	ev := t.st.ev
-	var next *task
-	var follow []*task
-	if l.ordered(ev) {
-		agg := ev.AggregateKey()
-		l.mu.Lock()
-		q := l.busy[agg]
-		switch {
-		case o.kind == outcomeHandOff || o.kind == outcomeHeld:
-			l.diverted[agg] = l.e.divertSeq.Add(1)
-			if q != nil {
-				follow = q.waiting
-			}
-			delete(l.busy, agg)
-		case q != nil && len(q.waiting) > 0:
-			next = q.waiting[0]
-			q.waiting = q.waiting[1:]
-		default:
-			delete(l.busy, agg)
-		}
-		l.mu.Unlock()
-	}
-	l.e.finish(l, t, o)
-	for _, w := range follow {
-		<-l.slots
-		l.e.finish(l, w, outcome{kind: outcomeHandOff, reason: "an earlier event of its aggregate is with the claim path", availableAt: time.Now(), why: "ordering"})
-	}
-	if next != nil {
-		l.ready <- next
-	}
-}
-
-// openCircuit opens (or keeps open, longer) the sink's circuit and returns
-// when it closes: Retry-After when the sink said, else 1 s doubling to 30 s.
-func (l *lane) openCircuit(reason string, retryAfter time.Duration) time.Time {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.downCount++
-	cool := retryAfter
-	if cool <= 0 {
-		cool = min(time.Second<<min(l.downCount-1, 5), 30*time.Second)
-	}
-	now := time.Now()
-	until := now.Add(cool)
-	if !now.Before(l.openUntil) {
-		l.e.log.Warn().Str("sink", l.name).Str("error", reason).Dur("retry_in", cool).
-			Msg("sink is down: circuit open, its events go to the claim path")
-	}
-	if until.After(l.openUntil) {
-		l.openUntil = until
-	}
-	return l.openUntil
-}
-
-func (l *lane) closeCircuit() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.downCount > 0 {
-		l.e.log.Info().Str("sink", l.name).Msg("sink is back: circuit closed")
-		l.downCount = 0
-	}
+func (h retryHeap) Len() int           { return len(h) }
+func (h retryHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h retryHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i]; h[i].index = i; h[j].index = j }
+func (h *retryHeap) Push(x any)        { t := x.(*task); t.index = len(*h); *h = append(*h, t) }
+func (h *retryHeap) Pop() any {
+	old := *h
+	t := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	return t
 }

@@ -89,6 +89,18 @@ var (
 		Namespace: "outbox_relay", Name: "nats_duplicates_stored_total",
 		Help: "Retries JetStream stored as a second copy (after its duplicate window); consumers deduplicate on Outbox-Event-Key.",
 	}, []string{"sink"})
+	settleWaitingRows = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "settle_invisible_total",
+		Help: "Outcome writes put off because the row was not visible yet (its commit waits, e.g. for a synchronous standby); the event stays unsettled meanwhile.",
+	}, []string{"path"})
+	settleRowDataErrors = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "settle_row_data_errors_total",
+		Help: "Outcome writes PostgreSQL refused because of one row's data; the row is isolated and the others settle.",
+	}, []string{"path"})
+	settleErrors = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "settle_errors_total",
+		Help: "Outcome writes that failed and are retried (database unreachable, tables locked, privileges); nothing settles meanwhile.",
+	}, []string{"path"})
 	up = promauto.NewGauge(prometheus.GaugeOpts{Namespace: "outbox_relay", Name: "up", Help: "1 while the relay runs."})
 )
 
@@ -105,30 +117,6 @@ func SetMode(mode string) {
 	}
 }
 
-// Path labels for the metrics.
-const (
-	PathStream = "stream"
-	PathClaim  = "claim"
-)
-
-// ObserveDelivered counts a delivery and its latency from since (commit or
-// creation time; zero skips the latency).
-func ObserveDelivered(sink, path string, since time.Time) {
-	deliveredTotal.WithLabelValues(sink, path).Inc()
-	if !since.IsZero() {
-		deliveryLatency.WithLabelValues(sink, path).Observe(time.Since(since).Seconds())
-	}
-}
-
-// ObserveFailed counts a dead letter.
-func ObserveFailed(sink, path string) { failedTotal.WithLabelValues(sink, path).Inc() }
-
-// ObserveRetried counts a failed attempt that will be retried.
-func ObserveRetried(sink, path string) { retriedTotal.WithLabelValues(sink, path).Inc() }
-
-// ObserveHeld counts a held event.
-func ObserveHeld(sink, path string) { heldTotal.WithLabelValues(sink, path).Inc() }
-
 // observeHandedOff counts a hand-off from the stream.
 func observeHandedOff(sink, reason string) { handedOffTotal.WithLabelValues(sink, reason).Inc() }
 
@@ -139,13 +127,14 @@ type sinkMetrics struct {
 	latency                          prometheus.Observer
 }
 
-func newSinkMetrics(sink string) sinkMetrics {
+func newSinkMetrics(sink string, p Path) sinkMetrics {
+	path := string(p)
 	return sinkMetrics{
-		delivered: deliveredTotal.WithLabelValues(sink, PathStream),
-		failed:    failedTotal.WithLabelValues(sink, PathStream),
-		retried:   retriedTotal.WithLabelValues(sink, PathStream),
-		held:      heldTotal.WithLabelValues(sink, PathStream),
-		latency:   deliveryLatency.WithLabelValues(sink, PathStream),
+		delivered: deliveredTotal.WithLabelValues(sink, path),
+		failed:    failedTotal.WithLabelValues(sink, path),
+		retried:   retriedTotal.WithLabelValues(sink, path),
+		held:      heldTotal.WithLabelValues(sink, path),
+		latency:   deliveryLatency.WithLabelValues(sink, path),
 	}
 }
 

@@ -2,6 +2,9 @@ package relay
 
 import (
 	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -11,82 +14,176 @@ type LedgerKey struct {
 	Action   string // the sink's name
 }
 
-// HandOff gives a row to the claim path: the row stays pending, marked with
-// handoff_at, due at AvailableAt.
-type HandOff struct {
-	ID          int64
-	AvailableAt time.Time
-	LastError   string
-	// Attempts is how many attempts the stream made that count against
-	// max_attempts (sink-level failures and open circuits do not count).
-	Attempts int
+// PairState is what the database says about an (event, sink) pair before it
+// is sent; a store's Prepare sets it.
+type PairState int
+
+const (
+	// PairSend: send it.
+	PairSend PairState = iota
+	// PairDelivered: the ledger shows it delivered; it is not sent again.
+	PairDelivered
+	// PairBlocked: another owner holds a live claim to send it (claim path):
+	// it is not sent now and the event is tried again later.
+	PairBlocked
+	// PairUnknown: a claim to send it was made before and its outcome is
+	// unknown (a crash, or a lease taken over). A sink that holds unknown
+	// outcomes holds it without sending; another sends it again with the
+	// same id and body.
+	PairUnknown
+)
+
+// Pair is one (event, sink) of a Work.
+type Pair struct {
+	Sink string
+	// Hold is the sink's on_unknown: hold: the pair is claimed in the ledger
+	// before it is sent, and an unknown outcome is held, never sent again.
+	Hold bool
+	// State and PrevOwner are set by Prepare; PrevOwner names the owner of
+	// a claim that was taken over (PairUnknown), when known.
+	State     PairState
+	PrevOwner string
+	// Claimed is set by Prepare when the store holds this relay's 'sending'
+	// claim on the pair; Settle turns it into delivered or unknown, or
+	// withdraws it.
+	Claimed bool
+	// Outcome is set by the engine once the pair is done.
+	Outcome Outcome
 }
 
-// DeadLetter fails a row for good: status failed, with the reason.
-type DeadLetter struct {
-	ID        int64
-	LastError string
+// Key returns the pair's ledger key.
+func (p *Pair) key(ev *Event) LedgerKey { return LedgerKey{EventKey: ev.EventKey, Action: p.Sink} }
+
+// Path names where a Work came from: the stream (PathStream) or the claim
+// path (PathClaim). It is the path label of the metrics.
+type Path string
+
+// The paths; metric label values.
+const (
+	PathStream Path = "stream"
+	PathClaim  Path = "claim"
+)
+
+// Work is one event on its way through the engine. A store reads it in
+// Prepare (before anything is sent) and writes it in Settle (once every
+// routed sink has an outcome).
+type Work struct {
+	Event *Event
+	// Replay is 0 for a normal delivery and n for the n-th operator replay
+	// (claim path).
+	Replay int
+	// Pairs has one entry per sink the event is routed to, in route order.
+	Pairs []*Pair
+	// Skip is set by Prepare (stream path) when the row is no longer the
+	// stream's: settled, handed off or claimed before a restart.
+	Skip bool
+	// Decision is set by the engine before Settle.
+	Decision Decision
+
+	path      Path
+	lanes     []*lane // the lane of each pair
+	remaining atomic.Int32
+	// tickets are the stream transactions waiting for this event to settle
+	// (more than one when the slot sent it again while it was in flight);
+	// guarded by Engine.mu.
+	tickets  []*txnEntry
+	envelopeOnce, nudgeOnce sync.Once
+	envelope, nudge         []byte
+	// settling state, owned by the settle loop
+	invisibleSince time.Time
+	dataErrors     int
 }
 
-// Settlement is a batch of stream outcomes written in one transaction.
-type Settlement struct {
-	Delivered   []LedgerKey
-	HandOffs    []HandOff
-	DeadLetters []DeadLetter
-}
+// Path returns where the work came from.
+func (w *Work) Path() Path { return w.path }
 
-// RowState is what the database says about a re-streamed row.
-type RowState struct {
-	// Owned is true while the row is still the stream's: pending and not
-	// handed off. A row that is not owned is skipped by the stream.
-	Owned bool
-	// Delivered lists the sinks the ledger shows delivered.
-	Delivered []string
-}
+// ErrRowData marks a store error caused by one row's data (PostgreSQL's
+// SQLSTATE classes 22 and 23), not by the connection or the server: the
+// engine then settles the rows of the batch one by one, so that one row
+// never holds the others back.
+var ErrRowData = errors.New("a row's data was refused")
 
-// Store is the stream path's view of the outbox table and the ledger.
+// StreamStore is the stream path's view of the outbox table and the ledger.
 // Implementations are safe for concurrent use.
-type Store interface {
-	// Settle writes s in one transaction: insert-only delivered ledger rows
-	// (a pair already present is left alone), hand-offs and dead letters,
-	// each conditional on the row still being pending. It may commit
-	// asynchronously (synchronous_commit = off); the synchronous checkpoint
-	// written before each acknowledgement makes it durable. Safe to repeat.
-	//
-	// It returns the ids of hand-offs and dead letters whose row it cannot
-	// see yet: the walsender may send a transaction before the committing
-	// backend has left the proc array, so a fast delivery can settle an
-	// event whose row is not yet visible to other sessions. The caller
-	// settles those again shortly.
-	Settle(ctx context.Context, s Settlement) (invisible []int64, err error)
+type StreamStore interface {
+	// PrepareStream reads what the database knows about works before they
+	// are sent, one statement per kind for the batch. When restreamed is
+	// true the slot may be sending them again after a restart: a row that
+	// is no longer pending and not handed off is marked Skip, and pairs the
+	// ledger shows delivered become PairDelivered. Pairs of Hold sinks are
+	// claimed for owner ('sending', committed synchronously): Claimed, or
+	// PairDelivered, or PairUnknown when another claim is there. Safe to
+	// repeat.
+	PrepareStream(ctx context.Context, works []*Work, restreamed bool, owner string) error
 
-	// Restreamed returns the state of the rows with these ids, in one query,
-	// for events the slot may be sending again after a restart. Rows missing
-	// from the table are absent from the map.
-	Restreamed(ctx context.Context, events []*Event) (map[int64]RowState, error)
+	// SettleStream writes the works' decisions in one transaction: ledger
+	// rows of delivered pairs (insert-only), Later as a hand-off to the
+	// claim path (handoff_at, available_at, attempts, last_error), DeadLetter
+	// as status failed, Hold as status held with the pair 'unknown'; claims
+	// of pairs not sent are withdrawn. Every row change is conditional on
+	// the row still being the stream's (pending, not handed off). It may
+	// commit asynchronously: the synchronous checkpoint written before each
+	// acknowledgement makes it durable. It returns the ids of rows it could
+	// not see: the walsender may send a transaction before its rows are
+	// visible to other sessions; the engine settles those again. An error
+	// wrapping ErrRowData names a row's data as the cause. Safe to repeat.
+	SettleStream(ctx context.Context, works []*Work, owner string) (invisible []int64, err error)
 
-	// MarkDone sets status done on rows that are still pending and owned by
-	// the stream. Off the acknowledgement path; safe to repeat. Like Settle,
-	// it returns the ids whose row it cannot see yet.
+	// MarkDone sets status done on rows still pending and not handed off,
+	// off the acknowledgement path (mark_done: async). It returns the ids
+	// it could not see yet. Safe to repeat.
 	MarkDone(ctx context.Context, ids []int64) (invisible []int64, err error)
 
-	// Diverted returns the aggregates that have a handed-off or held row not
-	// yet settled; the stream hands their later events off too.
+	// Diverted returns the aggregates with a row at the claim path (handed
+	// off and not settled) or held: the stream hands their later events off
+	// too.
 	Diverted(ctx context.Context) ([]AggregateKey, error)
 }
 
-// HoldStore is what a sink with on_unknown: hold needs: a claim committed
-// before each send, so that an unknown outcome (or a crash) is never sent
-// twice, and the held state for a person to resolve.
-type HoldStore interface {
-	// ClaimSending claims key for owner; false means the pair is delivered
-	// or already claimed (by another owner, or before a crash): do not send.
-	ClaimSending(ctx context.Context, key LedgerKey, owner string) (bool, error)
-	// Release withdraws owner's claim after a send known not to have
-	// happened.
-	Release(ctx context.Context, key LedgerKey, owner string) error
-	// Hold marks the pair unknown and the row held, with reason.
-	Hold(ctx context.Context, id int64, key LedgerKey, reason string) error
+// ClaimQuery says which rows Claim takes.
+type ClaimQuery struct {
+	// All claims every due pending row (poll mode); otherwise only rows
+	// handed to the claim path.
+	All bool
+	// Limit is the most rows one claim takes.
+	Limit int
+	// Owner names this relay in locked_by.
+	Owner string
+}
+
+// ClaimStore is the claim path's view of the outbox table and the ledger.
+// Implementations are safe for concurrent use.
+type ClaimStore interface {
+	// Claim takes up to q.Limit due rows, oldest first, skipping rows
+	// locked by others and rows that must wait for an earlier event of
+	// their aggregate (unless ordering is off), and marks them processing,
+	// locked by q.Owner. A row with a NULL available_at is due.
+	Claim(ctx context.Context, q ClaimQuery) ([]*Work, error)
+
+	// PrepareClaim claims the works' pairs in the ledger for owner before
+	// anything is sent, in one round trip: pairs already delivered become
+	// PairDelivered, pairs another live owner is sending PairBlocked, pairs
+	// whose claim it took over (lease passed, owner gone) PairUnknown with
+	// PrevOwner; the rest are Claimed. lease is the claim's lease.
+	PrepareClaim(ctx context.Context, works []*Work, owner string, lease time.Duration) error
+
+	// SettleClaim writes the works' decisions in one synchronous
+	// transaction, each change conditional on the row being processing and
+	// locked by owner, or the ledger claim being owner's: Done as status
+	// done, Later back to pending at Decision.At, DeadLetter as failed, Hold
+	// as held; delivered pairs, unknown pairs and withdrawn claims in the
+	// ledger. An error wrapping ErrRowData names a row's data as the cause.
+	SettleClaim(ctx context.Context, works []*Work, owner string) error
+
+	// SettledAggregates returns those of aggs with no row left at the claim
+	// path (handed off and not settled) or held: the stream may deliver
+	// their events again.
+	SettledAggregates(ctx context.Context, aggs []AggregateKey) ([]AggregateKey, error)
+
+	// ExtendLeases renews owner's lease on the processing rows ids and on
+	// its 'sending' claims of their pairs, so that a slow delivery is not
+	// taken over by another relay while it is being worked on.
+	ExtendLeases(ctx context.Context, ids []int64, owner string) error
 }
 
 // Checkpoint persists the confirmed position of a slot.
@@ -98,13 +195,15 @@ type Checkpoint interface {
 	SaveCheckpoint(ctx context.Context, slot string, lsn LSN) error
 }
 
-// Consumer is what a source feeds. Submit, Commit and Keepalive are called
-// from one goroutine, in stream order; Settled may be called concurrently
-// with them (acknowledgements keep flowing while Submit blocks).
+// Consumer is what the stream source feeds. Submit, Commit and Keepalive
+// are called from one goroutine, in stream order; Settled may be called
+// concurrently with them (acknowledgements keep flowing while Submit
+// blocks).
 type Consumer interface {
 	// Submit hands over events of the transaction being decoded, in order.
 	// It blocks while the engine applies back-pressure, and returns early
-	// only with ctx's error.
+	// only with ctx's error; events it did not take are not counted, and
+	// the slot will send them again.
 	Submit(ctx context.Context, events []*Event) error
 	// Commit closes the transaction whose events were submitted since the
 	// last Commit; endLSN is its TransactionEndLSN. A transaction with no
@@ -118,8 +217,28 @@ type Consumer interface {
 	// since the previous call that returned passed == true.
 	Settled() (lsn LSN, passedEvents bool)
 	// Restart is called when the stream restarts (a new connection): it
-	// waits until everything submitted is settled, forgets all positions,
-	// and treats events committed before horizon (the server's WAL position
-	// at connect time) as possibly seen before.
+	// forgets all positions and treats events committed before horizon (the
+	// server's WAL position at connect time) as possibly seen before. It
+	// does not wait for events still in flight: an event the slot sends
+	// again while it is in flight joins it instead of being sent twice.
 	Restart(ctx context.Context, horizon LSN) error
+}
+
+// Lock is a held session lock on a dedicated connection (an owner or leader
+// lock).
+type Lock interface {
+	// Ping checks that the connection, and with it the lock, is alive.
+	Ping(ctx context.Context) error
+	// Release unlocks and closes the connection.
+	Release()
+}
+
+// ErrLockTaken is returned (wrapped) when another live session holds a lock.
+var ErrLockTaken = errors.New("lock is held by another session")
+
+// Lease is a row whose lease passed, or whose owner is gone, returned to
+// pending.
+type Lease struct {
+	ID       int64
+	OldOwner string
 }

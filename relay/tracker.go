@@ -11,10 +11,9 @@ import "sync"
 type tracker struct {
 	mu      sync.Mutex
 	entries []*txnEntry // unsettled prefix first; settled entries are popped
-	open    *txnEntry   // the transaction being submitted, if any
+	current *txnEntry   // the transaction being submitted, if any
 	settled LSN
 	passed  bool // a transaction with events was passed since the last report
-	idle    *sync.Cond
 }
 
 // txnEntry is one transaction or keepalive position.
@@ -25,35 +24,37 @@ type txnEntry struct {
 	hasEvents bool
 }
 
-func newTracker() *tracker {
-	t := &tracker{}
-	t.idle = sync.NewCond(&t.mu)
-	return t
-}
+func newTracker() *tracker { return &tracker{} }
 
-// add counts n more events of the open transaction and returns its entry.
-func (t *tracker) add(n int) *txnEntry {
+// open returns the entry of the transaction being submitted, creating it.
+func (t *tracker) open() *txnEntry {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.open == nil {
-		t.open = &txnEntry{}
-		t.entries = append(t.entries, t.open)
+	if t.current == nil {
+		t.current = &txnEntry{}
+		t.entries = append(t.entries, t.current)
 	}
-	t.open.pending += n
-	t.open.hasEvents = true
-	return t.open
+	return t.current
+}
+
+// count adds one unsettled event to e.
+func (t *tracker) count(e *txnEntry) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e.pending++
+	e.hasEvents = true
 }
 
 // commit closes the open transaction at end (TransactionEndLSN).
 func (t *tracker) commit(end LSN) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if t.open == nil {
+	if t.current == nil {
 		t.entries = append(t.entries, &txnEntry{end: end, closed: true})
 	} else {
-		t.open.end = end
-		t.open.closed = true
-		t.open = nil
+		t.current.end = end
+		t.current.closed = true
+		t.current = nil
 	}
 	t.advanceLocked()
 }
@@ -62,7 +63,7 @@ func (t *tracker) commit(end LSN) {
 func (t *tracker) keepalive(walEnd LSN) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if n := len(t.entries); n > 0 && t.entries[n-1].closed && t.entries[n-1].pending == 0 && t.open == nil {
+	if n := len(t.entries); n > 0 && t.entries[n-1].closed && t.entries[n-1].pending == 0 && t.current == nil {
 		// Coalesce: a run of keepalives needs one entry, not one each.
 		if walEnd > t.entries[n-1].end {
 			t.entries[n-1].end = walEnd
@@ -73,7 +74,7 @@ func (t *tracker) keepalive(walEnd LSN) {
 	t.advanceLocked()
 }
 
-// done settles one event of entry e.
+// done settles one event of entry e (of this session or an earlier one).
 func (t *tracker) done(e *txnEntry) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -98,18 +99,6 @@ func (t *tracker) advanceLocked() {
 		clear(t.entries[n:])
 		t.entries = t.entries[:n]
 	}
-	if t.unsettledLocked() == 0 {
-		t.idle.Broadcast()
-	}
-}
-
-// unsettledLocked counts events submitted and not yet settled.
-func (t *tracker) unsettledLocked() int {
-	n := 0
-	for _, e := range t.entries {
-		n += e.pending
-	}
-	return n
 }
 
 // position reports the settled position and whether it passed a transaction
@@ -122,39 +111,15 @@ func (t *tracker) position() (LSN, bool) {
 	return t.settled, passed
 }
 
-// waitIdle blocks until every submitted event is settled or stop is closed.
-func (t *tracker) waitIdle(stop <-chan struct{}) bool {
-	done := make(chan struct{})
-	go func() {
-		select {
-		case <-stop:
-			t.mu.Lock()
-			t.idle.Broadcast()
-			t.mu.Unlock()
-		case <-done:
-		}
-	}()
-	defer close(done)
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for t.unsettledLocked() > 0 {
-		select {
-		case <-stop:
-			return false
-		default:
-		}
-		t.idle.Wait()
-	}
-	return true
-}
-
 // reset forgets every position: the next connection starts from the slot's
-// confirmed position, which the server, not we, knows.
+// confirmed position, which the server, not we, knows. Entries of the
+// previous session that are still counted are dropped from the list; done
+// on them changes nothing any more.
 func (t *tracker) reset() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.entries = nil
-	t.open = nil
+	t.current = nil
 	t.settled = 0
 	t.passed = false
 }

@@ -31,11 +31,11 @@ func TestMigrateCommand(t *testing.T) {
 	url := pgtest.NewDatabase(t)
 
 	code, out, errOut := execute(t, "migrate", "--database-url", url)
-	if code != exitOK || !strings.Contains(out, "from version 0 to 6") || !strings.Contains(out, "created publication outbox_relay") {
+	if code != exitOK || !strings.Contains(out, "from version 0 to 7") || !strings.Contains(out, "created publication outbox_relay") {
 		t.Fatalf("first migrate: exit %d\nstdout: %s\nstderr: %s", code, out, errOut)
 	}
 	code, out, errOut = execute(t, "migrate", "--database-url", url)
-	if code != exitOK || !strings.Contains(out, "up to date (version 6)") {
+	if code != exitOK || !strings.Contains(out, "up to date (version 7)") {
 		t.Fatalf("second migrate: exit %d\nstdout: %s\nstderr: %s", code, out, errOut)
 	}
 }

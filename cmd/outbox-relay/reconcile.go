@@ -6,7 +6,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
-	"github.com/outbox-relay/outbox-relay/relay/claim"
+	"github.com/outbox-relay/outbox-relay/ledger"
 )
 
 func newReconcileCommand(g *globals) *cobra.Command {
@@ -37,7 +37,9 @@ The ledger prevents double delivery if the stream did deliver some of them.`,
 			if err != nil {
 				return err
 			}
-			n, err := claim.Reconcile(ctx, pool, tables.Outbox, olderThan.Duration())
+			lcfg := ledger.DefaultConfig()
+			lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = tables.Outbox, tables.Ledger, tables.Checkpoint
+			n, err := ledger.New(pool, lcfg).Reconcile(ctx, olderThan.Duration())
 			if err != nil {
 				return err
 			}

@@ -21,6 +21,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/relay/claim"
 	"github.com/outbox-relay/outbox-relay/relay/replication"
+	"github.com/outbox-relay/outbox-relay/relay/supervisor"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 	"github.com/outbox-relay/outbox-relay/sink/webhook"
 )
@@ -44,7 +45,7 @@ exit 0 within shutdown_timeout.`,
 	}
 }
 
-// relayRun is one running relay: what every leadership term shares.
+// relayRun is one running relay: what its terms share.
 type relayRun struct {
 	cfg    *config.Config
 	log    zerolog.Logger
@@ -64,14 +65,12 @@ func (r *relayRun) setReady() {
 	r.health.set(len(r.sinksDown) == 0, strings.Join(r.sinksDown, "; "))
 }
 
-// runRelay wires the configuration into a running relay and blocks until ctx
-// is done. In replication and auto modes it first becomes the slot's leader
-// (a standby waits, ready, until the leader goes); each leadership term runs
-// a fresh engine and source and ends, on shutdown or lost leadership, in
-// order: stop the source, drain the engine (outcomes written), then the
-// sinks are closed.
+// runRelay turns the configuration into a running relay and blocks until
+// ctx is done: it opens the pool, the store and the sinks, and hands them to
+// the supervisor (relay/supervisor), which runs the modes, leadership and
+// each term.
 func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error {
-	r := &relayRun{cfg: cfg, log: log, owner: claim.NewOwner(), health: &health{}}
+	r := &relayRun{cfg: cfg, log: log, owner: ledger.NewOwner(), health: &health{}}
 	r.health.set(false, "starting")
 
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
@@ -93,9 +92,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if err := checkPrivileges(ctx, pool, r.tables, cfg.Source.Mode == config.SourceReplication); err != nil {
 		return err
 	}
-	lcfg := ledger.DefaultConfig()
-	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = r.tables.Outbox, r.tables.Ledger, r.tables.Checkpoint
-	r.store = ledger.New(pool, lcfg)
 
 	if len(cfg.Sinks) == 0 {
 		s := config.DefaultSink(config.SinkNATS)
@@ -117,6 +113,13 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if err != nil {
 		return err
 	}
+	lcfg := ledger.DefaultConfig()
+	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = r.tables.Outbox, r.tables.Ledger, r.tables.Checkpoint
+	lcfg.Unordered = cfg.Delivery.Ordering == config.OrderingNone
+	for _, rt := range r.routes {
+		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
+	}
+	r.store = ledger.New(pool, lcfg)
 
 	go r.refreshStats(httpCtx)
 	retentionDone := make(chan struct{})
@@ -132,286 +135,108 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		}
 	}
 
-	if cfg.Source.Mode == config.SourcePoll {
-		// Claimers coordinate through the table (SKIP LOCKED), so every
-		// instance polls; there is no leader.
-		r.setReady()
-		err := r.poll(ctx, 0)
-		log.Info().Msg("relay stopped")
-		return err
-	}
-
-	for {
-		r.setReady()
-		leader, err := ledger.AcquireLeader(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot, log)
-		if err != nil {
-			if ctx.Err() != nil {
-				log.Info().Msg("relay stopped")
-				return nil
-			}
-			return err
-		}
-		relay.LeaderGauge.Set(1)
-		log.Info().Str("slot", cfg.Source.Slot).Str("owner", r.owner).Msg("leader for the slot")
-		termCtx, endTerm := context.WithCancel(ctx)
-		go func() {
-			select {
-			case <-leader.Lost():
-				endTerm()
-			case <-termCtx.Done():
-			}
-		}()
-		err = r.lead(termCtx)
-		endTerm()
-		leader.Release()
-		relay.LeaderGauge.Set(0)
-		if ctx.Err() != nil {
-			if err != nil && !errors.Is(err, context.Canceled) {
-				return err
-			}
-			log.Info().Msg("relay stopped")
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		// Losing the lock means this process's link to the database is
-		// suspect: give a healthy standby the first chance to take over.
-		log.Warn().Msg("leadership lost: delivery stopped; standing by to take over again")
-		select {
-		case <-ctx.Done():
-			log.Info().Msg("relay stopped")
-			return nil
-		case <-time.After(3 * time.Second):
-		}
-	}
-}
-
-// lead runs one leadership term until ctx ends: the stream, or in auto mode,
-// while replication is impossible, the claim path over every row, trying to
-// return to replication every source.replication_retry.
-func (r *relayRun) lead(ctx context.Context) error {
-	var pollingSince time.Time
-	for {
-		err := r.stream(ctx)
-		var unavailable *replication.UnavailableError
-		if ctx.Err() != nil || !errors.As(err, &unavailable) {
-			return err
-		}
-		if r.cfg.Source.Mode == config.SourceReplication {
-			return fmt.Errorf("replication is unavailable and source.mode is replication: %s", unavailable.Reason)
-		}
-		if pollingSince.IsZero() {
-			pollingSince = time.Now()
-			r.log.Warn().Str("reason", unavailable.Reason).Dur("retry_every", time.Duration(r.cfg.Source.ReplicationRetry)).
-				Msg("replication unavailable: falling back to the claim path over every row")
-		}
-		watchCtx, stopWatch := context.WithCancel(ctx)
-		go r.watchUnconsumedSlot(watchCtx, pollingSince)
-		err = r.poll(ctx, time.Duration(r.cfg.Source.ReplicationRetry))
-		stopWatch()
-		if err != nil {
-			return err
-		}
-		if ctx.Err() != nil {
-			return nil
-		}
-		// Back to replication through the slot-creation hand-over: a slot
-		// left from before polling is dropped, so the new one's snapshot
-		// marks every row polling did not finish for the claim path.
-		if err := r.dropSlot(ctx, "returning from poll mode to replication"); err != nil {
-			r.log.Warn().Err(err).Msg("drop the old slot before returning to replication")
-		}
-	}
-}
-
-// newClaimer builds the claim path; all claims every due row (poll mode),
-// otherwise only rows handed to it.
-func (r *relayRun) newClaimer(all bool, engine *relay.Engine) (*claim.Claimer, error) {
-	cfg := r.cfg
-	pc := claim.Config{
-		Pool:         r.pool,
-		Outbox:       r.tables.Outbox,
-		Ledger:       r.tables.Ledger,
-		Routes:       r.routes,
-		All:          all,
-		Unordered:    cfg.Delivery.Ordering == config.OrderingNone,
-		BatchSize:    cfg.Source.BatchSize,
-		PollInterval: time.Duration(cfg.Source.PollInterval),
-		LockTimeout:  time.Duration(cfg.Source.LockTimeout),
-		MaxAttempts:  cfg.Delivery.MaxAttempts,
-		Backoff:      durations(cfg.Delivery.Backoff),
-		SweepAfter:   time.Duration(cfg.Source.SweepAfter),
-		Owner:        r.owner,
-		Logger:       r.log.With().Str("path", "claim").Logger(),
-	}
-	if cfg.Source.NotifyTrigger {
-		pc.Notify = migrations.NotifyChannel(r.tables.Outbox)
-	}
-	if engine != nil {
-		pc.OnAggregateSettled = engine.Undiverted
-		pc.DivertSeq = engine.DivertSeq
-	}
-	return claim.New(pc)
-}
-
-// poll runs the claim path over every due row for d (0: until ctx ends).
-func (r *relayRun) poll(ctx context.Context, d time.Duration) error {
-	claimer, err := r.newClaimer(true, nil)
+	sup, err := supervisor.New(r.supervisorConfig())
 	if err != nil {
 		return err
 	}
-	relay.SetMode("poll")
-	if d > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, d)
-		defer cancel()
-	}
-	r.log.Info().Msg("polling: the claim path takes every due row")
-	if err := claimer.Run(ctx); err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
-		return err
-	}
-	return nil
-}
-
-// watchUnconsumedSlot checks the slot every few seconds while polling.
-func (r *relayRun) watchUnconsumedSlot(ctx context.Context, since time.Time) {
-	every := min(time.Duration(r.cfg.Source.SlotMaxUnconsumed)/2, 5*time.Second)
-	tick := time.NewTicker(max(every, 100*time.Millisecond))
-	defer tick.Stop()
-	for {
-		if err := r.dropUnconsumedSlot(ctx, since); err != nil && ctx.Err() == nil {
-			r.log.Warn().Err(err).Msg("check the unconsumed slot")
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-	}
-}
-
-// dropUnconsumedSlot drops the relay's slot when it has not been consumed
-// for slot_max_unconsumed or retains more than slot_max_retained: the table
-// keeps the events, and an unconsumed slot would keep WAL without limit.
-func (r *relayRun) dropUnconsumedSlot(ctx context.Context, since time.Time) error {
-	var exists, active bool
-	var retained int64
-	err := r.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(bool_or(active), false),
-		coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint FROM pg_replication_slots WHERE slot_name = $1`,
-		r.cfg.Source.Slot).Scan(&exists, &active, &retained)
-	if err != nil || !exists || active {
-		return err
-	}
-	if time.Since(since) < time.Duration(r.cfg.Source.SlotMaxUnconsumed) && retained < int64(r.cfg.Source.SlotMaxRetained) {
-		return nil
-	}
-	return r.dropSlot(ctx, fmt.Sprintf("not consumed for %s, retaining %d bytes of WAL", time.Since(since).Round(time.Second), retained))
-}
-
-// dropSlot drops the relay's own slot if it exists and nobody streams from it.
-func (r *relayRun) dropSlot(ctx context.Context, why string) error {
-	tag, err := r.pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, r.cfg.Source.Slot)
-	if err == nil && tag.RowsAffected() > 0 {
-		r.log.Warn().Str("slot", r.cfg.Source.Slot).Str("why", why).Msg("dropped the replication slot; the outbox table keeps the events")
-	}
+	r.setReady()
+	err = sup.Run(ctx)
+	log.Info().Msg("relay stopped")
 	return err
 }
 
-// stream runs the stream path and, beside it, the claim path over the rows
-// the stream hands off, until ctx ends or replication fails.
-func (r *relayRun) stream(ctx context.Context) error {
+// supervisorConfig turns the configuration into the supervisor's
+// constructors.
+func (r *relayRun) supervisorConfig() supervisor.Config {
 	cfg, log := r.cfg, r.log
-	if pid, err := ledger.TerminateStaleWalsender(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot); err != nil {
-		log.Warn().Err(err).Msg("could not check the slot for a stale walsender")
-	} else if pid != 0 {
-		log.Warn().Int32("pid", pid).Msg("ended a stale walsender still holding the slot (a former leader)")
-	}
-
 	names := make([]string, len(r.routes))
 	for i, s := range r.routes {
 		names[i] = s.Sink.Name()
 	}
-	engine, err := relay.NewEngine(relay.EngineConfig{
-		Routes:         r.routes,
-		Store:          r.store,
-		Unordered:      cfg.Delivery.Ordering == config.OrderingNone,
-		InlineAttempts: cfg.Delivery.InlineAttempts,
-		MaxAttempts:    cfg.Delivery.MaxAttempts,
-		Backoff:        durations(cfg.Delivery.Backoff),
-		LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
-		MarkDone:       cfg.Delivery.MarkDone == config.MarkDoneAsync,
-		Holds:          r.store,
-		Owner:          r.owner, // the claim path holds this owner's lock
-
+	return supervisor.Config{
+		Mode: supervisor.Mode(cfg.Source.Mode),
+		Leader: func(ctx context.Context) (supervisor.Leadership, error) {
+			l, err := ledger.AcquireLeader(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot, log)
+			if err != nil {
+				return nil, err
+			}
+			log.Info().Str("slot", cfg.Source.Slot).Str("owner", r.owner).Msg("leader for the slot")
+			return l, nil
+		},
+		Engine: func() (*relay.Engine, error) {
+			return relay.NewEngine(relay.EngineConfig{
+				Routes: r.routes,
+				Policy: relay.Policy{
+					InlineAttempts: cfg.Delivery.InlineAttempts,
+					MaxAttempts:    cfg.Delivery.MaxAttempts,
+					Backoff:        durations(cfg.Delivery.Backoff),
+					LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
+				},
+				Unordered:  cfg.Delivery.Ordering == config.OrderingNone,
+				MarkDone:   cfg.Delivery.MarkDone == config.MarkDoneAsync,
+				Stream:     r.store,
+				Claim:      r.store,
+				Owner:      r.owner, // the claim path holds this owner's lock
+				ClaimLease: time.Duration(cfg.Source.LockTimeout),
+				Logger:     log,
+			})
+		},
+		Stream: func(e *relay.Engine) (supervisor.Runner, error) {
+			log.Info().Str("slot", cfg.Source.Slot).Str("outbox", r.tables.Outbox.String()).Int("sinks", len(r.routes)).Msg("relay running")
+			return replication.New(replication.Config{
+				ConnString:  cfg.DatabaseURL.Reveal(),
+				Slot:        cfg.Source.Slot,
+				Publication: cfg.Source.Publication,
+				Outbox:      r.tables.Outbox,
+				Consumer:    e.Stream(),
+				Checkpoint:  r.store,
+				HandOver:    r.store,
+				WaitSettled: e.WaitSettled,
+				Logger:      log,
+			})
+		},
+		Claim: func(e *relay.Engine, all bool) (supervisor.Runner, error) {
+			cc := claim.Config{
+				Engine:       e,
+				Store:        r.store,
+				All:          all,
+				BatchSize:    cfg.Source.BatchSize,
+				PollInterval: time.Duration(cfg.Source.PollInterval),
+				LockTimeout:  time.Duration(cfg.Source.LockTimeout),
+				SweepAfter:   time.Duration(cfg.Source.SweepAfter),
+				Owner:        r.owner,
+				Logger:       log,
+			}
+			if cfg.Source.NotifyTrigger {
+				cc.Notify = migrations.NotifyChannel(r.tables.Outbox)
+			}
+			return claim.New(cc)
+		},
+		// Rows whose mark-done a crash lost are settled from the ledger
+		// beside the stream, not before it: on a large backlog the pass
+		// takes seconds, and streaming must not wait for bookkeeping.
+		Startup: func(ctx context.Context) {
+			if n, err := r.store.MarkDeliveredDone(ctx, names); err != nil && ctx.Err() == nil {
+				log.Warn().Err(err).Msg("mark rows the ledger shows delivered; they stay pending until the next start")
+			} else if n > 0 {
+				log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
+			}
+		},
+		Slots:             ledger.NewSlots(r.pool, cfg.DatabaseURL.Reveal(), cfg.Source.Slot),
+		ReplicationRetry:  time.Duration(cfg.Source.ReplicationRetry),
+		SlotMaxUnconsumed: time.Duration(cfg.Source.SlotMaxUnconsumed),
+		SlotMaxRetained:   int64(cfg.Source.SlotMaxRetained),
+		ShutdownTimeout:   time.Duration(cfg.ShutdownTimeout),
+		OnMode:            relay.SetMode,
+		OnLeader: func(leader bool) {
+			if leader {
+				relay.LeaderGauge.Set(1)
+			} else {
+				relay.LeaderGauge.Set(0)
+			}
+		},
 		Logger: log,
-	})
-	if err != nil {
-		return err
 	}
-	source, err := replication.New(replication.Config{
-		ConnString:   cfg.DatabaseURL.Reveal(),
-		Slot:         cfg.Source.Slot,
-		Publication:  cfg.Source.Publication,
-		Outbox:       r.tables.Outbox,
-		Consumer:     engine,
-		Checkpoint:   r.store,
-		MarkForClaim: r.store.MarkForClaim,
-		WaitSettled:  engine.WaitSettled,
-		Logger:       log,
-	})
-	if err != nil {
-		return err
-	}
-
-	engineCtx, stopEngine := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopEngine()
-	engineDone := make(chan error, 1)
-	go func() { engineDone <- engine.Run(engineCtx) }()
-
-	claimer, err := r.newClaimer(false, engine)
-	if err != nil {
-		return err
-	}
-	claimCtx, stopClaimer := context.WithCancel(ctx)
-	claimDone := make(chan error, 1)
-	go func() { claimDone <- claimer.Run(claimCtx) }()
-	defer func() { stopClaimer(); <-claimDone }()
-
-	// Rows whose mark-done a crash lost are settled from the ledger beside
-	// the stream, not before it: on a large backlog the pass takes seconds,
-	// and streaming must not wait for bookkeeping. It skips rows the engine
-	// is settling, and a row it misses stays pending until the next start.
-	sweepDone := make(chan struct{})
-	go func() {
-		defer close(sweepDone)
-		if n, err := r.store.MarkDeliveredDone(claimCtx, names); err != nil && claimCtx.Err() == nil {
-			log.Warn().Err(err).Msg("mark rows the ledger shows delivered; they stay pending until the next start")
-		} else if n > 0 {
-			log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
-		}
-	}()
-	defer func() { stopClaimer(); <-sweepDone }()
-
-	relay.SetMode("replication")
-	log.Info().Str("slot", cfg.Source.Slot).Str("outbox", r.tables.Outbox.String()).Int("sinks", len(r.routes)).Msg("relay running")
-	srcErr := source.Run(ctx)
-
-	// The source has stopped taking events; let in-flight ones finish and
-	// their outcomes reach the database, then stop.
-	drainCtx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.ShutdownTimeout))
-	defer cancel()
-	if err := engine.Drain(drainCtx); err != nil {
-		log.Warn().Err(err).Msg("shutdown_timeout passed with events in flight; they will be re-streamed and checked against the ledger at the next start")
-	}
-	stopEngine()
-	if err := <-engineDone; err != nil && srcErr == nil {
-		srcErr = err
-	}
-	if srcErr != nil && !errors.Is(srcErr, context.Canceled) {
-		return srcErr
-	}
-	return nil
 }
 
 // newPool opens the relay's connection pool. pgxpool's default (4, or the

@@ -23,9 +23,10 @@ type RetentionConfig struct {
 	Batch int
 }
 
-// Prune deletes old done outbox rows and old ledger rows, Batch rows per
-// statement (each its own short transaction), until none is left, and
-// returns how many of each it deleted.
+// Prune deletes old done outbox rows with their ledger rows, and old
+// ledger rows whose outbox row is done or gone, Batch rows per statement
+// (each its own short transaction), until none is left, and returns how
+// many of each it deleted.
 //
 // It never deletes a pending, processing, held or failed row, nor any ledger
 // row of an event whose outbox row is in one of those statuses: the ledger
@@ -46,14 +47,22 @@ func Prune(ctx context.Context, db DB, t Tables, cfg RetentionConfig) (doneRows,
 	}
 	// Ages go to the server in microseconds: the cut-off is computed from
 	// the server's clock, like processed_at and delivered_at.
+	// An event's ledger rows go with its row (docs/guarantees.md, "a key
+	// published again"): a key published again after its row was pruned is
+	// a new event on either path, never skipped as delivered.
 	pruneDone := fmt.Sprintf(`
+WITH gone AS (
 DELETE FROM %[1]s AS o
  WHERE o.id IN (
        SELECT id FROM %[1]s
         WHERE status = 'done' AND coalesce(processed_at, created_at) < now() - $1 * interval '1 microsecond'
         LIMIT $2
           FOR UPDATE SKIP LOCKED)
-   AND o.status = 'done'`, t.Outbox.Quoted())
+   AND o.status = 'done'
+RETURNING o.event_key),
+ledger AS (
+DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted())
 
 	// A ledger row goes when its outbox row is done or gone and it is old;
 	// one with no time at all only when its outbox row is gone. The NOT
@@ -70,28 +79,34 @@ DELETE FROM %[1]s
         LIMIT $2
           FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted())
 
-	batches := func(sql string, age time.Duration, what string, total *int64) error {
-		for {
-			tag, err := db.Exec(ctx, sql, age.Microseconds(), cfg.Batch)
-			if err != nil {
-				return fmt.Errorf("prune %s: %w", what, err)
-			}
-			*total += tag.RowsAffected()
-			if tag.RowsAffected() < int64(cfg.Batch) {
-				return nil
-			}
-			if err := ctx.Err(); err != nil {
-				return err
-			}
+	for {
+		var rows, ledgerWith int64
+		if err := db.QueryRow(ctx, pruneDone, cfg.DoneAfter.Microseconds(), cfg.Batch).Scan(&rows, &ledgerWith); err != nil {
+			return doneRows, ledgerRows, fmt.Errorf("prune done rows of %s: %w", t.Outbox, err)
+		}
+		doneRows += rows
+		ledgerRows += ledgerWith
+		if rows < int64(cfg.Batch) {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			return doneRows, ledgerRows, err
 		}
 	}
-	if err := batches(pruneDone, cfg.DoneAfter, "done rows of "+t.Outbox.String(), &doneRows); err != nil {
-		return doneRows, ledgerRows, err
+	for {
+		tag, err := db.Exec(ctx, pruneLedger, cfg.LedgerAfter.Microseconds(), cfg.Batch)
+		if err != nil {
+			return doneRows, ledgerRows, fmt.Errorf("prune ledger rows of %s: %w", t.Ledger, err)
+		}
+		ledgerRows += tag.RowsAffected()
+		if tag.RowsAffected() < int64(cfg.Batch) {
+			return doneRows, ledgerRows, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return doneRows, ledgerRows, err
+		}
 	}
-	err = batches(pruneLedger, cfg.LedgerAfter, "ledger rows of "+t.Ledger.String(), &ledgerRows)
-	return doneRows, ledgerRows, err
 }
-
 // RunRetention calls Prune now and then every interval until ctx ends, and
 // returns nil then. A failed pass is logged and the next one retries: a
 // missed pass only leaves old rows a little longer. Each pass that deletes

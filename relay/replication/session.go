@@ -261,7 +261,16 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		case slot.plugin != "pgoutput":
 			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q uses plugin %q, not pgoutput; drop it or choose another slot name", s.cfg.Slot, slot.plugin)}
 		}
-		if slot.walStatus != "lost" {
+		handedOver, err := s.cfg.HandOver.HandedOver(ctx, s.cfg.Slot)
+		if err != nil {
+			return 0, err
+		}
+		switch {
+		case slot.walStatus == "lost":
+			s.log.Warn().Msg("replication slot was invalidated (wal_status lost); dropping and recreating it")
+		case !handedOver:
+			s.log.Warn().Msg("replication slot has no record of its hand-over (the relay stopped between creating it and handing the rows pending then to the claim path): dropping and recreating it")
+		default:
 			if slot.walStatus == "unreserved" {
 				s.log.Warn().Msg("replication slot retains more WAL than max_slot_wal_keep_size; it will be invalidated unless it catches up")
 			}
@@ -270,9 +279,8 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			}
 			return slot.confirmedFlush, nil
 		}
-		s.log.Warn().Msg("replication slot was invalidated (wal_status lost); dropping and recreating it")
 		if err := pglogrepl.DropReplicationSlot(ctx, rconn, s.cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
-			return 0, fmt.Errorf("drop lost replication slot: %w", err)
+			return 0, fmt.Errorf("drop replication slot: %w", err)
 		}
 	}
 
@@ -280,6 +288,9 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		if err := s.cfg.WaitSettled(ctx); err != nil {
 			return 0, fmt.Errorf("wait for the consumer to settle before creating the slot: %w", err)
 		}
+	}
+	if err := s.cfg.HandOver.BeginSlot(ctx, s.cfg.Slot); err != nil {
+		return 0, err
 	}
 	res, err := pglogrepl.CreateReplicationSlot(ctx, rconn, s.cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
 		SnapshotAction: "EXPORT_SNAPSHOT",
@@ -298,7 +309,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 
 	// The snapshot stays valid while rconn runs no other command: the rows
 	// pending in it are exactly the rows the new slot will never stream.
-	n, err := s.cfg.MarkForClaim(ctx, res.SnapshotName)
+	n, err := s.cfg.HandOver.MarkForClaim(ctx, s.cfg.Slot, res.SnapshotName, consistent)
 	if err != nil {
 		// Without the hand-over those rows would stay pending unseen: drop
 		// the slot so that the next attempt repeats it.

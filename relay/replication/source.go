@@ -57,11 +57,9 @@ type Config struct {
 	Consumer relay.Consumer
 	// Checkpoint persists the acknowledged position of the slot.
 	Checkpoint relay.Checkpoint
-	// MarkForClaim hands every row pending in the exported snapshot of a
-	// newly created slot to the claim path and returns how many it marked. It
-	// must import the snapshot (SET TRANSACTION SNAPSHOT) in a REPEATABLE READ
-	// transaction: those rows are exactly the ones the slot will never stream.
-	MarkForClaim func(ctx context.Context, snapshot string) (int64, error)
+	// HandOver is the slot-creation hand-over: it gives the claim path every
+	// row pending in a new slot's exported snapshot and records that it did.
+	HandOver HandOver
 	// WaitSettled, when set, is called before a slot is created (after a
 	// drop or an invalidation, the consumer may still be delivering events
 	// of the old slot): it waits until the consumer has settled everything
@@ -81,6 +79,25 @@ type Config struct {
 	ReconnectMin, ReconnectMax time.Duration
 
 	Logger zerolog.Logger
+}
+
+// HandOver is the slot-creation hand-over (docs/architecture.md, "slot
+// creation"), which ledger.Store implements.
+type HandOver interface {
+	// BeginSlot records, before the slot is created, that its hand-over
+	// has not happened yet.
+	BeginSlot(ctx context.Context, slot string) error
+	// MarkForClaim hands every row pending in the exported snapshot of the
+	// newly created slot to the claim path, and records the hand-over as
+	// done at consistent, in one transaction; it returns how many rows it
+	// marked. It must import the snapshot (SET TRANSACTION SNAPSHOT) in a
+	// REPEATABLE READ transaction: those rows are exactly the ones the slot
+	// will never stream.
+	MarkForClaim(ctx context.Context, slot, snapshot string, consistent relay.LSN) (int64, error)
+	// HandedOver reports whether the hand-over of the existing slot was
+	// recorded as done. A slot without the record (a crash between its
+	// creation and the hand-over) is dropped and made again.
+	HandedOver(ctx context.Context, slot string) (bool, error)
 }
 
 // UnavailableError reports a server on which logical replication cannot work
@@ -104,6 +121,9 @@ func (e *UnavailableError) Error() string {
 }
 
 func (e *UnavailableError) Unwrap() error { return e.Err }
+
+// UnavailableReason returns Reason: what is missing and how to fix it.
+func (e *UnavailableError) UnavailableReason() string { return e.Reason }
 
 // Source streams outbox INSERTs from a replication slot into a
 // relay.Consumer. Create it with New and start it with Run.
@@ -143,8 +163,8 @@ func New(cfg Config) (*Source, error) {
 		return nil, errors.New("replication: Consumer is nil")
 	case cfg.Checkpoint == nil:
 		return nil, errors.New("replication: Checkpoint is nil")
-	case cfg.MarkForClaim == nil:
-		return nil, errors.New("replication: MarkForClaim is nil")
+	case cfg.HandOver == nil:
+		return nil, errors.New("replication: HandOver is nil")
 	}
 	setDefault(&cfg.StatusInterval, DefaultStatusInterval)
 	setDefault(&cfg.CheckpointEvery, DefaultCheckpointEvery)

@@ -1,34 +1,11 @@
-package claim
+package ledger
 
 import (
 	"fmt"
 	"path"
 	"strings"
 	"unicode/utf8"
-
-	"github.com/outbox-relay/outbox-relay/relay"
 )
-
-// routes reports whether r takes an event of this type. It is the engine's
-// rule, so both paths route alike: no globs or a "*" glob take every event,
-// including one with a NULL event_type; other globs are matched with
-// path.Match and never match a NULL event_type.
-func routes(r relay.Route, eventType *string) bool {
-	if len(r.Events) == 0 {
-		return true
-	}
-	for _, g := range r.Events {
-		if g == "*" {
-			return true
-		}
-		if eventType != nil {
-			if ok, _ := path.Match(g, *eventType); ok {
-				return true
-			}
-		}
-	}
-	return false
-}
 
 // sinkFilter is how the claim query routes a row to a sink in SQL: every
 // type (incl. NULL), or event_type ~ regex. A nil regex matches nothing.

@@ -1,4 +1,4 @@
-package claim_test
+package ledger_test
 
 import (
 	"context"
@@ -10,8 +10,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // globPatterns and globNames are crossed in the table test; the patterns
@@ -67,7 +67,7 @@ func TestGlobToRegex(t *testing.T) {
 	var regexes, names, patterns []string
 	var want []bool
 	for _, p := range globPatterns {
-		re, matchable, err := claim.GlobToRegex(p)
+		re, matchable, err := ledger.GlobToRegex(p)
 		if _, badErr := path.Match(p, ""); badErr != nil {
 			if !errors.Is(err, path.ErrBadPattern) {
 				t.Errorf("GlobToRegex(%q) = %q, %v; want ErrBadPattern", p, re, err)
@@ -104,7 +104,7 @@ func TestGlobToRegex(t *testing.T) {
 		{"[^a-c]x", `^[^a-c]x$`},
 		{"*[^x]*y", `^(?:(?![^x])[^/])*[^x][^/]*y$`},
 	} {
-		if re, _, _ := claim.GlobToRegex(tc.glob); re != tc.re {
+		if re, _, _ := ledger.GlobToRegex(tc.glob); re != tc.re {
 			t.Errorf("GlobToRegex(%q) = %q, want %q", tc.glob, re, tc.re)
 		}
 	}
@@ -124,12 +124,12 @@ func TestSinkFilter(t *testing.T) {
 		{[]string{"order.*", "user.?"}, false, `^(?:order\.[^/]*|user\.[^/])$`},
 		{[]string{"[z-a]"}, false, ""},
 	} {
-		every, re, err := claim.SinkFilter(tc.globs)
+		every, re, err := ledger.SinkFilter(tc.globs)
 		if err != nil || every != tc.every || (re == nil) != (tc.re == "") || re != nil && *re != tc.re {
 			t.Errorf("SinkFilter(%q) = %v, %s, %v; want %v, %q", tc.globs, every, deref(re), err, tc.every, tc.re)
 		}
 	}
-	if _, _, err := claim.SinkFilter([]string{"ok.*", "bad["}); err == nil {
+	if _, _, err := ledger.SinkFilter([]string{"ok.*", "bad["}); err == nil {
 		t.Error("SinkFilter accepted a malformed glob")
 	}
 }
@@ -155,7 +155,7 @@ func FuzzGlobToRegex(f *testing.F) {
 			return // not text: event types and globs are strings of text
 		}
 		want, badErr := path.Match(pattern, name)
-		re, matchable, err := claim.GlobToRegex(pattern)
+		re, matchable, err := ledger.GlobToRegex(pattern)
 		if badErr != nil {
 			if !errors.Is(err, path.ErrBadPattern) {
 				t.Fatalf("GlobToRegex(%q) = %q, %v; want ErrBadPattern", pattern, re, err)

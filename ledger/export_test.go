@@ -1,0 +1,17 @@
+package ledger
+
+// GlobToRegex exposes globToRegex to the tests.
+var GlobToRegex = globToRegex
+
+// SinkFilter exposes how the claim query routes a sink's globs in SQL.
+func SinkFilter(globs []string) (everyType bool, regex *string, err error) {
+	f, err := newSinkFilter(globs)
+	return f.everyType, f.regex, err
+}
+
+// ClaimStatement returns the claim query (for an outbox with the replays
+// column) and its arguments, for EXPLAIN.
+func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any, error) {
+	names, every, regex, err := s.routingArrays()
+	return s.sql.claim.claimReplays, []any{limit, owner, all, names, every, regex}, err
+}

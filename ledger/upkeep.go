@@ -1,0 +1,235 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"net"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// The claim path's upkeep: leases, NULL due times, the stuck-rows alarm, the
+// owner lock and the NOTIFY wake-up. The claim source (relay/claim) runs
+// them on timers.
+
+// ExpireLeases returns to pending the processing rows whose lease passed,
+// or whose relay owner (locked_by starting with OwnerPrefix) holds no owner
+// lock, keeping their attempts. Their ledger claims are taken over when the
+// rows are claimed again. Safe to run concurrently from every relay.
+func (s *Store) ExpireLeases(ctx context.Context, lease time.Duration) ([]relay.Lease, error) {
+	rows, err := s.pool.Query(ctx, s.sql.claim.expireLeases, lease.Milliseconds(), OwnerPrefix)
+	if err != nil {
+		return nil, fmt.Errorf("return expired leases: %w", err)
+	}
+	var (
+		out   []relay.Lease
+		id    int64
+		owner pgtype.Text
+	)
+	_, err = pgx.ForEachRow(rows, []any{&id, &owner}, func() error {
+		out = append(out, relay.Lease{ID: id, OldOwner: owner.String})
+		return nil
+	})
+	if err != nil {
+		return out, fmt.Errorf("return expired leases: %w", err)
+	}
+	return out, nil
+}
+
+// RepairDue makes pending rows with a NULL available_at (the column is
+// nullable) due now, and returns how many it changed: the claim query
+// orders by available_at and would never reach them.
+func (s *Store) RepairDue(ctx context.Context) (int64, error) {
+	tag, err := s.pool.Exec(ctx, s.sql.claim.repairDue)
+	if err != nil {
+		return 0, fmt.Errorf("make rows with a NULL available_at due: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}
+
+// Stuck counts the rows pending, not the claim path's, and due longer than
+// after ago, and returns the age of the oldest. It never claims them: only
+// a hand-off, the slot hand-over or `outbox-relay reconcile` makes a row
+// the claim path's.
+func (s *Store) Stuck(ctx context.Context, after time.Duration) (rows int64, oldest time.Duration, err error) {
+	var secs float64
+	if err := s.pool.QueryRow(ctx, s.sql.claim.stuck, after.Milliseconds()).Scan(&rows, &secs); err != nil {
+		return 0, 0, fmt.Errorf("measure rows pending longer than %s: %w", after, err)
+	}
+	return rows, time.Duration(secs * float64(time.Second)), nil
+}
+
+// Keepalive settings of the relay's dedicated connections (owner lock,
+// leader lock, LISTEN): a dead peer is noticed after about idle + interval ×
+// count = 11 s, on both ends.
+const (
+	keepaliveIdle     = 5 * time.Second
+	keepaliveInterval = 2 * time.Second
+	keepaliveCount    = 3
+	// pingTimeout bounds one check of a dedicated connection; one that does
+	// not answer is taken as lost, and with it its lock.
+	pingTimeout = 3 * time.Second
+)
+
+// dedicatedConfig is cfg for a connection of its own (not from the pool)
+// with TCP keepalives on both ends, named purpose in pg_stat_activity
+// unless the configuration names it.
+func dedicatedConfig(cfg *pgx.ConnConfig, purpose string) *pgx.ConnConfig {
+	cc := cfg.Copy()
+	if cc.RuntimeParams == nil {
+		cc.RuntimeParams = map[string]string{}
+	}
+	if cc.RuntimeParams["application_name"] == "" {
+		cc.RuntimeParams["application_name"] = "outbox-relay " + purpose
+	}
+	// The server's side of the keepalive: it ends the session, and frees
+	// its locks, soon after this host disappears.
+	cc.RuntimeParams["tcp_keepalives_idle"] = fmt.Sprint(keepaliveIdle.Seconds())
+	cc.RuntimeParams["tcp_keepalives_interval"] = fmt.Sprint(keepaliveInterval.Seconds())
+	cc.RuntimeParams["tcp_keepalives_count"] = fmt.Sprint(keepaliveCount)
+	timeout := cc.ConnectTimeout
+	if timeout <= 0 {
+		timeout = 10 * time.Second
+	}
+	dialer := &net.Dialer{Timeout: timeout, KeepAliveConfig: net.KeepAliveConfig{
+		Enable: true, Idle: keepaliveIdle, Interval: keepaliveInterval, Count: keepaliveCount}}
+	cc.DialFunc = dialer.DialContext
+	return cc
+}
+
+// ownerLock is a held owner lock: the session advisory lock
+// pg_advisory_lock(OwnerLockClass, hashtext(owner)) on a dedicated
+// connection. While it is held, other relays leave the owner's rows and
+// ledger claims alone until their lease passes.
+type ownerLock struct {
+	s     *Store
+	owner string
+	conn  *pgx.Conn
+}
+
+// LockOwner opens a dedicated connection and takes the owner lock on it.
+// It returns an error wrapping relay.ErrLockTaken when another session holds
+// it (or the lock of an id with the same hash).
+func (s *Store) LockOwner(ctx context.Context, owner string) (relay.Lock, error) {
+	conn, err := pgx.ConnectConfig(ctx, dedicatedConfig(s.pool.Config().ConnConfig, "owner lock"))
+	if err != nil {
+		return nil, fmt.Errorf("connect for the owner lock: %w", err)
+	}
+	// Once sent, the query runs to its answer even if ctx ends: a query cut
+	// short leaves pgx closing the session in the background, holding the
+	// lock if the server granted it, and the owner's next attempt would
+	// find it taken.
+	lockCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pingTimeout)
+	defer cancel()
+	var locked bool
+	if err := conn.QueryRow(lockCtx, s.sql.claim.lockOwner, owner).Scan(&locked); err != nil {
+		conn.Close(context.Background())
+		return nil, fmt.Errorf("take the owner lock of %s: %w", owner, err)
+	}
+	if !locked {
+		conn.Close(context.Background())
+		return nil, fmt.Errorf("owner %s: %w", owner, relay.ErrLockTaken)
+	}
+	return &ownerLock{s: s, owner: owner, conn: conn}, nil
+}
+
+// Ping checks that the lock's connection is alive (and with it the lock).
+func (l *ownerLock) Ping(ctx context.Context) error {
+	pctx, cancel := context.WithTimeout(ctx, pingTimeout)
+	defer cancel()
+	return l.conn.Ping(pctx)
+}
+
+// Release unlocks and closes the connection. Safe to call once.
+func (l *ownerLock) Release() {
+	ctx, cancel := context.WithTimeout(context.Background(), pingTimeout)
+	defer cancel()
+	_, _ = l.conn.Exec(ctx, l.s.sql.claim.unlockOwner, l.owner) // closing frees it anyway
+	l.conn.Close(ctx)
+}
+
+// Listen LISTENs on channel on a dedicated connection and calls notified for
+// every notification, until ctx ends or the connection fails; it calls
+// notified once when it starts listening (for notifications missed before).
+func (s *Store) Listen(ctx context.Context, channel string, notified func()) error {
+	conn, err := pgx.ConnectConfig(ctx, dedicatedConfig(s.pool.Config().ConnConfig, "listen"))
+	if err != nil {
+		return fmt.Errorf("connect for LISTEN: %w", err)
+	}
+	defer func() {
+		closeCtx, cancel := context.WithTimeout(context.Background(), pingTimeout)
+		conn.Close(closeCtx)
+		cancel()
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+relay.QuoteIdentifier(channel)); err != nil {
+		return fmt.Errorf("LISTEN %s: %w", channel, err)
+	}
+	notified()
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return err
+		}
+		notified()
+	}
+}
+
+// reconcileBatch bounds the rows one reconcile statement marks, so a large
+// backlog is marked in short transactions.
+const reconcileBatch = 10_000
+
+// Reconcile marks for the claim path (handoff_at = now()) every row that is
+// still pending, not handed off, and was created more than olderThan ago,
+// and returns how many it marked. It is `outbox-relay reconcile
+// --older-than D`: the repair for rows a slot will never stream (the slot
+// was dropped and recreated by someone else while the relay was down). The
+// claim path then delivers them; pairs the ledger shows delivered are
+// skipped, so rows the stream delivered but did not mark done are only
+// settled.
+//
+// Run it with olderThan well above the stream's lag: a row the stream is
+// still delivering when it is marked may reach a sink from both paths. It
+// marks in batches of 10,000 rows, each its own transaction, so an error
+// leaves earlier batches marked; it is safe to repeat. olderThan must be
+// positive.
+func (s *Store) Reconcile(ctx context.Context, olderThan time.Duration) (int64, error) {
+	if olderThan <= 0 {
+		return 0, errors.New("reconcile: older-than must be positive")
+	}
+	sql := fmt.Sprintf(`
+WITH batch AS (
+    SELECT id FROM %[1]s
+     WHERE status = 'pending' AND handoff_at IS NULL
+       AND created_at < now() - $1::bigint * interval '1 millisecond'
+     ORDER BY id
+     LIMIT $2
+       FOR UPDATE)
+UPDATE %[1]s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
+  FROM batch
+ WHERE o.id = batch.id AND o.status = 'pending' AND o.handoff_at IS NULL`, s.outbox)
+	var marked int64
+	for {
+		tag, err := s.pool.Exec(ctx, sql, olderThan.Milliseconds(), reconcileBatch)
+		if err != nil {
+			return marked, fmt.Errorf("reconcile: %w", err)
+		}
+		marked += tag.RowsAffected()
+		if tag.RowsAffected() < reconcileBatch {
+			return marked, nil
+		}
+	}
+}
+
+// NewOwner returns a fresh owner id, "outbox-relay:<host>:<pid>:<random>":
+// the name of one relay process in locked_by, in the ledger's claims and in
+// its owner lock.
+func NewOwner() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("%s%s:%d:%08x", OwnerPrefix, host, os.Getpid(), rand.Uint32())
+}

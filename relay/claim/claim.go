@@ -1,0 +1,295 @@
+// Package claim is the claim path's source (docs/architecture.md): the
+// durable path that delivers the rows the stream handed off, the rows
+// marked when a slot was created, and — in poll mode — every due pending
+// row.
+//
+// A Source loops: claim a batch of due rows with one
+// `WITH locked AS (SELECT … FOR UPDATE SKIP LOCKED) UPDATE … RETURNING`
+// (the store's Claim) and hand it to the delivery core (relay.Engine), which
+// claims each (event, sink) pair in the ledger before sending, sends, and
+// settles the rows through the same policy as the stream's events. The
+// Source claims again at once after a full batch, and otherwise after
+// PollInterval, or sooner when a settlement, a NOTIFY or Kick wakes it.
+//
+// # Owners
+//
+// Every Source has an owner id (ledger.NewOwner) and holds a session
+// advisory lock for it on a dedicated connection (the store's LockOwner)
+// for its lifetime, and until the engine has settled every row it claimed.
+// An owner is "gone" when that lock is free: its process died, or its
+// connection did. A processing row whose owner is gone, or whose lease
+// (LockTimeout) passed, goes back to pending (the sweeper); a 'sending'
+// ledger claim in that state may be taken over, which counts as an unknown
+// outcome. The engine renews the leases of the rows it is still delivering,
+// so a slow delivery is never taken over. A legacy poller (mode: poll)
+// holds no such lock, so its rows are taken back only when their lease
+// passes. Age alone never moves a row that is not the claim path's.
+package claim
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// Store is what the claim source needs from the database besides what the
+// engine writes through relay.ClaimStore.
+type Store interface {
+	relay.ClaimStore
+	// LockOwner takes owner's lock on a dedicated connection; an error
+	// wrapping relay.ErrLockTaken means another live session holds it.
+	LockOwner(ctx context.Context, owner string) (relay.Lock, error)
+	// ExpireLeases returns to pending the processing rows whose lease
+	// passed or whose relay owner is gone.
+	ExpireLeases(ctx context.Context, lease time.Duration) ([]relay.Lease, error)
+	// RepairDue makes pending rows with a NULL available_at due now.
+	RepairDue(ctx context.Context) (int64, error)
+	// Stuck counts rows pending, not the claim path's, due longer than
+	// after ago, and the age of the oldest.
+	Stuck(ctx context.Context, after time.Duration) (int64, time.Duration, error)
+	// Listen calls notified for every NOTIFY on channel until ctx ends or
+	// the connection fails.
+	Listen(ctx context.Context, channel string, notified func()) error
+}
+
+// Config configures a Source. Zero values take the defaults in brackets.
+type Config struct {
+	Engine *relay.Engine
+	Store  Store
+	// All claims every due pending row (poll mode); otherwise only rows
+	// handed to the claim path (handoff_at IS NOT NULL).
+	All bool
+	// BatchSize is the most rows one claim takes [500].
+	BatchSize int
+	// PollInterval is the wait after a claim that was not full [1s]; a
+	// settlement, a NOTIFY or Kick ends it early.
+	PollInterval time.Duration
+	// LockTimeout is the lease on processing rows and 'sending' ledger
+	// claims [5m].
+	LockTimeout time.Duration
+	// SweepAfter raises the alarm for rows pending (and not the claim
+	// path's) this long after they were due [30s].
+	SweepAfter time.Duration
+	// Owner names this relay in locked_by and in ledger claims; the
+	// engine's owner.
+	Owner string
+	// Notify is a channel to LISTEN on; a notification wakes the claim
+	// loop. Empty: no LISTEN.
+	Notify string
+	// SettleTimeout bounds how long Run, once ctx ends, waits for the
+	// engine to settle the rows it claimed before it releases the owner
+	// lock [30s].
+	SettleTimeout time.Duration
+	Logger        zerolog.Logger
+}
+
+// Stats counts the claim source's work; safe to read concurrently. The
+// engine counts deliveries and outcomes.
+type Stats struct {
+	// Claimed counts rows claimed.
+	Claimed atomic.Int64
+	// TakenOver counts expired or orphaned leases the sweeper reset.
+	TakenOver atomic.Int64
+}
+
+// Source runs the claim path. Create it with New and call Run once.
+type Source struct {
+	cfg       Config
+	log       zerolog.Logger
+	wake      chan struct{}
+	ownerHeld atomic.Bool
+
+	stuckRows   atomic.Int64
+	oldestStuck atomic.Int64 // nanoseconds
+	lastAlarm   time.Time    // sweeper goroutine only
+
+	// Stats are the claim source's counters.
+	Stats Stats
+}
+
+// New validates cfg and returns a Source. It does not connect.
+func New(cfg Config) (*Source, error) {
+	switch {
+	case cfg.Engine == nil:
+		return nil, errors.New("claim path: no engine")
+	case cfg.Store == nil:
+		return nil, errors.New("claim path: no store")
+	case cfg.Owner == "":
+		return nil, errors.New("claim path: no owner")
+	}
+	if cfg.BatchSize <= 0 {
+		cfg.BatchSize = 500
+	}
+	if cfg.PollInterval <= 0 {
+		cfg.PollInterval = time.Second
+	}
+	if cfg.LockTimeout <= 0 {
+		cfg.LockTimeout = 5 * time.Minute
+	}
+	if cfg.SweepAfter <= 0 {
+		cfg.SweepAfter = 30 * time.Second
+	}
+	if cfg.SettleTimeout <= 0 {
+		cfg.SettleTimeout = 30 * time.Second
+	}
+	if cfg.Notify != "" {
+		if err := relay.ValidateIdentifier(cfg.Notify); err != nil {
+			return nil, fmt.Errorf("claim path: notify channel: %w", err)
+		}
+	}
+	c := &Source{cfg: cfg, log: cfg.Logger.With().Str("path", "claim").Logger(), wake: make(chan struct{}, 1)}
+	cfg.Engine.OnClaimSettled(c.Kick)
+	return c, nil
+}
+
+// Kick wakes the claim loop now instead of at the end of its poll interval.
+// It never blocks; safe to call from any goroutine, before or during Run.
+func (c *Source) Kick() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// OldestUnclaimedAge is the age, at the last sweep, of the oldest row that
+// is pending, not the claim path's, and was due more than SweepAfter ago;
+// 0 when there is none.
+func (c *Source) OldestUnclaimedAge() time.Duration { return time.Duration(c.oldestStuck.Load()) }
+
+// StuckRows is how many rows OldestUnclaimedAge looked at.
+func (c *Source) StuckRows() int64 { return c.stuckRows.Load() }
+
+// Run takes the owner lock, then claims batches and hands them to the
+// engine until ctx is done. Beside the loop it runs the lease sweeper
+// (every 5 × PollInterval, at least 1 s), the owner-lock keeper and, with
+// Notify, the listener. When ctx is done it claims nothing new, waits (up
+// to SettleTimeout) until the engine has settled every row it claimed,
+// stops its helpers and releases the owner lock; it returns nil. It
+// returns an error only when it cannot start: the owner lock cannot be
+// taken (database unreachable, or another live session holds the same
+// owner). Database errors while running are logged and retried, with
+// claiming paused while the owner lock is lost. Run is not safe to call
+// twice.
+func (c *Source) Run(ctx context.Context) error {
+	lock, err := c.cfg.Store.LockOwner(ctx, c.cfg.Owner)
+	if err != nil {
+		return fmt.Errorf("claim path: %w", err)
+	}
+	c.ownerHeld.Store(true)
+	c.log.Info().Str("owner", c.cfg.Owner).Bool("all_due_rows", c.cfg.All).Msg("claim path running")
+
+	// The helpers outlive ctx until the rows are settled: the owner lock
+	// must be held while our rows are still 'processing'.
+	helpers, stopHelpers := context.WithCancel(context.WithoutCancel(ctx))
+	var wg sync.WaitGroup
+	wg.Go(func() { c.keepOwner(helpers, lock) })
+	wg.Go(func() { c.sweepLoop(helpers) })
+	if c.cfg.Notify != "" {
+		wg.Go(func() { c.listen(helpers) })
+	}
+	c.claimLoop(ctx)
+
+	settleCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.SettleTimeout)
+	if err := c.cfg.Engine.WaitPathSettled(settleCtx, relay.PathClaim); err != nil {
+		c.log.Warn().Msg("claimed rows still unsettled when stopping; the sweeper of the next owner returns them")
+	}
+	cancel()
+	stopHelpers()
+	wg.Wait()
+	c.log.Info().Msg("claim path stopped")
+	return nil
+}
+
+// claimLoop claims batches until ctx is done.
+func (c *Source) claimLoop(ctx context.Context) {
+	failures := 0
+	for ctx.Err() == nil {
+		again := false
+		if c.ownerHeld.Load() {
+			n, err := c.claimBatch(ctx)
+			if err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				failures++
+				wait := relay.RetryDelay(failures)
+				c.log.Warn().Err(err).Dur("retry_in", wait).Msg("claim a batch; retrying")
+				if !sleep(ctx, wait) {
+					return
+				}
+				continue
+			}
+			failures = 0
+			again = n >= c.cfg.BatchSize
+		}
+		if again {
+			continue
+		}
+		timer := time.NewTimer(c.cfg.PollInterval)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return
+		case <-c.wake:
+			timer.Stop()
+		case <-timer.C:
+		}
+	}
+}
+
+// claimBatch claims one batch and hands it to the engine. Rows the engine
+// does not take (ctx ended, the ledger claims failed) are put back.
+func (c *Source) claimBatch(ctx context.Context) (int, error) {
+	works, err := c.cfg.Store.Claim(ctx, relay.ClaimQuery{All: c.cfg.All, Limit: c.cfg.BatchSize, Owner: c.cfg.Owner})
+	if err != nil || len(works) == 0 {
+		return 0, err
+	}
+	c.Stats.Claimed.Add(int64(len(works)))
+	notTaken, err := c.cfg.Engine.SubmitClaimed(ctx, works)
+	if err != nil {
+		c.putBack(ctx, notTaken)
+		return len(works), err
+	}
+	return len(works), nil
+}
+
+// putBack returns claimed rows the engine did not take to pending, due
+// again shortly, without counting an attempt. A row it cannot put back
+// stays processing until the sweeper finds its lease passed or its owner
+// gone.
+func (c *Source) putBack(ctx context.Context, works []*relay.Work) {
+	if len(works) == 0 {
+		return
+	}
+	at := time.Now().Add(relay.RetryDelay(1))
+	for _, w := range works {
+		for _, p := range w.Pairs {
+			p.Outcome = relay.Outcome{Kind: relay.Deferred}
+		}
+		w.Decision = relay.Decision{Kind: relay.Later, At: at, Attempts: w.Event.Attempts}
+	}
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	if err := c.cfg.Store.SettleClaim(wctx, works, c.cfg.Owner); err != nil {
+		c.log.Warn().Err(err).Int("rows", len(works)).Msg("put claimed rows back; the sweeper returns them when their lease passes")
+	}
+}
+
+// sleep waits d or until ctx is done; it reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}

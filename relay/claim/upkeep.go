@@ -1,0 +1,163 @@
+package claim
+
+import (
+	"context"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+const (
+	// alarmEvery limits the stuck-rows warning to one line a minute.
+	alarmEvery = time.Minute
+	// logResetsMax bounds the per-row lines of one lease sweep.
+	logResetsMax = 100
+	// ownerPingEvery is how often the owner-lock connection is checked.
+	ownerPingEvery = time.Second
+)
+
+// sweepInterval is 5 × PollInterval, at least 1 s.
+func (c *Source) sweepInterval() time.Duration { return max(5*c.cfg.PollInterval, time.Second) }
+
+// sweepLoop runs a sweep at once (a restarted relay returns its dead
+// predecessor's rows without waiting) and then every sweepInterval until
+// ctx is done.
+func (c *Source) sweepLoop(ctx context.Context) {
+	tick := time.NewTicker(c.sweepInterval())
+	defer tick.Stop()
+	for {
+		c.sweep(ctx)
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+	}
+}
+
+// sweep returns expired or orphaned leases to pending, makes NULL
+// available_at rows due, and measures the rows nobody claims. Errors are
+// logged: the next sweep tries again.
+func (c *Source) sweep(ctx context.Context) {
+	store := c.cfg.Store
+	expired, err := store.ExpireLeases(ctx, c.cfg.LockTimeout)
+	if err != nil && ctx.Err() == nil {
+		c.log.Warn().Err(err).Msg("sweep expired leases; trying again at the next sweep")
+	}
+	for i, l := range expired {
+		c.Stats.TakenOver.Add(1)
+		if i < logResetsMax {
+			c.log.Warn().Int64("id", l.ID).Str("old_owner", orUnknown(l.OldOwner)).Msg("lease passed or owner gone: row returned to pending")
+		}
+	}
+	if len(expired) > logResetsMax {
+		c.log.Warn().Int("rows", len(expired)).Msg("lease passed or owner gone: rows returned to pending (first ones logged above)")
+	}
+	if len(expired) > 0 {
+		c.Kick()
+	}
+	if n, err := store.RepairDue(ctx); err != nil && ctx.Err() == nil {
+		c.log.Warn().Err(err).Msg("make pending rows with a NULL available_at due")
+	} else if n > 0 {
+		c.log.Info().Int64("rows", n).Msg("pending rows had a NULL available_at: made them due now")
+		c.Kick()
+	}
+	if err := c.measureStuck(ctx); err != nil && ctx.Err() == nil {
+		c.log.Warn().Err(err).Msg("measure rows pending longer than sweep_after")
+	}
+}
+
+// measureStuck updates StuckRows and OldestUnclaimedAge and warns, at most
+// once a minute, while there are such rows.
+func (c *Source) measureStuck(ctx context.Context) error {
+	count, age, err := c.cfg.Store.Stuck(ctx, c.cfg.SweepAfter)
+	if err != nil {
+		return err
+	}
+	c.stuckRows.Store(count)
+	c.oldestStuck.Store(int64(age))
+	if count > 0 && time.Since(c.lastAlarm) >= alarmEvery {
+		c.lastAlarm = time.Now()
+		l := c.log.Warn().Int64("rows", count).Dur("oldest_age", age.Round(time.Second)).Dur("sweep_after", c.cfg.SweepAfter)
+		if c.cfg.All {
+			l.Msg("rows pending longer than sweep_after: the claim path is not keeping up or its sinks are failing")
+		} else {
+			l.Msg("rows pending longer than sweep_after that the stream has not delivered: if the slot was dropped and recreated while the relay was down, run outbox-relay reconcile --older-than D")
+		}
+	}
+	return nil
+}
+
+// keepOwner checks the owner-lock connection every second until ctx is
+// done, then releases it. When the connection fails, claiming pauses (the
+// lock went with the session, so other claimers may now return this
+// owner's rows) and keepOwner takes the lock again.
+func (c *Source) keepOwner(ctx context.Context, lock relay.Lock) {
+	defer func() {
+		if lock != nil {
+			lock.Release()
+		}
+	}()
+	tick := time.NewTicker(ownerPingEvery)
+	defer tick.Stop()
+	failures := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		if lock != nil {
+			err := lock.Ping(ctx)
+			if err == nil || ctx.Err() != nil {
+				continue
+			}
+			c.ownerHeld.Store(false)
+			c.log.Error().Err(err).Str("owner", c.cfg.Owner).
+				Msg("lost the owner-lock connection: claiming paused; other relays may return this owner's rows")
+			lock.Release()
+			lock = nil
+		}
+		next, err := c.cfg.Store.LockOwner(ctx, c.cfg.Owner)
+		if err != nil {
+			failures++
+			if failures == 1 || failures%30 == 0 {
+				c.log.Error().Err(err).Int("attempts", failures).Msg("take the owner lock again; retrying every second")
+			}
+			continue
+		}
+		lock, failures = next, 0
+		c.ownerHeld.Store(true)
+		c.log.Info().Str("owner", c.cfg.Owner).Msg("owner lock taken again: claiming resumed")
+		c.Kick()
+	}
+}
+
+// listen LISTENs on Config.Notify and kicks the claim loop on every
+// notification, until ctx is done. A failed connection is reopened with
+// backoff; each (re)start kicks once, for notifications missed meanwhile.
+func (c *Source) listen(ctx context.Context) {
+	for attempt := 1; ; attempt++ {
+		started := time.Now()
+		err := c.cfg.Store.Listen(ctx, c.cfg.Notify, c.Kick)
+		if ctx.Err() != nil {
+			return
+		}
+		if time.Since(started) > time.Minute {
+			attempt = 1
+		}
+		wait := min(relay.RetryDelay(attempt), 30*time.Second)
+		c.log.Warn().Err(err).Str("channel", c.cfg.Notify).Dur("retry_in", wait).
+			Msg("LISTEN connection failed; polling every poll_interval until it is back")
+		if !sleep(ctx, wait) {
+			return
+		}
+	}
+}
+
+func orUnknown(owner string) string {
+	if owner == "" {
+		return "unknown owner"
+	}
+	return owner
+}

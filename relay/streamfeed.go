@@ -1,0 +1,122 @@
+package relay
+
+import (
+	"context"
+	"sync/atomic"
+	"time"
+)
+
+// streamFeed is the engine's Consumer: the replication source submits the
+// events of each transaction in commit order, and the feed tracks which
+// positions are settled, so the slot is acknowledged only past events whose
+// outcome is written (docs/guarantees.md, "acknowledged only when settled").
+type streamFeed struct {
+	e       *Engine
+	tracker *tracker
+	// horizon: events committed before it may have been streamed (and
+	// delivered) before the last restart.
+	horizon atomic.Uint64
+}
+
+var _ Consumer = (*streamFeed)(nil)
+
+func newStreamFeed(e *Engine) *streamFeed { return &streamFeed{e: e, tracker: newTracker()} }
+
+// Submit implements Consumer. It takes the events in order: an event the
+// slot sends again while it is still in flight joins it; the others are
+// routed, prepared (checked against the ledger when they may be re-sent,
+// claimed for sinks that hold unknown outcomes) and queued in their lanes.
+// Each event is counted in its transaction before its first pair is
+// queued, so a Submit cut short by ctx leaves nothing counted that will
+// not settle.
+func (f *streamFeed) Submit(ctx context.Context, events []*Event) error {
+	e := f.e
+	if len(events) == 0 {
+		return nil
+	}
+	if err := e.waitStarted(ctx); err != nil {
+		return err
+	}
+	restreamed := false
+	if h := LSN(f.horizon.Load()); h != 0 && events[0].CommitLSN < h {
+		restreamed = true
+	}
+	ticket := f.tracker.open()
+	now := time.Now()
+	if ct := events[0].CommitTime; !ct.IsZero() {
+		// One transaction's events share their commit time.
+		lag := now.Sub(ct).Seconds()
+		for range events {
+			decodeLatency.Observe(lag)
+		}
+	}
+
+	works := make([]*Work, 0, len(events))
+	hold := false
+	for _, ev := range events {
+		if restreamed && e.joinInFlight(ev.ID, ticket) {
+			continue
+		}
+		if ev.Status != "" && ev.Status != "pending" {
+			// Inserted already settled (or held) by the application: not ours.
+			e.Stats.Skipped.Add(1)
+			continue
+		}
+		w := e.route(PathStream, ev)
+		for _, p := range w.Pairs {
+			hold = hold || p.Hold
+		}
+		works = append(works, w)
+	}
+	if len(works) == 0 {
+		return nil
+	}
+	if err := e.take(ctx, len(works)); err != nil {
+		return err
+	}
+	if restreamed || hold {
+		err := retry(ctx, func() error { return e.cfg.Stream.PrepareStream(ctx, works, restreamed, e.cfg.Owner) },
+			func(err error, wait time.Duration) {
+				e.log.Warn().Err(err).Dur("retry_in", wait).Msg("check decoded events against the ledger; retrying")
+			})
+		if err != nil {
+			e.unsettled.Release(int64(len(works)))
+			return err
+		}
+	}
+	// From here every work is taken: with ctx ended, a pair that finds its
+	// lane full is handed off rather than dropped, so that a claim Prepare
+	// made is settled.
+	for _, w := range works {
+		if w.Skip {
+			// Settled, handed off or claimed before the restart.
+			e.Stats.Skipped.Add(1)
+			e.unsettled.Release(1)
+			continue
+		}
+		e.admit(w, ticket)
+		e.dispatch(ctx, w, now)
+	}
+	return ctx.Err()
+}
+
+// Commit implements Consumer.
+func (f *streamFeed) Commit(endLSN LSN) { f.tracker.commit(endLSN) }
+
+// Keepalive implements Consumer.
+func (f *streamFeed) Keepalive(walEnd LSN) { f.tracker.keepalive(walEnd) }
+
+// Settled implements Consumer.
+func (f *streamFeed) Settled() (LSN, bool) { return f.tracker.position() }
+
+// Restart implements Consumer. It also reloads the diverted aggregates: a
+// new slot's hand-over has just given the claim path every row pending
+// before it, and the stream must not overtake those.
+func (f *streamFeed) Restart(ctx context.Context, horizon LSN) error {
+	if err := f.e.waitStarted(ctx); err != nil {
+		return err
+	}
+	f.tracker.reset()
+	f.horizon.Store(uint64(horizon))
+	return f.e.loadDivertedRetrying(ctx)
+}
