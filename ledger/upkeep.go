@@ -5,8 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"net"
+	"os"
 	"time"
 
 	"github.com/jackc/pgx/v5"

@@ -86,7 +86,7 @@ type Work struct {
 	// tickets are the stream transactions waiting for this event to settle
 	// (more than one when the slot sent it again while it was in flight);
 	// guarded by Engine.mu.
-	tickets  []*txnEntry
+	tickets                 []*txnEntry
 	envelopeOnce, nudgeOnce sync.Once
 	envelope, nudge         []byte
 	// settling state, owned by the settle loop

@@ -107,6 +107,7 @@ DELETE FROM %[1]s
 		}
 	}
 }
+
 // RunRetention calls Prune now and then every interval until ctx ends, and
 // returns nil then. A failed pass is logged and the next one retries: a
 // missed pass only leaves old rows a little longer. Each pass that deletes
