@@ -3,7 +3,6 @@ package ledger
 import (
 	"context"
 	"fmt"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -269,22 +268,31 @@ func (s *Store) routingArrays() (names []string, every []bool, regex []*string, 
 	return names, every, regex, nil
 }
 
+// claimStatement returns the claim query for the table's shape (with or
+// without the replays column), looked up once.
+func (s *Store) claimStatement(ctx context.Context) (string, error) {
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	if s.claimSQL != "" {
+		return s.claimSQL, nil
+	}
+	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
+	defer cancel()
+	var replays bool
+	if err := s.pool.QueryRow(dbCtx, s.sql.claim.hasReplays, s.outbox).Scan(&replays); err != nil {
+		return "", fmt.Errorf("inspect %s: %w", s.outbox, err)
+	}
+	s.claimSQL = s.sql.claim.claim
+	if replays {
+		s.claimSQL = s.sql.claim.claimReplays
+	}
+	return s.claimSQL, nil
+}
+
 // Claim implements relay.ClaimStore.
 func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, error) {
-	s.claimOnce.Do(func() {
-		var replays bool
-		if err := s.pool.QueryRow(ctx, s.sql.claim.hasReplays, s.outbox).Scan(&replays); err != nil {
-			s.claimErr = fmt.Errorf("inspect %s: %w", s.outbox, err)
-			return
-		}
-		s.claimSQL = s.sql.claim.claim
-		if replays {
-			s.claimSQL = s.sql.claim.claimReplays
-		}
-	})
-	if s.claimErr != nil {
-		err := s.claimErr
-		s.claimOnce = sync.Once{}
+	claimSQL, err := s.claimStatement(ctx)
+	if err != nil {
 		return nil, err
 	}
 	names, every, regex, err := s.routingArrays()
@@ -293,7 +301,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	}
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
 	defer cancel()
-	rows, err := s.pool.Query(dbCtx, s.claimSQL, q.Limit, q.Owner, q.All, names, every, regex)
+	rows, err := s.pool.Query(dbCtx, claimSQL, q.Limit, q.Owner, q.All, names, every, regex)
 	if err != nil {
 		return nil, fmt.Errorf("claim rows: %w", err)
 	}

@@ -81,9 +81,8 @@ type Store struct {
 	routes      []Sink
 
 	// claimSQL is the claim query for the table's shape, chosen once.
-	claimOnce sync.Once
-	claimSQL  string
-	claimErr  error
+	claimMu  sync.Mutex
+	claimSQL string
 }
 
 // statements is every SQL text the Store runs, rendered once with the

@@ -232,7 +232,7 @@ func (l *lane) result(t *task, err error) {
 		until, opened := l.circuit.open(now, retryAfter)
 		l.mu.Unlock()
 		if opened {
-			l.e.log.Warn().Str("sink", l.name).Str("error", reason).Dur("retry_in", until.Sub(now).Round(time.Millisecond)).
+			l.e.log.Warn().Str("path", string(t.w.path)).Str("sink", l.name).Str("error", reason).Dur("retry_in", until.Sub(now).Round(time.Millisecond)).
 				Msg("sink is down: circuit open, its events wait without counting attempts")
 		}
 		o := Outcome{Kind: Deferred, Reason: reason, Until: until, Why: "sink_down"}
