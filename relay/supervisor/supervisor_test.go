@@ -1,0 +1,276 @@
+package supervisor_test
+
+import (
+	"context"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/supervisor"
+)
+
+// nopStore is a StreamStore with nothing in it.
+type nopStore struct{}
+
+func (nopStore) PrepareStream(context.Context, []*relay.Work, bool, string) error { return nil }
+func (nopStore) SettleStream(context.Context, []*relay.Work, string) ([]int64, error) {
+	return nil, nil
+}
+func (nopStore) MarkDone(context.Context, []int64) ([]int64, error)       { return nil, nil }
+func (nopStore) Diverted(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
+
+func newEngine() (*relay.Engine, error) {
+	return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test"})
+}
+
+// runner is a source whose Run is run.
+type runner struct{ run func(ctx context.Context) error }
+
+func (r runner) Run(ctx context.Context) error { return r.run(ctx) }
+
+// untilDone runs until ctx ends.
+func untilDone(ctx context.Context) error { <-ctx.Done(); return nil }
+
+// slots is a fake slot view.
+type slots struct {
+	mu       sync.Mutex
+	exists   bool
+	active   bool
+	retained int64
+	drops    int
+}
+
+func (s *slots) Slot(context.Context) (bool, bool, int64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.exists, s.active, s.retained, nil
+}
+
+func (s *slots) DropSlot(context.Context) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.exists || s.active {
+		return false, nil
+	}
+	s.exists = false
+	s.drops++
+	return true, nil
+}
+
+func (s *slots) EndStaleWalsender(context.Context) (int32, error) { return 0, nil }
+
+func (s *slots) set(f func(*slots)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	f(s)
+}
+
+func (s *slots) dropped() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.drops
+}
+
+// leadership is a held lock that can be lost.
+type leadership struct {
+	lost     chan struct{}
+	released atomic.Bool
+}
+
+func (l *leadership) Lost() <-chan struct{} { return l.lost }
+func (l *leadership) Release()              { l.released.Store(true) }
+
+func alwaysLeader(ctx context.Context) (supervisor.Leadership, error) {
+	return &leadership{lost: make(chan struct{})}, nil
+}
+
+// unavailable is a replication.UnavailableError look-alike.
+type unavailable struct{}
+
+func (unavailable) Error() string             { return "replication unavailable: test" }
+func (unavailable) UnavailableReason() string { return "test" }
+
+func baseConfig(mode supervisor.Mode, s *slots) supervisor.Config {
+	return supervisor.Config{
+		Mode:              mode,
+		Leader:            alwaysLeader,
+		Engine:            newEngine,
+		Stream:            func(*relay.Engine) (supervisor.Runner, error) { return runner{untilDone}, nil },
+		Claim:             func(*relay.Engine, bool) (supervisor.Runner, error) { return runner{untilDone}, nil },
+		Slots:             s,
+		SlotMaxUnconsumed: 300 * time.Millisecond,
+		ShutdownTimeout:   time.Second,
+		StandBy:           50 * time.Millisecond,
+		Logger:            zerolog.Nop(),
+	}
+}
+
+// start runs the supervisor until the test ends and returns a stop that
+// waits for Run.
+func start(t *testing.T, cfg supervisor.Config) (stop func() error) {
+	t.Helper()
+	sup, err := supervisor.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- sup.Run(ctx) }()
+	var once sync.Once
+	var runErr error
+	stop = func() error {
+		once.Do(func() {
+			cancel()
+			select {
+			case runErr = <-done:
+			case <-time.After(10 * time.Second):
+				t.Error("supervisor did not stop within 10 s")
+			}
+		})
+		return runErr
+	}
+	t.Cleanup(func() { stop() })
+	return stop
+}
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestWatchdogDropsUnconsumedSlotInEveryMode: a slot nobody streams from is
+// dropped after slot_max_unconsumed in every mode, and one somebody streams
+// from never is.
+func TestWatchdogDropsUnconsumedSlotInEveryMode(t *testing.T) {
+	for _, mode := range []supervisor.Mode{supervisor.ModeReplication, supervisor.ModeAuto, supervisor.ModePoll} {
+		t.Run(string(mode), func(t *testing.T) {
+			s := &slots{exists: true, active: true}
+			start(t, baseConfig(mode, s))
+			time.Sleep(time.Second)
+			if s.dropped() != 0 {
+				t.Fatal("a slot being streamed from was dropped")
+			}
+			s.set(func(s *slots) { s.active = false })
+			began := time.Now()
+			eventually(t, "the unconsumed slot dropped", func() bool { return s.dropped() == 1 })
+			if took := time.Since(began); took < 300*time.Millisecond {
+				t.Fatalf("dropped after %v, before slot_max_unconsumed", took)
+			}
+		})
+	}
+}
+
+// TestWatchdogDropsSlotRetainingTooMuch: an unconsumed slot retaining
+// slot_max_retained is dropped without waiting for slot_max_unconsumed.
+func TestWatchdogDropsSlotRetainingTooMuch(t *testing.T) {
+	s := &slots{exists: true, retained: 2 << 30}
+	cfg := baseConfig(supervisor.ModeReplication, s)
+	cfg.SlotMaxUnconsumed = time.Hour
+	start(t, cfg)
+	eventually(t, "the slot retaining too much dropped", func() bool { return s.dropped() == 1 })
+}
+
+// TestAutoFallsBackToPollingAndReturns: in auto mode, while replication is
+// unavailable, the claim path takes every row; after replication_retry the
+// relay drops the old slot and streams again.
+func TestAutoFallsBackToPollingAndReturns(t *testing.T) {
+	s := &slots{exists: true}
+	var streams, polls atomic.Int32
+	cfg := baseConfig(supervisor.ModeAuto, s)
+	cfg.SlotMaxUnconsumed = time.Hour
+	cfg.ReplicationRetry = 200 * time.Millisecond
+	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+		return runner{func(ctx context.Context) error {
+			if streams.Add(1) == 1 {
+				return unavailable{}
+			}
+			return untilDone(ctx)
+		}}, nil
+	}
+	cfg.Claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
+		if all {
+			polls.Add(1)
+		}
+		return runner{untilDone}, nil
+	}
+	stop := start(t, cfg)
+	eventually(t, "a return to streaming", func() bool { return streams.Load() == 2 })
+	if polls.Load() != 1 || s.dropped() != 1 {
+		t.Fatalf("polled %d times and dropped the slot %d times, want 1 and 1", polls.Load(), s.dropped())
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReplicationModeFailsWhenUnavailable: in replication mode an
+// unavailable replication stops the relay with the reason.
+func TestReplicationModeFailsWhenUnavailable(t *testing.T) {
+	cfg := baseConfig(supervisor.ModeReplication, &slots{})
+	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+		return runner{func(context.Context) error { return unavailable{} }}, nil
+	}
+	sup, err := supervisor.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = sup.Run(context.Background())
+	if err == nil || err.Error() != "replication is unavailable and source.mode is replication: test" {
+		t.Fatalf("Run = %v", err)
+	}
+}
+
+// TestLostLeadershipEndsTheTerm: when the lock is lost the sources stop, the
+// lock is released, and after the stand-by pause the relay tries to lead
+// again.
+func TestLostLeadershipEndsTheTerm(t *testing.T) {
+	var terms atomic.Int32
+	first := &leadership{lost: make(chan struct{})}
+	cfg := baseConfig(supervisor.ModeReplication, &slots{})
+	var stopped atomic.Int32
+	cfg.Leader = func(ctx context.Context) (supervisor.Leadership, error) {
+		if terms.Add(1) == 1 {
+			return first, nil
+		}
+		return alwaysLeader(ctx)
+	}
+	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+		return runner{func(ctx context.Context) error {
+			<-ctx.Done()
+			stopped.Add(1)
+			return nil
+		}}, nil
+	}
+	start(t, cfg)
+	eventually(t, "the first term", func() bool { return terms.Load() == 1 })
+	close(first.lost)
+	eventually(t, "a second term", func() bool { return terms.Load() == 2 })
+	if stopped.Load() != 1 || !first.released.Load() {
+		t.Fatalf("stream stopped %d times, lock released %v; want 1, true", stopped.Load(), first.released.Load())
+	}
+}
+
+// TestTermStopsEveryGoroutine: after Run returns, every goroutine a term
+// started has ended.
+func TestTermStopsEveryGoroutine(t *testing.T) {
+	before := runtime.NumGoroutine()
+	for _, mode := range []supervisor.Mode{supervisor.ModeReplication, supervisor.ModePoll} {
+		stop := start(t, baseConfig(mode, &slots{exists: true, active: true}))
+		time.Sleep(200 * time.Millisecond)
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, "the goroutines to end", func() bool { return runtime.NumGoroutine() <= before })
+}
