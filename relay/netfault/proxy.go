@@ -27,7 +27,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/url"
 	"sync"
+	"testing"
 	"time"
 )
 
@@ -428,4 +430,40 @@ func resetClose(nc net.Conn) {
 		_ = tc.SetLinger(0)
 	}
 	_ = nc.Close()
+}
+
+// NewProxy starts a proxy to upstream for tb (see Listen) and closes it
+// when tb ends.
+func NewProxy(tb testing.TB, upstream string) *Proxy {
+	tb.Helper()
+	p, err := Listen(upstream)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		if err := p.Close(); err != nil {
+			tb.Errorf("netfault: close proxy: %v", err)
+		}
+	})
+	return p
+}
+
+// ProxyURL starts a proxy for tb to the host:port of rawURL (postgres://,
+// nats://, http://; a comma-separated list is not split) and returns it
+// with rawURL pointing at the proxy instead: give that URL to the code
+// under test and keep rawURL for the test's own checks, so only the code
+// under test suffers the faults. Used with migrations/pgtest:
+//
+//	dbURL := pgtest.NewDatabase(t)
+//	pg, relayURL := netfault.ProxyURL(t, dbURL)
+//	pg.SetLatency(netfault.Upstream, 100*time.Millisecond)
+func ProxyURL(tb testing.TB, rawURL string) (*Proxy, string) {
+	tb.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil || u.Host == "" || u.Port() == "" {
+		tb.Fatalf("netfault: ProxyURL needs a URL with a host and port")
+	}
+	p := NewProxy(tb, u.Host)
+	u.Host = p.Addr()
+	return p, u.String()
 }

@@ -321,3 +321,17 @@ func TestProxy_UpstreamDown(t *testing.T) {
 		t.Errorf("read through a proxy whose upstream is down: %v; want the connection reset", err)
 	}
 }
+
+func TestProxyURL(t *testing.T) {
+	echo := startEcho(t)
+	raw := "postgres://u:secret@" + echo.l.Addr().String() + "/db?sslmode=disable"
+	p, proxied := netfault.ProxyURL(t, raw)
+	want := "postgres://u:secret@" + p.Addr() + "/db?sslmode=disable"
+	if proxied != want {
+		t.Fatalf("ProxyURL = %q, want %q", proxied, want)
+	}
+	c := dial(t, p.Addr())
+	if err := roundTrip(c, []byte("pg"), 2*time.Second); err != nil {
+		t.Fatal(err)
+	}
+}
