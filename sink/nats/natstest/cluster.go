@@ -323,11 +323,18 @@ func (c *Cluster) accountInfo() error {
 	return err
 }
 
-// WaitStreamCurrent waits until every running server holds stream with
-// all replicas current (none lagging or offline), failing tb at the
-// timeout.
+// WaitStreamCurrent waits until stream has a leader and all its replicas
+// are current (none lagging or offline), failing tb at the timeout.
 func (c *Cluster) WaitStreamCurrent(tb testing.TB, js jetstream.JetStream, stream string, timeout time.Duration) {
 	tb.Helper()
+	if err := c.StreamCurrent(js, stream, timeout); err != nil {
+		tb.Fatalf("natstest: %v", err)
+	}
+}
+
+// StreamCurrent is WaitStreamCurrent returning an error that describes the
+// replicas and routes at the timeout instead of failing a test.
+func (c *Cluster) StreamCurrent(js jetstream.JetStream, stream string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	var last string
 	for time.Now().Before(deadline) {
@@ -345,19 +352,28 @@ func (c *Cluster) WaitStreamCurrent(tb testing.TB, js jetstream.JetStream, strea
 			last = "no leader"
 		default:
 			current := len(info.Cluster.Replicas) == info.Config.Replicas-1
+			last = fmt.Sprintf("leader %s, %d replicas listed", info.Cluster.Leader, len(info.Cluster.Replicas))
 			for _, r := range info.Cluster.Replicas {
 				if !r.Current || r.Offline {
 					current = false
-					last = fmt.Sprintf("replica %s current=%v offline=%v lag=%d", r.Name, r.Current, r.Offline, r.Lag)
+					last = fmt.Sprintf("leader %s, replica %s current=%v offline=%v lag=%d", info.Cluster.Leader, r.Name, r.Current, r.Offline, r.Lag)
 				}
 			}
 			if current {
-				return
+				return nil
 			}
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	tb.Fatalf("natstest: stream %s not current on every server within %s: %s", stream, timeout, last)
+	var routes []string
+	for i := range c.members {
+		n := -1
+		if srv := c.Server(i); srv != nil {
+			n = srv.NumRoutes()
+		}
+		routes = append(routes, fmt.Sprintf("%s:%d", c.members[i].name, n))
+	}
+	return fmt.Errorf("stream %s not current on every server within %s: %s (routes %s)", stream, timeout, last, strings.Join(routes, " "))
 }
 
 func (c *Cluster) shutdownAll() {
