@@ -2,6 +2,7 @@ package natstest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/url"
@@ -265,14 +266,21 @@ func (c *Cluster) proxiesOf(i int) []*netfault.Proxy {
 }
 
 // StreamLeader returns the index of the server leading stream in the
-// global account, or -1 when none does (an election in progress).
+// global account, or -1 when none does (an election in progress) or more
+// than one claims to (a leader cut off from its peers, or just back and
+// not yet told of the new term, still claims the lead and answers stream
+// info requests with its stale state).
 func (c *Cluster) StreamLeader(stream string) int {
+	leader := -1
 	for i := range c.members {
 		if srv := c.Server(i); srv != nil && srv.JetStreamIsStreamLeader(server.DEFAULT_GLOBAL_ACCOUNT, stream) {
-			return i
+			if leader >= 0 {
+				return -1
+			}
+			leader = i
 		}
 	}
-	return -1
+	return leader
 }
 
 // WaitStreamLeader waits until a running server other than except (-1 for
@@ -300,11 +308,75 @@ func (c *Cluster) WaitJetStream(tb testing.TB, timeout time.Duration) {
 	for time.Now().Before(deadline) {
 		last = c.accountInfo()
 		if last == nil {
-			return
+			if last = c.metaPeersCurrent(); last == nil {
+				return
+			}
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
 	tb.Fatalf("natstest: cluster JetStream not ready within %s: %v", timeout, last)
+}
+
+// CreateStream creates a stream, retrying for up to 30 s while the meta
+// leader has not yet placed every peer ("no suitable peers for
+// placement"), as happens just after the cluster formed or a server came
+// back; it fails tb otherwise.
+func (c *Cluster) CreateStream(tb testing.TB, js jetstream.JetStream, cfg jetstream.StreamConfig) jetstream.Stream {
+	tb.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		st, err := js.CreateStream(ctx, cfg)
+		cancel()
+		if err == nil {
+			return st
+		}
+		var apiErr *jetstream.APIError
+		if !errors.As(err, &apiErr) || apiErr.ErrorCode != jsErrCodeNoSuitablePeers || time.Now().After(deadline) {
+			tb.Fatalf("natstest: create stream %s: %v", cfg.Name, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// jsErrCodeNoSuitablePeers is nats-server's JSClusterNoPeersErrF ("no
+// suitable peers for placement"), which nats.go does not name.
+const jsErrCodeNoSuitablePeers jetstream.ErrorCode = 10005
+
+// metaPeersCurrent reports, from the JetStream meta leader, whether every
+// running server is a current peer: before that, creating a replicated
+// stream can fail with "no suitable peers for placement".
+func (c *Cluster) metaPeersCurrent() error {
+	running := 0
+	var leader *server.Server
+	for i := range c.members {
+		if srv := c.Server(i); srv != nil {
+			running++
+			if srv.JetStreamIsLeader() {
+				leader = srv
+			}
+		}
+	}
+	if leader == nil {
+		return errors.New("no meta leader")
+	}
+	jsz, err := leader.Jsz(&server.JSzOptions{})
+	if err != nil {
+		return err
+	}
+	if jsz.Meta == nil {
+		return errors.New("no meta cluster information")
+	}
+	current := 0
+	for _, p := range jsz.Meta.Replicas {
+		if p.Current && !p.Offline {
+			current++
+		}
+	}
+	if current+1 < running {
+		return fmt.Errorf("meta leader %s sees %d of %d other servers current", jsz.Meta.Leader, current, running-1)
+	}
+	return nil
 }
 
 func (c *Cluster) accountInfo() error {
@@ -323,8 +395,9 @@ func (c *Cluster) accountInfo() error {
 	return err
 }
 
-// WaitStreamCurrent waits until stream has a leader and all its replicas
-// are current (none lagging or offline), failing tb at the timeout.
+// WaitStreamCurrent waits until stream has one leader, which every running
+// server agrees on, and all its replicas are current (none lagging or
+// offline), failing tb at the timeout.
 func (c *Cluster) WaitStreamCurrent(tb testing.TB, js jetstream.JetStream, stream string, timeout time.Duration) {
 	tb.Helper()
 	if err := c.StreamCurrent(js, stream, timeout); err != nil {
@@ -359,8 +432,11 @@ func (c *Cluster) StreamCurrent(js jetstream.JetStream, stream string, timeout t
 					last = fmt.Sprintf("leader %s, replica %s current=%v offline=%v lag=%d", info.Cluster.Leader, r.Name, r.Current, r.Offline, r.Lag)
 				}
 			}
-			if current {
+			if current && c.StreamLeader(stream) >= 0 && c.Name(c.StreamLeader(stream)) == info.Cluster.Leader {
 				return nil
+			}
+			if current {
+				last = fmt.Sprintf("leader %s, but %d servers claim the lead", info.Cluster.Leader, c.leaderClaims(stream))
 			}
 		}
 		time.Sleep(100 * time.Millisecond)
@@ -374,6 +450,16 @@ func (c *Cluster) StreamCurrent(js jetstream.JetStream, stream string, timeout t
 		routes = append(routes, fmt.Sprintf("%s:%d", c.members[i].name, n))
 	}
 	return fmt.Errorf("stream %s not current on every server within %s: %s (routes %s)", stream, timeout, last, strings.Join(routes, " "))
+}
+
+func (c *Cluster) leaderClaims(stream string) int {
+	n := 0
+	for i := range c.members {
+		if srv := c.Server(i); srv != nil && srv.JetStreamIsStreamLeader(server.DEFAULT_GLOBAL_ACCOUNT, stream) {
+			n++
+		}
+	}
+	return n
 }
 
 func (c *Cluster) shutdownAll() {
