@@ -35,6 +35,13 @@ import (
 // (type: nats).
 const Type = "nats"
 
+// Connection liveness settings; see connect.
+const (
+	pingInterval        = 5 * time.Second
+	maxPingsOutstanding = 2
+	flusherTimeout      = 10 * time.Second
+)
+
 // Defaults applied by New to zero Config fields.
 const (
 	DefaultMaxPending = 4096
@@ -247,9 +254,20 @@ func (s *Sink) connect(url string, extra []nats.Option) error {
 		// Fail publishes while disconnected instead of buffering them:
 		// Send reports SinkDown and the engine hands the event off.
 		nats.ReconnectBufSize(-1),
-		// Notice a dead peer in about 30 s rather than the default 4 min.
-		nats.PingInterval(10 * time.Second),
-		nats.MaxPingsOutstanding(3),
+		// A connection that went silent (a black-holed route, a dead NAT
+		// entry, a peer that vanished without a RST) stays CONNECTED until
+		// these notice it: a third ping without a PONG marks it stale,
+		// 10-15 s after the last PONG (nats.go's defaults take up to 6 min),
+		// and the client reconnects, to another cluster server if it has
+		// one. Publishes awaiting acks on it then end as Unknown. See
+		// docs/jetstream-cluster.md.
+		nats.PingInterval(pingInterval),
+		nats.MaxPingsOutstanding(maxPingsOutstanding),
+		// A write that blocks (the socket's buffers full of publishes to a
+		// dead peer) holds the connection's lock and so the ping timer:
+		// give up on it as nats-server's write_deadline does, not after
+		// nats.go's default minute.
+		nats.FlusherTimeout(flusherTimeout),
 		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
 			if nc.IsClosed() {
 				return // Close, not an outage

@@ -92,9 +92,18 @@ func stored(tb testing.TB, js jetstream.JetStream, stream string) []jetstream.Ms
 	if n == 0 {
 		return nil
 	}
-	cons, err := js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
-	if err != nil {
-		tb.Fatalf("ordered consumer: %v", err)
+	// Retried: just after a cluster healed, the meta layer can answer
+	// 503 "JetStream system temporarily unavailable" for a moment.
+	var cons jetstream.Consumer
+	for {
+		cons, err = js.OrderedConsumer(ctx, stream, jetstream.OrderedConsumerConfig{})
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			tb.Fatalf("ordered consumer: %v", err)
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 	it, err := cons.Messages()
 	if err != nil {

@@ -414,11 +414,50 @@ func (b *trackedBody) Read(p []byte) (int, error) {
 
 func (b *trackedBody) Close() error { return nil }
 
-// writeTrace records the WroteRequest event of one request.
+// writeTrace records the connection and WroteRequest events of one
+// request.
 type writeTrace struct {
 	mu       sync.Mutex
 	wrote    bool
 	writeErr error
+	// dialing is set while a dial for the request has started and not
+	// connected; gotConn once the request has a connection.
+	dialing, gotConn bool
+}
+
+func (w *writeTrace) connectStart(string, string) {
+	w.mu.Lock()
+	w.dialing = true
+	w.mu.Unlock()
+}
+
+func (w *writeTrace) connectDone(_, _ string, err error) {
+	if err == nil {
+		w.mu.Lock()
+		w.dialing = false
+		w.mu.Unlock()
+	}
+}
+
+func (w *writeTrace) gotConnection(httptrace.GotConnInfo) {
+	w.mu.Lock()
+	w.gotConn = true
+	w.mu.Unlock()
+}
+
+// dialTimedOut reports whether err is the request's deadline passing while
+// its only dial had not connected: the receiver never answered the SYN.
+func (w *writeTrace) dialTimedOut(err error) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if !w.dialing || w.gotConn {
+		return false
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	ne, ok := errors.AsType[net.Error](err)
+	return ok && ne.Timeout()
 }
 
 func (w *writeTrace) wroteRequest(info httptrace.WroteRequestInfo) {
@@ -441,7 +480,12 @@ func (s *Sink) post(d *relay.Delivery) error {
 	ts := strconv.FormatInt(now.Unix(), 10)
 
 	trace := &writeTrace{}
-	ctx := httptrace.WithClientTrace(s.reqCtx, &httptrace.ClientTrace{WroteRequest: trace.wroteRequest})
+	ctx := httptrace.WithClientTrace(s.reqCtx, &httptrace.ClientTrace{
+		ConnectStart: trace.connectStart,
+		ConnectDone:  trace.connectDone,
+		GotConn:      trace.gotConnection,
+		WroteRequest: trace.wroteRequest,
+	})
 	body := &trackedBody{r: bytes.NewReader(d.Body)}
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, body)
 	if err != nil {
@@ -509,7 +553,10 @@ func (s *Sink) post(d *relay.Delivery) error {
 			event.Msg("webhook TLS handshake failed")
 			return relay.SinkDownError(fmt.Errorf("webhook %s: TLS handshake failed: %w: check the sink's tls settings (ca_file, cert_file, key_file) and the receiver's certificate", s.name, err), 0)
 		}
-		if unreachable(err) {
+		// The client's timeout, equal to the dialer's, usually ends a
+		// dial that never completes before the dialer does, so the error
+		// is the client's, not the dial's: the trace tells.
+		if unreachable(err) || trace.dialTimedOut(err) {
 			// No connection, so nothing was sent; and the host does not
 			// resolve, refuses or does not answer for every event alike:
 			// a sink-level failure, which must not use up the events'

@@ -1,4 +1,6 @@
-// Package natstest runs an embedded NATS server with JetStream for tests.
+// Package natstest runs embedded NATS servers with JetStream for tests: one
+// server (Start), or a cluster whose servers can be stopped, restarted and
+// cut off (StartCluster).
 //
 // Start returns a server on a free 127.0.0.1 port with its JetStream store in
 // a test temporary directory; Shutdown and Restart stop it and bring it back
