@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -26,14 +27,27 @@ func LeaderLockKey(slot string) int64 {
 // answer within two ends the term. The connection's keepalives (see
 // dedicatedConfig) let the server notice a dead leader host after about
 // 11 s, which frees the lock for a standby.
+//
+// A leader cut off by a network that swallows packets (its socket stays
+// open, the server keeps its session and lock) cannot end its session
+// itself. Two rules keep such a session from holding the slot
+// (docs/operations.md, "leadership"): a relay ends its own lock sessions it
+// has lost (their pids are remembered), and a standby ends a leader's lock
+// session that has not been used (pinged) for LeaderStaleAfter, by which
+// time that leader has stopped delivering: its pings have failed for far
+// longer than the 3 s after which it steps down.
 const (
 	pingEvery         = time.Second
 	leaderPingTimeout = 2 * time.Second
+	// LeaderStaleAfter is how long a leader's lock session may go unused
+	// before a standby ends it and takes over.
+	LeaderStaleAfter = 10 * time.Second
 )
 
 // Leader is held leadership: a session advisory lock on its own connection.
 type Leader struct {
 	conn *pgx.Conn
+	pid  uint32
 	key  int64
 	lost chan struct{}
 	stop context.CancelFunc
@@ -46,7 +60,8 @@ type Leader struct {
 // connection with TCP keepalives on both ends; once acquired, the connection
 // is pinged every second and Lost is closed at the first failed ping — the
 // caller must then stop delivering at once, because another relay may
-// already be taking over.
+// already be taking over. While the lock is held by a session this process
+// lost, or by one unused for LeaderStaleAfter, it ends that session first.
 func AcquireLeader(ctx context.Context, connString, slot string, log zerolog.Logger) (*Leader, error) {
 	base, err := pgx.ParseConfig(connString)
 	if err != nil {
@@ -64,6 +79,11 @@ func AcquireLeader(ctx context.Context, connString, slot string, log zerolog.Log
 			for err == nil && !got {
 				if err = conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", key).Scan(&got); err != nil || got {
 					break
+				}
+				if ended, ferr := fenceStaleHolder(ctx, conn, leaderLockMatch, []any{key}, LeaderStaleAfter, log.With().Str("lock", "leader "+slot).Logger()); ferr != nil {
+					log.Warn().Err(ferr).Msg("look at the leader lock's holder")
+				} else if ended {
+					continue
 				}
 				if !waiting {
 					log.Info().Str("slot", slot).Msg("another relay leads this slot; standing by")
@@ -94,7 +114,7 @@ func AcquireLeader(ctx context.Context, connString, slot string, log zerolog.Log
 
 func startLeader(conn *pgx.Conn, key int64, log zerolog.Logger) *Leader {
 	ctx, cancel := context.WithCancel(context.Background())
-	l := &Leader{conn: conn, key: key, lost: make(chan struct{}), stop: cancel, done: make(chan struct{}), log: log}
+	l := &Leader{conn: conn, pid: conn.PgConn().PID(), key: key, lost: make(chan struct{}), stop: cancel, done: make(chan struct{}), log: log}
 	go l.ping(ctx)
 	return l
 }
@@ -123,6 +143,9 @@ func (l *Leader) ping(ctx context.Context) {
 			if err == nil {
 				err = errors.New("the advisory lock is no longer held")
 			}
+			// The session may live on at the server (a network that
+			// swallows packets): remember it as ours and lost.
+			lostSession(l.pid)
 			l.log.Error().Err(err).Msg("lost the leader lock: stopping delivery")
 			close(l.lost)
 			return
@@ -206,4 +229,83 @@ func (s *Slots) DropSlot(ctx context.Context) (bool, error) {
 // TerminateStaleWalsender).
 func (s *Slots) EndStaleWalsender(ctx context.Context) (int32, error) {
 	return TerminateStaleWalsender(ctx, s.url, s.slot)
+}
+
+// leaderLockMatch finds the single-bigint advisory lock $1 in pg_locks.
+const leaderLockMatch = `k.objsubid = 1 AND ((k.classid::bigint << 32) | k.objid::bigint) = $1`
+
+// lost holds the backend pids of lock sessions this process has lost: it
+// closed its side, but the server may keep them (and their locks) until TCP
+// gives up, which behind a network that swallows packets takes hours.
+var lost = struct {
+	sync.Mutex
+	pids map[uint32]time.Time
+}{pids: map[uint32]time.Time{}}
+
+// lostSession remembers pid as a session of this process that it lost.
+func lostSession(pid uint32) {
+	if pid == 0 {
+		return
+	}
+	lost.Lock()
+	defer lost.Unlock()
+	lost.pids[pid] = time.Now()
+	for p, at := range lost.pids {
+		if time.Since(at) > time.Hour {
+			delete(lost.pids, p)
+		}
+	}
+}
+
+func isLostSession(pid uint32) bool {
+	lost.Lock()
+	defer lost.Unlock()
+	_, ok := lost.pids[pid]
+	return ok
+}
+
+// fenceStaleHolder looks at the session holding the advisory lock key (the
+// single-bigint form when classid is 0 for a two-key lock, see lockMatch):
+// one this process lost is ended at once; with staleAfter > 0, one that has
+// been idle that long is ended too. It reports whether it ended one.
+func fenceStaleHolder(ctx context.Context, conn *pgx.Conn, lockMatch string, lockArgs []any, staleAfter time.Duration, log zerolog.Logger) (bool, error) {
+	var pid uint32
+	var idle float64
+	var state string
+	err := conn.QueryRow(ctx, `SELECT a.pid, coalesce(a.state, ''), coalesce(extract(epoch FROM now() - a.state_change), 0)::float8
+  FROM pg_locks AS k JOIN pg_stat_activity AS a USING (pid)
+ WHERE k.locktype = 'advisory' AND k.granted AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND `+lockMatch+`
+ LIMIT 1`, lockArgs...).Scan(&pid, &state, &idle)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	idleFor := time.Duration(idle * float64(time.Second))
+	switch {
+	case isLostSession(pid):
+		log.Warn().Uint32("pid", pid).Msg("the lock is held by a session of this relay that it lost (its network swallowed packets): ending it")
+	case staleAfter > 0 && state == "idle" && idleFor >= staleAfter:
+		log.Warn().Uint32("pid", pid).Dur("unused_for", idleFor.Round(time.Second)).
+			Msg("the lock's holder has not used its session for longer than its leader would stay leader: ending it")
+	default:
+		return false, nil
+	}
+	var ended bool
+	if err := conn.QueryRow(ctx, `SELECT pg_terminate_backend($1)`, int32(pid)).Scan(&ended); err != nil {
+		return false, fmt.Errorf("end session %d: %w", pid, err)
+	}
+	if ended {
+		// pg_terminate_backend only signals: wait for the lock to go.
+		for i := 0; i < 50; i++ {
+			var alive bool
+			if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)`, int32(pid)).Scan(&alive); err != nil || !alive {
+				break
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	return ended, nil
 }

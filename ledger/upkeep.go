@@ -5,12 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"os"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -66,17 +66,9 @@ func (s *Store) Stuck(ctx context.Context, after time.Duration) (rows int64, old
 	return rows, time.Duration(secs * float64(time.Second)), nil
 }
 
-// Keepalive settings of the relay's dedicated connections (owner lock,
-// leader lock, LISTEN): a dead peer is noticed after about idle + interval ×
-// count = 11 s, on both ends.
-const (
-	keepaliveIdle     = 5 * time.Second
-	keepaliveInterval = 2 * time.Second
-	keepaliveCount    = 3
-	// pingTimeout bounds one check of a dedicated connection; one that does
-	// not answer is taken as lost, and with it its lock.
-	pingTimeout = 3 * time.Second
-)
+// pingTimeout bounds one check of a dedicated connection; one that does
+// not answer is taken as lost, and with it its lock.
+const pingTimeout = 3 * time.Second
 
 // dedicatedConfig is cfg for a connection of its own (not from the pool)
 // with TCP keepalives on both ends, named purpose in pg_stat_activity
@@ -91,16 +83,10 @@ func dedicatedConfig(cfg *pgx.ConnConfig, purpose string) *pgx.ConnConfig {
 	}
 	// The server's side of the keepalive: it ends the session, and frees
 	// its locks, soon after this host disappears.
-	cc.RuntimeParams["tcp_keepalives_idle"] = fmt.Sprint(keepaliveIdle.Seconds())
-	cc.RuntimeParams["tcp_keepalives_interval"] = fmt.Sprint(keepaliveInterval.Seconds())
-	cc.RuntimeParams["tcp_keepalives_count"] = fmt.Sprint(keepaliveCount)
-	timeout := cc.ConnectTimeout
-	if timeout <= 0 {
-		timeout = 10 * time.Second
-	}
-	dialer := &net.Dialer{Timeout: timeout, KeepAliveConfig: net.KeepAliveConfig{
-		Enable: true, Idle: keepaliveIdle, Interval: keepaliveInterval, Count: keepaliveCount}}
-	cc.DialFunc = dialer.DialContext
+	cc.RuntimeParams["tcp_keepalives_idle"] = fmt.Sprint(relay.KeepaliveIdle.Seconds())
+	cc.RuntimeParams["tcp_keepalives_interval"] = fmt.Sprint(relay.KeepaliveInterval.Seconds())
+	cc.RuntimeParams["tcp_keepalives_count"] = fmt.Sprint(relay.KeepaliveCount)
+	cc.DialFunc = relay.Dial
 	return cc
 }
 
@@ -112,7 +98,11 @@ type ownerLock struct {
 	s     *Store
 	owner string
 	conn  *pgx.Conn
+	pid   uint32
 }
+
+// ownerLockMatch finds the owner lock of owner $1 in pg_locks.
+const ownerLockMatch = `k.objsubid = 2 AND k.classid = 1868724338 AND k.objid = hashtext($1)::oid`
 
 // LockOwner opens a dedicated connection and takes the owner lock on it.
 // It returns an error wrapping relay.ErrLockTaken when another session holds
@@ -134,17 +124,28 @@ func (s *Store) LockOwner(ctx context.Context, owner string) (relay.Lock, error)
 		return nil, fmt.Errorf("take the owner lock of %s: %w", owner, err)
 	}
 	if !locked {
-		conn.Close(context.Background())
-		return nil, fmt.Errorf("owner %s: %w", owner, relay.ErrLockTaken)
+		// A session of this process that it lost may still hold it.
+		ended, err := fenceStaleHolder(lockCtx, conn, ownerLockMatch, []any{owner}, 0, zerolog.Nop())
+		if err == nil && ended {
+			err = conn.QueryRow(lockCtx, s.sql.claim.lockOwner, owner).Scan(&locked)
+		}
+		if err != nil || !locked {
+			conn.Close(context.Background())
+			return nil, fmt.Errorf("owner %s: %w", owner, relay.ErrLockTaken)
+		}
 	}
-	return &ownerLock{s: s, owner: owner, conn: conn}, nil
+	return &ownerLock{s: s, owner: owner, conn: conn, pid: conn.PgConn().PID()}, nil
 }
 
 // Ping checks that the lock's connection is alive (and with it the lock).
 func (l *ownerLock) Ping(ctx context.Context) error {
 	pctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
-	return l.conn.Ping(pctx)
+	err := l.conn.Ping(pctx)
+	if err != nil && ctx.Err() == nil {
+		lostSession(l.pid)
+	}
+	return err
 }
 
 // Release unlocks and closes the connection. Safe to call once.

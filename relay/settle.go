@@ -21,8 +21,10 @@ const (
 	// settleLinger is how long the loop, woken by a first decision, lets
 	// more gather before it writes.
 	settleLinger = 5 * time.Millisecond
-	// writeTimeout bounds one write; a write runs to its end even when the
-	// engine is stopping, so that a commit is never cut off unseen.
+	// writeTimeout bounds one write. A write cut off when the engine stops
+	// (after its drain) is harmless: every write is conditional and safe
+	// to repeat, and what it did not settle is taken again (re-streamed,
+	// or returned by the sweeper).
 	writeTimeout = 30 * time.Second
 	// invisibleWarnAfter is how long a row may stay invisible before each
 	// retry is logged as a warning.
@@ -205,7 +207,7 @@ func (q *settleQueue) waitVisible(w *Work, now time.Time) {
 func (q *settleQueue) writeIsolating(ctx context.Context, works []*Work) (invisible []int64, ok bool) {
 	e := q.e
 	for attempt := 1; ; attempt++ {
-		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), writeTimeout)
+		wctx, cancel := context.WithTimeout(ctx, writeTimeout)
 		var err error
 		if q.path == PathStream {
 			invisible, err = e.cfg.Stream.SettleStream(wctx, works, e.cfg.Owner)

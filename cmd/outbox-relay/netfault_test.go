@@ -80,3 +80,53 @@ func TestSlowPostgres_RelayKeepsUpAt100EventsPerSecond(t *testing.T) {
 	}
 	eventually(t, time.Minute, "every event in the stream", func() bool { return len(streamMessages(t, s.nats.URL())) >= n+1 })
 }
+
+// TestBlackHole_RelayEndsItsOwnStaleSessions: every connection the relay
+// has open to PostgreSQL turns into a black hole mid-stream (sockets stay
+// open, nothing is forwarded; new connections work), as behind a firewall
+// that drops a flow. The server keeps the old sessions — with the leader
+// lock, the owner lock and the walsender — for as long as TCP lets it. The
+// relay must notice, end its own stale sessions, and deliver everything.
+// (Before, it stood by for good: "another relay leads this slot", that
+// relay being its own half-open session.)
+func TestBlackHole_RelayEndsItsOwnStaleSessions(t *testing.T) {
+	dbURL := pgtest.NewDatabase(t)
+	s := newSetup(t, dbURL)
+	pg, relayURL := netfault.ProxyURL(t, dbURL)
+	s.url = relayURL
+	s.startInProcess(t, s.configFile(t, ""))
+	s.waitStreaming(t)
+
+	var wg sync.WaitGroup
+	wg.Go(func() { s.publishWritersPaced(t, 2, 1500, 20, "bh", 4*time.Millisecond) })
+	eventually(t, 20*time.Second, "deliveries before the fault", func() bool { return len(s.hook.deliveries()) >= 200 })
+	pg.BlackHole(netfault.NewConnsPass)
+	holed := time.Now()
+	// The old walsender stays; a new one (another pid) means the relay
+	// streams again over a new connection.
+	old := s.walsenderPID(t)
+	eventually(t, 60*time.Second, "the relay streaming over a new connection", func() bool {
+		pid := s.walsenderPID(t)
+		return pid != 0 && pid != old
+	})
+	took := time.Since(holed)
+	t.Logf("black hole: streaming again after %v", took.Round(time.Millisecond))
+	// Detection (a failed lock ping: 1 s + 2 s), the stand-by pause (3 s),
+	// ending the stale sessions: docs/operations.md promises 30 s.
+	if took > 30*time.Second {
+		t.Errorf("streaming again took %v, want at most 30 s", took)
+	}
+	wg.Wait()
+	s.waitAllDelivered(t, 90*time.Second, s.keys(t, "true"))
+	t.Logf("black hole: all %d events delivered %v after the fault", len(s.keys(t, "true")), time.Since(holed).Round(time.Millisecond))
+	for sink, ds := range map[string][]delivery{"webhook": s.hook.deliveries(), "nats": streamMessages(t, s.nats.URL())} {
+		for key, copies := range byKey(ds) {
+			for _, c := range copies[1:] {
+				if c.Body != copies[0].Body || c.IdemKey != copies[0].IdemKey {
+					t.Errorf("%s: repeat of %s with another id or body", sink, key)
+				}
+			}
+		}
+		checkOrder(t, sink, ds)
+	}
+}

@@ -228,6 +228,9 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 		SlotMaxRetained:   int64(cfg.Source.SlotMaxRetained),
 		ShutdownTimeout:   time.Duration(cfg.ShutdownTimeout),
 		OnMode:            relay.SetMode,
+		// The lock connection failed: the pool's connections may be as
+		// dead (a network that swallows packets keeps them open).
+		OnLeadershipLost: r.pool.Reset,
 		OnLeader: func(leader bool) {
 			if leader {
 				relay.LeaderGauge.Set(1)
@@ -251,6 +254,11 @@ func newPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	if !strings.Contains(url, "pool_max_conns") {
 		pcfg.MaxConns = 12
 	}
+	pcfg.ConnConfig.DialFunc = relay.Dial
+	// A connection idle for a second is pinged before use; one that does
+	// not answer within 2 s is dropped and another used, instead of a
+	// statement waiting on a dead connection for its whole timeout.
+	pcfg.PingTimeout = 2 * time.Second
 	// The relay's statements are short and frequent; a plan that crosses
 	// jit_above_cost (a batch of thousands of ids, the start-up pass over a
 	// large backlog) spends half a second compiling, on the delivery path.

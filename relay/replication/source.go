@@ -178,6 +178,7 @@ func New(cfg Config) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("replication: connection string: %w", err)
 	}
+	replConfig.DialFunc = relay.Dial
 	replConfig.RuntimeParams["replication"] = "database"
 	replConfig.RuntimeParams["TimeZone"] = "UTC"
 	replConfig.RuntimeParams["DateStyle"] = "ISO"
@@ -189,6 +190,7 @@ func New(cfg Config) (*Source, error) {
 		return nil, fmt.Errorf("replication: connection string: %w", err)
 	}
 	delete(queryConfig.RuntimeParams, "replication")
+	queryConfig.DialFunc = relay.Dial
 
 	outbox := cfg.Outbox
 	if outbox.Schema == "" {

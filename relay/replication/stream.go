@@ -139,7 +139,8 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	if senderTimeout > 0 {
 		saveTimeout = min(saveTimeout, senderTimeout/3)
 	}
-	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked}
+	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked,
+		silentMax: silentLimit(senderTimeout), idleSilentMax: 5*time.Second + 3*every, lastHeard: time.Now()}
 	r.ackable.Store(uint64(acked))
 	wg.Add(1)
 	go func() {
@@ -175,6 +176,16 @@ type receiver struct {
 	next    time.Time // when the next status update is due
 
 	acked relay.LSN // last position sent to the server
+
+	// A connection whose network swallows packets stays open and silent:
+	// the receiver ends it when the server has said nothing for silentMax
+	// (mid-transaction, when the walsender may be decoding WAL it does not
+	// send), or for idleSilentMax between transactions, where every status
+	// update asks the server for an immediate reply (docs/operations.md,
+	// "timeouts").
+	lastHeard     time.Time
+	silentMax     time.Duration
+	idleSilentMax time.Duration
 
 	// The checkpointer (its own goroutine) decides what may be
 	// acknowledged and publishes it in ackable; the receiver only reads it.
@@ -228,14 +239,34 @@ func (r *receiver) run(ctx context.Context) error {
 				return ctx.Err()
 			}
 			if rctx.Err() != nil {
-				continue // a status update is due; the connection is intact
+				// A status update is due. Unless the server has been silent
+				// too long, the connection is intact.
+				limit := r.silentMax
+				if !r.inTxn {
+					limit = min(limit, r.idleSilentMax)
+				}
+				if silent := time.Since(r.lastHeard); silent > limit {
+					return fmt.Errorf("receive: no message from the server for %s: the connection is presumed dead", silent.Round(time.Millisecond))
+				}
+				continue
 			}
 			return fmt.Errorf("receive: %w", err)
 		}
+		r.lastHeard = time.Now()
 		if err := r.handle(ctx, msg); err != nil {
 			return err
 		}
 	}
+}
+
+// silentLimit is how long the server may say nothing mid-transaction: its
+// own wal_sender_timeout (it sends a keepalive at half of it at the latest),
+// or 60 s when that is off.
+func silentLimit(senderTimeout time.Duration) time.Duration {
+	if senderTimeout <= 0 {
+		return time.Minute
+	}
+	return max(senderTimeout, 10*time.Second)
 }
 
 // periodContext reuses one deadline context per status period rather than
@@ -321,7 +352,11 @@ func (r *receiver) push(ctx context.Context, it streamItem) error {
 		return nil
 	}
 	r.blocked = true
-	defer func() { r.blocked = false }()
+	defer func() {
+		r.blocked = false
+		// Not reading was our own doing, not the server's silence.
+		r.lastHeard = time.Now()
+	}()
 	for {
 		t := time.NewTimer(time.Until(r.next))
 		select {

@@ -109,11 +109,17 @@ type Config struct {
 	// again, giving a healthy standby the first chance [3s].
 	StandBy time.Duration
 	// OnMode is told the mode a term runs in ("replication", "poll"), and
-	// OnLeader whether this relay leads.
-	OnMode   func(mode string)
-	OnLeader func(leader bool)
-	Logger   zerolog.Logger
+	// OnLeader whether this relay leads. OnLeadershipLost is called when the
+	// lock is lost (this process's link to the database is suspect: the
+	// relay resets its pool there).
+	OnMode           func(mode string)
+	OnLeader         func(leader bool)
+	OnLeadershipLost func()
+	Logger           zerolog.Logger
 }
+
+// lostDrain bounds the drain of a term whose leadership was lost.
+const lostDrain = time.Second
 
 // Supervisor runs the relay. Create it with New and call Run once.
 type Supervisor struct {
@@ -152,6 +158,9 @@ func New(cfg Config) (*Supervisor, error) {
 	if cfg.OnLeader == nil {
 		cfg.OnLeader = func(bool) {}
 	}
+	if cfg.OnLeadershipLost == nil {
+		cfg.OnLeadershipLost = func() {}
+	}
 	return &Supervisor{cfg: cfg, log: cfg.Logger}, nil
 }
 
@@ -162,7 +171,7 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	if s.cfg.Mode == ModePoll {
 		// Every relay polls; there is no leader. A slot left from running
 		// in another mode is still dropped once nobody consumes it.
-		return s.term(ctx, func(ctx context.Context, e *relay.Engine) error {
+		return s.term(ctx, s.cfg.ShutdownTimeout, func(ctx context.Context, e *relay.Engine) error {
 			g, gctx := errgroup.WithContext(ctx)
 			if s.cfg.Slots != nil {
 				g.Go(func() error { s.watchSlot(gctx); return nil })
@@ -180,17 +189,25 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			return err
 		}
 		s.cfg.OnLeader(true)
-		s.log.Info().Msg("leader for the slot")
 		termCtx, endTerm := context.WithCancel(ctx)
+		watched := make(chan struct{})
 		go func() {
+			defer close(watched)
 			select {
 			case <-leader.Lost():
+				s.cfg.OnLeadershipLost()
 				endTerm()
 			case <-termCtx.Done():
 			}
 		}()
-		err = s.term(termCtx, s.lead)
+		// A term that lost its lock stops delivering at once: the drain
+		// that finishes in-flight deliveries is cut short, so that the
+		// window in which two relays could both deliver stays below
+		// LeaderStaleAfter (docs/operations.md, "leadership").
+		drain := s.cfg.ShutdownTimeout
+		err = s.term(termCtx, drain, s.lead, leader.Lost())
 		endTerm()
+		<-watched
 		leader.Release()
 		s.cfg.OnLeader(false)
 		if ctx.Err() != nil {
@@ -212,7 +229,7 @@ func (s *Supervisor) Run(ctx context.Context) error {
 
 // term runs one term: a fresh engine, and body over it until ctx ends or
 // body returns; then the orderly stop described in the package doc.
-func (s *Supervisor) term(ctx context.Context, body func(ctx context.Context, e *relay.Engine) error) error {
+func (s *Supervisor) term(ctx context.Context, drain time.Duration, body func(ctx context.Context, e *relay.Engine) error, lost ...<-chan struct{}) error {
 	engine, err := s.cfg.Engine()
 	if err != nil {
 		return err
@@ -228,7 +245,14 @@ func (s *Supervisor) term(ctx context.Context, body func(ctx context.Context, e 
 
 	bodyErr := body(ctx, engine)
 
-	drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownTimeout)
+	for _, l := range lost {
+		select {
+		case <-l:
+			drain = min(drain, lostDrain)
+		default:
+		}
+	}
+	drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), drain)
 	defer cancel()
 	if err := engine.Drain(drainCtx); err != nil {
 		s.log.Warn().Err(err).Msg("shutdown_timeout passed with events in flight; the stream sends them again at the next start and the ledger keeps them from being delivered twice")

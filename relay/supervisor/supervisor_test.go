@@ -21,7 +21,7 @@ func (nopStore) PrepareStream(context.Context, []*relay.Work, bool, string) erro
 func (nopStore) SettleStream(context.Context, []*relay.Work, string) ([]int64, error) {
 	return nil, nil
 }
-func (nopStore) MarkDone(context.Context, []int64) ([]int64, error)       { return nil, nil }
+func (nopStore) MarkDone(context.Context, []int64) ([]int64, error)     { return nil, nil }
 func (nopStore) Diverted(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
 
 func newEngine() (*relay.Engine, error) {
@@ -29,7 +29,9 @@ func newEngine() (*relay.Engine, error) {
 }
 
 // runner is a source whose Run is run.
-type runner struct{ run func(ctx context.Context) error }
+type runner struct {
+	run func(ctx context.Context) error
+}
 
 func (r runner) Run(ctx context.Context) error { return r.run(ctx) }
 
