@@ -1188,6 +1188,75 @@ func TestAlertRules(t *testing.T) {
 	}
 }
 
+// TestAlertRulesPromtool checks alerts.yml with Prometheus's own promtool
+// (`check rules`) and runs its unit tests, deploy/prometheus/alerts_test.yml
+// (`test rules`): one test group per alert, named after it, that shows it
+// firing on the series that should fire it and silent otherwise.
+func TestAlertRulesPromtool(t *testing.T) {
+	bin, err := exec.LookPath("promtool")
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("promtool is not on PATH (CI=true): apt-get install prometheus (.ci/run does)")
+		}
+		t.Skip("promtool is not on PATH (required when CI=true): apt-get install prometheus")
+	}
+	const rules, tests = "deploy/prometheus/alerts.yml", "deploy/prometheus/alerts_test.yml"
+
+	// Every alert has its group, and each group both sees its alert fire
+	// and sees it silent.
+	var alerts []string
+	for _, g := range list(mustYAMLDocs(t, rules)[0]["groups"]) {
+		for _, r := range list(dig(g, "rules")) {
+			if a := str(dig(r, "alert")); a != "" {
+				alerts = append(alerts, a)
+			}
+		}
+	}
+	doc := mustYAMLDocs(t, tests)[0]
+	if files := list(doc["rule_files"]); len(files) != 1 || str(files[0]) != path.Base(rules) {
+		t.Errorf("%s: rule_files %v, want [%s]", tests, files, path.Base(rules))
+	}
+	groups := map[string]bool{}
+	for _, g := range list(doc["tests"]) {
+		name := str(dig(g, "name"))
+		groups[name] = true
+		fires, silent := false, false
+		for _, c := range list(dig(g, "alert_rule_test")) {
+			if str(dig(c, "alertname")) != name {
+				continue
+			}
+			if len(list(dig(c, "exp_alerts"))) > 0 {
+				fires = true
+			} else {
+				silent = true
+			}
+		}
+		if !slices.Contains(alerts, name) {
+			t.Errorf("%s: test group %q is named after no alert of %s", tests, name, rules)
+		} else if !fires || !silent {
+			t.Errorf("%s: group %s must expect %s both firing and silent (fires: %v, silent: %v)", tests, name, name, fires, silent)
+		}
+	}
+	for _, a := range alerts {
+		if !groups[a] {
+			t.Errorf("%s: no test group for alert %s", tests, a)
+		}
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, args := range [][]string{{"check", "rules", path.Base(rules)}, {"test", "rules", path.Base(tests)}} {
+		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Dir = repoPath("deploy/prometheus")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Errorf("promtool %s (in deploy/prometheus): %v\n%s", strings.Join(args, " "), err, out)
+		} else {
+			t.Logf("promtool %s: %s", strings.Join(args, " "), bytes.Join(bytes.Fields(out), []byte(" ")))
+		}
+	}
+}
+
 func TestGrafanaDashboard(t *testing.T) {
 	const rel = "deploy/grafana/outbox-relay.json"
 	var dash map[string]any
