@@ -744,8 +744,14 @@ func TestDockerfile(t *testing.T) {
 		}
 		instructions[word] = append(instructions[word], strings.TrimSpace(rest))
 	}
-	if len(stages) < 2 || !strings.Contains(stages[0], "golang:") || !strings.Contains(src, "ARG GO_VERSION=1.26") {
-		t.Errorf("want a golang:1.26 builder stage first, got stages %v", stages)
+	// The builder is the toolchain go.mod pins, so the image's binaries
+	// carry its fixes.
+	toolchain := regexp.MustCompile(`(?m)^toolchain go(\S+)$`).FindStringSubmatch(string(mustRead(t, "go.mod")))
+	if toolchain == nil {
+		t.Fatal("go.mod: no toolchain line (the patched Go that builds the relay)")
+	}
+	if len(stages) < 2 || !strings.Contains(stages[0], "golang:${GO_VERSION}") || !strings.Contains(src, "ARG GO_VERSION="+toolchain[1]+"\n") {
+		t.Errorf("want a golang:${GO_VERSION} builder stage first with ARG GO_VERSION=%s (go.mod's toolchain), got stages %v", toolchain[1], stages)
 	}
 	final := stages[len(stages)-1]
 	if !strings.Contains(final, "distroless/static") && !strings.HasPrefix(final, "scratch") {
