@@ -117,6 +117,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if err != nil {
 		return err
 	}
+	relay.InitMetrics(r.routes)
 
 	go r.refreshStats(httpCtx)
 	retentionDone := make(chan struct{})
