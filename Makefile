@@ -4,7 +4,15 @@ BIN       := bin
 PKGS      := ./...
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build test vet fmt-check lint run bench chaos fuzz clean
+# The Go toolchain that builds and tests: go.mod's `toolchain` line, a
+# patched release (see `make vulncheck`). Exported because a Go installed with
+# GOTOOLCHAIN=local ignores that line; the go command fetches the pinned one
+# from the Go module proxy on first use (about 75 MB, once per machine).
+# `make GOTOOLCHAIN=local ...` uses the installed Go instead.
+GOTOOLCHAIN := $(shell sed -n 's/^toolchain //p' go.mod)
+export GOTOOLCHAIN
+
+.PHONY: all build test vet fmt-check lint run bench chaos fuzz clean vulncheck
 
 all: build
 
@@ -30,6 +38,45 @@ vet:
 lint:
 	@command -v staticcheck >/dev/null 2>&1 || $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 	PATH="$$PATH:$$($(GO) env GOPATH)/bin" staticcheck $(PKGS)
+
+## vulncheck: govulncheck over every package and over the built binaries,
+## offline against a vulnerability database built locally: the Go module
+## proxy serves golang.org/x/vulndb (VULNDB_VERSION, default its latest
+## pseudo-version), whose cmd/indexdb turns its data/osv into the database
+## govulncheck -db file://DIR reads, cached per version under
+## $$HOME/.cache/outbox-relay/vulndb. Fails on any finding at all, called or
+## not, in the standard library or a module: the pinned toolchain carries
+## the standard library's fixes.
+GOVULNCHECK_VERSION := v1.9.0
+VULNDB_VERSION ?= latest
+VULNDB_CACHE ?= $(HOME)/.cache/outbox-relay/vulndb
+vulncheck: build
+	@set -e; \
+	gobin=$$($(GO) env GOPATH)/bin; \
+	if ! "$$gobin/govulncheck" -version 2>/dev/null | grep -q "govulncheck@$(GOVULNCHECK_VERSION)"; then \
+		$(GO) install golang.org/x/vuln/cmd/govulncheck@$(GOVULNCHECK_VERSION); \
+	fi; \
+	info=$$($(GO) mod download -json golang.org/x/vulndb@$(VULNDB_VERSION)); \
+	version=$$(printf '%s\n' "$$info" | sed -n 's/^[[:space:]]*"Version": "\(.*\)",$$/\1/p'); \
+	src=$$(printf '%s\n' "$$info" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$$/\1/p'); \
+	db=$(VULNDB_CACHE)/$$version; \
+	if [ ! -f "$$db/index/db.json" ]; then \
+		echo "building the vulnerability database from golang.org/x/vulndb@$$version"; \
+		rm -rf "$$db.tmp"; mkdir -p "$(VULNDB_CACHE)"; \
+		$(GO) run golang.org/x/vulndb/cmd/indexdb@$$version -vulns "$$src/data/osv" -out "$$db.tmp"; \
+		mv "$$db.tmp" "$$db"; \
+	fi; \
+	echo "govulncheck $(GOVULNCHECK_VERSION), $$($(GO) version), database golang.org/x/vulndb@$$version ($$(ls "$$db/ID" | grep -c '\.json$$') entries)"; \
+	out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
+	for target in "./..." $(BIN)/outbox-relay $(BIN)/outbox-relay-dev; do \
+		mode=source; [ "$$target" = ./... ] || mode=binary; \
+		if "$$gobin/govulncheck" -db "file://$$db" -mode $$mode -show verbose "$$target" >"$$out" 2>&1 \
+			&& grep -qx 'No vulnerabilities found.' "$$out"; then \
+			echo "ok   $$target ($$mode): no vulnerabilities found"; \
+		else \
+			cat "$$out"; echo "FAIL $$target ($$mode): govulncheck reports the findings above"; exit 1; \
+		fi; \
+	done
 
 ## fuzz: each fuzz target for FUZZTIME (10s in CI), one after another with
 ## -parallel 1, after replaying its seed corpus (testdata/fuzz/<Name>/); stops

@@ -24,138 +24,21 @@ import (
 
 	"github.com/nats-io/nats-server/v2/server"
 	"go.yaml.in/yaml/v3"
+
+	"github.com/outbox-relay/outbox-relay/deploy"
 )
 
 // repoRoot is the repository root relative to this package's directory,
 // where `go test` runs.
 const repoRoot = ".."
 
-// relayMetrics is the fixed list of the relay's metric names and types
-// (namespace outbox_relay), shared by code, dashboards and alerts.
-var relayMetrics = map[string]string{
-	"outbox_relay_delivered_total":              "counter",
-	"outbox_relay_failed_total":                 "counter",
-	"outbox_relay_retried_total":                "counter",
-	"outbox_relay_held_total":                   "counter",
-	"outbox_relay_handed_off_total":             "counter",
-	"outbox_relay_delivery_latency_seconds":     "histogram",
-	"outbox_relay_decode_latency_seconds":       "histogram",
-	"outbox_relay_walsender_lag_seconds":        "histogram",
-	"outbox_relay_rows":                         "gauge",
-	"outbox_relay_pending_rows":                 "gauge",
-	"outbox_relay_oldest_pending_age_seconds":   "gauge",
-	"outbox_relay_stuck_rows":                   "gauge",
-	"outbox_relay_slot_retained_wal_bytes":      "gauge",
-	"outbox_relay_mode":                         "gauge",
-	"outbox_relay_leader":                       "gauge",
-	"outbox_relay_nats_duplicates_stored_total": "counter",
-	"outbox_relay_up":                           "gauge",
-}
-
-// knownSeries reports whether name is a series the relay exports: a listed
-// name, or a histogram's _bucket, _sum or _count series.
-func knownSeries(name string) bool {
-	if _, ok := relayMetrics[name]; ok {
-		return relayMetrics[name] != "histogram" // a histogram is queried by its series
-	}
-	for _, suffix := range []string{"_bucket", "_sum", "_count"} {
-		if base, ok := strings.CutSuffix(name, suffix); ok && relayMetrics[base] == "histogram" {
-			return true
-		}
-	}
-	return false
-}
-
-// baseMetric maps a series name to its name in relayMetrics.
-func baseMetric(series string) string {
-	for _, suffix := range []string{"_bucket", "_sum", "_count"} {
-		if base, ok := strings.CutSuffix(series, suffix); ok && relayMetrics[base] == "histogram" {
-			return base
-		}
-	}
-	return series
-}
-
-// --- PromQL metric names --------------------------------------------------
-
+// The relay's metric list and the PromQL reader live in package deploy,
+// which the scrape test in cmd/outbox-relay shares.
 var (
-	promQLStrings  = regexp.MustCompile("\"(?:[^\"\\\\]|\\\\.)*\"|'(?:[^'\\\\]|\\\\.)*'|`[^`]*`")
-	promQLMatchers = regexp.MustCompile(`\{[^{}]*\}`)
-	promQLRanges   = regexp.MustCompile(`\[[^\[\]]*\]`)
-	promQLGrouping = regexp.MustCompile(`\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)`)
-	grafanaVars    = regexp.MustCompile(`\$\{?\w+\}?`)
+	knownSeries   = deploy.KnownSeries
+	baseMetric    = deploy.BaseMetric
+	promQLMetrics = deploy.MetricNames
 )
-
-// promQLFunctions are the functions and aggregations the files may call; an
-// unknown one is reported, so a typo cannot hide a metric name.
-var promQLFunctions = map[string]bool{
-	"abs": true, "absent": true, "absent_over_time": true, "avg": true, "avg_over_time": true,
-	"ceil": true, "changes": true, "clamp_max": true, "clamp_min": true, "count": true,
-	"count_over_time": true, "delta": true, "deriv": true, "floor": true, "group": true,
-	"histogram_quantile": true, "increase": true, "irate": true, "label_replace": true,
-	"last_over_time": true, "max": true, "max_over_time": true, "min": true, "min_over_time": true,
-	"present_over_time": true, "quantile": true, "rate": true, "resets": true, "round": true,
-	"scalar": true, "sort": true, "sort_desc": true, "stddev": true, "sum": true,
-	"sum_over_time": true, "time": true, "timestamp": true, "topk": true, "bottomk": true, "vector": true,
-}
-
-var promQLKeywords = map[string]bool{
-	"and": true, "or": true, "unless": true, "bool": true, "offset": true, "inf": true, "nan": true,
-}
-
-// promQLMetrics returns the metric names expr selects. Label matchers,
-// ranges, grouping clauses, strings and Grafana variables are removed first;
-// what is left is functions (an identifier followed by "("), keywords,
-// numbers and metric names. Unknown functions are errors.
-func promQLMetrics(expr string) ([]string, error) {
-	s := promQLStrings.ReplaceAllString(expr, `""`)
-	s = grafanaVars.ReplaceAllString(s, "")
-	s = promQLMatchers.ReplaceAllString(s, " ")
-	s = promQLRanges.ReplaceAllString(s, " ")
-	s = promQLGrouping.ReplaceAllString(s, " ")
-	var names []string
-	for i := 0; i < len(s); {
-		c := s[i]
-		switch {
-		case c >= '0' && c <= '9' || c == '.':
-			for i < len(s) && (isIdent(s[i]) || s[i] == '.') {
-				i++
-			}
-		case isIdentStart(c):
-			j := i
-			for j < len(s) && isIdent(s[j]) {
-				j++
-			}
-			word := s[i:j]
-			k := j
-			for k < len(s) && (s[k] == ' ' || s[k] == '\t' || s[k] == '\n') {
-				k++
-			}
-			switch {
-			case k < len(s) && s[k] == '(':
-				if !promQLFunctions[word] {
-					return nil, fmt.Errorf("unknown function %q in %q", word, expr)
-				}
-			case promQLKeywords[strings.ToLower(word)]:
-			default:
-				names = append(names, word)
-			}
-			i = j
-		default:
-			i++
-		}
-	}
-	if len(names) == 0 {
-		return nil, fmt.Errorf("%q selects no metric", expr)
-	}
-	return names, nil
-}
-
-func isIdentStart(c byte) bool {
-	return c == '_' || c == ':' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z'
-}
-
-func isIdent(c byte) bool { return isIdentStart(c) || c >= '0' && c <= '9' }
 
 // checkExpr reports an error for each metric expr names that the relay does
 // not export, and returns the base metric names it uses.
@@ -744,8 +627,14 @@ func TestDockerfile(t *testing.T) {
 		}
 		instructions[word] = append(instructions[word], strings.TrimSpace(rest))
 	}
-	if len(stages) < 2 || !strings.Contains(stages[0], "golang:") || !strings.Contains(src, "ARG GO_VERSION=1.26") {
-		t.Errorf("want a golang:1.26 builder stage first, got stages %v", stages)
+	// The builder is the toolchain go.mod pins, so the image's binaries
+	// carry its fixes.
+	toolchain := regexp.MustCompile(`(?m)^toolchain go(\S+)$`).FindStringSubmatch(string(mustRead(t, "go.mod")))
+	if toolchain == nil {
+		t.Fatal("go.mod: no toolchain line (the patched Go that builds the relay)")
+	}
+	if len(stages) < 2 || !strings.Contains(stages[0], "golang:${GO_VERSION}") || !strings.Contains(src, "ARG GO_VERSION="+toolchain[1]+"\n") {
+		t.Errorf("want a golang:${GO_VERSION} builder stage first with ARG GO_VERSION=%s (go.mod's toolchain), got stages %v", toolchain[1], stages)
 	}
 	final := stages[len(stages)-1]
 	if !strings.Contains(final, "distroless/static") && !strings.HasPrefix(final, "scratch") {
@@ -1188,6 +1077,75 @@ func TestAlertRules(t *testing.T) {
 	}
 }
 
+// TestAlertRulesPromtool checks alerts.yml with Prometheus's own promtool
+// (`check rules`) and runs its unit tests, deploy/prometheus/alerts_test.yml
+// (`test rules`): one test group per alert, named after it, that shows it
+// firing on the series that should fire it and silent otherwise.
+func TestAlertRulesPromtool(t *testing.T) {
+	bin, err := exec.LookPath("promtool")
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("promtool is not on PATH (CI=true): apt-get install prometheus (.ci/run does)")
+		}
+		t.Skip("promtool is not on PATH (required when CI=true): apt-get install prometheus")
+	}
+	const rules, tests = "deploy/prometheus/alerts.yml", "deploy/prometheus/alerts_test.yml"
+
+	// Every alert has its group, and each group both sees its alert fire
+	// and sees it silent.
+	var alerts []string
+	for _, g := range list(mustYAMLDocs(t, rules)[0]["groups"]) {
+		for _, r := range list(dig(g, "rules")) {
+			if a := str(dig(r, "alert")); a != "" {
+				alerts = append(alerts, a)
+			}
+		}
+	}
+	doc := mustYAMLDocs(t, tests)[0]
+	if files := list(doc["rule_files"]); len(files) != 1 || str(files[0]) != path.Base(rules) {
+		t.Errorf("%s: rule_files %v, want [%s]", tests, files, path.Base(rules))
+	}
+	groups := map[string]bool{}
+	for _, g := range list(doc["tests"]) {
+		name := str(dig(g, "name"))
+		groups[name] = true
+		fires, silent := false, false
+		for _, c := range list(dig(g, "alert_rule_test")) {
+			if str(dig(c, "alertname")) != name {
+				continue
+			}
+			if len(list(dig(c, "exp_alerts"))) > 0 {
+				fires = true
+			} else {
+				silent = true
+			}
+		}
+		if !slices.Contains(alerts, name) {
+			t.Errorf("%s: test group %q is named after no alert of %s", tests, name, rules)
+		} else if !fires || !silent {
+			t.Errorf("%s: group %s must expect %s both firing and silent (fires: %v, silent: %v)", tests, name, name, fires, silent)
+		}
+	}
+	for _, a := range alerts {
+		if !groups[a] {
+			t.Errorf("%s: no test group for alert %s", tests, a)
+		}
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, args := range [][]string{{"check", "rules", path.Base(rules)}, {"test", "rules", path.Base(tests)}} {
+		cmd := exec.CommandContext(ctx, bin, args...)
+		cmd.Dir = repoPath("deploy/prometheus")
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Errorf("promtool %s (in deploy/prometheus): %v\n%s", strings.Join(args, " "), err, out)
+		} else {
+			t.Logf("promtool %s: %s", strings.Join(args, " "), bytes.Join(bytes.Fields(out), []byte(" ")))
+		}
+	}
+}
+
 func TestGrafanaDashboard(t *testing.T) {
 	const rel = "deploy/grafana/outbox-relay.json"
 	var dash map[string]any
@@ -1277,6 +1235,50 @@ func TestGrafanaDashboard(t *testing.T) {
 		if !strings.Contains(exprs, q) {
 			t.Errorf("%s: no panel queries %s…", rel, q)
 		}
+	}
+}
+
+// TestQueries: deploy.Queries, which the scrape test in cmd/outbox-relay
+// reads, returns every alert's expr, every dashboard target's and each
+// label_values variable's metric, and they name only the relay's metrics.
+func TestQueries(t *testing.T) {
+	qs, err := deploy.Queries()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]bool{}
+	for _, q := range qs {
+		got[q.Expr] = true
+		checkExpr(t, q.Where, q.Expr)
+	}
+	var want []string
+	for _, g := range list(mustYAMLDocs(t, "deploy/prometheus/alerts.yml")[0]["groups"]) {
+		for _, r := range list(dig(g, "rules")) {
+			want = append(want, str(dig(r, "expr")))
+		}
+	}
+	var dash any
+	if err := json.Unmarshal(mustRead(t, "deploy/grafana/outbox-relay.json"), &dash); err != nil {
+		t.Fatal(err)
+	}
+	var walk func(panels []any)
+	walk = func(panels []any) {
+		for _, p := range panels {
+			for _, tg := range list(dig(p, "targets")) {
+				want = append(want, str(dig(tg, "expr")))
+			}
+			walk(list(dig(p, "panels")))
+		}
+	}
+	walk(list(dig(dash, "panels")))
+	want = append(want, "outbox_relay_up", "outbox_relay_delivered_total") // the job and sink variables
+	for _, w := range want {
+		if !got[w] {
+			t.Errorf("deploy.Queries() lacks %q", w)
+		}
+	}
+	if len(qs) != len(want) {
+		t.Errorf("deploy.Queries() returned %d queries, want %d", len(qs), len(want))
 	}
 }
 

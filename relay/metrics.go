@@ -83,11 +83,12 @@ var (
 		Namespace: "outbox_relay", Name: "slot_retained_wal_bytes",
 		Help: "WAL the replication slot retains (pg_current_wal_lsn - restart_lsn).",
 	})
-	// NATSDuplicatesStored counts retries stored as a second copy because
-	// they came after the stream's duplicate window.
+	// NATSDuplicatesStored counts, per NATS sink, retries JetStream stored
+	// as new messages though their event is older than the duplicate
+	// window: each may be a second copy (sink/nats counts them).
 	NATSDuplicatesStored = promauto.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "outbox_relay", Name: "nats_duplicates_stored_total",
-		Help: "Retries JetStream stored as a second copy (after its duplicate window); consumers deduplicate on Outbox-Event-Key.",
+		Help: "Retries JetStream stored as new messages though their event is older than the duplicate window: each may be a second copy; consumers deduplicate on Outbox-Event-Key.",
 	}, []string{"sink"})
 	settleWaitingRows = promauto.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "outbox_relay", Name: "settle_invisible_total",
@@ -114,6 +115,38 @@ func SetMode(mode string) {
 			v = 1
 		}
 		ModeGauge.WithLabelValues(m).Set(v)
+	}
+}
+
+// handOffReasons are the reason label values of handed_off_total: why the
+// stream handed an event to the claim path (Outcome.Why; "retries" for a
+// counted failure). TestHandOffReasons holds the list to the code.
+var handOffReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down", "ordering", "stopping", "claimed"}
+
+// InitMetrics creates at 0 the labelled series of each route's sink (both
+// paths, every hand-off reason) and of both modes, which would otherwise
+// appear only at their first event: a dashboard panel then shows 0 rather
+// than no data, and Prometheus's increase() sees a sink's first dead letter
+// as a rise from 0 (a counter series that appears at 1 shows no increase),
+// so the OutboxRelayDeadLetters alert fires for it
+// (deploy/prometheus/alerts_test.yml). Existing series keep their values.
+func InitMetrics(routes []Route) {
+	for _, m := range []string{"replication", "poll"} {
+		ModeGauge.WithLabelValues(m)
+	}
+	for _, r := range routes {
+		sink := r.Sink.Name()
+		for _, p := range []Path{PathStream, PathClaim} {
+			path := string(p)
+			deliveredTotal.WithLabelValues(sink, path)
+			failedTotal.WithLabelValues(sink, path)
+			retriedTotal.WithLabelValues(sink, path)
+			heldTotal.WithLabelValues(sink, path)
+			deliveryLatency.WithLabelValues(sink, path)
+		}
+		for _, reason := range handOffReasons {
+			handedOffTotal.WithLabelValues(sink, reason)
+		}
 	}
 }
 

@@ -120,6 +120,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
 	}
 	r.store = ledger.New(pool, lcfg)
+	relay.InitMetrics(r.routes)
 
 	go r.refreshStats(httpCtx)
 	retentionDone := make(chan struct{})

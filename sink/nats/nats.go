@@ -26,6 +26,7 @@ import (
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -134,6 +135,11 @@ type Sink struct {
 	closeErr  error
 
 	duplicates atomic.Int64
+	// dupWindow is the sink's duplicate_window (the stream's is at least
+	// that); storedAgain counts retries JetStream stored as new messages
+	// though their event is older than it: outbox_relay_nats_duplicates_stored_total.
+	dupWindow   time.Duration
+	storedAgain prometheus.Counter
 }
 
 var _ relay.Sink = (*Sink)(nil)
@@ -142,6 +148,9 @@ type inflight struct {
 	future jetstream.PubAckFuture
 	key    string
 	done   func(error)
+	// mayRepeat: a retry of an event older than the duplicate window, so
+	// an earlier attempt's copy may have left the window.
+	mayRepeat bool
 }
 
 // New connects to the server (or starts the embedded one), checks the
@@ -173,6 +182,9 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		closing:    make(chan struct{}),
 		abort:      make(chan struct{}),
 		collected:  make(chan struct{}),
+		dupWindow:  cfg.Stream.DuplicateWindow,
+		// Created at 0 now, so the series exists before the first retry.
+		storedAgain: relay.NATSDuplicatesStored.WithLabelValues(cfg.Name),
 	}
 	ok := false
 	defer func() {
@@ -378,7 +390,7 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 		done(classifyPublishError(key, err))
 		return
 	}
-	s.queue <- inflight{future: future, key: key, done: done}
+	s.queue <- inflight{future: future, key: key, done: done, mayRepeat: s.mayRepeat(d)}
 	s.publishMu.Unlock()
 }
 
@@ -437,7 +449,7 @@ func (s *Sink) collect() {
 func (s *Sink) await(p inflight) error {
 	select {
 	case ack := <-p.future.Ok():
-		return s.acked(ack)
+		return s.acked(p, ack)
 	case err := <-p.future.Err():
 		return classifyAckError(p.key, err)
 	case <-s.abort:
@@ -445,7 +457,7 @@ func (s *Sink) await(p inflight) error {
 	// An outcome that arrived together with the abort still counts.
 	select {
 	case ack := <-p.future.Ok():
-		return s.acked(ack)
+		return s.acked(p, ack)
 	case err := <-p.future.Err():
 		return classifyAckError(p.key, err)
 	default:
@@ -453,11 +465,23 @@ func (s *Sink) await(p inflight) error {
 	}
 }
 
-func (s *Sink) acked(ack *jetstream.PubAck) error {
+func (s *Sink) acked(p inflight, ack *jetstream.PubAck) error {
 	if ack.Duplicate {
 		s.duplicates.Add(1)
+	} else if p.mayRepeat {
+		s.storedAgain.Inc()
 	}
 	return nil
+}
+
+// mayRepeat reports whether d is a retry that JetStream may store as a
+// second copy: its event is older than the duplicate window (or of unknown
+// age), so an earlier attempt, if it was stored, may have left the window.
+// A retry of a younger event cannot be one: JetStream would drop it as a
+// duplicate. An operator replay is a new copy by intent (its own id).
+func (s *Sink) mayRepeat(d *relay.Delivery) bool {
+	created := d.Event.CreatedAt
+	return d.Attempt > 1 && d.Replay == 0 && (created.IsZero() || time.Since(created) >= s.dupWindow)
 }
 
 // Close stops accepting Sends (later ones get SinkDown), waits for every
