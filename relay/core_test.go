@@ -611,3 +611,45 @@ func TestEngine_RunLeavesNoGoroutines(t *testing.T) {
 		})
 	}
 }
+
+// TestEngine_RowDataErrorDoesNotStallSettlement: a row whose data the
+// store refuses is written again at once, not after the database backoff
+// (RetryDelay: 100 ms doubling) meant for a server that is down: the error
+// is the row's, so waiting changes nothing, and the path's one settle loop
+// would hold every decision queued behind the row — and with them the
+// acknowledgement and, at MaxUnsettled, the stream — for at least 6.3 s
+// (the six waits before it is given up) per refused row.
+func TestEngine_RowDataErrorDoesNotStallSettlement(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore()
+	refused := make(chan struct{})
+	var once sync.Once
+	write := store.settleStream
+	store.settleStream = func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
+		for _, w := range works {
+			if w.Event.ID == 1 {
+				once.Do(func() { close(refused) })
+				return nil, fmt.Errorf("settle: ERROR: value too long (SQLSTATE 22001): %w", relay.ErrRowData)
+			}
+		}
+		return write(ctx, works, owner)
+	}
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}})
+	c := e.Stream()
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	<-refused
+	start := time.Now()
+	var batch []*relay.Event
+	for i := int64(2); i <= 5; i++ {
+		batch = append(batch, event(i, fmt.Sprint(i)))
+	}
+	submit(t, c, batch...)
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	// Without waits the refused row costs seven round trips; 3 s leaves
+	// room for a loaded machine and is half the shortest stall.
+	if took := time.Since(start); took > 3*time.Second {
+		t.Fatalf("events decided after a refused row settled %v later, want at once", took.Round(time.Millisecond))
+	}
+}

@@ -241,6 +241,13 @@ func (q *settleQueue) writeIsolating(ctx context.Context, works []*Work) (invisi
 					Msg("the outcome of this row cannot be written: it stays pending and the stuck-rows alarm reports it; the events after it go on")
 				return nil, true
 			}
+			if ctx.Err() != nil {
+				return nil, false
+			}
+			// The row's data is at fault, not the server: waiting would
+			// change nothing and hold every decision queued behind it.
+			// Write it again (or its fallback) at once.
+			continue
 		} else {
 			settleErrors.WithLabelValues(string(q.path)).Inc()
 		}
