@@ -653,3 +653,34 @@ func TestEngine_RowDataErrorDoesNotStallSettlement(t *testing.T) {
 		t.Fatalf("events decided after a refused row settled %v later, want at once", took.Round(time.Millisecond))
 	}
 }
+
+// TestEngine_SubmitClaimedBatchLargerThanMaxUnsettled: a claim batch larger
+// than MaxUnsettled (source.batch_size above it) is taken a part at a time.
+// Before, the engine asked for room for the whole batch at once, more than
+// it ever has, and SubmitClaimed waited until its ctx ended: the claim path
+// stalled with the batch's rows locked.
+func TestEngine_SubmitClaimedBatchLargerThanMaxUnsettled(t *testing.T) {
+	const maxUnsettled, rows = 4, 10
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle}
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}},
+		LaneCapacity: 2, MaxUnsettled: maxUnsettled})
+	var works []*relay.Work
+	for i := int64(1); i <= rows; i++ {
+		works = append(works, claimWork(i, fmt.Sprint(i)))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if notTaken, err := e.SubmitClaimed(ctx, works); err != nil || len(notTaken) != 0 {
+		t.Fatalf("SubmitClaimed of %d rows with MaxUnsettled %d: %v, %d not taken", rows, maxUnsettled, err, len(notTaken))
+	}
+	if err := e.WaitPathSettled(ctx, relay.PathClaim); err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(1); i <= rows; i++ {
+		if d, _ := rec.decision(i); d.Kind != relay.Done {
+			t.Fatalf("row %d settled as %+v, want done", i, d)
+		}
+	}
+}
