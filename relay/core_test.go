@@ -684,3 +684,35 @@ func TestEngine_SubmitClaimedBatchLargerThanMaxUnsettled(t *testing.T) {
 		}
 	}
 }
+
+// TestEngine_MarkDoneForgetsRowsOnceMarked: a row whose mark-done found it
+// invisible is tried again, and forgotten once it is marked. Before, its
+// count of tries stayed in memory for good: one map entry per such row, for
+// as long as the relay ran.
+func TestEngine_MarkDoneForgetsRowsOnceMarked(t *testing.T) {
+	const rows = 20
+	store := newFakeStore()
+	for i := int64(1); i <= rows; i++ {
+		store.invisibleFor[i] = 2
+	}
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
+	c := e.Stream()
+	for i := int64(1); i <= rows; i++ {
+		submit(t, c, event(i, fmt.Sprint(i)))
+	}
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	waitFor(t, "rows marked done", func() bool {
+		store.mu.Lock()
+		defer store.mu.Unlock()
+		return len(store.done) == rows
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := e.Drain(ctx); err != nil { // one more flush: the queue is empty
+		t.Fatal(err)
+	}
+	if n := e.MarkRetries(); n != 0 {
+		t.Fatalf("the mark-done queue still counts tries of %d rows, all marked done", n)
+	}
+}

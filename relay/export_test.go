@@ -21,3 +21,11 @@ const (
 	DataErrorsBeforeFallback = dataErrorsBeforeFallback
 	SettleBatch              = settleBatch
 )
+
+// MarkRetries is how many rows the mark-done queue keeps a count of tries
+// for.
+func (e *Engine) MarkRetries() int {
+	e.marks.mu.Lock()
+	defer e.marks.mu.Unlock()
+	return len(e.marks.tries)
+}

@@ -365,6 +365,7 @@ func (e *Engine) flushMarkDone(ctx context.Context) {
 	ids := m.ids
 	m.ids = nil
 	m.mu.Unlock()
+	flushed := ids
 	var again []int64
 	for len(ids) > 0 {
 		n := min(len(ids), 5000)
@@ -377,6 +378,18 @@ func (e *Engine) flushMarkDone(ctx context.Context) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if len(m.tries) > 0 {
+		// Forget the tries of rows marked (or dropped on an error).
+		retrying := make(map[int64]bool, len(again))
+		for _, id := range again {
+			retrying[id] = true
+		}
+		for _, id := range flushed {
+			if !retrying[id] {
+				delete(m.tries, id)
+			}
+		}
+	}
 	for _, id := range again {
 		if m.tries[id]++; m.tries[id] < markTries {
 			m.ids = append(m.ids, id)
