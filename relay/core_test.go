@@ -529,7 +529,11 @@ func TestEngine_RenewsLeasesOfClaimWorkInFlight(t *testing.T) {
 			return call{}
 		}
 	}
-	if c := next(); !slices.Equal(c.ids, []int64{11, 12}) || c.owner != "me" {
+	c := next()
+	if len(c.ids) < 2 { // a renewal between the two rows' admissions
+		c = next()
+	}
+	if !slices.Equal(c.ids, []int64{11, 12}) || c.owner != "me" {
 		t.Fatalf("ExtendLeases(%v, %q), want rows 11 and 12 of owner me", c.ids, c.owner)
 	}
 	close(release[11])
