@@ -16,11 +16,9 @@ func (p Policy) Decide(now time.Time, attempts int, outcomes []Outcome, sinks []
 // once an aggregate has nothing left at the claim path.
 func (e *Engine) Undiverted(a AggregateKey, seq uint64) { e.undiverted(a, seq) }
 
-// Settle tuning the tests reason about.
-const (
-	DataErrorsBeforeFallback = dataErrorsBeforeFallback
-	SettleBatch              = settleBatch
-)
+// DataErrorsBeforeFallback is how many refusals of a row's data the
+// settlement takes before it writes a plain dead letter instead.
+const DataErrorsBeforeFallback = dataErrorsBeforeFallback
 
 // MarkRetries is how many rows the mark-done queue keeps a count of tries
 // for.
