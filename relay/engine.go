@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -508,6 +509,14 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 	}
 	if len(works) == 0 {
 		return nil, nil
+	}
+	if n := e.cfg.MaxUnsettled; len(works) > n {
+		// The engine never holds more than n: room for the whole batch
+		// would never come. Take it a part at a time.
+		if notTaken, err := e.SubmitClaimed(ctx, works[:n]); err != nil {
+			return slices.Concat(notTaken, works[n:]), err
+		}
+		return e.SubmitClaimed(ctx, works[n:])
 	}
 	for _, w := range works {
 		w.path = PathClaim

@@ -7,24 +7,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/rs/zerolog"
-
 	"github.com/outbox-relay/outbox-relay/relay"
 )
-
-// divertedFailsFirst is a store whose first Diverted calls fail, as queries
-// do on a pool connection that a PostgreSQL restart has just cut.
-type divertedFailsFirst struct {
-	*fakeStore
-	failures atomic.Int32
-}
-
-func (s *divertedFailsFirst) Diverted(ctx context.Context) ([]relay.AggregateKey, error) {
-	if s.failures.Add(-1) >= 0 {
-		return nil, errors.New("read diverted aggregates: conn closed")
-	}
-	return s.fakeStore.Diverted(ctx)
-}
 
 // TestEngine_RunRetriesLoadingDiverted: a failed read of the diverted
 // aggregates when the engine starts (a leadership term beginning just after
@@ -33,12 +17,21 @@ func (s *divertedFailsFirst) Diverted(ctx context.Context) ([]relay.AggregateKey
 // for a start that never came, and the leader held the slot without
 // delivering anything until it lost the lock.
 func TestEngine_RunRetriesLoadingDiverted(t *testing.T) {
-	store := &divertedFailsFirst{fakeStore: newFakeStore()}
-	store.failures.Store(2)
-	store.diverted = []relay.AggregateKey{{Type: "order", ID: "old"}}
+	store := newFakeStore()
+	store.divertedAggs = []relay.AggregateKey{{Type: "order", ID: "old"}}
+	// The first reads fail, as queries do on a pool connection that a
+	// PostgreSQL restart has just cut.
+	var failures atomic.Int32
+	failures.Store(2)
+	read := store.diverted
+	store.diverted = func(ctx context.Context) ([]relay.AggregateKey, error) {
+		if failures.Add(-1) >= 0 {
+			return nil, errors.New("read diverted aggregates: conn closed")
+		}
+		return read(ctx)
+	}
 	sink := newFakeSink("s", nil)
-	e, err := relay.NewEngine(relay.EngineConfig{Store: store, Routes: []relay.Route{{Sink: sink}},
-		Logger: zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.WarnLevel)})
+	e, err := relay.NewEngine(relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}, Logger: testLogger(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,9 +40,10 @@ func TestEngine_RunRetriesLoadingDiverted(t *testing.T) {
 	go func() { runDone <- e.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-runDone })
 
+	c := e.Stream()
 	submitCtx, stop := context.WithTimeout(ctx, 5*time.Second)
 	defer stop()
-	if err := e.Submit(submitCtx, []*relay.Event{event(1, "old"), event(2, "new")}); err != nil {
+	if err := c.Submit(submitCtx, []*relay.Event{event(1, "old"), event(2, "new")}); err != nil {
 		select {
 		case runErr := <-runDone:
 			runDone <- runErr // for the cleanup
@@ -58,8 +52,8 @@ func TestEngine_RunRetriesLoadingDiverted(t *testing.T) {
 			t.Fatalf("Submit: %v", err)
 		}
 	}
-	e.Commit(100)
-	waitFor(t, "settled", func() bool { lsn, _ := e.Settled(); return lsn == 100 })
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
 	if sent := sink.sent(); len(sent) != 1 || sent[0].Event.ID != 2 {
 		t.Fatalf("sent %v, want only event 2: the retried load must divert aggregate old", sent)
 	}

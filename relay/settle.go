@@ -243,6 +243,13 @@ func (q *settleQueue) writeIsolating(ctx context.Context, works []*Work) (invisi
 					Msg("the outcome of this row cannot be written: it stays pending and the stuck-rows alarm reports it; the events after it go on")
 				return nil, true
 			}
+			if ctx.Err() != nil {
+				return nil, false
+			}
+			// The row's data is at fault, not the server: waiting would
+			// change nothing and hold every decision queued behind it.
+			// Write it again (or its fallback) at once.
+			continue
 		} else {
 			settleErrors.WithLabelValues(string(q.path)).Inc()
 		}
@@ -360,6 +367,7 @@ func (e *Engine) flushMarkDone(ctx context.Context) {
 	ids := m.ids
 	m.ids = nil
 	m.mu.Unlock()
+	flushed := ids
 	var again []int64
 	for len(ids) > 0 {
 		n := min(len(ids), 5000)
@@ -372,6 +380,18 @@ func (e *Engine) flushMarkDone(ctx context.Context) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if len(m.tries) > 0 {
+		// Forget the tries of rows marked (or dropped on an error).
+		retrying := make(map[int64]bool, len(again))
+		for _, id := range again {
+			retrying[id] = true
+		}
+		for _, id := range flushed {
+			if !retrying[id] {
+				delete(m.tries, id)
+			}
+		}
+	}
 	for _, id := range again {
 		if m.tries[id]++; m.tries[id] < markTries {
 			m.ids = append(m.ids, id)

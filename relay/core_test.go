@@ -1,0 +1,722 @@
+package relay_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// consumerRef lets a store hook, set before the engine starts, read the
+// engine's settled position.
+type consumerRef struct {
+	p atomic.Pointer[relay.Consumer]
+}
+
+func (r *consumerRef) set(c relay.Consumer) { r.p.Store(&c) }
+func (r *consumerRef) settled() relay.LSN {
+	lsn, _ := (*r.p.Load()).Settled()
+	return lsn
+}
+
+// waitBlockedIn waits until some goroutine's stack shows fn: a call that
+// blocks (a full lane) and has no other sign of it.
+func waitBlockedIn(t *testing.T, fn string) {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	waitFor(t, "a goroutine blocked in "+fn, func() bool {
+		n := runtime.Stack(buf, true)
+		return bytes.Contains(buf[:n], []byte(fn))
+	})
+}
+
+// TestEngine_NeverSettlesWhatWasNotWritten: a row the store reports
+// invisible (the walsender sent it before its commit became visible) is
+// written again until it is seen, for as long as that takes: the event
+// stays unsettled meanwhile and the settled position does not pass it,
+// even though a later transaction is delivered and written. Before the new
+// core, a row invisible for 30 s was given up on and settled unwritten.
+func TestEngine_NeverSettlesWhatWasNotWritten(t *testing.T) {
+	const invisibleWrites = 8
+	for _, tt := range []struct {
+		name    string
+		hold    bool
+		send    func(*relay.Delivery) error
+		written func(s *fakeStore) bool
+	}{
+		{name: "hand-off", send: func(*relay.Delivery) error { return relay.TransientError(errors.New("503"), 0) },
+			written: func(s *fakeStore) bool { _, ok := s.handOffs[1]; return ok }},
+		{name: "dead letter", send: func(*relay.Delivery) error { return relay.PermanentError(errors.New("400")) },
+			written: func(s *fakeStore) bool { _, ok := s.deadLetters[1]; return ok }},
+		{name: "Hold on an invisible row", hold: true, send: func(*relay.Delivery) error { return relay.UnknownError(errors.New("timeout")) },
+			written: func(s *fakeStore) bool { _, ok := s.held[1]; return ok }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			store := newFakeStore()
+			store.invisibleFor[1] = invisibleWrites
+			var c consumerRef
+			var writes atomic.Int32
+			var early atomic.Value
+			write := store.settleStream
+			store.settleStream = func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
+				for _, w := range works {
+					if w.Event.ID == 1 {
+						// Each write of event 1 comes before its settlement.
+						if n := writes.Add(1); c.settled() != 0 {
+							early.Store(fmt.Sprintf("settled at %v before write %d of event 1", c.settled(), n))
+						}
+					}
+				}
+				return write(ctx, works, owner)
+			}
+			sink := newFakeSink("s", func(d *relay.Delivery) error {
+				if d.Event.ID == 1 {
+					return tt.send(d)
+				}
+				return nil
+			})
+			e := startEngine(t, relay.EngineConfig{Stream: store, Owner: "me", Routes: []relay.Route{{Sink: sink, Hold: tt.hold}},
+				Policy: relay.Policy{InlineAttempts: 0}})
+			c.set(e.Stream())
+			submit(t, e.Stream(), event(1, "a"))
+			e.Stream().Commit(100)
+			submit(t, e.Stream(), event(2, "b"))
+			e.Stream().Commit(200)
+
+			waitSettledAt(t, e.Stream(), 200)
+			if msg := early.Load(); msg != nil {
+				t.Fatal(msg)
+			}
+			if n := writes.Load(); n != invisibleWrites+1 {
+				t.Fatalf("event 1 written %d times, want %d (invisible %d times, then seen)", n, invisibleWrites+1, invisibleWrites)
+			}
+			store.mu.Lock()
+			defer store.mu.Unlock()
+			if !tt.written(store) {
+				t.Fatal("settled without the decision in the table")
+			}
+		})
+	}
+}
+
+// TestEngine_RowDataErrorIsIsolated: the store refuses one row's data
+// (relay.ErrRowData) every time; the batch is split so the other rows are
+// written and settle; the refused row is written as a plain dead letter
+// after DataErrorsBeforeFallback refusals, and after twice that many it is
+// left pending — settled unwritten, so it holds nothing back.
+func TestEngine_RowDataErrorIsIsolated(t *testing.T) {
+	t.Parallel()
+	const bad, events = 3, 8
+	store := newFakeStore()
+	var mu sync.Mutex
+	var badWrites []relay.Decision // the decisions of the refused row, as written alone
+	biggest := 0                   // the largest batch the refused row was in
+	write := store.settleStream
+	store.settleStream = func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
+		for _, w := range works {
+			if w.Event.ID == bad {
+				mu.Lock()
+				biggest = max(biggest, len(works))
+				if len(works) == 1 {
+					badWrites = append(badWrites, w.Decision)
+				}
+				mu.Unlock()
+				return nil, fmt.Errorf("settle %d stream events: ERROR: invalid byte sequence (SQLSTATE 22021): %w", len(works), relay.ErrRowData)
+			}
+		}
+		return write(ctx, works, owner)
+	}
+	// Every send waits for all of them, so the decisions reach the settle
+	// queue together and are written in one batch.
+	var started sync.WaitGroup
+	started.Add(events)
+	sink := newFakeSink("s", func(*relay.Delivery) error { started.Done(); started.Wait(); return nil })
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
+	c := e.Stream()
+	var batch []*relay.Event
+	for i := int64(1); i <= events; i++ {
+		batch = append(batch, event(i, fmt.Sprint(i)))
+	}
+	submit(t, c, batch...)
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+
+	delivered, handOffs, dead := store.snapshot()
+	for i := int64(1); i <= events; i++ {
+		n := delivered[relay.LedgerKey{EventKey: fmt.Sprintf("k%d", i), Action: "s"}]
+		if i == bad && n != 0 || i != bad && n != 1 {
+			t.Errorf("event %d: %d delivered ledger rows written", i, n)
+		}
+	}
+	if len(handOffs) != 0 || len(dead) != 0 {
+		t.Fatalf("hand-offs %v, dead letters %v: want none written", handOffs, dead)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	t.Logf("the refused row was in a batch of %d", biggest)
+	if want := 2*relay.DataErrorsBeforeFallback + 1; len(badWrites) != want {
+		t.Fatalf("the refused row was written alone %d times, want %d", len(badWrites), want)
+	}
+	for i, d := range badWrites {
+		if i < relay.DataErrorsBeforeFallback {
+			if d.Kind != relay.Done {
+				t.Fatalf("write %d of the refused row: %+v, want its own decision (done)", i+1, d)
+			}
+			continue
+		}
+		if d.Kind != relay.DeadLetter || !strings.Contains(d.Reason, "outcome not storable") || !strings.Contains(d.Reason, "it was: done") ||
+			!strings.Contains(d.Reason, "SQLSTATE 22021") {
+			t.Fatalf("write %d of the refused row: %+v, want the fallback dead letter", i+1, d)
+		}
+	}
+}
+
+// TestEngine_BackPressureWhileSettlementFails: while the store cannot write
+// outcomes, the engine takes at most MaxUnsettled events — that many pass
+// the sink, whatever the lane's capacity, since a lane frees its slot once
+// a pair is decided — and then Submit blocks; it resumes when the store
+// recovers, and every event is sent once.
+func TestEngine_BackPressureWhileSettlementFails(t *testing.T) {
+	t.Parallel()
+	const laneCapacity, maxUnsettled = 4, 6
+	store := newFakeStore()
+	var failing atomic.Bool
+	failing.Store(true)
+	write := store.settleStream
+	store.settleStream = func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
+		if failing.Load() {
+			return nil, errors.New("connection refused")
+		}
+		return write(ctx, works, owner)
+	}
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}},
+		LaneCapacity: laneCapacity, MaxUnsettled: maxUnsettled})
+	c := e.Stream()
+	for i := int64(1); i <= maxUnsettled; i++ {
+		submit(t, c, event(i, fmt.Sprint(i)))
+		c.Commit(relay.LSN(i * 10))
+	}
+	waitFor(t, "the events taken sent", func() bool { return len(sink.sent()) == maxUnsettled })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if err := c.Submit(ctx, []*relay.Event{event(maxUnsettled+1, "x")}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Submit with %d events unsettled returned %v, want it blocked until its deadline", maxUnsettled, err)
+	}
+	if n := len(sink.sent()); n != maxUnsettled {
+		t.Fatalf("%d events passed the sink while settlement failed, want %d (MaxUnsettled)", n, maxUnsettled)
+	}
+	if lsn, _ := c.Settled(); lsn != 0 {
+		t.Fatalf("settled at %v while nothing was written", lsn)
+	}
+
+	submitted := make(chan error, 1)
+	go func() { submitted <- c.Submit(context.Background(), []*relay.Event{event(maxUnsettled+1, "x")}) }()
+	failing.Store(false)
+	if err := <-submitted; err != nil {
+		t.Fatal(err)
+	}
+	c.Commit(1000)
+	waitSettledAt(t, c, 1000)
+	ids := sink.sentIDs()
+	slices.Sort(ids)
+	if want := []int64{1, 2, 3, 4, 5, 6, 7}; !slices.Equal(ids, want) {
+		t.Fatalf("sent %v, want each of %v once", ids, want)
+	}
+}
+
+// TestEngine_SubmitCutShortOnFullLane: a Submit waiting for room in a full
+// lane returns when its ctx ends; the event it had taken is handed off
+// ("its source stopped"), nothing stays counted, and the stream's next
+// session works: Restart does not wait for the event still in flight, the
+// slot's copy of that event joins it and is not sent again, WaitSettled
+// returns once it is done, and the settled position advances.
+func TestEngine_SubmitCutShortOnFullLane(t *testing.T) {
+	store := newFakeStore()
+	release := make(chan struct{})
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		if d.Event.ID == 1 {
+			<-release
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}, LaneCapacity: 1,
+		Policy: relay.Policy{LaneBlockMax: time.Hour}})
+	c := e.Stream()
+	first, second := event(1, "a"), event(2, "b")
+	first.CommitLSN, second.CommitLSN = 50, 150
+	submit(t, c, first)
+	c.Commit(100)
+	waitFor(t, "event 1 sent", func() bool { return len(sink.sent()) == 1 })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cut := make(chan error, 1)
+	go func() { cut <- c.Submit(ctx, []*relay.Event{second}) }()
+	waitBlockedIn(t, "relay.(*lane).acquire")
+	cancel()
+	if err := <-cut; !errors.Is(err, context.Canceled) {
+		t.Fatalf("cut Submit returned %v", err)
+	}
+	waitFor(t, "event 2 handed off", func() bool { _, h, _ := store.snapshot(); _, ok := h[2]; return ok })
+	if _, h, _ := store.snapshot(); !strings.Contains(h[2].Reason, "its source stopped") {
+		t.Fatalf("hand-off of event 2: %+v", h[2])
+	}
+
+	// The source reconnects: the slot sends both transactions again.
+	restarted := make(chan error, 1)
+	go func() { restarted <- c.Restart(context.Background(), 1000) }()
+	select {
+	case err := <-restarted:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Restart waits for the event in flight")
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- e.WaitSettled(context.Background()) }()
+	again1, again2 := event(1, "a"), event(2, "b")
+	again1.CommitLSN, again2.CommitLSN = 50, 150
+	submit(t, c, again1)
+	c.Commit(100)
+	submit(t, c, again2)
+	c.Commit(200)
+	if lsn, _ := c.Settled(); lsn != 0 {
+		t.Fatalf("settled at %v with event 1 in flight", lsn)
+	}
+	select {
+	case err := <-waited:
+		t.Fatalf("WaitSettled returned %v with event 1 in flight", err)
+	default:
+	}
+	close(release)
+	if err := <-waited; err != nil {
+		t.Fatal(err)
+	}
+	waitSettledAt(t, c, 200)
+	if ids := sink.sentIDs(); !slices.Equal(ids, []int64{1}) {
+		t.Fatalf("sent %v, want event 1 once", ids)
+	}
+	if delivered, _, _ := store.snapshot(); delivered[relay.LedgerKey{EventKey: "k1", Action: "s"}] != 1 {
+		t.Fatalf("delivered %v", delivered)
+	}
+}
+
+// TestEngine_ScheduledEventDivertsAtDecision: an event whose available_at
+// is in the future goes to the claim path, and its aggregate is diverted at
+// that moment, not when the hand-off is written: the aggregate's next
+// event, decoded right after it, follows it and is never sent first.
+func TestEngine_ScheduledEventDivertsAtDecision(t *testing.T) {
+	store := newFakeStore()
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
+	c := e.Stream()
+	at := time.Now().Add(time.Hour)
+	scheduled := func(id int64, agg string) *relay.Event { ev := event(id, agg); ev.AvailableAt = at; return ev }
+	// In one Submit, and in two in a row.
+	submit(t, c, scheduled(1, "a"), event(2, "a"), event(3, "other"))
+	submit(t, c, scheduled(4, "b"))
+	submit(t, c, event(5, "b"))
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+
+	if ids := sink.sentIDs(); !slices.Equal(ids, []int64{3}) {
+		t.Fatalf("sent %v, want only event 3", ids)
+	}
+	_, handOffs, _ := store.snapshot()
+	for _, id := range []int64{1, 4} {
+		if h := handOffs[id]; h.Kind != relay.Later || h.Why != "scheduled" || !h.At.Equal(at) {
+			t.Errorf("scheduled event %d: %+v, want a hand-off due at its available_at", id, h)
+		}
+	}
+	for _, id := range []int64{2, 5} {
+		if h := handOffs[id]; h.Kind != relay.Later || !strings.Contains(h.Reason, "earlier event") {
+			t.Errorf("event %d behind a scheduled one: %+v, want it handed off after it", id, h)
+		}
+	}
+}
+
+// claimWork is a row the claim path claimed.
+func claimWork(id int64, aggregate string) *relay.Work {
+	ev := event(id, aggregate)
+	ev.Status = "processing"
+	return &relay.Work{Event: ev}
+}
+
+// claimRecorder records what SettleClaim writes.
+type claimRecorder struct {
+	mu      sync.Mutex
+	settled map[int64]relay.Decision
+}
+
+func (r *claimRecorder) settle(_ context.Context, works []*relay.Work, _ string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, w := range works {
+		r.settled[w.Event.ID] = w.Decision
+	}
+	return nil
+}
+
+func (r *claimRecorder) decision(id int64) (relay.Decision, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	d, ok := r.settled[id]
+	return d, ok
+}
+
+// TestEngine_ClaimAndStreamShareAggregateOrder: works of both paths of one
+// aggregate go through the sink's lane one at a time in arrival order: a
+// claimed row waits behind the stream's event in flight, and a streamed
+// event behind a claimed row in flight; other aggregates pass them.
+func TestEngine_ClaimAndStreamShareAggregateOrder(t *testing.T) {
+	store := newFakeStore()
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle}
+	releases := map[int64]chan struct{}{1: make(chan struct{}), 21: make(chan struct{})}
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		if ch, ok := releases[d.Event.ID]; ok {
+			<-ch
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
+	c := e.Stream()
+	ctx := context.Background()
+
+	// A claimed row behind the stream's event.
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	waitFor(t, "event 1 sent", func() bool { return slices.Contains(sink.sentIDs(), 1) })
+	if notTaken, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(11, "a"), claimWork(12, "other")}); err != nil || len(notTaken) != 0 {
+		t.Fatalf("SubmitClaimed: %v, not taken %d", err, len(notTaken))
+	}
+	waitFor(t, "row 12 of another aggregate sent", func() bool { return slices.Contains(sink.sentIDs(), 12) })
+	if slices.Contains(sink.sentIDs(), 11) {
+		t.Fatal("claimed row 11 was sent while event 1 of its aggregate was in flight")
+	}
+	close(releases[1])
+	waitFor(t, "row 11 settled", func() bool { _, ok := rec.decision(11); return ok })
+
+	// A streamed event behind a claimed row.
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(21, "c")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 21 sent", func() bool { return slices.Contains(sink.sentIDs(), 21) })
+	submit(t, c, event(22, "c"), event(23, "other"))
+	c.Commit(200)
+	waitFor(t, "event 23 of another aggregate sent", func() bool { return slices.Contains(sink.sentIDs(), 23) })
+	if slices.Contains(sink.sentIDs(), 22) {
+		t.Fatal("event 22 was sent while claimed row 21 of its aggregate was in flight")
+	}
+	close(releases[21])
+	waitSettledAt(t, c, 200)
+	waitFor(t, "row 21 settled", func() bool { _, ok := rec.decision(21); return ok })
+
+	ids := sink.sentIDs()
+	pos := func(id int64) int { return slices.Index(ids, id) }
+	if pos(1) > pos(11) || pos(21) > pos(22) {
+		t.Fatalf("send order %v: want 1 before 11 and 21 before 22", ids)
+	}
+	for _, id := range []int64{11, 12, 21} {
+		if d, _ := rec.decision(id); d.Kind != relay.Done {
+			t.Fatalf("claimed row %d settled as %+v, want done", id, d)
+		}
+	}
+	delivered, _, _ := store.snapshot()
+	if delivered[relay.LedgerKey{EventKey: "k1", Action: "s"}] != 1 || delivered[relay.LedgerKey{EventKey: "k22", Action: "s"}] != 1 {
+		t.Fatalf("stream delivered %v", delivered)
+	}
+}
+
+// TestEngine_UnwrittenHandOffDefersClaimWork: while the stream's hand-off
+// of an aggregate's event is decided but not yet in the table, the claim
+// query cannot see it, so a claimed later row of that aggregate is put
+// back (ordering) instead of sent; once the hand-off is written, claimed
+// rows of the aggregate go out.
+func TestEngine_UnwrittenHandOffDefersClaimWork(t *testing.T) {
+	store := newFakeStore()
+	gate, atGate := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	write := store.settleStream
+	store.settleStream = func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
+		for _, w := range works {
+			if w.Event.ID == 1 {
+				once.Do(func() { close(atGate) })
+				<-gate
+			}
+		}
+		return write(ctx, works, owner)
+	}
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle}
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		if d.Event.ID == 1 {
+			return relay.TransientError(errors.New("503"), 0)
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}},
+		Policy: relay.Policy{InlineAttempts: 0}})
+	c := e.Stream()
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	<-atGate // decided (the aggregate is diverted), not written
+
+	if _, err := e.SubmitClaimed(context.Background(), []*relay.Work{claimWork(11, "a")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 11 settled", func() bool { _, ok := rec.decision(11); return ok })
+	d, _ := rec.decision(11)
+	if d.Kind != relay.Later || d.Why != "ordering" || !strings.Contains(d.Reason, "being handed off") || d.Attempts != 0 {
+		t.Fatalf("row 11 settled as %+v, want put back for ordering without an attempt", d)
+	}
+	if slices.Contains(sink.sentIDs(), 11) {
+		t.Fatal("row 11 was sent before the hand-off of event 1 was written")
+	}
+
+	close(gate)
+	waitSettledAt(t, c, 100)
+	sink.setSend(nil)
+	if _, err := e.SubmitClaimed(context.Background(), []*relay.Work{claimWork(1, "a")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 1 settled on the claim path", func() bool { d, ok := rec.decision(1); return ok && d.Kind == relay.Done })
+}
+
+// TestEngine_RenewsLeasesOfClaimWorkInFlight: while a claimed row is being
+// delivered the engine extends its lease (every third of ClaimLease), and
+// stops once the row is settled.
+func TestEngine_RenewsLeasesOfClaimWorkInFlight(t *testing.T) {
+	type call struct {
+		ids   []int64
+		owner string
+	}
+	calls := make(chan call, 100)
+	claims := &fakeClaimStore{extendLeases: func(_ context.Context, ids []int64, owner string) error {
+		ids = slices.Clone(ids)
+		slices.Sort(ids)
+		select {
+		case calls <- call{ids, owner}:
+		default:
+		}
+		return nil
+	}}
+	release := map[int64]chan struct{}{11: make(chan struct{}), 12: make(chan struct{})}
+	sink := newFakeSink("s", func(d *relay.Delivery) error { <-release[d.Event.ID]; return nil })
+	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", ClaimLease: 300 * time.Millisecond,
+		Routes: []relay.Route{{Sink: sink}}})
+	if _, err := e.SubmitClaimed(context.Background(), []*relay.Work{claimWork(11, "a"), claimWork(12, "b")}); err != nil {
+		t.Fatal(err)
+	}
+	next := func() call {
+		t.Helper()
+		select {
+		case c := <-calls:
+			return c
+		case <-time.After(20 * time.Second):
+			t.Fatal("no lease renewal")
+			return call{}
+		}
+	}
+	c := next()
+	if len(c.ids) < 2 { // a renewal between the two rows' admissions
+		c = next()
+	}
+	if !slices.Equal(c.ids, []int64{11, 12}) || c.owner != "me" {
+		t.Fatalf("ExtendLeases(%v, %q), want rows 11 and 12 of owner me", c.ids, c.owner)
+	}
+	close(release[11])
+	for c := next(); !slices.Equal(c.ids, []int64{12}); c = next() {
+		if !slices.Equal(c.ids, []int64{11, 12}) {
+			t.Fatalf("ExtendLeases(%v), want rows 11 and 12, then row 12 once row 11 is settled", c.ids)
+		}
+	}
+	for range 2 {
+		if c := next(); !slices.Equal(c.ids, []int64{12}) {
+			t.Fatalf("ExtendLeases(%v) after row 11 settled, want row 12 only", c.ids)
+		}
+	}
+	close(release[12])
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := e.WaitPathSettled(ctx, relay.PathClaim); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestEngine_RunLeavesNoGoroutines: once Run returns, every goroutine the
+// engine started has ended — lanes with inline retries waiting on their
+// timers, the settle loops, mark-done and lease renewal — whether it was
+// drained first or not.
+func TestEngine_RunLeavesNoGoroutines(t *testing.T) {
+	for _, drain := range []bool{true, false} {
+		t.Run(fmt.Sprintf("drained=%v", drain), func(t *testing.T) {
+			before := runtime.NumGoroutine()
+			sink := newFakeSink("s", func(d *relay.Delivery) error {
+				if d.Event.ID%2 == 0 {
+					return relay.TransientError(errors.New("503"), 0)
+				}
+				return nil
+			})
+			var renewals atomic.Int32
+			claims := &fakeClaimStore{extendLeases: func(context.Context, []int64, string) error { renewals.Add(1); return nil }}
+			e, err := relay.NewEngine(relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", MarkDone: true,
+				Routes: []relay.Route{{Sink: sink}}, Policy: relay.Policy{InlineAttempts: 5, LaneBlockMax: 10 * time.Second},
+				Logger: testLogger(t)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			runDone := make(chan error, 1)
+			go func() { runDone <- e.Run(ctx) }()
+			c := e.Stream()
+			for i := int64(1); i <= 20; i++ {
+				submit(t, c, event(i, fmt.Sprint(i)))
+				c.Commit(relay.LSN(i * 10))
+			}
+			if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(101, "x"), claimWork(102, "y")}); err != nil {
+				t.Fatal(err)
+			}
+			// The even events fail and wait for their inline retries.
+			waitFor(t, "failed sends", func() bool { return e.Stats.Retried.Load() >= 10 })
+			if drain {
+				dctx, dcancel := context.WithTimeout(ctx, 20*time.Second)
+				defer dcancel()
+				if err := e.Drain(dctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cancel()
+			select {
+			case <-runDone:
+			case <-time.After(20 * time.Second):
+				t.Fatal("Run did not return after its ctx ended")
+			}
+			buf := make([]byte, 1<<20)
+			deadline := time.Now().Add(20 * time.Second)
+			for runtime.NumGoroutine() > before {
+				if time.Now().After(deadline) {
+					t.Fatalf("%d goroutines after Run returned, %d before:\n%s", runtime.NumGoroutine(), before, buf[:runtime.Stack(buf, true)])
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// TestEngine_RowDataErrorDoesNotStallSettlement: a row whose data the
+// store refuses is written again at once, not after the database backoff
+// (RetryDelay: 100 ms doubling) meant for a server that is down: the error
+// is the row's, so waiting changes nothing, and the path's one settle loop
+// would hold every decision queued behind the row — and with them the
+// acknowledgement and, at MaxUnsettled, the stream — for at least 6.3 s
+// (the six waits before it is given up) per refused row.
+func TestEngine_RowDataErrorDoesNotStallSettlement(t *testing.T) {
+	t.Parallel()
+	store := newFakeStore()
+	refused := make(chan struct{})
+	var once sync.Once
+	write := store.settleStream
+	store.settleStream = func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
+		for _, w := range works {
+			if w.Event.ID == 1 {
+				once.Do(func() { close(refused) })
+				return nil, fmt.Errorf("settle: ERROR: value too long (SQLSTATE 22001): %w", relay.ErrRowData)
+			}
+		}
+		return write(ctx, works, owner)
+	}
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}})
+	c := e.Stream()
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	<-refused
+	start := time.Now()
+	var batch []*relay.Event
+	for i := int64(2); i <= 5; i++ {
+		batch = append(batch, event(i, fmt.Sprint(i)))
+	}
+	submit(t, c, batch...)
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	// Without waits the refused row costs seven round trips; 3 s leaves
+	// room for a loaded machine and is half the shortest stall.
+	if took := time.Since(start); took > 3*time.Second {
+		t.Fatalf("events decided after a refused row settled %v later, want at once", took.Round(time.Millisecond))
+	}
+}
+
+// TestEngine_SubmitClaimedBatchLargerThanMaxUnsettled: a claim batch larger
+// than MaxUnsettled (source.batch_size above it) is taken a part at a time.
+// Before, the engine asked for room for the whole batch at once, more than
+// it ever has, and SubmitClaimed waited until its ctx ended: the claim path
+// stalled with the batch's rows locked.
+func TestEngine_SubmitClaimedBatchLargerThanMaxUnsettled(t *testing.T) {
+	const maxUnsettled, rows = 4, 10
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle}
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}},
+		LaneCapacity: 2, MaxUnsettled: maxUnsettled})
+	var works []*relay.Work
+	for i := int64(1); i <= rows; i++ {
+		works = append(works, claimWork(i, fmt.Sprint(i)))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if notTaken, err := e.SubmitClaimed(ctx, works); err != nil || len(notTaken) != 0 {
+		t.Fatalf("SubmitClaimed of %d rows with MaxUnsettled %d: %v, %d not taken", rows, maxUnsettled, err, len(notTaken))
+	}
+	if err := e.WaitPathSettled(ctx, relay.PathClaim); err != nil {
+		t.Fatal(err)
+	}
+	for i := int64(1); i <= rows; i++ {
+		if d, _ := rec.decision(i); d.Kind != relay.Done {
+			t.Fatalf("row %d settled as %+v, want done", i, d)
+		}
+	}
+}
+
+// TestEngine_MarkDoneForgetsRowsOnceMarked: a row whose mark-done found it
+// invisible is tried again, and forgotten once it is marked. Before, its
+// count of tries stayed in memory for good: one map entry per such row, for
+// as long as the relay ran.
+func TestEngine_MarkDoneForgetsRowsOnceMarked(t *testing.T) {
+	const rows = 20
+	store := newFakeStore()
+	for i := int64(1); i <= rows; i++ {
+		store.invisibleFor[i] = 2
+	}
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
+	c := e.Stream()
+	for i := int64(1); i <= rows; i++ {
+		submit(t, c, event(i, fmt.Sprint(i)))
+	}
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	waitFor(t, "rows marked done", func() bool {
+		store.mu.Lock()
+		defer store.mu.Unlock()
+		return len(store.done) == rows
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := e.Drain(ctx); err != nil { // one more flush: the queue is empty
+		t.Fatal(err)
+	}
+	if n := e.MarkRetries(); n != 0 {
+		t.Fatalf("the mark-done queue still counts tries of %d rows, all marked done", n)
+	}
+}
