@@ -720,3 +720,43 @@ func TestEngine_MarkDoneForgetsRowsOnceMarked(t *testing.T) {
 		t.Fatalf("the mark-done queue still counts tries of %d rows, all marked done", n)
 	}
 }
+
+// TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder: an event of an
+// aggregate that goes to the claim path as it enters its lane (the sink's
+// circuit is open) must not disturb the aggregate's event already in flight:
+// a claimed row of that aggregate arriving later still waits behind it.
+func TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder(t *testing.T) {
+	store := newFakeStore()
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle}
+	release := make(chan struct{})
+	var down atomic.Bool
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		switch {
+		case d.Event.ID == 1:
+			<-release
+		case d.Event.ID == 2 && !down.Swap(true):
+			return relay.SinkDownError(errors.New("down"), 300*time.Millisecond)
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}},
+		Policy: relay.Policy{Backoff: []time.Duration{time.Hour}}})
+	c := e.Stream()
+	submit(t, c, event(1, "a"))
+	waitFor(t, "event 1 in flight", func() bool { return slices.Contains(sink.sentIDs(), 1) })
+	submit(t, c, event(2, "b")) // opens the circuit
+	waitFor(t, "the circuit open", func() bool { return slices.Contains(sink.sentIDs(), 2) })
+	submit(t, c, event(3, "a")) // handed off as it enters: the circuit is open
+	c.Commit(100)
+	time.Sleep(400 * time.Millisecond) // the circuit closes
+	if _, err := e.SubmitClaimed(context.Background(), []*relay.Work{claimWork(11, "a")}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if slices.Contains(sink.sentIDs(), 11) {
+		t.Fatalf("claimed row 11 of aggregate a was sent while event 1 of it was in flight (sent %v)", sink.sentIDs())
+	}
+	close(release)
+	waitFor(t, "row 11 settled", func() bool { _, ok := rec.decision(11); return ok })
+}

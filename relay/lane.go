@@ -43,6 +43,9 @@ type task struct {
 	w       *Work
 	p       *Pair
 	l       *lane
+	// owns: t is its aggregate's pair in flight in this lane (busy[agg]
+	// is its queue); only its completion moves the queue on.
+	owns    bool
 	tries   int    // sends made in this pass; the attempt header counts them
 	counted int    // failed attempts of this pass that count
 	last    string // the last failure
@@ -108,6 +111,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 			return
 		}
 		l.busy[agg] = &aggQueue{}
+		t.owns = true
 	}
 	l.mu.Unlock()
 	l.ready <- t
@@ -276,10 +280,11 @@ func (l *lane) retryOutcome(t *task, retryAfter time.Duration) Outcome {
 }
 
 // complete records the pair's outcome. held says whether t holds a slot of
-// the lane: then the slot is freed and the next pair of the aggregate goes
-// out, unless the outcome leaves the event with the claim path: then the
-// aggregate is diverted at once and the pairs waiting behind it follow it,
-// so none overtakes it.
+// the lane: then the slot is freed. When t is its aggregate's pair in
+// flight, the next pair of the aggregate goes out, unless the outcome
+// leaves the event with the claim path: then the pairs waiting behind it
+// follow it, so none overtakes it. A hand-off decision diverts the
+// aggregate at once.
 func (l *lane) complete(t *task, o Outcome, held bool) {
 	ev := t.w.Event
 	var next *task
@@ -291,7 +296,8 @@ func (l *lane) complete(t *task, o Outcome, held bool) {
 			l.diverted[agg] = l.e.divertSeq.Add(1)
 			l.unwritten[agg]++
 		}
-		if held {
+		if t.owns {
+			t.owns = false
 			q := l.busy[agg]
 			switch {
 			case q == nil:
@@ -315,6 +321,7 @@ func (l *lane) complete(t *task, o Outcome, held bool) {
 		l.complete(f, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is with the claim path", Until: time.Now(), Why: "ordering"}, true)
 	}
 	if next != nil {
+		next.owns = true
 		l.ready <- next
 	}
 }
