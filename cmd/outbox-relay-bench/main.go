@@ -60,40 +60,46 @@ import (
 
 // options are the command-line flags.
 type options struct {
-	relayBin       string
-	natsServer     string
-	n              int
-	ceilingRuns    int
-	drainRuns      int
-	rate           float64
-	duration       time.Duration
-	warmup         time.Duration
-	pollerDuration time.Duration
-	pollerInterval time.Duration
-	queued         int
-	bigTx          int
-	aggregates     int
-	payloadSize    int
-	drainBatch     int
-	writers        int
-	rssWebhook     bool
-	quiet          float64
-	quietWait      time.Duration
-	quick          bool
-	phases         string
-	keep           bool
+	relayBin          string
+	natsServer        string
+	n                 int
+	backlog           int
+	writeBackN        int
+	writeBackDuration time.Duration
+	ceilingRuns       int
+	drainRuns         int
+	rate              float64
+	duration          time.Duration
+	warmup            time.Duration
+	pollerDuration    time.Duration
+	pollerInterval    time.Duration
+	queued            int
+	bigTx             int
+	aggregates        int
+	payloadSize       int
+	drainBatch        int
+	writers           int
+	rssWebhook        bool
+	quiet             float64
+	quietWait         time.Duration
+	quick             bool
+	phases            string
+	keep              bool
 }
 
 // quickValues are the sizes -quick uses for flags not given explicitly.
 var quickValues = map[string]string{
-	"n":               "20000",
-	"duration":        "10s",
-	"warmup":          "1s",
-	"poller-duration": "10s",
-	"queued":          "100000",
-	"bigtx":           "20000",
-	"quiet-wait":      "2s",
-	"drain-runs":      "1",
+	"n":                  "20000",
+	"duration":           "10s",
+	"warmup":             "1s",
+	"poller-duration":    "10s",
+	"queued":             "100000",
+	"bigtx":              "20000",
+	"quiet-wait":         "2s",
+	"drain-runs":         "1",
+	"backlog":            "20000",
+	"writeback-n":        "10000",
+	"writeback-duration": "5s",
 }
 
 func main() {
@@ -102,6 +108,9 @@ func main() {
 	fs.StringVar(&o.relayBin, "relay", "", "path to the outbox-relay binary (default: bin/outbox-relay)")
 	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
 	fs.IntVar(&o.n, "n", 200000, "rows for the drain phases (ceiling, drain-js, drain-js-nomark, drain-both)")
+	fs.IntVar(&o.backlog, "backlog", 200000, "events queued before steady-after-drain starts the relay")
+	fs.IntVar(&o.writeBackN, "writeback-n", 50000, "events queued for the write-back phase's drain window")
+	fs.DurationVar(&o.writeBackDuration, "writeback-duration", 30*time.Second, "the write-back phase's steady window (at -rate)")
 	fs.IntVar(&o.ceilingRuns, "ceiling-runs", 3, "pg_recvlogical drains of the same rows (the median is the ceiling)")
 	fs.IntVar(&o.drainRuns, "drain-runs", 3, "relay drains per drain phase, each on fresh rows (the median is reported; this shared VM varies by ±30% from one run to the next)")
 	fs.Float64Var(&o.rate, "rate", 1000, "steady load in events/s")
@@ -161,8 +170,8 @@ func (o *options) validate() error {
 	}
 	o.relayBin = bin
 	switch {
-	case o.n <= 0 || o.queued <= 0 || o.bigTx <= 0:
-		return fmt.Errorf("-n, -queued and -bigtx must be positive")
+	case o.n <= 0 || o.queued <= 0 || o.bigTx <= 0 || o.backlog <= 0 || o.writeBackN <= 0 || o.writeBackDuration <= 0:
+		return fmt.Errorf("-n, -queued, -bigtx, -backlog, -writeback-n and -writeback-duration must be positive")
 	case o.rate <= 0 || o.duration <= 0 || o.pollerDuration <= 0 || o.pollerInterval <= 0:
 		return fmt.Errorf("-rate, -duration, -poller-duration and -poller-interval must be positive")
 	case o.aggregates <= 0 || o.writers <= 0 || o.drainBatch <= 0:
