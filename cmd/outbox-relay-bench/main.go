@@ -39,8 +39,9 @@
 //	            both sinks on, in two windows: a drain of -writeback-n queued
 //	            events, then -rate events/s for -writeback-duration. WAL by
 //	            kind (outbox UPDATE, ledger, checkpoint, commits, full-page
-//	            images, outbox prune/vacuum, other), from pg_waldump over the
-//	            window with the application's INSERT transactions subtracted;
+//	            images, outbox prune/vacuum, other) and by resource manager,
+//	            from pg_waldump over the window with the application's INSERT
+//	            transactions subtracted;
 //	            PostgreSQL CPU by process (the relay's query connections, its
 //	            walsender, the application's, the server's), from /proc for
 //	            every process of pg_stat_activity; the relay's statements'

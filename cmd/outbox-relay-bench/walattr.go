@@ -139,6 +139,9 @@ type walAttribution struct {
 	app     int64 // the application's own outbox INSERT transactions (subtracted)
 	appXids int
 	kinds   [walKinds]int64
+	// byRmgr is the same bytes (everything but the application's) by
+	// resource manager, page images included.
+	byRmgr map[string]int64
 	// relayXids are transactions that wrote the relay's tables or updated
 	// the outbox.
 	relayXids int
@@ -194,7 +197,7 @@ func cleanupRecord(r walRecord) bool {
 // commit records of transactions that wrote them to commits, and all else
 // to other.
 func attributeWAL(records []walRecord, db uint32, rels map[uint32]relGroup) walAttribution {
-	var a walAttribution
+	a := walAttribution{byRmgr: map[string]int64{}}
 	group := func(r walRecord) relGroup {
 		if r.rel == 0 || r.db != db {
 			return relOther
@@ -228,6 +231,7 @@ func attributeWAL(records []walRecord, db uint32, rels map[uint32]relGroup) walA
 			a.app += size
 			continue
 		}
+		a.byRmgr[r.rmgr] += size
 		fpi := int64(r.tot - r.rec)
 		body := size - fpi
 		g := group(r)

@@ -66,6 +66,13 @@ func TestAttributeWAL_Sample(t *testing.T) {
 	if a.app != app || a.appXids != 3 || a.relayXids != 4 {
 		t.Errorf("application %d bytes in %d transactions, relay %d transactions; want %d in 3, 4", a.app, a.appXids, a.relayXids, app)
 	}
+	var byRmgr int64
+	for _, v := range a.byRmgr {
+		byRmgr += v
+	}
+	if byRmgr != a.relay() || a.byRmgr["Transaction"] != 4*48+376+80 {
+		t.Errorf("by resource manager %v: sum %d, want %d; Transaction %d, want %d", a.byRmgr, byRmgr, a.relay(), a.byRmgr["Transaction"], 4*48+376+80)
+	}
 	if a.app+a.relay() != a.aligned {
 		t.Errorf("application %d + relay %d != %d in all", a.app, a.relay(), a.aligned)
 	}

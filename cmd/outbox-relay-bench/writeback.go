@@ -1,8 +1,11 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"maps"
+	"slices"
 	"strings"
 	"time"
 
@@ -393,13 +396,19 @@ func addWriteBack(r *report, e *env, phase, label string, res writeBackResult, s
 	for k := range walKinds {
 		parts = append(parts, walKindNames[k]+" "+fmtBytes(per(a.kinds[k])))
 	}
+	rmgrs := slices.Sorted(maps.Keys(a.byRmgr))
+	slices.SortStableFunc(rmgrs, func(x, y string) int { return cmp.Compare(a.byRmgr[y], a.byRmgr[x]) })
+	byRmgr := make([]string, 0, len(rmgrs))
+	for _, m := range rmgrs {
+		byRmgr = append(byRmgr, m+" "+fmtBytes(per(a.byRmgr[m])))
+	}
 	headers := max(res.delta-a.aligned, 0)
 	txPerEvent := "—"
 	if a.relayXids > 0 {
 		txPerEvent = fmt.Sprintf("%.1f", n/float64(a.relayXids))
 	}
-	value := fmt.Sprintf("%s B (%s). Not counted: the application's own INSERTs %s B/event (%s transactions), page headers %s B/event. Window: %.1f MB of WAL, %s records; the relay wrote in %s transactions (%s events each)",
-		fmtBytes(total), strings.Join(parts, ", "), fmtBytes(per(a.app)), thousands(a.appXids), fmtBytes(per(headers)), float64(res.delta)/1e6,
+	value := fmt.Sprintf("%s B (%s; by resource manager: %s). Not counted: the application's own INSERTs %s B/event (%s transactions), page headers %s B/event. Window: %.1f MB of WAL, %s records; the relay wrote in %s transactions (%s events each)",
+		fmtBytes(total), strings.Join(parts, ", "), strings.Join(byRmgr, ", "), fmtBytes(per(a.app)), thousands(a.appXids), fmtBytes(per(headers)), float64(res.delta)/1e6,
 		thousands(res.records), thousands(a.relayXids), txPerEvent)
 	if res.note != "" {
 		value += "; " + res.note
