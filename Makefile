@@ -123,9 +123,16 @@ clean:
 	rm -rf $(BIN) data
 
 ## bench: the SPEC §6 benchmark in one run (cmd/outbox-relay-bench): a private
-## PostgreSQL, an external nats-server process and a webhook receiver; prints a
-## markdown table. ARGS=-quick uses small sizes and takes under two minutes
-## (what CI can run: it reports, it does not assert); ARGS=-h lists the flags.
+## PostgreSQL (with pg_stat_statements preloaded when installed), an external
+## nats-server process and a webhook receiver; prints a markdown table. Besides
+## drains and steady load it measures latency from the moment a backlog is
+## drained (steady-after-drain), what the relay writes to the primary per event
+## (write-back: WAL by kind via pg_waldump, PostgreSQL CPU by process) and, in
+## every steady phase, a bare pglogrepl client beside the relay (the floor).
+## ARGS=-quick uses small sizes and takes about three minutes (what CI can run:
+## it reports, it does not assert); ARGS=-h lists the flags and
+## ARGS='-phases write-back' runs one phase. The full run takes the machine
+## for over ten minutes.
 ARGS ?=
 bench: build
 	$(GO) run ./cmd/outbox-relay-bench --relay $(BIN)/outbox-relay $(ARGS)

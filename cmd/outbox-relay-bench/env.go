@@ -34,6 +34,9 @@ type env struct {
 	out   io.Writer // progress lines
 	bin   string    // PostgreSQL binaries (pg_config --bindir)
 	pgVer string
+	// pgss: the cluster preloads pg_stat_statements (tracking nothing
+	// unless a database turns it on: only the write-back phase's does).
+	pgss bool
 
 	cluster *pgtest.Cluster
 	nats    *harness.NATSServer
@@ -73,8 +76,16 @@ func setUp(ctx context.Context, o options, out io.Writer) (*env, error) {
 		return nil, fmt.Errorf("pg_config --bindir: %w", err)
 	}
 
-	e.say("starting a private PostgreSQL cluster (wal_level=logical, fsync=on)")
-	e.cluster, err = pgtest.StartCluster(ctx, pgtest.Options{})
+	settings := map[string]string{}
+	if lib, err := exec.Command("pg_config", "--pkglibdir").Output(); err == nil {
+		if _, err := os.Stat(filepath.Join(strings.TrimSpace(string(lib)), "pg_stat_statements.so")); err == nil {
+			e.pgss = true
+			settings["shared_preload_libraries"] = "pg_stat_statements"
+			settings["pg_stat_statements.track"] = "none"
+		}
+	}
+	e.say("starting a private PostgreSQL cluster (wal_level=logical, fsync=on; pg_stat_statements loaded: %v)", e.pgss)
+	e.cluster, err = pgtest.StartCluster(ctx, pgtest.Options{Settings: settings})
 	if err != nil {
 		return nil, err
 	}
@@ -83,6 +94,9 @@ func setUp(ctx context.Context, o options, out io.Writer) (*env, error) {
 		return nil, err
 	}
 	err = conn.QueryRow(ctx, "SELECT version()").Scan(&e.pgVer)
+	if err == nil && e.pgss {
+		_, err = conn.Exec(ctx, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+	}
 	conn.Close(ctx)
 	if err != nil {
 		return nil, err

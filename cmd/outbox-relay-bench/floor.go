@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -12,10 +13,11 @@ import (
 )
 
 // phaseFloor measures commit→decode latency of a bare pglogrepl client under
-// the steady load: the floor any relay on this machine, in this run, can
-// reach (SPEC §6 reference: p50 0.65 ms, p99 1.4 ms on a quiet machine).
+// the steady load, without the relay: the floor any relay on this machine,
+// in this run, can reach (SPEC §6 reference: p50 0.65 ms, p99 1.4 ms on a
+// quiet machine). The steady phases run the same client beside the relay.
 func phaseFloor(ctx context.Context, e *env, r *report) error {
-	const phase, db, slot = "floor", "bench_floor", "bench_floor"
+	const phase, db = "floor", "bench_floor"
 	url, err := e.newDatabase(ctx, db)
 	if err != nil {
 		return err
@@ -23,42 +25,83 @@ func phaseFloor(ctx context.Context, e *env, r *report) error {
 	defer e.dropDatabase(db)
 	d := min(e.o.duration/2, 10*time.Second)
 	t := newTracker("fl-", int(e.o.rate*d.Seconds()))
-	conn, err := pgconn.Connect(ctx, url+"&replication=database")
+	f, err := e.startFloor(ctx, url, "bench_floor", t)
 	if err != nil {
 		return err
 	}
-	defer conn.Close(context.Background())
-	if _, err := pglogrepl.CreateReplicationSlot(ctx, conn, slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{Temporary: true}); err != nil {
-		return fmt.Errorf("create slot: %w", err)
-	}
-	if err := pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
-		PluginArgs: []string{"proto_version '1'", "publication_names 'outbox_relay'"}}); err != nil {
-		return fmt.Errorf("start replication: %w", err)
-	}
-	cctx, stop := context.WithCancel(ctx)
-	defer stop()
-	done := make(chan error, 1)
-	go func() { done <- e.consumeFloor(cctx, conn, t) }()
-	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, nats: true, warmup: true,
+	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, floor: true, warmup: true,
 		duration: d, settle: 10 * time.Second})
-	stop()
-	if cerr := <-done; err == nil && cerr != nil {
-		err = fmt.Errorf("pglogrepl client: %w", cerr)
+	if ferr := f.close(); err == nil && ferr != nil {
+		err = ferr
 	}
 	if err != nil {
 		return err
 	}
 	r.add(phase, "load (bare pglogrepl client, pgoutput: the machine's floor)",
 		fmt.Sprintf("%s events/s × %.0f s: %s committed (INSERT+COMMIT p50 %s, p99 %s), %s decoded", thousands(int(e.o.rate)), o.load.elapsed.Seconds(),
-			thousands(o.load.sent), fmtMS(percentile(o.load.commitMS, 0.5)), fmtMS(percentile(o.load.commitMS, 0.99)), thousands(len(o.nats))), "", "info", o.usage)
+			thousands(o.load.sent), fmtMS(percentile(o.load.commitMS, 0.5)), fmtMS(percentile(o.load.commitMS, 0.99)), thousands(len(o.floor))), "", "info", o.usage)
 	for _, q := range []struct {
 		label, ref string
 		p          float64
 	}{{"p50", "reference 0.65 ms", 0.5}, {"p99", "reference 1.4 ms", 0.99}, {"p99.9", "—", 0.999}} {
-		r.add(phase, "commit→decode "+q.label, fmtMS(percentile(o.nats, q.p)), q.ref, "floor", o.usage)
+		r.add(phase, "commit→decode "+q.label, fmtMS(percentile(o.floor, q.p)), q.ref, "floor", o.usage)
 	}
 	r.addCPU(phase, o.usage, "")
 	return nil
+}
+
+// floorClient is a bare pglogrepl client on a temporary slot of its own: it
+// decodes pgoutput and records when each event of its tracker is decoded
+// (tracker.floor). Its walsender's application_name starts with
+// benchAppName.
+type floorClient struct {
+	conn   *pgconn.PgConn
+	cancel context.CancelFunc
+	done   chan error
+
+	once sync.Once
+	err  error
+}
+
+// startFloor creates the temporary slot (it streams what is committed
+// from now on) and starts consuming it.
+func (e *env) startFloor(ctx context.Context, url, slot string, t *tracker) (*floorClient, error) {
+	cfg, err := pgconn.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.RuntimeParams["replication"] = "database"
+	cfg.RuntimeParams["application_name"] = benchAppName + " floor"
+	conn, err := pgconn.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := pglogrepl.CreateReplicationSlot(ctx, conn, slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{Temporary: true}); err != nil {
+		conn.Close(context.Background())
+		return nil, fmt.Errorf("create slot %s: %w", slot, err)
+	}
+	if err := pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
+		PluginArgs: []string{"proto_version '1'", "publication_names 'outbox_relay'"}}); err != nil {
+		conn.Close(context.Background())
+		return nil, fmt.Errorf("start replication on %s: %w", slot, err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	f := &floorClient{conn: conn, cancel: cancel, done: make(chan error, 1)}
+	go func() { f.done <- e.consumeFloor(cctx, conn, t) }()
+	return f, nil
+}
+
+// close stops the client, drops its slot (by closing the connection) and
+// returns what ended it, if not close. Safe to repeat.
+func (f *floorClient) close() error {
+	f.once.Do(func() {
+		f.cancel()
+		if err := <-f.done; err != nil {
+			f.err = fmt.Errorf("pglogrepl client: %w", err)
+		}
+		f.conn.Close(context.Background())
+	})
+	return f.err
 }
 
 // consumeFloor reads the stream, recording when each inserted event_key is
@@ -125,7 +168,7 @@ func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker)
 					}
 				case *pglogrepl.InsertMessage:
 					if i, ok := keyCol[lm.RelationID]; ok && lm.Tuple != nil && i < len(lm.Tuple.Columns) {
-						t.nats.record(t, string(lm.Tuple.Columns[i].Data), at)
+						t.floor.record(t, string(lm.Tuple.Columns[i].Data), at)
 					}
 				}
 			}

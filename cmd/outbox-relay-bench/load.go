@@ -49,6 +49,7 @@ func (e *env) bulkInsert(ctx context.Context, url, prefix string, n, perStmt, pa
 		return err
 	}
 	cfg.MaxConns = int32(parallel)
+	cfg.ConnConfig.RuntimeParams["application_name"] = benchAppName + " load"
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return err
@@ -162,6 +163,7 @@ func (e *env) newLoadPool(ctx context.Context, url string) (*pgxpool.Pool, error
 	}
 	cfg.MaxConns = int32(e.o.writers)
 	cfg.MinConns = int32(e.o.writers)
+	cfg.ConnConfig.RuntimeParams["application_name"] = benchAppName + " load"
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, err

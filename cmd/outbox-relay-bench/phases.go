@@ -22,7 +22,7 @@ import (
 )
 
 // allPhases are the phases in the order they run.
-var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady", "poller", "pollmode", "rss-queued", "rss-bigtx"}
+var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx"}
 
 func isPhase(p string) bool {
 	for _, q := range allPhases {
@@ -35,16 +35,18 @@ func isPhase(p string) bool {
 
 // phaseFuncs maps each phase to its function.
 var phaseFuncs = map[string]func(context.Context, *env, *report) error{
-	"ceiling":         phaseCeiling,
-	"drain-js":        func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "") },
-	"drain-js-nomark": func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "off") },
-	"drain-both":      func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, true, "") },
-	"floor":           phaseFloor,
-	"steady":          phaseSteady,
-	"poller":          phasePoller,
-	"pollmode":        phasePollMode,
-	"rss-queued":      func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, false) },
-	"rss-bigtx":       func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
+	"ceiling":            phaseCeiling,
+	"drain-js":           func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "") },
+	"drain-js-nomark":    func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "off") },
+	"drain-both":         func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, true, "") },
+	"floor":              phaseFloor,
+	"steady":             phaseSteady,
+	"steady-after-drain": phaseSteadyAfterDrain,
+	"write-back":         phaseWriteBack,
+	"poller":             phasePoller,
+	"pollmode":           phasePollMode,
+	"rss-queued":         func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, false) },
+	"rss-bigtx":          func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
 }
 
 // quiet waits for a quiet machine before a measured window and says so.
@@ -331,11 +333,11 @@ func cpuPerEvent(u cpuUsage, n int) string {
 
 // loadOutcome is what a paced load measured.
 type loadOutcome struct {
-	load                     loadResult
-	nats, hook               []float64 // sorted latencies, ms
-	natsMissing, hookMissing int
-	usage                    cpuUsage
-	peak                     int64
+	load                                   loadResult
+	nats, hook, floor                      []float64 // sorted latencies, ms
+	natsMissing, hookMissing, floorMissing int
+	usage                                  cpuUsage
+	peak                                   int64
 }
 
 // loadPlan describes a paced load to measure.
@@ -346,6 +348,7 @@ type loadPlan struct {
 	relay    *harness.Relay // nil: no relay (the seed poller)
 	nats     bool           // wait for and report t.nats arrivals
 	hook     bool           // wait for and report webhook arrivals
+	floor    bool           // wait for and report the bare client's decodes
 	warmup   bool
 	onStart  func() // called right before the measured load
 	duration time.Duration
@@ -355,21 +358,27 @@ type loadPlan struct {
 // measureLoad runs a warm-up (unmeasured) and then the measured load, waits
 // for the deliveries and computes the latencies.
 func (e *env) measureLoad(ctx context.Context, r *report, p loadPlan) (loadOutcome, error) {
-	var out loadOutcome
 	pool, err := e.newLoadPool(ctx, p.url)
 	if err != nil {
-		return out, err
+		return loadOutcome{}, err
 	}
 	defer pool.Close()
 	if err := e.quiet(ctx, p.name, r, e.roots(p.relay)); err != nil {
-		return out, err
+		return loadOutcome{}, err
 	}
 	if p.warmup && e.o.warmup > 0 {
 		e.say("%s: warm-up, %.0f events/s for %s", p.name, e.o.rate, e.o.warmup)
 		if _, err := e.runLoad(ctx, pool, p.name+"-warmup-", nil, e.o.rate, e.o.warmup); err != nil {
-			return out, err
+			return loadOutcome{}, err
 		}
 	}
+	return e.loadWindow(ctx, pool, p)
+}
+
+// loadWindow runs the measured load on pool at once (no quiet wait, no
+// warm-up), waits for the deliveries and computes the latencies.
+func (e *env) loadWindow(ctx context.Context, pool *pgxpool.Pool, p loadPlan) (loadOutcome, error) {
+	var out loadOutcome
 	var rss *rssSampler
 	if p.relay != nil {
 		rss = sampleRSS(p.relay.Pid())
@@ -379,6 +388,7 @@ func (e *env) measureLoad(ctx context.Context, r *report, p loadPlan) (loadOutco
 		p.onStart()
 	}
 	meter := startCPU(e.roots(p.relay))
+	var err error
 	out.load, err = e.runLoad(ctx, pool, "", p.t, e.o.rate, p.duration)
 	if err != nil {
 		return out, err
@@ -386,7 +396,7 @@ func (e *env) measureLoad(ctx context.Context, r *report, p loadPlan) (loadOutco
 	deadline := time.Now().Add(p.settle)
 	want := int64(out.load.sent)
 	for time.Now().Before(deadline) {
-		if (!p.hook || p.t.hook.unique.Load() >= want) && (!p.nats || p.t.nats.unique.Load() >= want) {
+		if (!p.hook || p.t.hook.unique.Load() >= want) && (!p.nats || p.t.nats.unique.Load() >= want) && (!p.floor || p.t.floor.unique.Load() >= want) {
 			break
 		}
 		if p.relay != nil && p.relay.Exited() {
@@ -408,6 +418,9 @@ func (e *env) measureLoad(ctx context.Context, r *report, p loadPlan) (loadOutco
 	if p.nats {
 		out.nats, out.natsMissing = p.t.latencies(&p.t.nats)
 	}
+	if p.floor {
+		out.floor, out.floorMissing = p.t.latencies(&p.t.floor)
+	}
 	return out, nil
 }
 
@@ -427,16 +440,16 @@ func loadSummary(e *env, o loadOutcome, nats bool) string {
 	return s
 }
 
-// addLatencies adds p50/p99/p99.9 rows for one destination.
+// addLatencies adds p50/p95/p99/p99.9 rows for one destination.
 func addLatencies(r *report, phase, what string, ms []float64, missing int, u cpuUsage, targets bool) {
 	for _, q := range []struct {
 		label  string
 		p      float64
-		target float64
-	}{{"p50", 0.50, 3}, {"p99", 0.99, 10}, {"p99.9", 0.999, 25}} {
+		target float64 // 0: none
+	}{{"p50", 0.50, 3}, {"p95", 0.95, 0}, {"p99", 0.99, 10}, {"p99.9", 0.999, 25}} {
 		v := percentile(ms, q.p)
 		target, verdict := "—", "info"
-		if targets {
+		if targets && q.target > 0 {
 			target = fmt.Sprintf("< %.0f ms", q.target)
 			verdict = passMiss(v < q.target && missing == 0)
 		}
@@ -445,6 +458,47 @@ func addLatencies(r *report, phase, what string, ms []float64, missing int, u cp
 	if missing > 0 {
 		r.add(phase, what+": not delivered by the end", thousands(missing), "0", passMiss(false), u)
 	}
+}
+
+// addFloor adds the bare pglogrepl client's latency over the same events
+// in the same window, and the relay's p99 against it.
+func addFloor(r *report, phase string, o loadOutcome) {
+	r.method(floorMethod)
+	fp50, fp99 := percentile(o.floor, 0.5), percentile(o.floor, 0.99)
+	value := fmt.Sprintf("%s / %s / %s (%s of %s decoded)", fmtMS(fp50), fmtMS(fp99), fmtMS(percentile(o.floor, 0.999)),
+		thousands(len(o.floor)), thousands(len(o.floor)+o.floorMissing))
+	r.add(phase, "floor: bare pglogrepl client beside the relay (own slot, same events) commit→decode p50 / p99 / p99.9", value, "—", "floor", o.usage)
+	for _, d := range []struct {
+		what string
+		ms   []float64
+	}{{"NATS", o.nats}, {"webhook", o.hook}} {
+		ratio := percentile(d.ms, 0.99) / fp99
+		r.add(phase, "p99 ÷ floor p99, "+d.what, fmt.Sprintf("%.1f×", ratio), "≤ 2×", passMiss(ratio <= 2), o.usage)
+	}
+}
+
+// floorMethod says why the floor runs beside the relay.
+const floorMethod = "Floor in the steady phases: a bare pglogrepl client (pgoutput, no sinks, no ledger) runs beside the relay on a temporary slot of its own in the same database " +
+	"and records when it decodes each of the same events, in the same window. On this shared VM the machine changes from one minute to the next, so a floor " +
+	"measured in another window (the floor phase) compares two different machines; beside the relay it sees the same load, the same checkpoints and the same " +
+	"neighbours. The price is a second walsender decoding the same WAL and the client's own decoding (the ceiling phase puts the walsender at about 12 µs of " +
+	"CPU per row: about 2% of a core at 1,000 events/s, plus the client), which the relay shares. The ratio rows compare the relay's p99 with this floor's."
+
+// addCPUPerEvent adds the CPU each process tree spent per event of a
+// steady window; the relay's against its target at 1,000 events/s.
+func addCPUPerEvent(r *report, e *env, phase string, o loadOutcome) {
+	n := o.load.sent
+	if n <= 0 || o.usage.wall <= 0 {
+		return
+	}
+	per := func(cores float64) float64 { return cores * o.usage.wall.Seconds() / float64(n) * 1e6 }
+	relay := per(o.usage.groups["relay"])
+	target, verdict := "≤ 120 µs at 1,000 events/s", passMiss(relay <= 120)
+	if e.o.rate != 1000 {
+		verdict = "info (target is for 1,000 events/s)"
+	}
+	r.add(phase, "CPU per event: relay", fmt.Sprintf("%.0f µs (PostgreSQL %.0f µs, nats-server %.0f µs, the benchmark's load, receiver, subscriber and floor client %.0f µs)",
+		relay, per(o.usage.groups["postgres"]), per(o.usage.groups["nats"]), per(o.usage.groups["bench"])), target, verdict, o.usage)
 }
 
 // phaseSteady measures commit→delivery latency at -rate events/s.
@@ -481,13 +535,18 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 		return err
 	}
 	defer sub.Unsubscribe()
+	f, err := e.startFloor(ctx, url, "bench_floor_steady", t)
+	if err != nil {
+		return err
+	}
+	defer f.close()
 	// The relay's decode_latency_seconds (PostgreSQL's commit timestamp →
 	// the event decoded in the engine, before any sink), scraped around the
 	// measured load, tells what the database and the walsender add to the
 	// tail from what the relay and the sinks add.
 	metrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
 	var before, senderBefore histogram
-	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, warmup: true,
+	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, floor: true, warmup: true,
 		duration: e.o.duration, settle: 30 * time.Second, onStart: func() {
 			var err error
 			if before, err = scrapeHistogram(ctx, metrics, decodeLatency); err != nil {
@@ -504,6 +563,8 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	r.add(phase, "load (relay: replication, JetStream + webhook)", loadSummary(e, o, true), "", "info", o.usage)
 	addLatencies(r, phase, "commit→NATS arrival", o.nats, o.natsMissing, o.usage, true)
 	addLatencies(r, phase, "commit→webhook 2xx", o.hook, o.hookMissing, o.usage, true)
+	addFloor(r, phase, o)
+	addCPUPerEvent(r, e, phase, o)
 	after, err := scrapeHistogram(ctx, metrics, decodeLatency)
 	senderAfter, err2 := scrapeHistogram(ctx, metrics, walSenderLag)
 	if err != nil || err2 != nil || before == nil || senderBefore == nil {
@@ -513,6 +574,9 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	}
 	r.addCPU(phase, o.usage, "")
 	r.relayHookP50 = percentile(o.hook, 0.5)
+	if err := f.close(); err != nil {
+		e.say("warning: %v", err)
+	}
 	if err := rp.Stop(30 * time.Second); err != nil {
 		e.say("warning: %v", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -20,6 +21,8 @@ type report struct {
 	rows  []resultRow
 	cpu   []cpuRow
 	notes []string
+	// methods say how a phase measures what its rows show, once each.
+	methods []string
 
 	ceiling      float64 // pg_recvlogical rows/s
 	drainJS      float64 // relay events/s into JetStream
@@ -45,6 +48,13 @@ func (r *report) add(phase, metric, value, target, verdict string, u cpuUsage) {
 		others = fmt.Sprintf("%.2f cores (%.0f%%)", u.others, 100*u.others/float64(runtime.NumCPU()))
 	}
 	r.rows = append(r.rows, resultRow{phase, metric, value, target, verdict, others})
+}
+
+// method adds a paragraph on how something was measured, once.
+func (r *report) method(text string) {
+	if !slices.Contains(r.methods, text) {
+		r.methods = append(r.methods, text)
+	}
 }
 
 // addCPU appends a phase's CPU breakdown.
@@ -109,7 +119,7 @@ func (r *report) print(w io.Writer, e *env, args []string, load string, took tim
 	}
 	if len(r.cpu) > 0 {
 		fmt.Fprintf(w, "\nCPU during each measured window, in cores (1.00 = one CPU busy; this machine has %d):\n\n", runtime.NumCPU())
-		fmt.Fprintln(w, "| phase | window | relay | postgres | nats-server | pg_recvlogical | bench (load, receiver, subscriber) | kernel (threads, irq) | steal | other processes |")
+		fmt.Fprintln(w, "| phase | window | relay | postgres | nats-server | pg_recvlogical | bench (load, receiver, subscriber, floor client) | kernel (threads, irq) | steal | other processes |")
 		fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|")
 		for _, c := range r.cpu {
 			g := c.u.groups
@@ -126,6 +136,9 @@ func (r *report) print(w io.Writer, e *env, args []string, load string, took tim
 		fmt.Fprintf(w, "- %s\n", n)
 	}
 	fmt.Fprintln(w)
+	for _, m := range r.methods {
+		fmt.Fprintf(w, "%s\n\n", m)
+	}
 }
 
 // passMiss is a verdict.

@@ -17,6 +17,7 @@ type tracker struct {
 	commit []atomic.Int64
 	nats   arrivals
 	hook   arrivals
+	floor  arrivals // decoded by the bare pglogrepl client
 }
 
 // arrivals are the first arrival times of the events at one destination.
@@ -32,6 +33,7 @@ func newTracker(prefix string, n int) *tracker {
 		commit: make([]atomic.Int64, n),
 		nats:   arrivals{at: make([]atomic.Int64, n)},
 		hook:   arrivals{at: make([]atomic.Int64, n)},
+		floor:  arrivals{at: make([]atomic.Int64, n)},
 	}
 }
 
@@ -79,6 +81,27 @@ func (t *tracker) latencies(a *arrivals) (ms []float64, missing int) {
 	}
 	slices.Sort(ms)
 	return ms, missing
+}
+
+// latenciesWithin returns, sorted, arrival − commit in milliseconds of the
+// events committed within d of the first commit that have arrived.
+func (t *tracker) latenciesWithin(a *arrivals, d time.Duration) []float64 {
+	var first int64
+	for i := range t.commit {
+		if c := t.commit[i].Load(); c != 0 && (first == 0 || c < first) {
+			first = c
+		}
+	}
+	var ms []float64
+	for i := range t.commit {
+		c, at := t.commit[i].Load(), a.at[i].Load()
+		if c == 0 || at == 0 || c-first > int64(d) {
+			continue
+		}
+		ms = append(ms, float64(at-c)/float64(time.Millisecond))
+	}
+	slices.Sort(ms)
+	return ms
 }
 
 // percentile returns the p-th quantile (0 < p <= 1) of sorted values by the
