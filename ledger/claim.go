@@ -39,7 +39,8 @@ type claimOptions struct {
 }
 
 type claimStatements struct {
-	claim, claimReplays string
+	claim, claimReplays       string
+	claimAll, claimAllReplays string
 	hasReplays          string
 	ledgerPairs         string
 	claimPairs          string
@@ -70,14 +71,16 @@ func ownerAlive(owner string) string {
               AND k.classid = %d AND k.objid = hashtext(%s)::oid AND k.objsubid = 2)`, OwnerLockClass, owner)
 }
 
-func renderClaim(outbox, ledger string, opts claimOptions) claimStatements {
+func renderClaim(t tables, opts claimOptions) claimStatements {
+	outbox, ledger := t.outbox, t.ledger
 	// The ordering check: a row waits while a lower id of its aggregate is
 	// unsettled (pending, processing or held — failed and done rows never
-	// block), unless the ledger shows that row delivered to every sink it is
-	// routed to. Routing in SQL mirrors the engine's: $4 sink names, $5
-	// "takes every type", $6 the sink's globs as one regex (see
-	// globToRegex). The status list repeats the order index's predicate so
-	// the planner can use it.
+	// block, nor do rows the stream delivered, in the delivered record),
+	// unless the ledger shows that row delivered to every sink it is routed
+	// to. Routing in SQL mirrors the engine's: $4 sink names, $5 "takes
+	// every type", $6 the sink's globs as one regex (see globToRegex). The
+	// status list repeats the order index's predicate so the planner can
+	// use it.
 	ordering := fmt.Sprintf(`
        AND (o.aggregate_type IS NULL OR o.aggregate_id IS NULL OR NOT EXISTS (
             SELECT FROM %[1]s AS p
@@ -85,32 +88,38 @@ func renderClaim(outbox, ledger string, opts claimOptions) claimStatements {
                AND p.aggregate_id = o.aggregate_id
                AND p.id < o.id
                AND p.status IN ('pending', 'processing', 'held')
+               AND NOT (p.status = 'pending' AND p.handoff_at IS NULL AND %[3]s)
                AND EXISTS (
                    SELECT FROM unnest($4::text[], $5::bool[], $6::text[]) AS s(sink, every_type, re)
                     WHERE (s.every_type OR p.event_type ~ s.re)
                       AND NOT EXISTS (
                           SELECT FROM %[2]s AS l
                            WHERE l.event_key = p.event_key AND l.action = s.sink
-                             AND l.state = 'delivered'))))`, outbox, ledger)
+                             AND l.state = 'delivered'))))`, outbox, ledger, t.recorded("p"))
 	if opts.unordered {
 		ordering = "\n       AND $4::text[] IS NOT NULL AND $5::bool[] IS NOT NULL AND $6::text[] IS NOT NULL"
 	}
 
 	// River's JobGetAvailable shape: lock a batch of due rows, skipping rows
 	// another claimer (or a legacy poller) has locked, then mark them ours.
-	// $3 false takes only rows handed to the claim path (handoff_at set);
-	// true, in poll mode, every due row. The partial index (available_at,
-	// id) WHERE status = 'pending' serves the scan in order. payload::text
-	// is jsonb's text, byte for byte what the stream decodes. replays is
-	// the replays column where it exists.
-	claim := func(replays string) string {
+	// In replication mode ($3 false) only rows handed to the claim path,
+	// through their own partial index (available_at, id) WHERE status =
+	// 'pending' AND handoff_at IS NOT NULL; in poll mode every due row not
+	// in the delivered record, through (available_at, id) WHERE status =
+	// 'pending'. payload::text is jsonb's text, byte for byte what the
+	// stream decodes. replays is the replays column where it exists.
+	claim := func(all bool, replays string) string {
+		which := "\n       AND o.handoff_at IS NOT NULL"
+		if all {
+			which = "\n       AND NOT " + t.recorded("o")
+		}
 		return fmt.Sprintf(`
 WITH locked AS (
     SELECT o.id
       FROM %[1]s AS o
      WHERE o.status = 'pending'
-       AND o.available_at <= now()
-       AND ($3::bool OR o.handoff_at IS NOT NULL)%[2]s
+       AND o.available_at <= now()%[2]s
+       AND $3::bool IS NOT NULL%[3]s
      ORDER BY o.available_at, o.id
      LIMIT $1
        FOR UPDATE SKIP LOCKED)
@@ -119,12 +128,14 @@ UPDATE %[1]s AS o
   FROM locked
  WHERE o.id = locked.id
 RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,
-          o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s`, outbox, ordering, replays)
+          o.created_at, COALESCE(o.attempts, 0), o.available_at, %[4]s`, outbox, which, ordering, replays)
 	}
 
 	return claimStatements{
-		claim:        claim("0"),
-		claimReplays: claim("COALESCE(o.replays, 0)"),
+		claim:           claim(false, "0"),
+		claimReplays:    claim(false, "COALESCE(o.replays, 0)"),
+		claimAll:        claim(true, "0"),
+		claimAllReplays: claim(true, "COALESCE(o.replays, 0)"),
 		// Whether the outbox has the replays column (migration 006).
 		hasReplays: `SELECT EXISTS (SELECT FROM pg_attribute
                 WHERE attrelid = $1::text::regclass AND attname = 'replays' AND NOT attisdropped)`,
@@ -239,10 +250,10 @@ RETURNING o.id, stale.locked_by`, outbox, ownerAlive("o.locked_by")),
 		// created_at and available_at (a NULL available_at counts as
 		// created_at), so a scheduled row is not stuck before it is due.
 		stuck: fmt.Sprintf(`
-SELECT count(*), COALESCE(EXTRACT(EPOCH FROM max(now() - GREATEST(created_at, COALESCE(available_at, created_at)))), 0)::float8
-  FROM %s
- WHERE status = 'pending' AND handoff_at IS NULL
-   AND GREATEST(created_at, COALESCE(available_at, created_at)) < now() - $1::bigint * interval '1 millisecond'`, outbox),
+SELECT count(*), COALESCE(EXTRACT(EPOCH FROM max(now() - GREATEST(o.created_at, COALESCE(o.available_at, o.created_at)))), 0)::float8
+  FROM %s AS o
+ WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s
+   AND GREATEST(o.created_at, COALESCE(o.available_at, o.created_at)) < now() - $1::bigint * interval '1 millisecond'`, outbox, t.recorded("o")),
 
 		// A pending row with a NULL available_at (the column is nullable)
 		// is due: the claim query orders by available_at, so it is made
@@ -269,12 +280,12 @@ func (s *Store) routingArrays() (names []string, every []bool, regex []*string, 
 }
 
 // claimStatement returns the claim query for the table's shape (with or
-// without the replays column), looked up once.
-func (s *Store) claimStatement(ctx context.Context) (string, error) {
+// without the replays column, looked up once) and the mode.
+func (s *Store) claimStatement(ctx context.Context, all bool) (string, error) {
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
 	if s.claimSQL != "" {
-		return s.claimSQL, nil
+		return s.pickClaim(all), nil
 	}
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
 	defer cancel()
@@ -283,15 +294,26 @@ func (s *Store) claimStatement(ctx context.Context) (string, error) {
 		return "", fmt.Errorf("inspect %s: %w", s.outbox, err)
 	}
 	s.claimSQL = s.sql.claim.claim
-	if replays {
-		s.claimSQL = s.sql.claim.claimReplays
+	s.replays = replays
+	return s.pickClaim(all), nil
+}
+
+func (s *Store) pickClaim(all bool) string {
+	switch {
+	case all && s.replays:
+		return s.sql.claim.claimAllReplays
+	case all:
+		return s.sql.claim.claimAll
+	case s.replays:
+		return s.sql.claim.claimReplays
+	default:
+		return s.sql.claim.claim
 	}
-	return s.claimSQL, nil
 }
 
 // Claim implements relay.ClaimStore.
 func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, error) {
-	claimSQL, err := s.claimStatement(ctx)
+	claimSQL, err := s.claimStatement(ctx, q.All)
 	if err != nil {
 		return nil, err
 	}
@@ -405,7 +427,7 @@ func (s *Store) PrepareClaim(ctx context.Context, works []*relay.Work, owner str
 // SettleClaim implements relay.ClaimStore: one synchronous transaction and
 // one round trip, at most one statement per kind.
 func (s *Store) SettleClaim(ctx context.Context, works []*relay.Work, owner string) error {
-	r := split(works)
+	r := split(works, true)
 	st := s.sql.claim
 	var steps []step
 	if len(r.deliveredKeys) > 0 {

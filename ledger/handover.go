@@ -41,6 +41,11 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 	if snapshot == "" {
 		return 0, errors.New("mark rows for the claim path: empty snapshot name")
 	}
+	// Events the stream delivered whose ids wait for a checkpoint are
+	// recorded first: the marking below must see them as done.
+	if err := s.flushRecord(ctx); err != nil {
+		return 0, fmt.Errorf("mark rows for the claim path: %w", err)
+	}
 	// SET TRANSACTION SNAPSHOT takes no parameters. The simple protocol keeps
 	// this one-off text out of the connection's statement cache and makes it
 	// the transaction's first statement.

@@ -37,6 +37,9 @@ const maxIDsPerQuery = 10_000
 
 // Config names the tables and chooses the commit mode of the stream's writes.
 type Config struct {
+	// Delivered is the stream's record of delivery; empty: derived from
+	// Outbox (migrations.DeliveredTable).
+	Delivered relay.QualifiedName
 	// Outbox, Ledger and Checkpoint are the tables migrate created or
 	// adopted. A name left empty takes the default of SPEC §3
 	// (integration_outbox, integration_idempotency, relay_checkpoint).
@@ -64,7 +67,7 @@ type Sink struct {
 	Events []string
 }
 
-// DefaultConfig returns the table names of SPEC §3 with AsyncCommit on.
+// DefaultConfig returns the default table names with AsyncCommit on.
 func DefaultConfig() Config {
 	n := migrations.DefaultNames()
 	return Config{Outbox: n.Outbox, Ledger: n.Ledger, Checkpoint: n.Checkpoint, AsyncCommit: true}
@@ -79,10 +82,13 @@ type Store struct {
 	sql         statements
 	outbox      string // quoted, for the few statements built elsewhere
 	routes      []Sink
+	record      *record
+	tables      tables
 
 	// claimSQL is the claim query for the table's shape, chosen once.
 	claimMu  sync.Mutex
-	claimSQL string
+	claimSQL string // set once the shape is known
+	replays  bool
 }
 
 // statements is every SQL text the Store runs, rendered once with the
@@ -90,6 +96,8 @@ type Store struct {
 type statements struct {
 	stream streamStatements
 	claim  claimStatements
+
+	recordDelivered string
 
 	loadCheckpoint string
 	saveCheckpoint string
@@ -110,6 +118,13 @@ type statements struct {
 // names are quoted here, once, so no name is ever read as SQL.
 func New(pool *pgxpool.Pool, cfg Config) *Store {
 	def := DefaultConfig()
+	if cfg.Delivered.Name == "" {
+		outbox := cfg.Outbox
+		if outbox.Name == "" {
+			outbox = def.Outbox
+		}
+		cfg.Delivered = migrations.DeliveredTable(outbox)
+	}
 	if cfg.Outbox.Name == "" {
 		cfg.Outbox = def.Outbox
 	}
@@ -123,15 +138,34 @@ func New(pool *pgxpool.Pool, cfg Config) *Store {
 		outbox:      cfg.Outbox.Quoted(),
 		pool:        pool,
 		asyncCommit: cfg.AsyncCommit,
-		sql:         render(cfg.Outbox.Quoted(), cfg.Ledger.Quoted(), cfg.Checkpoint.Quoted(), claimOptions{unordered: cfg.Unordered}),
+		sql: render(tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted(),
+			delivered: cfg.Delivered.Quoted()}, claimOptions{unordered: cfg.Unordered}),
+		record: newRecord(),
+		tables: tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted(),
+			delivered: cfg.Delivered.Quoted()},
 		routes:      cfg.Sinks,
 	}
 }
 
-func render(outbox, ledger, checkpoint string, claim claimOptions) statements {
+// tables are the relay's tables, quoted.
+type tables struct {
+	outbox, ledger, checkpoint, delivered string
+}
+
+// recorded is the SQL condition "the row aliased o was delivered by the
+// stream": its id is in the delivered record.
+func (t tables) recorded(o string) string {
+	return fmt.Sprintf("EXISTS (SELECT FROM %s AS r WHERE r.id = %s.id)", t.delivered, o)
+}
+
+func render(t tables, claim claimOptions) statements {
+	outbox, ledger, checkpoint := t.outbox, t.ledger, t.checkpoint
 	return statements{
-		stream: renderStream(outbox, ledger),
-		claim:  renderClaim(outbox, ledger, claim),
+		stream: renderStream(t),
+		claim:  renderClaim(t, claim),
+
+		recordDelivered: fmt.Sprintf(`
+INSERT INTO %s (id) SELECT DISTINCT unnest($1::bigint[]) ON CONFLICT (id) DO NOTHING`, t.delivered),
 
 		loadCheckpoint: fmt.Sprintf(`SELECT confirmed_lsn::text FROM %s WHERE slot_name = $1`, checkpoint),
 
@@ -156,14 +190,15 @@ UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirme
 
 		// The rows pending in the new slot's snapshot: they become the
 		// claim path's, due now when they had no available_at.
+		// Rows the stream delivered (in the record) are done, not pending.
 		markForClaim: fmt.Sprintf(`
-UPDATE %s SET handoff_at = now(), available_at = COALESCE(available_at, now())
- WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
+UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
+ WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.recorded("o")),
 		pendingUnmarked: fmt.Sprintf(`
-SELECT id FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
+SELECT o.id FROM %s AS o WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.recorded("o")),
 		markForClaimByID: fmt.Sprintf(`
-UPDATE %s SET handoff_at = now(), available_at = COALESCE(available_at, now())
- WHERE id = ANY($1::bigint[]) AND status = 'pending' AND handoff_at IS NULL`, outbox),
+UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
+ WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.recorded("o")),
 
 		// $1 holds distinct sink names, so the count equals its cardinality
 		// exactly when every one of them is delivered. One id range at a
@@ -176,11 +211,12 @@ SELECT min(id), max(id) FROM %s WHERE status = 'pending' AND handoff_at IS NULL`
 WITH c AS (
 SELECT o.id FROM %s AS o
  WHERE o.id > $2 AND o.id <= $3 AND o.status = 'pending' AND o.handoff_at IS NULL
-   AND (SELECT count(*) FROM %s AS l
-         WHERE l.event_key = o.event_key AND l.action = ANY($1::text[]) AND l.state = 'delivered')
-       = cardinality($1::text[])
+   AND (%s
+        OR (SELECT count(*) FROM %s AS l
+             WHERE l.event_key = o.event_key AND l.action = ANY($1::text[]) AND l.state = 'delivered')
+           = cardinality($1::text[]))
    FOR UPDATE SKIP LOCKED)
-UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, ledger, outbox),
+UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.recorded("o"), ledger, outbox),
 
 		setAsyncCommit: `SET LOCAL synchronous_commit = off`,
 		// Explicitly synchronous even where the role or database default is

@@ -24,11 +24,17 @@ type Stats struct {
 // interval, never per scrape.
 func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration) (Stats, error) {
 	st := Stats{Rows: map[string]int64{}}
+	// A pending row the stream delivered (its id is in the delivered
+	// record) counts as done.
 	rows, err := s.pool.Query(ctx, fmt.Sprintf(`
-SELECT coalesce(status, 'pending'), count(*),
+WITH o AS (
+SELECT CASE WHEN o.status = 'pending' AND o.handoff_at IS NULL AND %s THEN 'done' ELSE coalesce(o.status, 'pending') END AS status,
+       o.created_at, o.handoff_at
+  FROM %s AS o)
+SELECT status, count(*),
        coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0),
        count(*) FILTER (WHERE status = 'pending' AND handoff_at IS NULL AND created_at < now() - $1::interval)
-  FROM %s GROUP BY 1`, s.outbox), sweepAfter.String())
+  FROM o GROUP BY 1`, s.tables.recorded("o"), s.outbox), sweepAfter.String())
 	if err != nil {
 		return st, fmt.Errorf("outbox stats: %w", err)
 	}

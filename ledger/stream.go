@@ -27,7 +27,8 @@ type streamStatements struct {
 	diverted   string
 }
 
-func renderStream(outbox, ledger string) streamStatements {
+func renderStream(t tables) streamStatements {
+	outbox, ledger := t.outbox, t.ledger
 	// Each row change reports, from its own snapshot, the ids it could not
 	// see at all: the walsender may send a transaction before the
 	// committing backend has left the proc array (with synchronous
@@ -88,16 +89,18 @@ SELECT t.k, t.a, 'unknown', 1, t.d
 
 		// The lateral subquery is a prefix scan of the ledger's primary key
 		// (event_key, action) per row.
+		// A row is still the stream's while it is pending, not handed off
+		// and not in the delivered record.
 		restreamed: fmt.Sprintf(`
 SELECT o.id,
-       (o.status = 'pending' AND o.handoff_at IS NULL) IS TRUE,
+       (o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s) IS TRUE,
        d.actions
   FROM %s AS o
   LEFT JOIN LATERAL (
        SELECT array_agg(l.action ORDER BY l.action) AS actions
          FROM %s AS l
         WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true
- WHERE o.id = ANY($1::bigint[])`, outbox, ledger),
+ WHERE o.id = ANY($1::bigint[])`, t.recorded("o"), outbox, ledger),
 
 		ledgerOf: ledgerPairsSQL(ledger),
 
@@ -329,6 +332,7 @@ type settlementRows struct {
 	heldErrs  []string
 	heldN     []int32
 	doneIDs   []int64
+	recordIDs []int64 // stream events delivered to every sink
 	retryIDs  []int64
 	retryMS   []int64
 	retryErrs []*string
@@ -338,14 +342,18 @@ type settlementRows struct {
 // split sorts the pairs and rows of works into the statements that write
 // them. Pairs: newly delivered ones into the ledger; claims whose outcome
 // is unknown become 'unknown'; other claims are withdrawn.
-func split(works []*relay.Work) *settlementRows {
+func split(works []*relay.Work, recordDone bool) *settlementRows {
 	r := &settlementRows{}
 	now := time.Now()
 	for _, w := range works {
 		ev, d := w.Event, w.Decision
 		for _, p := range w.Pairs {
 			switch {
-			case p.Outcome.Kind == relay.Delivered && p.State != relay.PairDelivered:
+			case p.Outcome.Kind == relay.Delivered && p.State != relay.PairDelivered && (recordDone || w.Path() != relay.PathStream || d.Kind != relay.Done || p.Claimed):
+				// An event the stream delivered to every sink needs no ledger
+				// row (its id goes into the delivered record); a pair it
+				// claimed (a hold sink), or one of an event that goes on to
+				// the claim path, does: the claim path must not send it again.
 				r.deliveredKeys, r.deliveredActions = append(r.deliveredKeys, ev.EventKey), append(r.deliveredActions, p.Sink)
 			case p.Claimed && p.Outcome.Kind != relay.Delivered && (p.Outcome.Unknown || p.Outcome.Kind == relay.Held):
 				detail := "outcome unknown: " + p.Outcome.Reason
@@ -362,6 +370,9 @@ func split(works []*relay.Work) *settlementRows {
 		switch d.Kind {
 		case relay.Done:
 			r.doneIDs = append(r.doneIDs, ev.ID)
+			if w.Path() == relay.PathStream {
+				r.recordIDs = append(r.recordIDs, ev.ID)
+			}
 		case relay.Later:
 			r.handIDs = append(r.handIDs, ev.ID)
 			r.handAt = append(r.handAt, pgtype.Timestamptz{Time: d.At, Valid: !d.At.IsZero()})
@@ -387,8 +398,21 @@ func split(works []*relay.Work) *settlementRows {
 // SaveCheckpoint. An error rolls everything back; a data error (SQLSTATE
 // class 22 or 23) wraps relay.ErrRowData. Safe to repeat with the same or
 // an overlapping batch.
+//
+// An event the stream delivered to every routed sink writes nothing here:
+// its id joins the delivered record, which SaveCheckpoint writes in the
+// synchronous transaction that comes before the slot's acknowledgement
+// (docs/operations.md, "what the relay writes back"). When that record
+// holds more ids than recordMax waiting for a checkpoint (checkpoints are
+// failing), SettleStream refuses with errRecordFull, so that the engine
+// stops taking events until they are written.
 func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
-	r := split(works)
+	r := split(works, false)
+	if len(r.recordIDs) > 0 {
+		if err := s.record.add(r.recordIDs); err != nil {
+			return nil, err
+		}
+	}
 	setCommit := ""
 	if s.asyncCommit {
 		setCommit = s.sql.setAsyncCommit

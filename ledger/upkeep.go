@@ -205,15 +205,15 @@ func (s *Store) Reconcile(ctx context.Context, olderThan time.Duration) (int64, 
 	}
 	sql := fmt.Sprintf(`
 WITH batch AS (
-    SELECT id FROM %[1]s
-     WHERE status = 'pending' AND handoff_at IS NULL
-       AND created_at < now() - $1::bigint * interval '1 millisecond'
-     ORDER BY id
+    SELECT o.id FROM %[1]s AS o
+     WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %[2]s
+       AND o.created_at < now() - $1::bigint * interval '1 millisecond'
+     ORDER BY o.id
      LIMIT $2
        FOR UPDATE)
 UPDATE %[1]s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
   FROM batch
- WHERE o.id = batch.id AND o.status = 'pending' AND o.handoff_at IS NULL`, s.outbox)
+ WHERE o.id = batch.id AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %[2]s`, s.outbox, s.tables.recorded("o"))
 	var marked int64
 	for {
 		tag, err := s.pool.Exec(ctx, sql, olderThan.Milliseconds(), reconcileBatch)

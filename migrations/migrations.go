@@ -279,6 +279,8 @@ var sqlMigrations = []string{
 	"005_outbox_publish.sql",
 	"006_replays.sql",
 	"007_handover_record.sql",
+	"008_delivered_record.sql",
+	"009_handoff_index.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -363,6 +365,8 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"OrderIndexName":        relay.QuoteIdentifier(orderIndex(n.Outbox).Name),
 		"ClaimIndexName":        relay.QuoteIdentifier(claimIndex(n.Outbox).Name),
 		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
+		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
+		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
 		"LockTimeout":           relay.QuoteLiteral(fmt.Sprintf("%dms", lockTimeout.Milliseconds())),
 		"Tag":                   tag,
 	}
@@ -377,6 +381,18 @@ func orderIndex(outbox relay.QualifiedName) relay.QualifiedName {
 // claimIndex is the partial index that serves the claim query.
 func claimIndex(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_relay_claim_idx"))
+}
+
+// handOffIndex is the partial index of the rows handed to the claim path.
+func handOffIndex(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_handoff_idx"))
+}
+
+// DeliveredTable is the stream's record of delivery for outbox: the ids of
+// the rows the stream delivered to every routed sink, beside the outbox in
+// its schema.
+func DeliveredTable(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_delivered"))
 }
 
 // versionTable holds the schema version of one outbox table's migrations.
@@ -447,7 +463,7 @@ func resolve(ctx context.Context, conn *pgx.Conn, n Names) (Names, error) {
 // dropInvalidIndexes removes the relay's own indexes that a failed
 // CREATE INDEX CONCURRENTLY left INVALID; IF NOT EXISTS would skip them.
 func dropInvalidIndexes(ctx context.Context, conn *pgx.Conn, outbox relay.QualifiedName, data map[string]any, log zerolog.Logger) error {
-	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox)} {
+	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox), handOffIndex(outbox)} {
 		var invalid bool
 		err := conn.QueryRow(ctx, `SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)`, idx.Quoted()).Scan(&invalid)
 		if errors.Is(err, pgx.ErrNoRows) || !invalid {

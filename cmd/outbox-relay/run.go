@@ -213,10 +213,16 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 			}
 			return claim.New(cc)
 		},
-		// Rows whose mark-done a crash lost are settled from the ledger
-		// beside the stream, not before it: on a large backlog the pass
-		// takes seconds, and streaming must not wait for bookkeeping.
-		Startup: func(ctx context.Context) {
+		// Rows the stream delivered keep status pending (the delivered
+		// record says they are done). Polling, the claim path and a legacy
+		// poller beside it read the status column: the rows are marked
+		// done first. With mark_done: async, rows whose marking a crash
+		// lost are marked at each start. Beside the sources, not before:
+		// on a large table the pass takes a while.
+		Startup: func(ctx context.Context, mode string) {
+			if mode != "poll" && cfg.Delivery.MarkDone != config.MarkDoneAsync {
+				return
+			}
 			if n, err := r.store.MarkDeliveredDone(ctx, names); err != nil && ctx.Err() == nil {
 				log.Warn().Err(err).Msg("mark rows the ledger shows delivered; they stay pending until the next start")
 			} else if n > 0 {

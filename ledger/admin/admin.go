@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -34,6 +35,24 @@ const CLIApplicationName = "outbox-relay-cli"
 // Tables names the relay's tables, as configured.
 type Tables struct {
 	Outbox, Ledger, Checkpoint relay.QualifiedName
+}
+
+// Delivered is the stream's record of delivery beside the outbox
+// (migrations.DeliveredTable).
+func (t Tables) Delivered() relay.QualifiedName { return migrations.DeliveredTable(t.Outbox) }
+
+// recorded is the SQL condition "the row aliased o is done because the
+// stream delivered it": pending, not handed off, its id in the delivered
+// record (docs/operations.md, "what the relay writes back").
+func (t Tables) recorded(o string) string {
+	return fmt.Sprintf("(%[1]s.status = 'pending' AND %[1]s.handoff_at IS NULL AND EXISTS (SELECT FROM %[2]s AS r WHERE r.id = %[1]s.id))",
+		o, t.Delivered().Quoted())
+}
+
+// status is the SQL expression of the row aliased o's status, with rows the
+// stream delivered counted as done.
+func (t Tables) status(o string) string {
+	return fmt.Sprintf("CASE WHEN %s THEN 'done' ELSE %s.status END", t.recorded(o), o)
 }
 
 // DB is what the operations need of a database handle; *pgx.Conn,

@@ -80,13 +80,13 @@ func SelectIDs(ctx context.Context, db DB, t Tables, sel Selection) ([]int64, er
 	q := fmt.Sprintf(`
 SELECT o.id, o.event_type
   FROM %s AS o
- WHERE o.id > $1 AND o.status = ANY($2::text[])
+ WHERE o.id > $1 AND %s = ANY($2::text[])
    AND ($3::bigint[] IS NULL OR o.id = ANY($3::bigint[]))
    AND ($4::timestamptz IS NULL OR o.created_at >= $4)
    AND ($5::text IS NULL OR NOT EXISTS (
         SELECT 1 FROM %s AS l WHERE l.event_key = o.event_key AND l.action = $5 AND l.state = 'delivered'))
  ORDER BY o.id
- LIMIT $6`, t.Outbox.Quoted(), t.Ledger.Quoted())
+ LIMIT $6`, t.Outbox.Quoted(), t.status("o"), t.Ledger.Quoted())
 
 	var ids, since, sink any
 	if sel.IDs != nil {

@@ -345,7 +345,7 @@ func NeededPrivileges(t Tables, retention bool) []TableGrant {
 		outbox = append(outbox, "DELETE")
 	}
 	rw := []string{"SELECT", "INSERT", "UPDATE", "DELETE"}
-	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}}
+	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}, {t.Delivered(), []string{"SELECT", "INSERT", "DELETE"}}}
 }
 
 // TableGrant is a set of privileges on one table.

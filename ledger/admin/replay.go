@@ -9,7 +9,8 @@ import (
 // and processing rows are on their way already and are never touched.
 var ReplayStatuses = []string{"done", "failed", "held"}
 
-// Replay makes the settled rows among ids (done, failed, held) deliverable
+// Replay makes the settled rows among ids (done — the stream's delivered
+// ones included —, failed, held) deliverable
 // again and counts the replay, in one statement (one transaction): status
 // pending, attempts 0, available_at and handoff_at now, last_error,
 // processed_at and the claim cleared, replays incremented. Every ledger row
@@ -25,18 +26,20 @@ func Replay(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (
 	var c Changed
 	err := db.QueryRow(ctx, fmt.Sprintf(`
 WITH replayed AS (
-    UPDATE %s AS o
+    UPDATE %[1]s AS o
        SET status = 'pending', attempts = 0, available_at = now(), handoff_at = now(),
            last_error = NULL, processed_at = NULL, locked_at = NULL, locked_by = NULL,
            replays = coalesce(o.replays, 0) + 1
-     WHERE o.id = ANY($1::bigint[]) AND o.status IN ('done', 'failed', 'held')
-    RETURNING o.event_key),
+     WHERE o.id = ANY($1::bigint[]) AND (o.status IN ('done', 'failed', 'held') OR %[3]s)
+    RETURNING o.id, o.event_key),
+unrecorded AS (
+    DELETE FROM %[4]s AS d USING replayed AS r WHERE d.id = r.id),
 cleared AS (
-    DELETE FROM %s AS l USING replayed AS r
+    DELETE FROM %[2]s AS l USING replayed AS r
      WHERE l.event_key = r.event_key
        AND ($2::text[] IS NULL OR l.action = ANY($2::text[]))
     RETURNING 1)
-SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted()),
+SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.recorded("o"), t.Delivered().Quoted()),
 		ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
 	if err != nil {
 		return Changed{}, fmt.Errorf("replay %d rows: %w", len(ids), err)

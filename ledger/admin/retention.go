@@ -64,6 +64,39 @@ ledger AS (
 DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted())
 
+	// Rows the stream delivered are done by the delivered record and keep
+	// status pending (docs/operations.md, "what the relay writes back"):
+	// they age from created_at and go with their record entries and ledger
+	// rows. The record is read in id order, oldest first.
+	pruneRecorded := fmt.Sprintf(`
+WITH gone AS (
+DELETE FROM %[1]s AS o
+ WHERE o.id IN (
+       SELECT x.id FROM %[3]s AS d JOIN %[1]s AS x ON x.id = d.id
+        WHERE x.status = 'pending' AND x.handoff_at IS NULL
+          AND x.created_at < now() - $1 * interval '1 microsecond'
+        ORDER BY d.id
+        LIMIT $2
+          FOR UPDATE OF x SKIP LOCKED)
+   AND o.status = 'pending' AND o.handoff_at IS NULL
+RETURNING o.id, o.event_key),
+record AS (
+DELETE FROM %[3]s AS d USING gone WHERE d.id = gone.id),
+ledger AS (
+DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.Delivered().Quoted())
+
+	// Record entries below the outbox's oldest row: their rows are gone
+	// (deleted by hand, or pruned by an older relay). An index range, not a
+	// scan; replay removes the entries of the rows it takes.
+	pruneRecord := fmt.Sprintf(`
+DELETE FROM %[1]s AS d
+ WHERE d.id IN (
+       SELECT r.id FROM %[1]s AS r
+        WHERE r.id < coalesce((SELECT min(o.id) FROM %[2]s AS o), 9223372036854775807)
+        ORDER BY r.id
+        LIMIT $1)`, t.Delivered().Quoted(), t.Outbox.Quoted())
+
 	// A ledger row goes when its outbox row is done or gone and it is old;
 	// one with no time at all only when its outbox row is gone. The NOT
 	// EXISTS probes the outbox's unique index on event_key.
@@ -79,18 +112,29 @@ DELETE FROM %[1]s
         LIMIT $2
           FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted())
 
+	for _, sql := range []string{pruneDone, pruneRecorded} {
+		for {
+			var rows, ledgerWith int64
+			if err := db.QueryRow(ctx, sql, cfg.DoneAfter.Microseconds(), cfg.Batch).Scan(&rows, &ledgerWith); err != nil {
+				return doneRows, ledgerRows, fmt.Errorf("prune done rows of %s: %w", t.Outbox, err)
+			}
+			doneRows += rows
+			ledgerRows += ledgerWith
+			if rows < int64(cfg.Batch) {
+				break
+			}
+			if err := ctx.Err(); err != nil {
+				return doneRows, ledgerRows, err
+			}
+		}
+	}
 	for {
-		var rows, ledgerWith int64
-		if err := db.QueryRow(ctx, pruneDone, cfg.DoneAfter.Microseconds(), cfg.Batch).Scan(&rows, &ledgerWith); err != nil {
-			return doneRows, ledgerRows, fmt.Errorf("prune done rows of %s: %w", t.Outbox, err)
+		tag, err := db.Exec(ctx, pruneRecord, cfg.Batch)
+		if err != nil {
+			return doneRows, ledgerRows, fmt.Errorf("prune the delivered record %s: %w", t.Delivered(), err)
 		}
-		doneRows += rows
-		ledgerRows += ledgerWith
-		if rows < int64(cfg.Batch) {
+		if tag.RowsAffected() < int64(cfg.Batch) {
 			break
-		}
-		if err := ctx.Err(); err != nil {
-			return doneRows, ledgerRows, err
 		}
 	}
 	for {

@@ -171,7 +171,7 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), confirmed_flush_lsn::t
 	for _, s := range Statuses {
 		st.Rows[s] = 0
 	}
-	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT coalesce(status, '(null)'), count(*) FROM %s GROUP BY 1`, t.Outbox.Quoted()))
+	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT coalesce(%s, '(null)'), count(*) FROM %s AS o GROUP BY 1`, t.status("o"), t.Outbox.Quoted()))
 	if err != nil {
 		return nil, fmt.Errorf("count outbox rows: %w", err)
 	}
@@ -184,8 +184,8 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), confirmed_flush_lsn::t
 	}
 	st.Held, st.Failed = st.Rows["held"], st.Rows["failed"]
 
-	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(created_at))::float8 FROM %s WHERE status = 'pending'`,
-		t.Outbox.Quoted())).Scan(&st.OldestPendingSeconds)
+	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE o.status = 'pending' AND NOT %s`,
+		t.Outbox.Quoted(), t.recorded("o"))).Scan(&st.OldestPendingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("oldest pending row: %w", err)
 	}

@@ -90,9 +90,11 @@ type Config struct {
 	// Claim builds the claim source feeding e; all takes every due row
 	// (poll mode), otherwise only rows handed to the claim path.
 	Claim func(e *relay.Engine, all bool) (Runner, error)
-	// Startup, when set, runs beside the stream at the start of each
-	// streaming phase (marking rows the ledger shows delivered).
-	Startup func(ctx context.Context)
+	// Startup, when set, runs beside the sources at the start of each
+	// phase, mode "replication" or "poll" (marking done the rows the
+	// stream delivered, for the claim path in poll mode and for tools that
+	// read the status column).
+	Startup func(ctx context.Context, mode string)
 	// Slots watches the relay's slot.
 	Slots Slots
 	// ReplicationRetry is how often auto mode, while polling, tries to
@@ -322,7 +324,13 @@ func (s *Supervisor) poll(ctx context.Context, e *relay.Engine, d time.Duration)
 		defer cancel()
 	}
 	s.log.Info().Msg("polling: the claim path takes every due row")
-	if err := claim.Run(ctx); err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+	var g errgroup.Group
+	if s.cfg.Startup != nil {
+		g.Go(func() error { s.cfg.Startup(ctx, "poll"); return nil })
+	}
+	err = claim.Run(ctx)
+	g.Wait()
+	if err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
 		return err
 	}
 	return nil
@@ -351,7 +359,7 @@ func (s *Supervisor) stream(ctx context.Context, e *relay.Engine) error {
 	var g errgroup.Group
 	g.Go(func() error { return claim.Run(streamCtx) })
 	if s.cfg.Startup != nil {
-		g.Go(func() error { s.cfg.Startup(streamCtx); return nil })
+		g.Go(func() error { s.cfg.Startup(streamCtx, "replication"); return nil })
 	}
 	srcErr := source.Run(streamCtx)
 	// The stream stopped (ctx, or replication unavailable): the claim path

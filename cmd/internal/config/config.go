@@ -428,7 +428,7 @@ func Default() Config {
 				Duration(2 * time.Minute), Duration(5 * time.Minute), Duration(15 * time.Minute),
 				Duration(30 * time.Minute), Duration(time.Hour),
 			},
-			MarkDone:     MarkDoneAsync,
+			MarkDone:     MarkDoneOff,
 			LaneBlockMax: Duration(2 * time.Second),
 		},
 		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187"},

@@ -1,0 +1,111 @@
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// recordMax bounds the ids waiting for a checkpoint to write them into the
+// delivered record. It is reached only while checkpoints fail: the engine
+// then stops taking events (docs/guarantees.md, "back-pressure").
+const recordMax = 4096
+
+// errRecordFull is SettleStream's refusal while recordMax ids wait.
+var errRecordFull = fmt.Errorf("the delivered record holds %d ids waiting for a checkpoint (checkpoints are failing): waiting", recordMax)
+
+// record is the stream's delivered ids not yet written.
+type record struct {
+	mu  sync.Mutex
+	ids []int64
+}
+
+func newRecord() *record { return &record{} }
+
+func (r *record) add(ids []int64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.ids) >= recordMax {
+		return errRecordFull
+	}
+	r.ids = append(r.ids, ids...)
+	return nil
+}
+
+// take empties the record and returns what it held.
+func (r *record) take() []int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ids := r.ids
+	r.ids = nil
+	return ids
+}
+
+// putBack returns ids a failed checkpoint did not write.
+func (r *record) putBack(ids []int64) {
+	if len(ids) == 0 {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.ids = append(ids, r.ids...)
+}
+
+// LoadCheckpoint returns the confirmed position saved for slot, or 0 when
+// none was saved. It only reads.
+func (s *Store) LoadCheckpoint(ctx context.Context, slot string) (relay.LSN, error) {
+	var lsn relay.LSN
+	err := s.pool.QueryRow(ctx, s.sql.loadCheckpoint, slot).Scan(&lsn)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("load checkpoint of slot %s: %w", slot, err)
+	}
+	return lsn, nil
+}
+
+// SaveCheckpoint records lsn as slot's confirmed position, and writes the
+// delivered record: the ids of the events the stream delivered to every
+// sink since the last checkpoint. The position never moves backwards:
+// saving an LSN below the stored one keeps the stored one (and refreshes
+// updated_at), so a late or repeated save is harmless and the call is safe
+// to repeat.
+//
+// The commit is synchronous (synchronous_commit = on for this transaction,
+// whatever the role's default; a server set to remote_apply keeps it). When
+// SaveCheckpoint returns nil the WAL is flushed up to its commit, so every
+// asynchronous commit made before it on this server — the other outcomes
+// SettleStream wrote — is durable too: only then may the slot be
+// acknowledged up to lsn. On an error the ids are kept for the next try.
+func (s *Store) SaveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) error {
+	ids := s.record.take()
+	steps := []step{exec("save the checkpoint", s.sql.saveCheckpoint, slot, lsn)}
+	if len(ids) > 0 {
+		steps = append([]step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}, steps...)
+	}
+	if _, err := s.runSteps(ctx, s.sql.setSynchronousCommit, steps); err != nil {
+		s.record.putBack(ids)
+		return fmt.Errorf("save checkpoint %s of slot %s: %w", lsn, slot, err)
+	}
+	return nil
+}
+
+// flushRecord writes the delivered ids waiting for a checkpoint, in a
+// synchronous transaction of their own.
+func (s *Store) flushRecord(ctx context.Context) error {
+	ids := s.record.take()
+	if len(ids) == 0 {
+		return nil
+	}
+	if _, err := s.runSteps(ctx, s.sql.setSynchronousCommit, []step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}); err != nil {
+		s.record.putBack(ids)
+		return err
+	}
+	return nil
+}
