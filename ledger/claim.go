@@ -255,11 +255,13 @@ SELECT count(*), COALESCE(EXTRACT(EPOCH FROM max(now() - GREATEST(o.created_at, 
  WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s
    AND GREATEST(o.created_at, COALESCE(o.available_at, o.created_at)) < now() - $1::bigint * interval '1 millisecond'`, outbox, t.recorded("o")),
 
-		// A pending row with a NULL available_at (the column is nullable)
-		// is due: the claim query orders by available_at, so it is made
-		// due now.
+		// A row with a NULL status is pending, and a pending row with a
+		// NULL available_at is due (both columns are nullable): the claim
+		// query reads status = 'pending' and orders by available_at, so
+		// they are written so.
 		repairDue: fmt.Sprintf(`
-UPDATE %s SET available_at = now() WHERE status = 'pending' AND available_at IS NULL`, outbox),
+UPDATE %s SET status = COALESCE(status, 'pending'), available_at = COALESCE(available_at, now())
+ WHERE (status IS NULL OR (status = 'pending' AND available_at IS NULL))`, outbox),
 
 		lockOwner:   fmt.Sprintf(`SELECT pg_try_advisory_lock(%d, hashtext($1))`, OwnerLockClass),
 		unlockOwner: fmt.Sprintf(`SELECT pg_advisory_unlock(%d, hashtext($1))`, OwnerLockClass),

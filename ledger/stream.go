@@ -22,6 +22,7 @@ type streamStatements struct {
 	release    string
 	restreamed string
 	ledgerOf   string
+	gone       string
 	claimPairs string
 	markDone   string
 	diverted   string
@@ -52,7 +53,7 @@ UPDATE %s AS o
        last_error = COALESCE(NULLIF(t.err, ''), o.last_error),
        attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
   FROM t
- WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+ WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
 RETURNING o.id)`, outbox)),
 
 		deadLetter: invisible(fmt.Sprintf(`
@@ -62,7 +63,7 @@ UPDATE %s AS o
    SET status = 'failed', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n),
        processed_at = now(), locked_at = NULL, locked_by = NULL
   FROM t
- WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+ WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
 RETURNING o.id)`, outbox)),
 
 		held: invisible(fmt.Sprintf(`
@@ -71,7 +72,7 @@ changed AS (
 UPDATE %s AS o
    SET status = 'held', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
   FROM t
- WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+ WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
 RETURNING o.id)`, outbox)),
 
 		// A pair whose outcome is unknown at a sink that holds such events:
@@ -93,7 +94,7 @@ SELECT t.k, t.a, 'unknown', 1, t.d
 		// and not in the delivered record.
 		restreamed: fmt.Sprintf(`
 SELECT o.id,
-       (o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s) IS TRUE,
+       (COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL AND NOT %s) IS TRUE,
        d.actions
   FROM %s AS o
   LEFT JOIN LATERAL (
@@ -103,6 +104,20 @@ SELECT o.id,
  WHERE o.id = ANY($1::bigint[])`, t.recorded("o"), outbox, ledger),
 
 		ledgerOf: ledgerPairsSQL(ledger),
+
+		// The ids among $1 whose row does not exist although its inserting
+		// transaction ($2, a 32-bit xid widened with the snapshot's epoch)
+		// is visible: the row was deleted, not waiting to become visible.
+		gone: fmt.Sprintf(`
+WITH s AS (SELECT pg_current_snapshot() AS snap),
+e AS (SELECT snap, pg_snapshot_xmax(snap)::text::bigint AS xmax FROM s)
+SELECT t.id
+  FROM unnest($1::bigint[], $2::bigint[]) AS t(id, xid), e
+ WHERE t.xid <> 0
+   AND NOT EXISTS (SELECT FROM %s AS o WHERE o.id = t.id)
+   AND pg_visible_in_snapshot(
+         (((e.xmax >> 32) - CASE WHEN t.xid > (e.xmax & 4294967295) THEN 1 ELSE 0 END) << 32 | t.xid)::text::xid8,
+         e.snap)`, outbox),
 
 		// The claim before sending is the insert itself (never
 		// check-then-insert). Only an 'unknown' pair — held, then released
@@ -121,7 +136,7 @@ WITH t AS (SELECT unnest($1::bigint[]) AS id),
 changed AS (
 UPDATE %s o SET status = 'done', processed_at = now()
   FROM t
- WHERE o.id = t.id AND o.status = 'pending' AND o.handoff_at IS NULL
+ WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
 RETURNING o.id)
 SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
 
@@ -478,4 +493,24 @@ func (s *Store) Diverted(ctx context.Context) ([]relay.AggregateKey, error) {
 		return nil, fmt.Errorf("read diverted aggregates: %w", err)
 	}
 	return keys, nil
+}
+
+// Gone implements relay.StreamStore: of the works whose row SettleStream
+// could not see, those whose row was deleted — its inserting transaction
+// is visible, the row is not there — as opposed to rows whose commit is not
+// visible yet. It only reads.
+func (s *Store) Gone(ctx context.Context, works []*relay.Work) ([]int64, error) {
+	ids, xids := make([]int64, len(works)), make([]int64, len(works))
+	for i, w := range works {
+		ids[i], xids[i] = w.Event.ID, int64(w.Event.Xid)
+	}
+	rows, err := s.pool.Query(ctx, s.sql.stream.gone, ids, xids)
+	if err != nil {
+		return nil, fmt.Errorf("look for deleted rows: %w", err)
+	}
+	gone, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return nil, fmt.Errorf("look for deleted rows: %w", err)
+	}
+	return gone, nil
 }

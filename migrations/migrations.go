@@ -287,6 +287,24 @@ var sqlMigrations = []string{
 // number of migrations, which is what the version table holds after migrate.
 func Latest() int32 { return int32(1 + len(sqlMigrations)) }
 
+// CheckVersion returns an error naming both versions when the schema of
+// outbox is older than this build needs (Latest), or when migrate has never
+// run on it: the relay must not run on tables it would misread.
+func CheckVersion(ctx context.Context, db querier, outbox relay.QualifiedName) error {
+	var version int32
+	err := db.QueryRow(ctx, "SELECT version FROM "+versionTable(outbox).Quoted()).Scan(&version)
+	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "42P01" {
+		return fmt.Errorf("the schema of %s was never migrated: run outbox-relay migrate", outbox)
+	}
+	if err != nil {
+		return fmt.Errorf("read the schema version of %s: %w", outbox, err)
+	}
+	if version < Latest() {
+		return fmt.Errorf("the schema of %s is at version %d and this relay needs %d: run outbox-relay migrate", outbox, version, Latest())
+	}
+	return nil
+}
+
 // VersionTable returns the tern version table that records the schema
 // version of outbox's migrations, in the outbox's schema. Pass a
 // schema-qualified outbox: an unqualified one gives an unqualified name,

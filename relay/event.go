@@ -24,11 +24,13 @@ type Event struct {
 	Status string
 
 	// CommitLSN and EndLSN place a streamed event's transaction in the WAL;
-	// CommitTime is when it committed (the server's clock). All are zero on
-	// the claim path.
+	// CommitTime is when it committed (the server's clock); Xid is the
+	// transaction's id, which tells a deleted row from one whose commit is
+	// not visible yet. All are zero on the claim path.
 	CommitLSN  LSN
 	EndLSN     LSN
 	CommitTime time.Time
+	Xid        uint32
 }
 
 // Type returns the event type, or "" when NULL.

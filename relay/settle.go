@@ -29,6 +29,9 @@ const (
 	// invisibleWarnAfter is how long a row may stay invisible before each
 	// retry is logged as a warning.
 	invisibleWarnAfter = 5 * time.Second
+	// goneCheckAfter is how long a row must have been invisible before the
+	// settle loop asks whether it was deleted.
+	goneCheckAfter = time.Second
 	// dataErrorsBeforeFallback: after this many refusals of one row's data
 	// its decision is written as a dead letter with a plain reason; after
 	// twice as many the row is left pending (the stuck-rows alarm reports
@@ -161,11 +164,16 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 		hidden[id] = true
 	}
 	now := time.Now()
+	gone := q.gone(ctx, toWrite, hidden, now)
 	var final []*Work
 	for _, w := range toWrite {
-		if w.dataErrors > 2*dataErrorsBeforeFallback {
+		switch {
+		case w.dataErrors > 2*dataErrorsBeforeFallback:
 			// Given up on: settled unwritten, on purpose (see writeIsolating).
-		} else if hidden[w.Event.ID] {
+		case gone[w.Event.ID]:
+			q.e.log.Warn().Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Str("decision", decisionName(w.Decision.Kind)).
+				Msg("the row of a decoded event was deleted: its outcome is not written")
+		case hidden[w.Event.ID]:
 			q.waitVisible(w, now)
 			continue
 		}
@@ -178,6 +186,35 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 	if q.path == PathClaim && len(final) > 0 && e.claimSettled != nil {
 		e.claimSettled()
 	}
+}
+
+// gone asks the store which of the hidden works' rows were deleted rather
+// than not visible yet; it asks only about works that have waited a while
+// (a commit's visibility normally lags by microseconds).
+func (q *settleQueue) gone(ctx context.Context, works []*Work, hidden map[int64]bool, now time.Time) map[int64]bool {
+	var ask []*Work
+	for _, w := range works {
+		if hidden[w.Event.ID] && !w.invisibleSince.IsZero() && now.Sub(w.invisibleSince) >= goneCheckAfter {
+			ask = append(ask, w)
+		}
+	}
+	if len(ask) == 0 || q.path != PathStream {
+		return nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, writeTimeout)
+	defer cancel()
+	ids, err := q.e.cfg.Stream.Gone(wctx, ask)
+	if err != nil {
+		if ctx.Err() == nil {
+			q.e.log.Warn().Err(err).Msg("look for deleted rows; they are written again meanwhile")
+		}
+		return nil
+	}
+	out := make(map[int64]bool, len(ids))
+	for _, id := range ids {
+		out[id] = true
+	}
+	return out
 }
 
 // waitVisible puts w aside: the store could not see its row, which the

@@ -129,6 +129,12 @@ type StreamStore interface {
 	// wrapping ErrRowData names a row's data as the cause. Safe to repeat.
 	SettleStream(ctx context.Context, works []*Work, owner string) (invisible []int64, err error)
 
+	// Gone returns, of works whose row SettleStream could not see, the ids
+	// of rows that were deleted (their inserting transaction is visible):
+	// those are settled without a write. The others wait to become
+	// visible. It only reads.
+	Gone(ctx context.Context, works []*Work) ([]int64, error)
+
 	// MarkDone sets status done on rows still pending and not handed off,
 	// off the acknowledgement path (mark_done: async). It returns the ids
 	// it could not see yet. Safe to repeat.

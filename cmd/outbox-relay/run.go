@@ -89,6 +89,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if r.tables, err = resolveTables(ctx, pool, cfg.Tables()); err != nil {
 		return err
 	}
+	if err := migrations.CheckVersion(ctx, pool, r.tables.Outbox); err != nil {
+		return err
+	}
 	if err := checkPrivileges(ctx, pool, r.tables, cfg.Source.Mode == config.SourceReplication); err != nil {
 		return err
 	}

@@ -32,6 +32,7 @@ type decoder struct {
 	inTxn      bool
 	commitLSN  relay.LSN
 	commitTime time.Time
+	xid        uint32
 	batch      []*relay.Event
 	batchBytes int
 }
@@ -69,6 +70,7 @@ func (d *decoder) handle(ctx context.Context, it streamItem) error {
 		d.inTxn = true
 		d.commitLSN = relay.LSN(m.FinalLSN)
 		d.commitTime = m.CommitTime
+		d.xid = m.Xid
 	case *pglogrepl.InsertMessage:
 		rel, ok := d.relations[m.RelationID]
 		if !ok {
@@ -86,6 +88,7 @@ func (d *decoder) handle(ctx context.Context, it streamItem) error {
 		}
 		ev.CommitLSN = d.commitLSN
 		ev.CommitTime = d.commitTime
+		ev.Xid = d.xid
 		d.batch = append(d.batch, ev)
 		d.batchBytes += len(ev.Payload)
 		if len(d.batch) >= maxBatch || d.batchBytes >= maxBatchBytes {

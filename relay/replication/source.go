@@ -7,7 +7,7 @@
 // that passes a transaction with events is preceded by a synchronous
 // checkpoint write. A Source owns its slot: it creates it when it is missing
 // or lost, handing the rows pending in the slot's exported snapshot to the
-// claim path (Config.MarkForClaim), and always starts streaming at 0/0, the
+// claim path (Config.HandOver), and always starts streaming at 0/0, the
 // slot's confirmed position.
 package replication
 
