@@ -2,12 +2,14 @@ package ledger_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
@@ -534,5 +536,294 @@ func TestSettleReportsInvisibleRows(t *testing.T) {
 	}
 	if invisible, err = f.store.SettleStream(ctx, handOff, "relay-a"); err != nil || len(invisible) != 0 {
 		t.Fatalf("after commit: %v (%v)", invisible, err)
+	}
+}
+
+// TestPrepareStream: restreamed works whose row is no longer the stream's
+// are Skip and the ledger's delivered pairs PairDelivered; pairs of hold
+// sinks are claimed for the owner, or found delivered, or found claimed by
+// another (PairUnknown, with the previous owner). Skipped works claim
+// nothing.
+func TestPrepareStream(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t, row{Key: "a"}, row{Key: "b", Status: "done"}, row{Key: "c"}, row{Key: "d"}, row{Key: "e"})
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, owner) VALUES
+		('c', 'erp', 'delivered', 1, NULL), ('d', 'erp', 'sending', 1, 'relay-x'), ('e', 'erp', 'unknown', 1, 'relay-y'),
+		('f', 'erp', 'delivered', 1, NULL)`)
+	works := []*relay.Work{
+		streamWork(ids[0], "a", relay.Decision{}, holdPair("erp"), &relay.Pair{Sink: "webhook"}),
+		streamWork(ids[1], "b", relay.Decision{}, holdPair("erp")),
+		streamWork(ids[2], "c", relay.Decision{}, holdPair("erp")),
+		streamWork(ids[3], "d", relay.Decision{}, holdPair("erp")),
+		streamWork(ids[4], "e", relay.Decision{}, holdPair("erp")),
+	}
+	if err := f.store.PrepareStream(ctx, works, true, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
+	}
+	want := []string{
+		"erp:send,claimed webhook:send", // claimed; the other sink is not a hold sink
+		"skip erp:send",                 // done before the restart: not claimed
+		"erp:delivered",                 // the ledger shows it delivered
+		"erp:unknown,prev=relay-x",      // relay-x's claim: outcome unknown
+		"erp:send,claimed",              // unknown (released by dlq retry): claimed again
+	}
+	for i, w := range works {
+		if got := prepared(w); got != want[i] {
+			t.Errorf("%s: %s, want %s", w.Event.EventKey, got, want[i])
+		}
+	}
+	if l := f.MustLedger(t, "e")["erp"]; l.State != "sending" || *l.Owner != "relay-a" || l.Attempts != 2 {
+		t.Errorf("e/erp = %+v, want sending by relay-a, 2 attempts", l)
+	}
+	if l := f.MustLedger(t, "d")["erp"]; l.State != "sending" || *l.Owner != "relay-x" {
+		t.Errorf("d/erp = %+v, want relay-x's claim kept", l)
+	}
+	if l, ok := f.MustLedger(t, "b")["erp"]; ok {
+		t.Errorf("b/erp = %+v, want no claim for a skipped work", l)
+	}
+
+	// Not restreamed: rows are not read, so a done row's work is not
+	// skipped; a delivered pair is found by its refused claim.
+	works = []*relay.Work{
+		streamWork(ids[1], "b", relay.Decision{}, holdPair("erp")),
+		streamWork(0, "f", relay.Decision{}, holdPair("erp")),
+	}
+	if err := f.store.PrepareStream(ctx, works, false, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
+	}
+	if got := prepared(works[0]) + " | " + prepared(works[1]); got != "erp:send,claimed | erp:delivered" {
+		t.Errorf("PrepareStream(not restreamed) = %s, want erp:send,claimed | erp:delivered", got)
+	}
+
+	// Nothing to check or claim: no round trip (a cancelled context would
+	// fail it).
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	plain := []*relay.Work{streamWork(ids[0], "a", relay.Decision{}, &relay.Pair{Sink: "webhook"})}
+	if err := f.store.PrepareStream(cancelled, plain, false, "relay-a"); err != nil {
+		t.Errorf("PrepareStream(no hold pairs) = %v, want nil", err)
+	}
+}
+
+// TestSettleStreamPairs: a pair's outcome decides its ledger row. Delivered:
+// delivered (insert-only). A claim whose outcome is unknown: 'unknown', with
+// the reason (held) or "outcome unknown: reason". A claim whose send is
+// known not to have reached the sink (deferred, refused): withdrawn, only
+// when it is the owner's. A pair never claimed and not delivered: nothing.
+func TestSettleStreamPairs(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	keys := []string{"deferred", "failed", "other-owner", "unknown", "held", "delivered", "not-claimed", "delivered-held"}
+	var rows []row
+	for _, k := range keys {
+		rows = append(rows, row{Key: k})
+	}
+	ids := f.MustInsert(t, rows...)
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, owner, claimed_at) VALUES
+		('deferred', 'erp', 'sending', 1, 'relay-a', now()), ('failed', 'erp', 'sending', 1, 'relay-a', now()),
+		('other-owner', 'erp', 'sending', 1, 'relay-b', now()), ('unknown', 'erp', 'sending', 1, 'relay-a', now()),
+		('held', 'erp', 'sending', 1, 'relay-a', now()), ('delivered', 'erp', 'sending', 3, 'relay-a', now()),
+		('delivered-held', 'erp', 'delivered', 1, NULL, NULL)`)
+	claimed := func(o relay.Outcome) *relay.Pair {
+		return &relay.Pair{Sink: "erp", Hold: true, Claimed: true, Outcome: o}
+	}
+	later := relay.Decision{Kind: relay.Later, Reason: "sink erp: x", Attempts: 1}
+	works := []*relay.Work{
+		streamWork(ids[0], keys[0], later, claimed(relay.Outcome{Kind: relay.Deferred, Reason: "circuit open"})),
+		streamWork(ids[1], keys[1], relay.Decision{Kind: relay.DeadLetter, Reason: "400"}, claimed(relay.Outcome{Kind: relay.Failed, Reason: "400"})),
+		streamWork(ids[2], keys[2], later, claimed(relay.Outcome{Kind: relay.Deferred, Reason: "lane full"})),
+		streamWork(ids[3], keys[3], later, claimed(relay.Outcome{Kind: relay.Retry, Reason: "timeout", Unknown: true})),
+		streamWork(ids[4], keys[4], relay.Decision{Kind: relay.Hold, Reason: "no answer"}, claimed(relay.Outcome{Kind: relay.Held, Reason: "no answer", Unknown: true})),
+		streamWork(ids[5], keys[5], relay.Decision{Kind: relay.Done}, claimed(relay.Outcome{Kind: relay.Delivered})),
+		streamWork(ids[6], keys[6], later, &relay.Pair{Sink: "erp", Hold: true, Outcome: relay.Outcome{Kind: relay.Deferred}}),
+		streamWork(ids[7], keys[7], relay.Decision{Kind: relay.Hold, Reason: "no answer"}, claimed(relay.Outcome{Kind: relay.Held, Reason: "no answer", Unknown: true})),
+	}
+	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
+	}
+	want := map[string]string{
+		"deferred":       "none",
+		"failed":         "none",
+		"other-owner":    "sending owner=relay-b detail=NULL",
+		"unknown":        "unknown owner=relay-a detail=outcome unknown: timeout",
+		"held":           "unknown owner=relay-a detail=no answer",
+		"delivered":      "delivered owner=relay-a detail=NULL",
+		"not-claimed":    "none",
+		"delivered-held": "delivered owner=NULL detail=NULL",
+	}
+	for _, k := range keys {
+		got := "none"
+		if l, ok := f.MustLedger(t, k)["erp"]; ok {
+			got = fmt.Sprintf("%s owner=%s detail=%s", l.State, deref(l.Owner), deref(l.Detail))
+		}
+		if got != want[k] {
+			t.Errorf("%s/erp: %s, want %s", k, got, want[k])
+		}
+	}
+	if l := f.MustLedger(t, "delivered")["erp"]; l.Attempts != 3 || l.DeliveredAt == nil {
+		t.Errorf("delivered/erp = %+v, want the claim's 3 attempts and delivered_at", l)
+	}
+}
+
+// TestSettleStreamOnlyStreamRows: every row change of every decision kind
+// is conditional on the row being the stream's (pending, not handed off).
+func TestSettleStreamOnlyStreamRows(t *testing.T) {
+	decisions := map[string]relay.Decision{
+		"later":       {Kind: relay.Later, Reason: "503", Attempts: 4},
+		"dead letter": {Kind: relay.DeadLetter, Reason: "400", Attempts: 4},
+		"hold":        {Kind: relay.Hold, Reason: "no answer", Attempts: 4},
+	}
+	for name, d := range decisions {
+		t.Run(name, func(t *testing.T) {
+			f := MustFixture(t)
+			ctx := context.Background()
+			ids := f.MustInsert(t,
+				row{Key: "pending"},
+				row{Key: "handed-off", HandedOff: true},
+				row{Key: "processing", Status: "processing", HandedOff: true},
+				row{Key: "done", Status: "done"},
+				row{Key: "failed", Status: "failed"},
+				row{Key: "held", Status: "held"},
+			)
+			before := map[int64]outboxRow{}
+			var works []*relay.Work
+			for _, id := range ids {
+				before[id] = f.MustRow(t, id)
+				works = append(works, streamWork(id, fmt.Sprint("k", id), d))
+			}
+			for range 2 { // safe to repeat
+				if invisible, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil || len(invisible) != 0 {
+					t.Fatalf("SettleStream = %v, %v", invisible, err)
+				}
+			}
+			got := f.MustRow(t, ids[0])
+			if got.Attempts != 4 || got.LastError == nil || *got.LastError != d.Reason {
+				t.Errorf("pending row = %v, want 4 attempts and last_error %q", got, d.Reason)
+			}
+			for _, id := range ids[1:] {
+				if got := f.MustRow(t, id); got.String() != before[id].String() {
+					t.Errorf("row %d changed: before %v, after %v", id, before[id], got)
+				}
+			}
+		})
+	}
+}
+
+// TestSettleStreamRowDataError: PostgreSQL refusing a row's data (SQLSTATE
+// class 22 or 23) comes back wrapping relay.ErrRowData, naming the step, and
+// nothing of the batch is written; a lost connection does not wrap it.
+func TestSettleStreamRowDataError(t *testing.T) {
+	tests := []struct {
+		name  string
+		setup string
+		d     relay.Decision
+		step  string
+		data  bool
+	}{
+		{
+			name:  "status refuses held",
+			setup: `ALTER TABLE integration_outbox ADD CONSTRAINT never_held CHECK (status <> 'held')`,
+			d:     relay.Decision{Kind: relay.Hold, Reason: "no answer"},
+			step:  "hold 1 rows",
+			data:  true,
+		},
+		{
+			name:  "last_error longer than its varchar",
+			setup: `ALTER TABLE integration_outbox ALTER COLUMN last_error TYPE varchar(20)`,
+			d:     relay.Decision{Kind: relay.DeadLetter, Reason: strings.Repeat("too long ", 10)},
+			step:  "dead-letter 1 rows",
+			data:  true,
+		},
+		{
+			name: "connection lost",
+			setup: `CREATE FUNCTION cut() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NEW; END $$;
+				CREATE TRIGGER cut BEFORE UPDATE ON integration_outbox FOR EACH ROW EXECUTE FUNCTION cut()`,
+			d:    relay.Decision{Kind: relay.Later, Reason: "503"},
+			step: "hand off 1 rows",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := MustFixture(t)
+			ctx := context.Background()
+			f.MustExec(t, tt.setup)
+			ids := f.MustInsert(t, row{Key: "refused"})
+			works := []*relay.Work{
+				streamWork(0, "other", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+				streamWork(ids[0], "refused", tt.d),
+			}
+			_, err := f.store.SettleStream(ctx, works, "relay-a")
+			if err == nil {
+				t.Fatal("SettleStream = nil, want an error")
+			}
+			t.Logf("SettleStream: %v", err)
+			if errors.Is(err, relay.ErrRowData) != tt.data {
+				t.Errorf("errors.Is(%v, ErrRowData) = %v, want %v", err, !tt.data, tt.data)
+			}
+			if tt.data && !strings.Contains(err.Error(), tt.step) {
+				t.Errorf("error %v does not name the step %q", err, tt.step)
+			}
+			if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency"); n != 0 {
+				t.Errorf("%d ledger rows after a failed SettleStream, want 0", n)
+			}
+			if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.HandoffAt != nil || got.LastError != nil {
+				t.Errorf("row after a failed SettleStream = %v, want untouched", got)
+			}
+		})
+	}
+}
+
+// TestSettleStreamReportsInvisibleRowsOfEveryKind: hand-offs, dead letters
+// and holds of rows inserted by a transaction not yet committed change
+// nothing and return those ids; once it commits, the same call writes them.
+func TestSettleStreamReportsInvisibleRowsOfEveryKind(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	visible := f.MustInsert(t, row{Key: "visible"})
+	tx, err := f.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	rows, err := tx.Query(ctx, `INSERT INTO integration_outbox (event_key, payload)
+		SELECT k, '{}' FROM unnest(ARRAY['later', 'dead', 'held']) AS k RETURNING id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	works := []*relay.Work{
+		streamWork(ids[0], "later", relay.Decision{Kind: relay.Later, Reason: "503", Attempts: 1}),
+		streamWork(ids[1], "dead", relay.Decision{Kind: relay.DeadLetter, Reason: "400", Attempts: 1}),
+		streamWork(ids[2], "held", relay.Decision{Kind: relay.Hold, Reason: "no answer", Attempts: 1}),
+		streamWork(visible[0], "visible", relay.Decision{Kind: relay.Later, Reason: "503", Attempts: 1}),
+	}
+	invisible, err := f.store.SettleStream(ctx, works, "relay-a")
+	slices.Sort(invisible)
+	if err != nil || !slices.Equal(invisible, ids) {
+		t.Fatalf("SettleStream = %v, %v; want the uncommitted rows %v", invisible, err, ids)
+	}
+	if got := f.MustRow(t, visible[0]); got.HandoffAt == nil {
+		t.Errorf("visible row = %v, want handed off beside the invisible ones", got)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if invisible, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil || len(invisible) != 0 {
+		t.Fatalf("after commit: SettleStream = %v, %v; want nothing invisible", invisible, err)
+	}
+	for i, want := range []string{"pending handed off", "failed", "held"} {
+		got := f.MustRow(t, ids[i])
+		status := got.Status
+		if got.HandoffAt != nil {
+			status += " handed off"
+		}
+		if status != want || got.Attempts != 1 {
+			t.Errorf("%s row = %v, want %s with 1 attempt", works[i].Event.EventKey, got, want)
+		}
 	}
 }
