@@ -2,13 +2,16 @@ package ledger_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -256,5 +259,101 @@ func TestMarkDeliveredDoneChunksAndSkipsLocked(t *testing.T) {
 	}
 	if n, err := f.store.MarkDeliveredDone(ctx, []string{"nats"}); err != nil || n != 1 {
 		t.Errorf("after the lock is gone: marked %d, %v; want 1", n, err)
+	}
+}
+
+// TestHandOverRecord: BeginSlot records that a slot's hand-over has not
+// happened (HandedOver false) until MarkForClaim records it; checkpoints
+// saved since keep the record; a BeginSlot for a new slot of the same name
+// clears it again without moving the confirmed position back.
+func TestHandOverRecord(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	if done, err := f.store.HandedOver(ctx, "no_such_slot"); err != nil || done {
+		t.Fatalf("HandedOver(no checkpoint row) = %v, %v; want false", done, err)
+	}
+
+	slot := f.MustSlotName(t)
+	for range 2 { // safe to repeat
+		if err := f.store.BeginSlot(ctx, slot); err != nil {
+			t.Fatalf("BeginSlot: %v", err)
+		}
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+		t.Fatalf("HandedOver after BeginSlot = %v, %v; want false", done, err)
+	}
+	if lsn, err := f.store.LoadCheckpoint(ctx, slot); err != nil || lsn != 0 {
+		t.Fatalf("LoadCheckpoint after BeginSlot = %v, %v; want 0", lsn, err)
+	}
+
+	created := f.MustCreateSlot(t)
+	if _, err := f.store.MarkForClaim(ctx, slot, created.snapshot, created.consistent); err != nil {
+		t.Fatalf("MarkForClaim: %v", err)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
+		t.Fatalf("HandedOver after MarkForClaim = %v, %v; want true", done, err)
+	}
+	// The confirmed position starts at the consistent point: the slot
+	// never streams anything before it.
+	if lsn, err := f.store.LoadCheckpoint(ctx, slot); err != nil || lsn != created.consistent {
+		t.Errorf("LoadCheckpoint after MarkForClaim = %v, %v; want the consistent point %s", lsn, err, created.consistent)
+	}
+
+	ahead := created.consistent + 0x1000
+	if err := f.store.SaveCheckpoint(ctx, slot, ahead); err != nil {
+		t.Fatalf("SaveCheckpoint: %v", err)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
+		t.Errorf("HandedOver after SaveCheckpoint = %v, %v; want true", done, err)
+	}
+	if handover, _ := f.handOverRecord(t, slot); handover != created.consistent {
+		t.Errorf("handover_lsn = %s after SaveCheckpoint, want %s kept", handover, created.consistent)
+	}
+
+	// The slot is made again (dropped, lost): not handed over until the
+	// new slot's MarkForClaim, and the checkpoint does not move back.
+	if err := f.store.BeginSlot(ctx, slot); err != nil {
+		t.Fatalf("BeginSlot: %v", err)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+		t.Errorf("HandedOver after a second BeginSlot = %v, %v; want false", done, err)
+	}
+	if lsn, err := f.store.LoadCheckpoint(ctx, slot); err != nil || lsn != ahead {
+		t.Errorf("LoadCheckpoint after a second BeginSlot = %v, %v; want %s kept", lsn, err, ahead)
+	}
+}
+
+// TestHandOverRecordBackfilled: a checkpoint row written before migration
+// 007 belongs to a slot whose hand-over finished (a relay saved its first
+// checkpoint only after its slot's hand-over), so migrating marks it handed
+// over and the slot is kept. The migrator cannot stop at version 6, so the test
+// migrates fully and then puts the schema back as version 6 left it: the
+// column dropped, the version table at 6, a checkpoint row as that relay
+// wrote it. Migrate then runs the real 007.
+func TestHandOverRecordBackfilled(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustExec(t, `ALTER TABLE relay_checkpoint DROP COLUMN handover_lsn`)
+	f.MustExec(t, `UPDATE integration_outbox_relay_version SET version = 6`)
+	f.MustExec(t, `INSERT INTO relay_checkpoint (slot_name, confirmed_lsn) VALUES ('old_slot', '16/B374D848')`)
+
+	conn, err := pgx.Connect(ctx, f.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	res, err := migrations.Migrate(ctx, conn, migrations.Options{Names: f.names})
+	if err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	if res.From != 6 || fmt.Sprint(res.Applied) != "[007_handover_record]" {
+		t.Fatalf("migrate from %d applied %v, want from 6: [007_handover_record]", res.From, res.Applied)
+	}
+
+	if done, err := f.store.HandedOver(ctx, "old_slot"); err != nil || !done {
+		t.Errorf("HandedOver(checkpoint from before 007) = %v, %v; want true", done, err)
+	}
+	if handover, confirmed := f.handOverRecord(t, "old_slot"); handover != confirmed || confirmed != 0x16_B374D848 {
+		t.Errorf("handover_lsn %s, confirmed_lsn %s; want both 16/B374D848", handover, confirmed)
 	}
 }
