@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -825,5 +826,37 @@ func TestSettleStreamReportsInvisibleRowsOfEveryKind(t *testing.T) {
 		if status != want || got.Attempts != 1 {
 			t.Errorf("%s row = %v, want %s with 1 attempt", works[i].Event.EventKey, got, want)
 		}
+	}
+}
+
+// TestSettleStreamStoresAnyReason: a reason PostgreSQL's text would refuse
+// (a NUL byte, invalid UTF-8) or too long for a column is stored as
+// relay.ShortError makes it, for every decision kind and a held pair's
+// detail, instead of failing the batch.
+func TestSettleStreamStoresAnyReason(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t, row{Key: "later"}, row{Key: "dead"}, row{Key: "held"})
+	reason := "bad\x00byte\xff " + strings.Repeat("é", 400)
+	held := &relay.Pair{Sink: "erp", Hold: true, Claimed: true, Outcome: relay.Outcome{Kind: relay.Held, Reason: reason, Unknown: true}}
+	works := []*relay.Work{
+		streamWork(ids[0], "later", relay.Decision{Kind: relay.Later, Reason: reason}),
+		streamWork(ids[1], "dead", relay.Decision{Kind: relay.DeadLetter, Reason: reason}),
+		streamWork(ids[2], "held", relay.Decision{Kind: relay.Hold, Reason: reason}, held),
+	}
+	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
+	}
+	want := relay.ShortError(reason)
+	if len(want) > 500 || strings.ContainsRune(want, 0) || !utf8.ValidString(want) {
+		t.Fatalf("ShortError(reason) = %q, not storable", want)
+	}
+	for i, id := range ids {
+		if got := f.MustRow(t, id); got.LastError == nil || *got.LastError != want {
+			t.Errorf("%s: last_error = %q, want %q", works[i].Event.EventKey, deref(got.LastError), want)
+		}
+	}
+	if l := f.MustLedger(t, "held")["erp"]; l.Detail == nil || *l.Detail != want {
+		t.Errorf("held/erp detail = %q, want %q", deref(l.Detail), want)
 	}
 }
