@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
@@ -32,7 +33,7 @@ func TestUnknownOutcome(t *testing.T) {
 				}
 				return nil
 			})
-			MustStart(t, f, claim.Config{Routes: []relay.Route{{Sink: a, Hold: tc.hold}}, PollInterval: 50 * time.Millisecond,
+			MustStart(t, f, options{Routes: []relay.Route{{Sink: a, Hold: tc.hold}}, PollInterval: 50 * time.Millisecond,
 				Backoff: []time.Duration{100 * time.Millisecond}})
 			key := relay.LedgerKey{EventKey: "k", Action: "a"}
 
@@ -75,15 +76,15 @@ func TestUnknownOutcome(t *testing.T) {
 	}
 }
 
-// When the owner-lock connection dies, the Claimer takes the lock again on
+// When the owner-lock connection dies, the claim source takes the lock again on
 // a new connection and goes on claiming.
 func TestOwnerLockIsTakenAgain(t *testing.T) {
 	f := MustFixture(t)
 	a := newFakeSink("a", nil)
-	c := MustStart(t, f, claim.Config{Routes: routes(a), All: true, PollInterval: 50 * time.Millisecond})
+	c := MustStart(t, f, options{Routes: routes(a), All: true, PollInterval: 50 * time.Millisecond})
 	lockHeld := func() bool {
 		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
-			AND classid = $1 AND objid = hashtext($2)::oid`, int64(claim.OwnerLockClass), c.Owner()) == 1
+			AND classid = $1 AND objid = hashtext($2)::oid`, int64(ledger.OwnerLockClass), c.Owner()) == 1
 	}
 	waitFor(t, 5*time.Second, "the owner lock", lockHeld)
 	if n := f.MustInt(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
@@ -96,9 +97,12 @@ func TestOwnerLockIsTakenAgain(t *testing.T) {
 	waitFor(t, 10*time.Second, "a row claimed after the lock came back", func() bool { return f.MustRow(t, "after").Status == "done" })
 }
 
-// Stopping sends nothing new, finishes the deliveries in flight and settles
-// them (rows not yet sent go back to pending without an attempt), then
-// releases the owner lock.
+// Stopping claims nothing new, lets the engine finish the deliveries of
+// the rows already claimed and waits until they are settled (rows not
+// claimed stay pending without an attempt), then releases the owner lock.
+//
+// The source no longer sends: it hands claimed rows to the engine, which
+// delivers every row it took, so "in flight" is now every claimed row.
 func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsertMany(t, "evt", 5, 0, true)
@@ -108,7 +112,8 @@ func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 		time.Sleep(500 * time.Millisecond)
 		return nil
 	})
-	c, err := claim.New(claim.Config{Pool: f.pool, Routes: routes(a), PollInterval: 50 * time.Millisecond, Logger: testLogger(t)})
+	r := MustEngine(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	c, err := claim.New(r.SourceConfig(t, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,50 +134,68 @@ func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 	if n := f.MustStatusCount(t, "done"); n != int64(sent) {
 		t.Errorf("%d rows done after stopping, want the %d sent", n, sent)
 	}
+	if claimed := c.Stats.Claimed.Load(); int64(sent) != claimed {
+		t.Errorf("%d rows sent by the time Run returned, want every claimed row (%d)", sent, claimed)
+	}
 	for key, r := range f.MustRows(t) {
 		if r.Status != "done" && (r.Status != "pending" || r.Attempts != 0) {
 			t.Errorf("%s: status %s, attempts %d after stopping; want done, or pending without an attempt", key, r.Status, r.Attempts)
 		}
 	}
-	t.Logf("%d of 5 rows were in flight when Run was stopped", sent)
-	if n := f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(claim.OwnerLockClass)); n != 0 {
+	t.Logf("%d of 5 rows were claimed when Run was stopped", sent)
+	if n := f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(ledger.OwnerLockClass)); n != 0 {
 		t.Errorf("owner lock still held after Run returned")
 	}
 }
 
-// Config errors name what is wrong.
+// Config errors name what is wrong. Routes are the engine's now: a
+// duplicate sink or a bad glob is refused by relay.NewEngine. The owner is
+// given (ledger.NewOwner makes one with ledger.OwnerPrefix); New no longer
+// makes one nor checks its prefix.
 func TestNewRejectsBadConfig(t *testing.T) {
 	f := MustFixture(t)
 	a := newFakeSink("a", nil)
+	r := MustEngine(t, f, options{Routes: routes(a)})
 	for _, tc := range []struct {
 		name string
 		cfg  claim.Config
 		want string
 	}{
-		{"no pool", claim.Config{}, "no connection pool"},
-		{"owner without prefix", claim.Config{Pool: f.pool, Owner: "host:1"}, "must start with"},
-		{"duplicate sinks", claim.Config{Pool: f.pool, Routes: routes(a, a)}, `two sinks named "a"`},
-		{"bad glob", claim.Config{Pool: f.pool, Routes: []relay.Route{{Sink: a, Events: []string{"order.["}}}}, "syntax error in pattern"},
-		{"bad channel", claim.Config{Pool: f.pool, Notify: "a\x01"}, "notify channel"},
+		{"no engine", claim.Config{Store: r.Store, Owner: r.Owner()}, "no engine"},
+		{"no store", claim.Config{Engine: r.Engine, Owner: r.Owner()}, "no store"},
+		{"no owner", claim.Config{Engine: r.Engine, Store: r.Store}, "no owner"},
+		{"bad channel", claim.Config{Engine: r.Engine, Store: r.Store, Owner: r.Owner(), Notify: "a\x01"}, "notify channel"},
 	} {
 		if _, err := claim.New(tc.cfg); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: New = %v, want an error containing %q", tc.name, err, tc.want)
 		}
 	}
-	c, err := claim.New(claim.Config{Pool: f.pool})
-	if err != nil || !strings.HasPrefix(c.Owner(), claim.OwnerPrefix) {
-		t.Errorf("default owner %q, %v", c.Owner(), err)
+	for _, tc := range []struct {
+		name   string
+		routes []relay.Route
+		want   string
+	}{
+		{"duplicate sinks", routes(a, a), `two sinks named "a"`},
+		{"bad glob", []relay.Route{{Sink: a, Events: []string{"order.["}}}, "syntax error in pattern"},
+	} {
+		_, err := relay.NewEngine(relay.EngineConfig{Routes: tc.routes, Stream: r.Store, Claim: r.Store, Owner: r.Owner()})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: NewEngine = %v, want an error containing %q", tc.name, err, tc.want)
+		}
 	}
-	// A second Claimer with a live owner's id cannot start.
-	first := MustStart(t, f, claim.Config{Routes: routes(a)})
+	if owner := ledger.NewOwner(); !strings.HasPrefix(owner, ledger.OwnerPrefix) {
+		t.Errorf("ledger.NewOwner() = %q, want the prefix %q", owner, ledger.OwnerPrefix)
+	}
+	// A second source with a live owner's id cannot start.
+	first := MustStart(t, f, options{Routes: routes(a)})
 	waitFor(t, 5*time.Second, "the first owner lock", func() bool {
-		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(claim.OwnerLockClass)) == 1
+		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(ledger.OwnerLockClass)) == 1
 	})
-	second, err := claim.New(claim.Config{Pool: f.pool, Owner: first.Owner(), Routes: routes(a)})
+	second, err := claim.New(claim.Config{Engine: r.Engine, Store: r.Store, Owner: first.Owner()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := second.Run(context.Background()); !errors.Is(err, claim.ErrOwnerTaken) {
-		t.Errorf("Run with a live owner's id = %v, want ErrOwnerTaken", err)
+	if err := second.Run(context.Background()); !errors.Is(err, relay.ErrLockTaken) {
+		t.Errorf("Run with a live owner's id = %v, want relay.ErrLockTaken", err)
 	}
 }
