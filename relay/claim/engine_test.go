@@ -1,7 +1,9 @@
 package claim_test
 
 import (
+	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -82,5 +84,101 @@ func TestEngineHandOffAndUndivert(t *testing.T) {
 	}
 	if got := c.Engine.Stats.Delivered.Load(); got != 3 {
 		t.Errorf("the engine delivered %d pairs, want 3", got)
+	}
+}
+
+// In-memory order across paths: a row the claim path is delivering holds
+// back its aggregate's next event arriving on the stream in the same
+// engine, which is sent only after it — and, when the claimed row fails,
+// follows it to the claim path instead of overtaking it.
+//
+// The row is claimed after the engine started without it being diverted
+// (as after `outbox-relay reconcile` or in poll mode), so nothing but the
+// lane keeps the stream's event back. The test drives the engine's two
+// entries directly: the store's Claim and SubmitClaimed, and the stream
+// Consumer.
+func TestClaimedRowGoesBeforeItsStreamSuccessor(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		fail bool
+	}{{"claimed row delivered", false}, {"claimed row fails", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := MustFixture(t)
+			f.MustInsert(t, event{Key: "c1", AggType: "order", AggID: "A"})
+			var (
+				mu      sync.Mutex
+				order   []string
+				started = make(chan struct{})
+				release = make(chan struct{})
+			)
+			a := newFakeSink("a", func(d *relay.Delivery) error {
+				if d.Event.EventKey == "c1" {
+					close(started)
+					<-release
+					if tc.fail {
+						return relay.TransientError(errors.New("HTTP 503"), 0)
+					}
+				}
+				mu.Lock()
+				order = append(order, d.Event.EventKey)
+				mu.Unlock()
+				return nil
+			})
+			r := MustEngine(t, f, options{Routes: routes(a), Backoff: []time.Duration{time.Hour}})
+			var releaseOnce sync.Once
+			unblock := func() { releaseOnce.Do(func() { close(release) }) }
+			t.Cleanup(unblock) // before the engine's drain, also when the test fails
+			ctx := context.Background()
+			works, err := r.Store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: r.Owner()})
+			if err != nil || len(works) != 1 {
+				t.Fatalf("Claim = %d rows, %v; want c1", len(works), err)
+			}
+			if notTaken, err := r.Engine.SubmitClaimed(ctx, works); err != nil {
+				t.Fatalf("SubmitClaimed: %v (%d not taken)", err, len(notTaken))
+			}
+			select {
+			case <-started:
+			case <-time.After(10 * time.Second):
+				t.Fatal("c1 never reached the sink")
+			}
+
+			r.MustStream(t, f, "A", "s2")
+			time.Sleep(300 * time.Millisecond) // s2's chance to overtake
+			mu.Lock()
+			early := slices.Clone(order)
+			mu.Unlock()
+			if len(early) != 0 {
+				t.Fatalf("sent %v while c1 was being delivered", early)
+			}
+			unblock()
+
+			if !tc.fail {
+				waitFor(t, 10*time.Second, "c1 done and s2 delivered", func() bool {
+					mu.Lock()
+					defer mu.Unlock()
+					return len(order) == 2 && f.MustRow(t, "c1").Status == "done"
+				})
+				mu.Lock()
+				defer mu.Unlock()
+				if order[0] != "c1" || order[1] != "s2" {
+					t.Errorf("delivered in order %v, want [c1 s2]", order)
+				}
+				if row := f.MustRow(t, "s2"); row.HandedOff {
+					t.Errorf("s2 was handed off; it should have waited in memory behind c1")
+				}
+				return
+			}
+			waitFor(t, 10*time.Second, "c1 back to pending and s2 handed off", func() bool {
+				return f.MustRow(t, "c1").Status == "pending" && f.MustRow(t, "s2").HandedOff
+			})
+			if row := f.MustRow(t, "c1"); row.Attempts != 1 {
+				t.Errorf("c1: attempts %d, want 1", row.Attempts)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if len(order) != 0 {
+				t.Errorf("sent %v; s2 must not overtake c1, which failed", order)
+			}
+		})
 	}
 }
