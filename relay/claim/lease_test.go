@@ -2,6 +2,7 @@ package claim_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -143,5 +144,70 @@ func TestGoneOwnerIsTakenOverBeforeItsLease(t *testing.T) {
 	}
 	if pair := f.MustLedger(t)[relay.LedgerKey{EventKey: "alive-pair", Action: "a"}]; pair.State != "sending" || deref(pair.Owner) != alive {
 		t.Errorf("live owner's claim %+v changed", pair)
+	}
+}
+
+// The engine renews the leases of the rows it is delivering: with
+// lock_timeout 1 s and a sink that takes 3 s per event, two relays (two
+// owners, each its own engine and claim source) on one table deliver each
+// row exactly once. Without the renewal every row would outlive its lease
+// while being sent, and a sweeper would return it to be sent again.
+func TestLeaseRenewedWhileDelivering(t *testing.T) {
+	f := MustFixture(t)
+	const rows = 6
+	const lease, sendTime = time.Second, 3 * time.Second
+
+	var relays []*rig
+	var sinks []*fakeSink
+	for range 2 {
+		a := newFakeSink("a", func(*relay.Delivery) error {
+			time.Sleep(sendTime)
+			return nil
+		})
+		sinks = append(sinks, a)
+		relays = append(relays, MustStart(t, f, options{Routes: routes(a), All: true, BatchSize: 1,
+			LockTimeout: lease, PollInterval: 100 * time.Millisecond}))
+	}
+	waitFor(t, 5*time.Second, "both owner locks", func() bool {
+		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND classid = $1`,
+			int64(ledger.OwnerLockClass)) == 2
+	})
+	// One row at a time, so that both relays are likely to claim some.
+	start := time.Now()
+	for i := range rows {
+		f.MustInsert(t, event{Key: fmt.Sprintf("evt-%d", i)})
+		time.Sleep(150 * time.Millisecond)
+	}
+	waitFor(t, 30*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == rows })
+	t.Logf("%d rows of %s each, lease %s: done after %s; claimed %d and %d", rows, sendTime, lease,
+		time.Since(start).Round(time.Millisecond), relays[0].Stats.Claimed.Load(), relays[1].Stats.Claimed.Load())
+	time.Sleep(2 * lease) // more sweeps: nothing comes back
+
+	sent := map[string]int{}
+	for _, s := range sinks {
+		for _, c := range s.Calls() {
+			sent[c.Key]++
+		}
+	}
+	if len(sent) != rows {
+		t.Errorf("sent %d distinct rows, want %d", len(sent), rows)
+	}
+	for key, n := range sent {
+		if n != 1 {
+			t.Errorf("%s sent %d times, want once", key, n)
+		}
+	}
+	for i, r := range relays {
+		if n := r.Stats.TakenOver.Load(); n != 0 {
+			t.Errorf("relay %d's sweeper returned %d leases while their rows were being delivered", i+1, n)
+		}
+	}
+	for k, p := range f.MustLedger(t) {
+		if p.State != "delivered" || p.Attempts != 1 {
+			t.Errorf("ledger pair %v: %+v, want delivered at its first claim", k, p)
+		}
+	}
+	if n := f.MustStatusCount(t, "done"); n != rows {
+		t.Errorf("%d rows done, want %d", n, rows)
 	}
 }
