@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -145,6 +146,80 @@ func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 	t.Logf("%d of 5 rows were claimed when Run was stopped", sent)
 	if n := f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(ledger.OwnerLockClass)); n != 0 {
 		t.Errorf("owner lock still held after Run returned")
+	}
+}
+
+// Rows the engine cannot take go back: here the engine holds one unsettled
+// event at most (MaxUnsettled 1) and is busy with the first row when the
+// source, having claimed the second, is stopped while SubmitClaimed waits
+// for room. The second row goes back to pending, still the claim path's,
+// without an attempt counted, a ledger claim or a send; the first is
+// delivered and settled before Run returns.
+func TestPutBackWhenTheEngineCannotTake(t *testing.T) {
+	f := MustFixture(t)
+	f.MustInsert(t, event{Key: "r1", HandedOff: true}, event{Key: "r2", HandedOff: true})
+	started := make(chan string, 2)
+	release := make(chan struct{})
+	var releaseOnce sync.Once
+	unblock := func() { releaseOnce.Do(func() { close(release) }) }
+	a := newFakeSink("a", func(d *relay.Delivery) error {
+		started <- d.Event.EventKey
+		<-release
+		return nil
+	})
+	r := MustEngine(t, f, options{Routes: routes(a), MaxUnsettled: 1, BatchSize: 1, PollInterval: 50 * time.Millisecond})
+	t.Cleanup(unblock) // before the engine's drain, also when the test fails
+	c, err := claim.New(r.SourceConfig(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var first string
+	select {
+	case first = <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no row reached the sink")
+	}
+	second := map[string]string{"r1": "r2", "r2": "r1"}[first]
+	// A full batch: the source claims again at once, and waits in
+	// SubmitClaimed for room the first row holds.
+	waitFor(t, 10*time.Second, second+" claimed", func() bool { return f.MustRow(t, second).Status == "processing" })
+	time.Sleep(200 * time.Millisecond)
+	cancel()
+
+	waitFor(t, 10*time.Second, second+" put back", func() bool { return f.MustRow(t, second).Status == "pending" })
+	row := f.MustRow(t, second)
+	if row.Attempts != 0 || row.LockedBy != nil || !row.HandedOff || row.LastError != nil {
+		t.Errorf("%s put back as %+v (locked by %s, last_error %s); want pending, 0 attempts, unlocked, still handed off",
+			second, row, deref(row.LockedBy), deref(row.LastError))
+	}
+	if _, ok := f.MustLedger(t)[relay.LedgerKey{EventKey: second, Action: "a"}]; ok {
+		t.Errorf("%s has a ledger claim; the engine never took it", second)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned (%v) before the row it handed to the engine was settled", err)
+	default:
+	}
+	unblock()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	if st := f.MustRow(t, first).Status; st != "done" {
+		t.Errorf("%s: status %s after Run returned, want done", first, st)
+	}
+	if sent := a.Delivered(); sent[second] != 0 || sent[first] != 1 {
+		t.Errorf("sent %v, want %s once and %s never", sent, first, second)
+	}
+	if n := c.Stats.Claimed.Load(); n != 2 {
+		t.Errorf("claimed %d rows, want 2", n)
 	}
 }
 
