@@ -206,6 +206,24 @@ func TestWithoutReplaysColumn(t *testing.T) {
 	}
 }
 
+// A batch larger than the engine's room for unsettled events
+// (source.batch_size above MaxUnsettled) is still delivered: the engine
+// takes it in parts instead of waiting for room for all of it at once,
+// which never comes.
+func TestBatchLargerThanTheEngineTakes(t *testing.T) {
+	f := MustFixture(t)
+	const rows = 20
+	f.MustInsertMany(t, "evt", rows, 0, true)
+	a := newFakeSink("a", nil)
+	MustStart(t, f, options{Routes: routes(a), BatchSize: 10, MaxUnsettled: 4, PollInterval: 50 * time.Millisecond})
+	waitFor(t, 10*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == rows })
+	for key, n := range a.Delivered() {
+		if n != 1 {
+			t.Errorf("%s delivered %d times", key, n)
+		}
+	}
+}
+
 func deref[T any](p *T) string {
 	if p == nil {
 		return "NULL"
