@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -508,6 +509,13 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 	}
 	if len(works) == 0 {
 		return nil, nil
+	}
+	// Room for more than MaxUnsettled works at once never comes: a larger
+	// batch is taken in parts.
+	for room := e.cfg.MaxUnsettled; len(works) > room; works = works[room:] {
+		if notTaken, err := e.SubmitClaimed(ctx, works[:room]); err != nil {
+			return slices.Concat(notTaken, works[room:]), err
+		}
 	}
 	for _, w := range works {
 		w.path = PathClaim

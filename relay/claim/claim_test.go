@@ -215,8 +215,10 @@ func TestBatchLargerThanTheEngineTakes(t *testing.T) {
 	const rows = 20
 	f.MustInsertMany(t, "evt", rows, 0, true)
 	a := newFakeSink("a", nil)
+	start := time.Now()
 	MustStart(t, f, options{Routes: routes(a), BatchSize: 10, MaxUnsettled: 4, PollInterval: 50 * time.Millisecond})
 	waitFor(t, 10*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == rows })
+	t.Logf("%d rows in batches of 10, 4 unsettled at most: done after %s", rows, time.Since(start).Round(time.Millisecond))
 	for key, n := range a.Delivered() {
 		if n != 1 {
 			t.Errorf("%s delivered %d times", key, n)
