@@ -223,6 +223,46 @@ func TestPutBackWhenTheEngineCannotTake(t *testing.T) {
 	}
 }
 
+// One engine outlives its claim sources: in auto mode the supervisor runs
+// a polling source, stops it and starts the stream's source over the same
+// engine (relay/supervisor), while the engine may still be finishing the
+// first source's settlement. New registers the new source's wake-up with
+// the running engine; each source delivers its rows.
+func TestSourcesOneAfterAnotherOnOneEngine(t *testing.T) {
+	f := MustFixture(t)
+	a := newFakeSink("a", nil)
+	r := MustEngine(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	ctx := context.Background()
+
+	// The first source's last batch settles after its loop has stopped
+	// (here it never ran: the rows are claimed for it).
+	if _, err := claim.New(r.SourceConfig(t, nil)); err != nil {
+		t.Fatal(err)
+	}
+	f.MustInsertMany(t, "first", 5, 0, false)
+	works, err := r.Store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: r.Owner()})
+	if err != nil || len(works) != 5 {
+		t.Fatalf("Claim = %d rows, %v; want 5", len(works), err)
+	}
+	if notTaken, err := r.Engine.SubmitClaimed(ctx, works); err != nil {
+		t.Fatalf("SubmitClaimed: %v (%d not taken)", err, len(notTaken))
+	}
+	waitFor(t, 10*time.Second, "the first rows done", func() bool { return f.MustStatusCount(t, "done") == 5 })
+	time.Sleep(100 * time.Millisecond) // the engine's bookkeeping after the write
+
+	// The next source, on the same engine.
+	f.MustInsertMany(t, "second", 5, 0, true)
+	second, err := claim.New(r.SourceConfig(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runSource(t, second)
+	waitFor(t, 10*time.Second, "the second source's rows done", func() bool { return f.MustStatusCount(t, "done") == 10 })
+	if n := len(a.Delivered()); n != 10 {
+		t.Errorf("delivered %d rows, want 10", n)
+	}
+}
+
 // Config errors name what is wrong. Routes are the engine's now: a
 // duplicate sink or a bad glob is refused by relay.NewEngine. The owner is
 // given (ledger.NewOwner makes one with ledger.OwnerPrefix); New no longer
