@@ -89,8 +89,9 @@ type Engine struct {
 	runCtx  context.Context
 
 	stream *streamFeed
-	// claimSettled is called after claim-path settlements (OnClaimSettled).
-	claimSettled func()
+	// claimSettled is called after claim-path settlements (OnClaimSettled);
+	// a source may register while the engine runs.
+	claimSettled atomic.Pointer[func()]
 
 	// Stats counts outcomes; safe to read concurrently.
 	Stats EngineStats
