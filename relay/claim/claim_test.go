@@ -91,6 +91,11 @@ func TestPollModeDeliversEveryEventOnceToEverySink(t *testing.T) {
 
 // Replication mode: only rows handed to the claim path are claimed; the
 // stream's rows are left alone, and handed-off rows keep their mark.
+//
+// New with the core: the sweeper makes pending rows with a NULL
+// available_at due in every mode, not only in poll mode, so a handed-off
+// row without one is delivered, and a stream's row without one is given
+// one but stays the stream's.
 func TestReplicationModeClaimsOnlyHandedOffRows(t *testing.T) {
 	f := MustFixture(t)
 	var events []event
@@ -100,10 +105,14 @@ func TestReplicationModeClaimsOnlyHandedOffRows(t *testing.T) {
 		events = append(events, event{Key: fmt.Sprintf("k%02d", i), AggType: "order", AggID: fmt.Sprintf("%d-%d", i%3, i%2), HandedOff: i%2 == 1})
 	}
 	f.MustInsert(t, events...)
+	f.MustExec(t, `UPDATE integration_outbox SET available_at = NULL WHERE event_key IN ('k00', 'k01')`)
 	a := newFakeSink("a", nil)
 	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 
 	waitFor(t, 10*time.Second, "handed-off rows done", func() bool { return f.MustStatusCount(t, "done") == 10 })
+	if n := f.MustInt(t, `SELECT count(*) FROM integration_outbox WHERE available_at IS NULL`); n != 0 {
+		t.Errorf("%d rows still have a NULL available_at", n)
+	}
 	time.Sleep(300 * time.Millisecond) // a few more polls
 	for key, r := range f.MustRows(t) {
 		switch {
