@@ -2,18 +2,30 @@ package ledger_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
+
+// createdSlot is a slot made by MustCreateSlot.
+type createdSlot struct {
+	name       string
+	snapshot   string    // the exported snapshot
+	consistent relay.LSN // the slot's consistent point
+}
 
 // MustCreateSlot creates a temporary logical slot with an exported snapshot
 // on a new replication connection, which stays open (and idle, keeping the
-// snapshot) until the test ends. It returns the snapshot name.
-func (f *fixture) MustCreateSlot(tb testing.TB) string {
+// snapshot) until the test ends.
+func (f *fixture) MustCreateSlot(tb testing.TB) createdSlot {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -22,12 +34,8 @@ func (f *fixture) MustCreateSlot(tb testing.TB) string {
 		tb.Fatalf("replication connect: %v", err)
 	}
 	tb.Cleanup(func() { _ = repl.Close(context.Background()) })
-	var db string
-	if err := f.pool.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
-		tb.Fatal(err)
-	}
 	// Slot names are cluster-wide: reuse the database name's random suffix.
-	slot := "ledger_test_" + db[len(db)-12:]
+	slot := f.MustSlotName(tb)
 	res, err := pglogrepl.CreateReplicationSlot(ctx, repl, slot, "pgoutput",
 		pglogrepl.CreateReplicationSlotOptions{Temporary: true, SnapshotAction: "EXPORT_SNAPSHOT"})
 	if err != nil {
@@ -36,7 +44,39 @@ func (f *fixture) MustCreateSlot(tb testing.TB) string {
 	if res.SnapshotName == "" {
 		tb.Fatal("create slot: no snapshot exported")
 	}
-	return res.SnapshotName
+	consistent, err := relay.ParseLSN(res.ConsistentPoint)
+	if err != nil {
+		tb.Fatalf("create slot: consistent point: %v", err)
+	}
+	return createdSlot{name: slot, snapshot: res.SnapshotName, consistent: consistent}
+}
+
+// MustSlotName is the name MustCreateSlot gives the fixture's slot.
+func (f *fixture) MustSlotName(tb testing.TB) string {
+	tb.Helper()
+	var db string
+	if err := f.pool.QueryRow(context.Background(), "SELECT current_database()").Scan(&db); err != nil {
+		tb.Fatal(err)
+	}
+	return "ledger_test_" + db[len(db)-12:]
+}
+
+// handOverRecord is the checkpoint row of slot: handover_lsn (0 when NULL)
+// and confirmed_lsn.
+func (f *fixture) handOverRecord(tb testing.TB, slot string) (handover, confirmed relay.LSN) {
+	tb.Helper()
+	var h *string
+	err := f.pool.QueryRow(context.Background(),
+		`SELECT handover_lsn::text, confirmed_lsn::text FROM relay_checkpoint WHERE slot_name = $1`, slot).Scan(&h, &confirmed)
+	if err != nil {
+		tb.Fatalf("read the checkpoint row of %s: %v", slot, err)
+	}
+	if h != nil {
+		if handover, err = relay.ParseLSN(*h); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	return handover, confirmed
 }
 
 func TestMarkForClaim(t *testing.T) {
@@ -57,37 +97,64 @@ func TestMarkForClaim(t *testing.T) {
 			before := f.MustInsert(t,
 				row{Key: "pending-1"},
 				row{Key: "pending-2"},
+				row{Key: "pending-null-available", NoAvailableAt: true},
 				row{Key: "handed-off", HandedOff: true},
 				row{Key: "done", Status: "done"},
 				row{Key: "processing", Status: "processing"},
 			)
-			handedOffAt := f.MustRow(t, before[2]).HandoffAt
+			pending, handedOff, untouched := before[:3], before[3], before[4:]
+			handedOffAt := f.MustRow(t, handedOff).HandoffAt
+			availableAt := f.MustRow(t, pending[0]).AvailableAt
 
-			snapshot := f.MustCreateSlot(t)
+			slot := f.MustSlotName(t)
+			if err := f.store.BeginSlot(ctx, slot); err != nil {
+				t.Fatalf("BeginSlot: %v", err)
+			}
+			created := f.MustCreateSlot(t)
 			after := f.MustInsert(t, row{Key: "after-slot"})
 			if tt.changeAfterSlot {
-				f.MustExec(t, "UPDATE integration_outbox SET attempts = attempts + 1 WHERE id = $1", before[1])
+				f.MustExec(t, "UPDATE integration_outbox SET attempts = attempts + 1 WHERE id = $1", pending[1])
+			}
+			if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+				t.Fatalf("HandedOver before MarkForClaim = %v, %v; want false", done, err)
 			}
 
-			marked, err := f.store.MarkForClaim(ctx, snapshot)
+			start := time.Now()
+			marked, err := f.store.MarkForClaim(ctx, slot, created.snapshot, created.consistent)
 			if err != nil {
 				t.Fatalf("MarkForClaim: %v", err)
 			}
-			if marked != 2 {
-				t.Errorf("MarkForClaim marked %d rows, want 2", marked)
+			if marked != 3 {
+				t.Errorf("MarkForClaim marked %d rows, want 3", marked)
 			}
-			for _, id := range before[:2] {
+			for _, id := range pending {
 				if got := f.MustRow(t, id); got.Status != "pending" || got.HandoffAt == nil {
 					t.Errorf("row %d pending before the slot = %+v, want pending and handed off", id, got)
 				}
 			}
-			if got := f.MustRow(t, before[2]).HandoffAt; !got.Equal(*handedOffAt) {
+			// A NULL available_at would keep the row from the claim query
+			// (it orders by available_at): it becomes due now; a set one is
+			// kept.
+			if got := f.MustRow(t, pending[2]).AvailableAt; got.Before(start.Add(-time.Minute)) || got.After(time.Now().Add(time.Minute)) {
+				t.Errorf("available_at of a row that had none = %v, want now", got)
+			}
+			if got := f.MustRow(t, pending[0]).AvailableAt; !got.Equal(availableAt) {
+				t.Errorf("available_at = %v, want %v kept", got, availableAt)
+			}
+			if got := f.MustRow(t, handedOff).HandoffAt; !got.Equal(*handedOffAt) {
 				t.Errorf("handed-off row re-marked: handoff_at %v, was %v", got, handedOffAt)
 			}
-			for _, id := range append(before[3:], after...) {
+			for _, id := range append(untouched, after...) {
 				if got := f.MustRow(t, id); got.HandoffAt != nil {
 					t.Errorf("row %d (%s) marked, want untouched", id, got.Status)
 				}
+			}
+			// Both ways record the hand-over, at the consistent point.
+			if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
+				t.Errorf("HandedOver after MarkForClaim = %v, %v; want true", done, err)
+			}
+			if handover, confirmed := f.handOverRecord(t, slot); handover != created.consistent || confirmed < created.consistent {
+				t.Errorf("handover_lsn %s, confirmed_lsn %s; want both at the consistent point %s", handover, confirmed, created.consistent)
 			}
 		})
 	}
@@ -95,8 +162,11 @@ func TestMarkForClaim(t *testing.T) {
 
 func TestMarkForClaimBadSnapshot(t *testing.T) {
 	f := MustFixture(t)
+	if err := f.store.BeginSlot(context.Background(), "slot"); err != nil {
+		t.Fatal(err)
+	}
 	for _, snapshot := range []string{"", "00000003-00000002-1", "x'; DROP TABLE integration_outbox; --"} {
-		if _, err := f.store.MarkForClaim(context.Background(), snapshot); err == nil {
+		if _, err := f.store.MarkForClaim(context.Background(), "slot", snapshot, 0x1_00000000); err == nil {
 			t.Errorf("MarkForClaim(%q) = nil, want an error", snapshot)
 		} else if snapshot != "" && !strings.Contains(err.Error(), "import snapshot") {
 			t.Errorf("MarkForClaim(%q) = %v, want the import error", snapshot, err)
@@ -104,6 +174,9 @@ func TestMarkForClaimBadSnapshot(t *testing.T) {
 	}
 	if n := f.MustCount(t, "SELECT count(*) FROM integration_outbox"); n != 0 {
 		t.Errorf("count = %d", n)
+	}
+	if done, err := f.store.HandedOver(context.Background(), "slot"); err != nil || done {
+		t.Errorf("HandedOver after failed hand-overs = %v, %v; want false", done, err)
 	}
 }
 
@@ -186,5 +259,101 @@ func TestMarkDeliveredDoneChunksAndSkipsLocked(t *testing.T) {
 	}
 	if n, err := f.store.MarkDeliveredDone(ctx, []string{"nats"}); err != nil || n != 1 {
 		t.Errorf("after the lock is gone: marked %d, %v; want 1", n, err)
+	}
+}
+
+// TestHandOverRecord: BeginSlot records that a slot's hand-over has not
+// happened (HandedOver false) until MarkForClaim records it; checkpoints
+// saved since keep the record; a BeginSlot for a new slot of the same name
+// clears it again without moving the confirmed position back.
+func TestHandOverRecord(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	if done, err := f.store.HandedOver(ctx, "no_such_slot"); err != nil || done {
+		t.Fatalf("HandedOver(no checkpoint row) = %v, %v; want false", done, err)
+	}
+
+	slot := f.MustSlotName(t)
+	for range 2 { // safe to repeat
+		if err := f.store.BeginSlot(ctx, slot); err != nil {
+			t.Fatalf("BeginSlot: %v", err)
+		}
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+		t.Fatalf("HandedOver after BeginSlot = %v, %v; want false", done, err)
+	}
+	if lsn, err := f.store.LoadCheckpoint(ctx, slot); err != nil || lsn != 0 {
+		t.Fatalf("LoadCheckpoint after BeginSlot = %v, %v; want 0", lsn, err)
+	}
+
+	created := f.MustCreateSlot(t)
+	if _, err := f.store.MarkForClaim(ctx, slot, created.snapshot, created.consistent); err != nil {
+		t.Fatalf("MarkForClaim: %v", err)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
+		t.Fatalf("HandedOver after MarkForClaim = %v, %v; want true", done, err)
+	}
+	// The confirmed position starts at the consistent point: the slot
+	// never streams anything before it.
+	if lsn, err := f.store.LoadCheckpoint(ctx, slot); err != nil || lsn != created.consistent {
+		t.Errorf("LoadCheckpoint after MarkForClaim = %v, %v; want the consistent point %s", lsn, err, created.consistent)
+	}
+
+	ahead := created.consistent + 0x1000
+	if err := f.store.SaveCheckpoint(ctx, slot, ahead); err != nil {
+		t.Fatalf("SaveCheckpoint: %v", err)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
+		t.Errorf("HandedOver after SaveCheckpoint = %v, %v; want true", done, err)
+	}
+	if handover, _ := f.handOverRecord(t, slot); handover != created.consistent {
+		t.Errorf("handover_lsn = %s after SaveCheckpoint, want %s kept", handover, created.consistent)
+	}
+
+	// The slot is made again (dropped, lost): not handed over until the
+	// new slot's MarkForClaim, and the checkpoint does not move back.
+	if err := f.store.BeginSlot(ctx, slot); err != nil {
+		t.Fatalf("BeginSlot: %v", err)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+		t.Errorf("HandedOver after a second BeginSlot = %v, %v; want false", done, err)
+	}
+	if lsn, err := f.store.LoadCheckpoint(ctx, slot); err != nil || lsn != ahead {
+		t.Errorf("LoadCheckpoint after a second BeginSlot = %v, %v; want %s kept", lsn, err, ahead)
+	}
+}
+
+// TestHandOverRecordBackfilled: a checkpoint row written before migration
+// 007 belongs to a slot whose hand-over finished (a relay saved its first
+// checkpoint only after its slot's hand-over), so migrating marks it handed
+// over and the slot is kept. The migrator cannot stop at version 6, so the test
+// migrates fully and then puts the schema back as version 6 left it: the
+// column dropped, the version table at 6, a checkpoint row as that relay
+// wrote it. Migrate then runs the real 007.
+func TestHandOverRecordBackfilled(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustExec(t, `ALTER TABLE relay_checkpoint DROP COLUMN handover_lsn`)
+	f.MustExec(t, `UPDATE integration_outbox_relay_version SET version = 6`)
+	f.MustExec(t, `INSERT INTO relay_checkpoint (slot_name, confirmed_lsn) VALUES ('old_slot', '16/B374D848')`)
+
+	conn, err := pgx.Connect(ctx, f.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	res, err := migrations.Migrate(ctx, conn, migrations.Options{Names: f.names})
+	if err != nil {
+		t.Fatalf("migrate: %v", err)
+	}
+	if res.From != 6 || fmt.Sprint(res.Applied) != "[007_handover_record]" {
+		t.Fatalf("migrate from %d applied %v, want from 6: [007_handover_record]", res.From, res.Applied)
+	}
+
+	if done, err := f.store.HandedOver(ctx, "old_slot"); err != nil || !done {
+		t.Errorf("HandedOver(checkpoint from before 007) = %v, %v; want true", done, err)
+	}
+	if handover, confirmed := f.handOverRecord(t, "old_slot"); handover != confirmed || confirmed != 0x16_B374D848 {
+		t.Errorf("handover_lsn %s, confirmed_lsn %s; want both 16/B374D848", handover, confirmed)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
@@ -70,6 +71,9 @@ type row struct {
 	HandedOff bool
 	LastError *string
 	Attempts  int
+	// NoAvailableAt inserts the row with a NULL available_at (an
+	// application that sets the column itself), which means due now.
+	NoAvailableAt bool
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -88,9 +92,9 @@ func (f *fixture) MustInsert(tb testing.TB, rows ...row) []int64 {
 			handoff = ptr(time.Now())
 		}
 		err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
-			INSERT INTO %s (event_type, aggregate_type, aggregate_id, event_key, payload, status, handoff_at, last_error, attempts)
-			VALUES ('test.event', $1, $2, $3, '{}', $4, $5, $6, $7) RETURNING id`, f.names.Outbox.Quoted()),
-			r.AggType, r.AggID, r.Key, status, handoff, r.LastError, r.Attempts).Scan(&ids[i])
+			INSERT INTO %s (event_type, aggregate_type, aggregate_id, event_key, payload, status, handoff_at, last_error, attempts, available_at)
+			VALUES ('test.event', $1, $2, $3, '{}', $4, $5, $6, $7, CASE WHEN $8 THEN NULL ELSE now() END) RETURNING id`, f.names.Outbox.Quoted()),
+			r.AggType, r.AggID, r.Key, status, handoff, r.LastError, r.Attempts, r.NoAvailableAt).Scan(&ids[i])
 		if err != nil {
 			tb.Fatalf("insert %s: %v", r.Key, err)
 		}
@@ -120,7 +124,7 @@ func (f *fixture) MustInsertPending(tb testing.TB, prefix string, n int) []int64
 type outboxRow struct {
 	Status      string
 	HandoffAt   *time.Time
-	AvailableAt time.Time
+	AvailableAt time.Time // zero when NULL
 	LastError   *string
 	Attempts    int
 	ProcessedAt *time.Time
@@ -129,11 +133,15 @@ type outboxRow struct {
 func (f *fixture) MustRow(tb testing.TB, id int64) outboxRow {
 	tb.Helper()
 	var r outboxRow
+	var available *time.Time
 	err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
 		SELECT status, handoff_at, available_at, last_error, attempts, processed_at FROM %s WHERE id = $1`,
-		f.names.Outbox.Quoted()), id).Scan(&r.Status, &r.HandoffAt, &r.AvailableAt, &r.LastError, &r.Attempts, &r.ProcessedAt)
+		f.names.Outbox.Quoted()), id).Scan(&r.Status, &r.HandoffAt, &available, &r.LastError, &r.Attempts, &r.ProcessedAt)
 	if err != nil {
 		tb.Fatalf("read row %d: %v", id, err)
+	}
+	if available != nil {
+		r.AvailableAt = *available
 	}
 	return r
 }
@@ -198,4 +206,15 @@ func deref[T any](p *T) string {
 		return "NULL"
 	}
 	return fmt.Sprint(*p)
+}
+
+// streamWork is a stream Work of the row id keyed key, decided d, with
+// pairs (Prepare's and the engine's view of each sink).
+func streamWork(id int64, key string, d relay.Decision, pairs ...*relay.Pair) *relay.Work {
+	return &relay.Work{Event: &relay.Event{ID: id, EventKey: key}, Pairs: pairs, Decision: d}
+}
+
+// outcomePair is a pair of sink whose outcome is kind.
+func outcomePair(sink string, kind relay.OutcomeKind) *relay.Pair {
+	return &relay.Pair{Sink: sink, Outcome: relay.Outcome{Kind: kind}}
 }

@@ -2,12 +2,15 @@ package ledger_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
@@ -19,14 +22,14 @@ func TestSettleDelivered(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 
-	first := relay.Settlement{Delivered: []relay.LedgerKey{
-		{EventKey: "e1", Action: "webhook"},
-		{EventKey: "e1", Action: "nats"},
-		{EventKey: "e2", Action: "webhook"},
-		{EventKey: "e2", Action: "webhook"}, // the same pair twice in one batch
-	}}
-	if _, err := f.store.Settle(ctx, first); err != nil {
-		t.Fatalf("Settle: %v", err)
+	done := relay.Decision{Kind: relay.Done}
+	first := []*relay.Work{
+		streamWork(1, "e1", done, outcomePair("webhook", relay.Delivered), outcomePair("nats", relay.Delivered)),
+		streamWork(2, "e2", done, outcomePair("webhook", relay.Delivered)),
+		streamWork(2, "e2", done, outcomePair("webhook", relay.Delivered)), // the same pair twice in one batch
+	}
+	if _, err := f.store.SettleStream(ctx, first, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
 	}
 	before := f.MustLedger(t, "e1")["webhook"]
 	if before.State != "delivered" || before.Attempts != 1 || before.DeliveredAt == nil {
@@ -35,8 +38,8 @@ func TestSettleDelivered(t *testing.T) {
 
 	// Settling the same pairs again (a re-streamed duplicate) is fine, leaves
 	// one row per pair and does not touch the delivered rows.
-	if _, err := f.store.Settle(ctx, first); err != nil {
-		t.Fatalf("Settle again: %v", err)
+	if _, err := f.store.SettleStream(ctx, first, "relay-a"); err != nil {
+		t.Fatalf("SettleStream again: %v", err)
 	}
 	if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency"); n != 3 {
 		t.Errorf("%d ledger rows, want 3", n)
@@ -53,11 +56,13 @@ func TestSettleDeliveredTakesOverClaims(t *testing.T) {
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, owner, claimed_at)
 		VALUES ('e1', 'hold-sink', 'sending', 2, 'relay-a', now()), ('e2', 'hold-sink', 'unknown', 1, NULL, NULL)`)
 
-	_, err := f.store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{
-		{EventKey: "e1", Action: "hold-sink"}, {EventKey: "e2", Action: "hold-sink"},
-	}})
+	done := relay.Decision{Kind: relay.Done}
+	_, err := f.store.SettleStream(ctx, []*relay.Work{
+		streamWork(1, "e1", done, outcomePair("hold-sink", relay.Delivered)),
+		streamWork(2, "e2", done, outcomePair("hold-sink", relay.Delivered)),
+	}, "relay-b")
 	if err != nil {
-		t.Fatalf("Settle: %v", err)
+		t.Fatalf("SettleStream: %v", err)
 	}
 	for _, key := range []string{"e1", "e2"} {
 		got := f.MustLedger(t, key)["hold-sink"]
@@ -79,29 +84,37 @@ func TestSettleHandOff(t *testing.T) {
 		row{Key: "handed-off", HandedOff: true, LastError: ptr("earlier")},
 		row{Key: "processing", Status: "processing", HandedOff: true},
 		row{Key: "due-now", LastError: ptr("kept")},
+		row{Key: "more-attempts", Attempts: 5},
 	)
-	pending, done, handedOff, processing, dueNow := ids[0], ids[1], ids[2], ids[3], ids[4]
+	pending, done, handedOff, processing, dueNow, moreAttempts := ids[0], ids[1], ids[2], ids[3], ids[4], ids[5]
 	before := map[int64]outboxRow{}
 	for _, id := range ids {
 		before[id] = f.MustRow(t, id)
 	}
 
 	later := time.Now().Add(time.Hour).Truncate(time.Microsecond)
-	var handOffs []relay.HandOff
-	for _, id := range ids[:4] {
-		handOffs = append(handOffs, relay.HandOff{ID: id, AvailableAt: later, LastError: "timeout", Attempts: 2})
+	var works []*relay.Work
+	for i, id := range []int64{pending, done, handedOff, processing, moreAttempts} {
+		works = append(works, streamWork(id, fmt.Sprint("k", i), relay.Decision{Kind: relay.Later, At: later, Reason: "timeout", Attempts: 2}))
 	}
 	// No time and no error: due now, and the previous error is kept.
-	handOffs = append(handOffs, relay.HandOff{ID: dueNow})
+	works = append(works, streamWork(dueNow, "due-now", relay.Decision{Kind: relay.Later}))
 	start := time.Now()
-	if _, err := f.store.Settle(ctx, relay.Settlement{HandOffs: handOffs}); err != nil {
-		t.Fatalf("Settle: %v", err)
+	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
 	}
 
+	// Decision.Attempts is the row's count after this pass (the policy
+	// adds this pass's attempts to Event.Attempts), so it is stored with
+	// GREATEST, never added: the old Settle added HandOff.Attempts (1 + 2
+	// = 3); the same pass now stores 2.
 	got := f.MustRow(t, pending)
 	if got.Status != "pending" || got.HandoffAt == nil || !got.AvailableAt.Equal(later) ||
-		got.LastError == nil || *got.LastError != "timeout" || got.Attempts != 3 {
-		t.Errorf("pending row after hand-off = %+v, want pending, handoff_at set, available_at %v, last_error timeout, attempts 3", got, later)
+		got.LastError == nil || *got.LastError != "timeout" || got.Attempts != 2 {
+		t.Errorf("pending row after hand-off = %+v, want pending, handoff_at set, available_at %v, last_error timeout, attempts 2", got, later)
+	}
+	if got := f.MustRow(t, moreAttempts); got.HandoffAt == nil || got.Attempts != 5 {
+		t.Errorf("row with 5 attempts after a hand-off of 2 = %+v, want handed off, attempts kept at 5", got)
 	}
 	got = f.MustRow(t, dueNow)
 	if got.HandoffAt == nil || got.AvailableAt.Before(start.Add(-time.Minute)) || got.AvailableAt.After(time.Now().Add(time.Minute)) ||
@@ -124,20 +137,24 @@ func TestSettleDeadLetter(t *testing.T) {
 		row{Key: "done", Status: "done"},
 		row{Key: "processing", Status: "processing"},
 	)
-	var dead []relay.DeadLetter
-	for _, id := range ids {
-		dead = append(dead, relay.DeadLetter{ID: id, LastError: "payload too large"})
+	var dead []*relay.Work
+	for i, id := range ids {
+		dead = append(dead, streamWork(id, fmt.Sprint("k", i), relay.Decision{Kind: relay.DeadLetter, Reason: "payload too large", Attempts: 1}))
 	}
-	if _, err := f.store.Settle(ctx, relay.Settlement{DeadLetters: dead}); err != nil {
-		t.Fatalf("Settle: %v", err)
+	if _, err := f.store.SettleStream(ctx, dead, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
 	}
-	for i, want := range []string{"failed", "failed", "done", "processing"} {
+	// The handed-off row stays pending: it is the claim path's, and every
+	// stream row change is now conditional on the row being the stream's
+	// (pending and not handed off). The old Settle dead-lettered any
+	// pending row, racing the claim path for a row it owned.
+	for i, want := range []string{"failed", "pending", "done", "processing"} {
 		got := f.MustRow(t, ids[i])
 		if got.Status != want {
 			t.Errorf("row %d status = %s, want %s", i, got.Status, want)
 		}
-		if want == "failed" && (got.LastError == nil || *got.LastError != "payload too large" || got.ProcessedAt == nil) {
-			t.Errorf("row %d = %+v, want last_error and processed_at", i, got)
+		if want == "failed" && (got.LastError == nil || *got.LastError != "payload too large" || got.ProcessedAt == nil || got.Attempts != 1) {
+			t.Errorf("row %d = %+v, want last_error, processed_at and 1 attempt", i, got)
 		}
 		if want != "failed" && got.LastError != nil {
 			t.Errorf("row %d last_error = %q, want untouched", i, *got.LastError)
@@ -150,22 +167,33 @@ func TestSettleEmpty(t *testing.T) {
 	// A cancelled context would fail any round trip: nothing is sent.
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	if _, err := f.store.Settle(ctx, relay.Settlement{}); err != nil {
-		t.Errorf("Settle(empty) = %v, want nil", err)
+	if _, err := f.store.SettleStream(ctx, nil, "relay-a"); err != nil {
+		t.Errorf("SettleStream(nil) = %v, want nil", err)
+	}
+	// Done with every pair delivered before (Prepare found them in the
+	// ledger): nothing to write either; MarkDone marks the row.
+	w := streamWork(1, "e1", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))
+	w.Pairs[0].State = relay.PairDelivered
+	if _, err := f.store.SettleStream(ctx, []*relay.Work{w}, "relay-a"); err != nil {
+		t.Errorf("SettleStream(nothing to write) = %v, want nil", err)
 	}
 }
 
 func TestSettleIsAtomic(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	ids := f.MustInsert(t, row{Key: "ok"}, row{Key: "overflow", Attempts: 2147483647})
-	_, err := f.store.Settle(ctx, relay.Settlement{
-		Delivered:   []relay.LedgerKey{{EventKey: "ok", Action: "webhook"}},
-		HandOffs:    []relay.HandOff{{ID: ids[1], Attempts: 1}}, // integer out of range
-		DeadLetters: []relay.DeadLetter{{ID: ids[0], LastError: "x"}},
-	})
+	// Attempts are no longer added (GREATEST), so the old overflow of
+	// 2147483647 + 1 cannot happen: a CHECK constraint refuses the
+	// hand-off instead.
+	f.MustExec(t, `ALTER TABLE integration_outbox ADD CONSTRAINT few_attempts CHECK (attempts < 1000)`)
+	ids := f.MustInsert(t, row{Key: "ok"}, row{Key: "refused"})
+	_, err := f.store.SettleStream(ctx, []*relay.Work{
+		streamWork(0, "ok", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+		streamWork(ids[1], "refused", relay.Decision{Kind: relay.Later, Attempts: 1000}),
+		streamWork(ids[0], "ok", relay.Decision{Kind: relay.DeadLetter, Reason: "x"}),
+	}, "relay-a")
 	if err == nil || !strings.Contains(err.Error(), "hand off 1 rows") {
-		t.Fatalf("Settle = %v, want the hand-off's error", err)
+		t.Fatalf("SettleStream = %v, want the hand-off's error", err)
 	}
 	if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency"); n != 0 {
 		t.Errorf("%d ledger rows after a failed Settle, want 0", n)
@@ -181,21 +209,21 @@ func TestSettleOneTransaction(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	ids := f.MustInsertPending(t, "big", 200)
-	var st relay.Settlement
+	var works []*relay.Work
 	for i := range 5000 {
-		st.Delivered = append(st.Delivered, relay.LedgerKey{EventKey: fmt.Sprintf("big-%d", i), Action: "webhook"})
+		works = append(works, streamWork(0, fmt.Sprintf("big-%d", i), relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)))
 	}
 	for _, id := range ids[:100] {
-		st.HandOffs = append(st.HandOffs, relay.HandOff{ID: id, LastError: "circuit open"})
+		works = append(works, streamWork(id, fmt.Sprint("h", id), relay.Decision{Kind: relay.Later, Reason: "circuit open"}))
 	}
 	for _, id := range ids[100:] {
-		st.DeadLetters = append(st.DeadLetters, relay.DeadLetter{ID: id, LastError: "rejected"})
+		works = append(works, streamWork(id, fmt.Sprint("d", id), relay.Decision{Kind: relay.DeadLetter, Reason: "rejected"}))
 	}
 	start := time.Now()
-	if _, err := f.store.Settle(ctx, st); err != nil {
-		t.Fatalf("Settle: %v", err)
+	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
 	}
-	t.Logf("Settle of 5,000 delivered pairs, 100 hand-offs and 100 dead letters took %v", time.Since(start))
+	t.Logf("SettleStream of 5,000 delivered pairs, 100 hand-offs and 100 dead letters took %v", time.Since(start))
 
 	n := f.MustCount(t, `SELECT count(DISTINCT x) FROM (
 		SELECT xmin::text AS x FROM integration_idempotency
@@ -219,8 +247,9 @@ func TestSettleCommitSettingIsLocal(t *testing.T) {
 	}
 	defer pool.Close()
 	store := ledger.New(pool, ledger.DefaultConfig())
-	if _, err := store.Settle(ctx, relay.Settlement{Delivered: []relay.LedgerKey{{EventKey: "e", Action: "a"}}}); err != nil {
-		t.Fatalf("Settle: %v", err)
+	w := streamWork(0, "e", relay.Decision{Kind: relay.Done}, outcomePair("a", relay.Delivered))
+	if _, err := store.SettleStream(ctx, []*relay.Work{w}, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
 	}
 	if _, err := store.MarkDone(ctx, []int64{1}); err != nil {
 		t.Fatalf("MarkDone: %v", err)
@@ -230,7 +259,7 @@ func TestSettleCommitSettingIsLocal(t *testing.T) {
 		t.Fatal(err)
 	}
 	if setting != "on" {
-		t.Errorf("synchronous_commit = %s after Settle on the same connection, want on", setting)
+		t.Errorf("synchronous_commit = %s after SettleStream on the same connection, want on", setting)
 	}
 }
 
@@ -249,52 +278,93 @@ func TestRestreamed(t *testing.T) {
 		('done', 'webhook', 'delivered', 1)`)
 	missing := int64(999_999)
 
-	var events []*relay.Event
-	for _, id := range append(ids, missing) {
-		events = append(events, &relay.Event{ID: id})
+	keys := []string{"owned", "handed-off", "done", "held", "owned-fresh", "missing"}
+	var works []*relay.Work
+	for i, id := range append(ids, missing) {
+		// "hold" is not a hold sink here: a 'sending' claim is not a
+		// delivery, and nothing is claimed.
+		works = append(works, streamWork(id, keys[i], relay.Decision{},
+			&relay.Pair{Sink: "hold"}, &relay.Pair{Sink: "nats"}, &relay.Pair{Sink: "webhook"}))
 	}
-	got, err := f.store.Restreamed(ctx, events)
-	if err != nil {
-		t.Fatalf("Restreamed: %v", err)
+	if err := f.store.PrepareStream(ctx, works, true, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
 	}
-	want := map[int64]relay.RowState{
-		ids[0]: {Owned: true, Delivered: []string{"nats", "webhook"}},
-		ids[1]: {Owned: false},
-		ids[2]: {Owned: false, Delivered: []string{"webhook"}},
-		ids[3]: {Owned: false},
-		ids[4]: {Owned: true},
+	// What Restreamed reported as Owned and Delivered, PrepareStream now
+	// writes into the works: Skip for a row no longer owned, PairDelivered
+	// for a sink in Delivered. A missing row is left as it is.
+	got := map[string]string{}
+	for _, w := range works {
+		got[w.Event.EventKey] = prepared(w)
+	}
+	want := map[string]string{
+		"owned":       "hold:send nats:delivered webhook:delivered",
+		"handed-off":  "skip hold:send nats:send webhook:send",
+		"done":        "skip hold:send nats:send webhook:delivered",
+		"held":        "skip hold:send nats:send webhook:send",
+		"owned-fresh": "hold:send nats:send webhook:send",
+		"missing":     "hold:send nats:send webhook:send",
 	}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Errorf("Restreamed = %v, want %v", got, want)
-	}
-	if _, ok := got[missing]; ok {
-		t.Errorf("missing id %d reported", missing)
+		t.Errorf("PrepareStream(restreamed) = %v, want %v", got, want)
 	}
 
-	if got, err := f.store.Restreamed(ctx, nil); err != nil || len(got) != 0 {
-		t.Errorf("Restreamed(nil) = %v, %v; want empty", got, err)
+	if err := f.store.PrepareStream(ctx, nil, true, "relay-a"); err != nil {
+		t.Errorf("PrepareStream(nil) = %v; want nil", err)
 	}
+}
+
+// prepared renders what Prepare set on w: "skip" and each pair's
+// sink:state, with claimed and prev=owner when set.
+func prepared(w *relay.Work) string {
+	var parts []string
+	if w.Skip {
+		parts = append(parts, "skip")
+	}
+	for _, p := range w.Pairs {
+		s := p.Sink + ":" + map[relay.PairState]string{
+			relay.PairSend: "send", relay.PairDelivered: "delivered", relay.PairBlocked: "blocked", relay.PairUnknown: "unknown",
+		}[p.State]
+		if p.Claimed {
+			s += ",claimed"
+		}
+		if p.PrevOwner != "" {
+			s += ",prev=" + p.PrevOwner
+		}
+		parts = append(parts, s)
+	}
+	return strings.Join(parts, " ")
 }
 
 // TestRestreamedHugeTransaction crosses the per-query chunk size.
 func TestRestreamedHugeTransaction(t *testing.T) {
 	f := MustFixture(t)
 	ids := f.MustInsertPending(t, "huge", 25_001)
-	events := make([]*relay.Event, len(ids))
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts)
+		SELECT 'huge-' || g, 'webhook', 'delivered', 1 FROM generate_series(1, 25001, 5000) g`)
+	f.MustExec(t, `UPDATE integration_outbox SET status = 'done' WHERE event_key = 'huge-25001'`)
+	works := make([]*relay.Work, len(ids))
 	for i, id := range ids {
-		events[i] = &relay.Event{ID: id}
+		works[i] = streamWork(id, fmt.Sprintf("huge-%d", i+1), relay.Decision{}, &relay.Pair{Sink: "webhook"})
 	}
-	got, err := f.store.Restreamed(context.Background(), events)
-	if err != nil {
-		t.Fatalf("Restreamed: %v", err)
+	if err := f.store.PrepareStream(context.Background(), works, true, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
 	}
-	if len(got) != len(ids) {
-		t.Fatalf("Restreamed returned %d rows, want %d", len(got), len(ids))
-	}
-	for _, id := range ids {
-		if !got[id].Owned {
-			t.Fatalf("row %d not owned", id)
+	var skipped, delivered []string
+	for _, w := range works {
+		if w.Skip {
+			skipped = append(skipped, w.Event.EventKey)
 		}
+		if w.Pairs[0].State == relay.PairDelivered {
+			delivered = append(delivered, w.Event.EventKey)
+		}
+	}
+	// One row in each chunk of 10,000 has a delivered pair; the last,
+	// in the third chunk, is also done.
+	if fmt.Sprint(skipped) != "[huge-25001]" {
+		t.Errorf("skipped %v, want [huge-25001]", skipped)
+	}
+	if want := "[huge-1 huge-5001 huge-10001 huge-15001 huge-20001 huge-25001]"; fmt.Sprint(delivered) != want {
+		t.Errorf("delivered %v, want %s", delivered, want)
 	}
 }
 
@@ -372,20 +442,19 @@ func TestQuotedNames(t *testing.T) {
 	ctx := context.Background()
 
 	ids := f.MustInsert(t, row{Key: "k1", AggType: ptr("t"), AggID: ptr("1")}, row{Key: "k2"}, row{Key: "k3"})
-	_, err := f.store.Settle(ctx, relay.Settlement{
-		Delivered:   []relay.LedgerKey{{EventKey: "k1", Action: "webhook"}},
-		HandOffs:    []relay.HandOff{{ID: ids[0]}},
-		DeadLetters: []relay.DeadLetter{{ID: ids[1], LastError: "bad"}},
-	})
+	_, err := f.store.SettleStream(ctx, []*relay.Work{
+		streamWork(ids[0], "k1", relay.Decision{Kind: relay.Later}, outcomePair("webhook", relay.Delivered), outcomePair("nats", relay.Deferred)),
+		streamWork(ids[1], "k2", relay.Decision{Kind: relay.DeadLetter, Reason: "bad"}, outcomePair("webhook", relay.Failed)),
+	}, "relay-a")
 	if err != nil {
-		t.Fatalf("Settle: %v", err)
+		t.Fatalf("SettleStream: %v", err)
 	}
 	if _, err := f.store.MarkDone(ctx, ids); err != nil {
 		t.Fatalf("MarkDone: %v", err)
 	}
-	states, err := f.store.Restreamed(ctx, []*relay.Event{{ID: ids[0]}})
-	if err != nil || len(states[ids[0]].Delivered) != 1 {
-		t.Fatalf("Restreamed = %v, %v", states, err)
+	restreamed := []*relay.Work{streamWork(ids[0], "k1", relay.Decision{}, &relay.Pair{Sink: "webhook"})}
+	if err := f.store.PrepareStream(ctx, restreamed, true, "relay-a"); err != nil || !restreamed[0].Skip || restreamed[0].Pairs[0].State != relay.PairDelivered {
+		t.Fatalf("PrepareStream(restreamed) = %v, %s", err, prepared(restreamed[0]))
 	}
 	if got, err := f.store.Diverted(ctx); err != nil || len(got) != 1 {
 		t.Fatalf("Diverted = %v, %v", got, err)
@@ -396,17 +465,28 @@ func TestQuotedNames(t *testing.T) {
 	if lsn, err := f.store.LoadCheckpoint(ctx, "s"); err != nil || lsn != 42 {
 		t.Fatalf("LoadCheckpoint = %v, %v", lsn, err)
 	}
+	if err := f.store.BeginSlot(ctx, "s"); err != nil {
+		t.Fatalf("BeginSlot: %v", err)
+	}
+	if done, err := f.store.HandedOver(ctx, "s"); err != nil || done {
+		t.Fatalf("HandedOver after BeginSlot = %v, %v", done, err)
+	}
 	if _, err := f.store.MarkDeliveredDone(ctx, []string{"webhook"}); err != nil {
 		t.Fatalf("MarkDeliveredDone: %v", err)
 	}
-	if _, err := f.store.ClaimSending(ctx, relay.LedgerKey{EventKey: "k9", Action: "hold"}, "me"); err != nil {
-		t.Fatalf("ClaimSending: %v", err)
+	claims := []*relay.Work{streamWork(0, "k9", relay.Decision{}, &relay.Pair{Sink: "hold", Hold: true})}
+	if err := f.store.PrepareStream(ctx, claims, false, "me"); err != nil || !claims[0].Pairs[0].Claimed {
+		t.Fatalf("PrepareStream(hold claim) = %v, %s", err, prepared(claims[0]))
 	}
-	if err := f.store.Hold(ctx, ids[2], relay.LedgerKey{EventKey: "k3", Action: "hold"}, "no answer"); err != nil {
-		t.Fatalf("Hold: %v", err)
+	held := &relay.Pair{Sink: "hold", Hold: true, Claimed: true, Outcome: relay.Outcome{Kind: relay.Held, Reason: "no answer"}}
+	if _, err := f.store.SettleStream(ctx, []*relay.Work{streamWork(ids[2], "k3", relay.Decision{Kind: relay.Hold, Reason: "no answer"}, held)}, "me"); err != nil {
+		t.Fatalf("SettleStream(hold): %v", err)
 	}
 	if got := f.MustRow(t, ids[2]); got.Status != "done" {
 		t.Errorf("k3 status = %s, want done (MarkDone ran first)", got.Status)
+	}
+	if got := f.MustLedger(t, "k3")["hold"]; got.State != "unknown" {
+		t.Errorf("k3/hold = %+v, want unknown", got)
 	}
 }
 
@@ -417,13 +497,13 @@ func BenchmarkSettle(b *testing.B) {
 	b.ReportAllocs()
 	n := 0
 	for b.Loop() {
-		st := relay.Settlement{Delivered: make([]relay.LedgerKey, pairs)}
-		for i := range st.Delivered {
-			st.Delivered[i] = relay.LedgerKey{EventKey: fmt.Sprintf("bench-%d", n), Action: "webhook"}
+		works := make([]*relay.Work, pairs)
+		for i := range works {
+			works[i] = streamWork(0, fmt.Sprintf("bench-%d", n), relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))
 			n++
 		}
-		if _, err := f.store.Settle(ctx, st); err != nil {
-			b.Fatalf("Settle: %v", err)
+		if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
+			b.Fatalf("SettleStream: %v", err)
 		}
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(n), "ns/pair")
@@ -444,9 +524,10 @@ func TestSettleReportsInvisibleRows(t *testing.T) {
 	if err := tx.QueryRow(ctx, `INSERT INTO integration_outbox (event_key, payload) VALUES ('invisible', '{}') RETURNING id`).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
-	invisible, err := f.store.Settle(ctx, relay.Settlement{HandOffs: []relay.HandOff{{ID: id, LastError: "503"}}})
+	handOff := []*relay.Work{streamWork(id, "invisible", relay.Decision{Kind: relay.Later, Reason: "503"})}
+	invisible, err := f.store.SettleStream(ctx, handOff, "relay-a")
 	if err != nil || len(invisible) != 1 || invisible[0] != id {
-		t.Fatalf("Settle reported %v (%v), want [%d]", invisible, err, id)
+		t.Fatalf("SettleStream reported %v (%v), want [%d]", invisible, err, id)
 	}
 	if invisible, err = f.store.MarkDone(ctx, []int64{id}); err != nil || len(invisible) != 1 {
 		t.Fatalf("MarkDone reported %v (%v), want [%d]", invisible, err, id)
@@ -454,7 +535,328 @@ func TestSettleReportsInvisibleRows(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if invisible, err = f.store.Settle(ctx, relay.Settlement{HandOffs: []relay.HandOff{{ID: id, LastError: "503"}}}); err != nil || len(invisible) != 0 {
+	if invisible, err = f.store.SettleStream(ctx, handOff, "relay-a"); err != nil || len(invisible) != 0 {
 		t.Fatalf("after commit: %v (%v)", invisible, err)
+	}
+}
+
+// TestPrepareStream: restreamed works whose row is no longer the stream's
+// are Skip and the ledger's delivered pairs PairDelivered; pairs of hold
+// sinks are claimed for the owner, or found delivered, or found claimed by
+// another (PairUnknown, with the previous owner). Skipped works claim
+// nothing.
+func TestPrepareStream(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t, row{Key: "a"}, row{Key: "b", Status: "done"}, row{Key: "c"}, row{Key: "d"}, row{Key: "e"})
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, owner) VALUES
+		('c', 'erp', 'delivered', 1, NULL), ('d', 'erp', 'sending', 1, 'relay-x'), ('e', 'erp', 'unknown', 1, 'relay-y'),
+		('f', 'erp', 'delivered', 1, NULL)`)
+	works := []*relay.Work{
+		streamWork(ids[0], "a", relay.Decision{}, holdPair("erp"), &relay.Pair{Sink: "webhook"}),
+		streamWork(ids[1], "b", relay.Decision{}, holdPair("erp")),
+		streamWork(ids[2], "c", relay.Decision{}, holdPair("erp")),
+		streamWork(ids[3], "d", relay.Decision{}, holdPair("erp")),
+		streamWork(ids[4], "e", relay.Decision{}, holdPair("erp")),
+	}
+	if err := f.store.PrepareStream(ctx, works, true, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
+	}
+	want := []string{
+		"erp:send,claimed webhook:send", // claimed; the other sink is not a hold sink
+		"skip erp:send",                 // done before the restart: not claimed
+		"erp:delivered",                 // the ledger shows it delivered
+		"erp:unknown,prev=relay-x",      // relay-x's claim: outcome unknown
+		"erp:send,claimed",              // unknown (released by dlq retry): claimed again
+	}
+	for i, w := range works {
+		if got := prepared(w); got != want[i] {
+			t.Errorf("%s: %s, want %s", w.Event.EventKey, got, want[i])
+		}
+	}
+	if l := f.MustLedger(t, "e")["erp"]; l.State != "sending" || *l.Owner != "relay-a" || l.Attempts != 2 {
+		t.Errorf("e/erp = %+v, want sending by relay-a, 2 attempts", l)
+	}
+	if l := f.MustLedger(t, "d")["erp"]; l.State != "sending" || *l.Owner != "relay-x" {
+		t.Errorf("d/erp = %+v, want relay-x's claim kept", l)
+	}
+	if l, ok := f.MustLedger(t, "b")["erp"]; ok {
+		t.Errorf("b/erp = %+v, want no claim for a skipped work", l)
+	}
+
+	// Not restreamed: rows are not read, so a done row's work is not
+	// skipped; a delivered pair is found by its refused claim.
+	works = []*relay.Work{
+		streamWork(ids[1], "b", relay.Decision{}, holdPair("erp")),
+		streamWork(0, "f", relay.Decision{}, holdPair("erp")),
+	}
+	if err := f.store.PrepareStream(ctx, works, false, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
+	}
+	if got := prepared(works[0]) + " | " + prepared(works[1]); got != "erp:send,claimed | erp:delivered" {
+		t.Errorf("PrepareStream(not restreamed) = %s, want erp:send,claimed | erp:delivered", got)
+	}
+
+	// Nothing to check or claim: no round trip (a cancelled context would
+	// fail it).
+	cancelled, cancel := context.WithCancel(ctx)
+	cancel()
+	plain := []*relay.Work{streamWork(ids[0], "a", relay.Decision{}, &relay.Pair{Sink: "webhook"})}
+	if err := f.store.PrepareStream(cancelled, plain, false, "relay-a"); err != nil {
+		t.Errorf("PrepareStream(no hold pairs) = %v, want nil", err)
+	}
+}
+
+// TestSettleStreamPairs: a pair's outcome decides its ledger row. Delivered:
+// delivered (insert-only). A claim whose outcome is unknown: 'unknown', with
+// the reason (held) or "outcome unknown: reason". A claim whose send is
+// known not to have reached the sink (deferred, refused): withdrawn, only
+// when it is the owner's. A pair never claimed and not delivered: nothing.
+func TestSettleStreamPairs(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	keys := []string{"deferred", "failed", "other-owner", "unknown", "held", "delivered", "not-claimed", "delivered-held"}
+	var rows []row
+	for _, k := range keys {
+		rows = append(rows, row{Key: k})
+	}
+	ids := f.MustInsert(t, rows...)
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, owner, claimed_at) VALUES
+		('deferred', 'erp', 'sending', 1, 'relay-a', now()), ('failed', 'erp', 'sending', 1, 'relay-a', now()),
+		('other-owner', 'erp', 'sending', 1, 'relay-b', now()), ('unknown', 'erp', 'sending', 1, 'relay-a', now()),
+		('held', 'erp', 'sending', 1, 'relay-a', now()), ('delivered', 'erp', 'sending', 3, 'relay-a', now()),
+		('delivered-held', 'erp', 'delivered', 1, NULL, NULL)`)
+	claimed := func(o relay.Outcome) *relay.Pair {
+		return &relay.Pair{Sink: "erp", Hold: true, Claimed: true, Outcome: o}
+	}
+	later := relay.Decision{Kind: relay.Later, Reason: "sink erp: x", Attempts: 1}
+	works := []*relay.Work{
+		streamWork(ids[0], keys[0], later, claimed(relay.Outcome{Kind: relay.Deferred, Reason: "circuit open"})),
+		streamWork(ids[1], keys[1], relay.Decision{Kind: relay.DeadLetter, Reason: "400"}, claimed(relay.Outcome{Kind: relay.Failed, Reason: "400"})),
+		streamWork(ids[2], keys[2], later, claimed(relay.Outcome{Kind: relay.Deferred, Reason: "lane full"})),
+		streamWork(ids[3], keys[3], later, claimed(relay.Outcome{Kind: relay.Retry, Reason: "timeout", Unknown: true})),
+		streamWork(ids[4], keys[4], relay.Decision{Kind: relay.Hold, Reason: "no answer"}, claimed(relay.Outcome{Kind: relay.Held, Reason: "no answer", Unknown: true})),
+		streamWork(ids[5], keys[5], relay.Decision{Kind: relay.Done}, claimed(relay.Outcome{Kind: relay.Delivered})),
+		streamWork(ids[6], keys[6], later, &relay.Pair{Sink: "erp", Hold: true, Outcome: relay.Outcome{Kind: relay.Deferred}}),
+		streamWork(ids[7], keys[7], relay.Decision{Kind: relay.Hold, Reason: "no answer"}, claimed(relay.Outcome{Kind: relay.Held, Reason: "no answer", Unknown: true})),
+	}
+	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
+	}
+	want := map[string]string{
+		"deferred":       "none",
+		"failed":         "none",
+		"other-owner":    "sending owner=relay-b detail=NULL",
+		"unknown":        "unknown owner=relay-a detail=outcome unknown: timeout",
+		"held":           "unknown owner=relay-a detail=no answer",
+		"delivered":      "delivered owner=relay-a detail=NULL",
+		"not-claimed":    "none",
+		"delivered-held": "delivered owner=NULL detail=NULL",
+	}
+	for _, k := range keys {
+		got := "none"
+		if l, ok := f.MustLedger(t, k)["erp"]; ok {
+			got = fmt.Sprintf("%s owner=%s detail=%s", l.State, deref(l.Owner), deref(l.Detail))
+		}
+		if got != want[k] {
+			t.Errorf("%s/erp: %s, want %s", k, got, want[k])
+		}
+	}
+	if l := f.MustLedger(t, "delivered")["erp"]; l.Attempts != 3 || l.DeliveredAt == nil {
+		t.Errorf("delivered/erp = %+v, want the claim's 3 attempts and delivered_at", l)
+	}
+}
+
+// TestSettleStreamOnlyStreamRows: every row change of every decision kind
+// is conditional on the row being the stream's (pending, not handed off).
+func TestSettleStreamOnlyStreamRows(t *testing.T) {
+	decisions := map[string]relay.Decision{
+		"later":       {Kind: relay.Later, Reason: "503", Attempts: 4},
+		"dead letter": {Kind: relay.DeadLetter, Reason: "400", Attempts: 4},
+		"hold":        {Kind: relay.Hold, Reason: "no answer", Attempts: 4},
+	}
+	for name, d := range decisions {
+		t.Run(name, func(t *testing.T) {
+			f := MustFixture(t)
+			ctx := context.Background()
+			ids := f.MustInsert(t,
+				row{Key: "pending"},
+				row{Key: "handed-off", HandedOff: true},
+				row{Key: "processing", Status: "processing", HandedOff: true},
+				row{Key: "done", Status: "done"},
+				row{Key: "failed", Status: "failed"},
+				row{Key: "held", Status: "held"},
+			)
+			before := map[int64]outboxRow{}
+			var works []*relay.Work
+			for _, id := range ids {
+				before[id] = f.MustRow(t, id)
+				works = append(works, streamWork(id, fmt.Sprint("k", id), d))
+			}
+			for range 2 { // safe to repeat
+				if invisible, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil || len(invisible) != 0 {
+					t.Fatalf("SettleStream = %v, %v", invisible, err)
+				}
+			}
+			got := f.MustRow(t, ids[0])
+			if got.Attempts != 4 || got.LastError == nil || *got.LastError != d.Reason {
+				t.Errorf("pending row = %v, want 4 attempts and last_error %q", got, d.Reason)
+			}
+			for _, id := range ids[1:] {
+				if got := f.MustRow(t, id); got.String() != before[id].String() {
+					t.Errorf("row %d changed: before %v, after %v", id, before[id], got)
+				}
+			}
+		})
+	}
+}
+
+// TestSettleStreamRowDataError: PostgreSQL refusing a row's data (SQLSTATE
+// class 22 or 23) comes back wrapping relay.ErrRowData, naming the step, and
+// nothing of the batch is written; a lost connection does not wrap it.
+func TestSettleStreamRowDataError(t *testing.T) {
+	tests := []struct {
+		name  string
+		setup string
+		d     relay.Decision
+		step  string
+		data  bool
+	}{
+		{
+			name:  "status refuses held",
+			setup: `ALTER TABLE integration_outbox ADD CONSTRAINT never_held CHECK (status <> 'held')`,
+			d:     relay.Decision{Kind: relay.Hold, Reason: "no answer"},
+			step:  "hold 1 rows",
+			data:  true,
+		},
+		{
+			name:  "last_error longer than its varchar",
+			setup: `ALTER TABLE integration_outbox ALTER COLUMN last_error TYPE varchar(20)`,
+			d:     relay.Decision{Kind: relay.DeadLetter, Reason: strings.Repeat("too long ", 10)},
+			step:  "dead-letter 1 rows",
+			data:  true,
+		},
+		{
+			name: "connection lost",
+			setup: `CREATE FUNCTION cut() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NEW; END $$;
+				CREATE TRIGGER cut BEFORE UPDATE ON integration_outbox FOR EACH ROW EXECUTE FUNCTION cut()`,
+			d:    relay.Decision{Kind: relay.Later, Reason: "503"},
+			step: "hand off 1 rows",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := MustFixture(t)
+			ctx := context.Background()
+			f.MustExec(t, tt.setup)
+			ids := f.MustInsert(t, row{Key: "refused"})
+			works := []*relay.Work{
+				streamWork(0, "other", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+				streamWork(ids[0], "refused", tt.d),
+			}
+			_, err := f.store.SettleStream(ctx, works, "relay-a")
+			if err == nil {
+				t.Fatal("SettleStream = nil, want an error")
+			}
+			t.Logf("SettleStream: %v", err)
+			if errors.Is(err, relay.ErrRowData) != tt.data {
+				t.Errorf("errors.Is(%v, ErrRowData) = %v, want %v", err, !tt.data, tt.data)
+			}
+			if tt.data && !strings.Contains(err.Error(), tt.step) {
+				t.Errorf("error %v does not name the step %q", err, tt.step)
+			}
+			if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency"); n != 0 {
+				t.Errorf("%d ledger rows after a failed SettleStream, want 0", n)
+			}
+			if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.HandoffAt != nil || got.LastError != nil {
+				t.Errorf("row after a failed SettleStream = %v, want untouched", got)
+			}
+		})
+	}
+}
+
+// TestSettleStreamReportsInvisibleRowsOfEveryKind: hand-offs, dead letters
+// and holds of rows inserted by a transaction not yet committed change
+// nothing and return those ids; once it commits, the same call writes them.
+func TestSettleStreamReportsInvisibleRowsOfEveryKind(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	visible := f.MustInsert(t, row{Key: "visible"})
+	tx, err := f.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	rows, err := tx.Query(ctx, `INSERT INTO integration_outbox (event_key, payload)
+		SELECT k, '{}' FROM unnest(ARRAY['later', 'dead', 'held']) AS k RETURNING id`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	works := []*relay.Work{
+		streamWork(ids[0], "later", relay.Decision{Kind: relay.Later, Reason: "503", Attempts: 1}),
+		streamWork(ids[1], "dead", relay.Decision{Kind: relay.DeadLetter, Reason: "400", Attempts: 1}),
+		streamWork(ids[2], "held", relay.Decision{Kind: relay.Hold, Reason: "no answer", Attempts: 1}),
+		streamWork(visible[0], "visible", relay.Decision{Kind: relay.Later, Reason: "503", Attempts: 1}),
+	}
+	invisible, err := f.store.SettleStream(ctx, works, "relay-a")
+	slices.Sort(invisible)
+	if err != nil || !slices.Equal(invisible, ids) {
+		t.Fatalf("SettleStream = %v, %v; want the uncommitted rows %v", invisible, err, ids)
+	}
+	if got := f.MustRow(t, visible[0]); got.HandoffAt == nil {
+		t.Errorf("visible row = %v, want handed off beside the invisible ones", got)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if invisible, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil || len(invisible) != 0 {
+		t.Fatalf("after commit: SettleStream = %v, %v; want nothing invisible", invisible, err)
+	}
+	for i, want := range []string{"pending handed off", "failed", "held"} {
+		got := f.MustRow(t, ids[i])
+		status := got.Status
+		if got.HandoffAt != nil {
+			status += " handed off"
+		}
+		if status != want || got.Attempts != 1 {
+			t.Errorf("%s row = %v, want %s with 1 attempt", works[i].Event.EventKey, got, want)
+		}
+	}
+}
+
+// TestSettleStreamStoresAnyReason: a reason PostgreSQL's text would refuse
+// (a NUL byte, invalid UTF-8) or too long for a column is stored as
+// relay.ShortError makes it, for every decision kind and a held pair's
+// detail, instead of failing the batch.
+func TestSettleStreamStoresAnyReason(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t, row{Key: "later"}, row{Key: "dead"}, row{Key: "held"})
+	reason := "bad\x00byte\xff " + strings.Repeat("é", 400)
+	held := &relay.Pair{Sink: "erp", Hold: true, Claimed: true, Outcome: relay.Outcome{Kind: relay.Held, Reason: reason, Unknown: true}}
+	works := []*relay.Work{
+		streamWork(ids[0], "later", relay.Decision{Kind: relay.Later, Reason: reason}),
+		streamWork(ids[1], "dead", relay.Decision{Kind: relay.DeadLetter, Reason: reason}),
+		streamWork(ids[2], "held", relay.Decision{Kind: relay.Hold, Reason: reason}, held),
+	}
+	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
+		t.Fatalf("SettleStream: %v", err)
+	}
+	want := relay.ShortError(reason)
+	if len(want) > 500 || strings.ContainsRune(want, 0) || !utf8.ValidString(want) {
+		t.Fatalf("ShortError(reason) = %q, not storable", want)
+	}
+	for i, id := range ids {
+		if got := f.MustRow(t, id); got.LastError == nil || *got.LastError != want {
+			t.Errorf("%s: last_error = %q, want %q", works[i].Event.EventKey, deref(got.LastError), want)
+		}
+	}
+	if l := f.MustLedger(t, "held")["erp"]; l.Detail == nil || *l.Detail != want {
+		t.Errorf("held/erp detail = %q, want %q", deref(l.Detail), want)
 	}
 }

@@ -89,8 +89,9 @@ type Engine struct {
 	runCtx  context.Context
 
 	stream *streamFeed
-	// claimSettled is called after claim-path settlements (OnClaimSettled).
-	claimSettled func()
+	// claimSettled is called after claim-path settlements (OnClaimSettled);
+	// a source may register while the engine runs.
+	claimSettled atomic.Pointer[func()]
 
 	// Stats counts outcomes; safe to read concurrently.
 	Stats EngineStats
@@ -510,13 +511,12 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 	if len(works) == 0 {
 		return nil, nil
 	}
-	if n := e.cfg.MaxUnsettled; len(works) > n {
-		// The engine never holds more than n: room for the whole batch
-		// would never come. Take it a part at a time.
-		if notTaken, err := e.SubmitClaimed(ctx, works[:n]); err != nil {
-			return slices.Concat(notTaken, works[n:]), err
+	// Room for more than MaxUnsettled works at once never comes: a larger
+	// batch is taken in parts.
+	for room := e.cfg.MaxUnsettled; len(works) > room; works = works[room:] {
+		if notTaken, err := e.SubmitClaimed(ctx, works[:room]); err != nil {
+			return slices.Concat(notTaken, works[room:]), err
 		}
-		return e.SubmitClaimed(ctx, works[n:])
 	}
 	for _, w := range works {
 		w.path = PathClaim

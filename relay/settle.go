@@ -183,8 +183,8 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 		}
 	}
 	q.undivert(ctx, final)
-	if q.path == PathClaim && len(final) > 0 && e.claimSettled != nil {
-		e.claimSettled()
+	if f := e.claimSettled.Load(); q.path == PathClaim && len(final) > 0 && f != nil {
+		(*f)()
 	}
 }
 
@@ -360,9 +360,10 @@ func (q *settleQueue) undivert(ctx context.Context, works []*Work) {
 }
 
 // OnClaimSettled registers f, called after each claim-path settlement that
-// finished events for good (their aggregates' next events may be due).
-// Call it before Run.
-func (e *Engine) OnClaimSettled(f func()) { e.claimSettled = f }
+// finished events for good (their aggregates' next events may be due),
+// in place of any f registered before. Safe to call while the engine runs:
+// the supervisor starts a new claim source on a running engine.
+func (e *Engine) OnClaimSettled(f func()) { e.claimSettled.Store(&f) }
 
 // markQueue collects stream rows to mark done (mark_done: async).
 type markQueue struct {

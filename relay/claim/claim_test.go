@@ -10,7 +10,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // Poll mode on a server without logical decoding: every event reaches
@@ -31,16 +30,17 @@ func TestPollModeDeliversEveryEventOnceToEverySink(t *testing.T) {
 	const n = 1000
 	f.MustInsertMany(t, "evt", n, 100, false)
 	f.MustInsert(t, event{Key: "odd", NullType: true, Payload: `{"b": 1.50, "a": ["é", "\"q\""], "c": null}`})
-	// A NULL available_at is never "due"; poll mode repairs it.
+	// A NULL available_at is never "due"; the sweeper repairs it (in every
+	// mode now, not only in poll mode).
 	f.MustExec(t, `UPDATE integration_outbox SET available_at = NULL WHERE event_key = 'evt-7'`)
 	a, b := newFakeSink("a", nil), newFakeSink("b", nil)
 	start := time.Now()
-	c := MustStart(t, f, claim.Config{Routes: []relay.Route{{Sink: a}, {Sink: b, Nudge: true}}, All: true,
+	c := MustStart(t, f, options{Routes: []relay.Route{{Sink: a}, {Sink: b, Nudge: true}}, All: true,
 		PollInterval: 100 * time.Millisecond})
 
 	waitFor(t, 60*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == n+1 })
 	t.Logf("%d events to 2 sinks in %s (claimed %d, delivered %d pairs)", n+1, time.Since(start).Round(time.Millisecond),
-		c.Stats.Claimed.Load(), c.Stats.Delivered.Load())
+		c.Stats.Claimed.Load(), c.Engine.Stats.Delivered.Load())
 	for _, s := range []*fakeSink{a, b} {
 		got := s.Delivered()
 		if len(got) != n+1 {
@@ -60,8 +60,8 @@ func TestPollModeDeliversEveryEventOnceToEverySink(t *testing.T) {
 	if got := f.MustInt(t, `SELECT count(*) FROM integration_idempotency WHERE state = 'delivered'`); got != 2*(n+1) {
 		t.Errorf("ledger has %d delivered pairs, want %d", got, 2*(n+1))
 	}
-	if got := c.Stats.Delivered.Load(); got != 2*(n+1) {
-		t.Errorf("Stats.Delivered = %d, want %d", got, 2*(n+1))
+	if got := c.Engine.Stats.Delivered.Load(); got != 2*(n+1) {
+		t.Errorf("Engine.Stats.Delivered = %d, want %d", got, 2*(n+1))
 	}
 
 	// The body is the envelope of the row as the stream would decode it.
@@ -91,6 +91,11 @@ func TestPollModeDeliversEveryEventOnceToEverySink(t *testing.T) {
 
 // Replication mode: only rows handed to the claim path are claimed; the
 // stream's rows are left alone, and handed-off rows keep their mark.
+//
+// New with the core: the sweeper makes pending rows with a NULL
+// available_at due in every mode, not only in poll mode, so a handed-off
+// row without one is delivered, and a stream's row without one is given
+// one but stays the stream's.
 func TestReplicationModeClaimsOnlyHandedOffRows(t *testing.T) {
 	f := MustFixture(t)
 	var events []event
@@ -100,10 +105,14 @@ func TestReplicationModeClaimsOnlyHandedOffRows(t *testing.T) {
 		events = append(events, event{Key: fmt.Sprintf("k%02d", i), AggType: "order", AggID: fmt.Sprintf("%d-%d", i%3, i%2), HandedOff: i%2 == 1})
 	}
 	f.MustInsert(t, events...)
+	f.MustExec(t, `UPDATE integration_outbox SET available_at = NULL WHERE event_key IN ('k00', 'k01')`)
 	a := newFakeSink("a", nil)
-	MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 
 	waitFor(t, 10*time.Second, "handed-off rows done", func() bool { return f.MustStatusCount(t, "done") == 10 })
+	if n := f.MustInt(t, `SELECT count(*) FROM integration_outbox WHERE available_at IS NULL`); n != 0 {
+		t.Errorf("%d rows still have a NULL available_at", n)
+	}
 	time.Sleep(300 * time.Millisecond) // a few more polls
 	for key, r := range f.MustRows(t) {
 		switch {
@@ -131,7 +140,7 @@ func TestPermanentErrorFailsAtOnce(t *testing.T) {
 	a := newFakeSink("a", func(*relay.Delivery) error {
 		return relay.PermanentError(fmt.Errorf("HTTP 422: payload rejected"))
 	})
-	c := MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	c := MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 
 	waitFor(t, 10*time.Second, "row failed", func() bool { return f.MustRow(t, "bad").Status == "failed" })
 	r := f.MustRow(t, "bad")
@@ -147,8 +156,8 @@ func TestPermanentErrorFailsAtOnce(t *testing.T) {
 	if _, ok := f.MustLedger(t)[relay.LedgerKey{EventKey: "bad", Action: "a"}]; ok {
 		t.Error("the ledger keeps a claim for a failed send")
 	}
-	if c.Stats.Failed.Load() != 1 {
-		t.Errorf("Stats.Failed = %d", c.Stats.Failed.Load())
+	if c.Engine.Stats.DeadLettered.Load() != 1 {
+		t.Errorf("Engine.Stats.DeadLettered = %d", c.Engine.Stats.DeadLettered.Load())
 	}
 }
 
@@ -157,7 +166,7 @@ func TestMaxAttemptsFails(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t, event{Key: "flaky", HandedOff: true})
 	a := newFakeSink("a", func(*relay.Delivery) error { return relay.TransientError(fmt.Errorf("HTTP 503"), 0) })
-	MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 20 * time.Millisecond, MaxAttempts: 3,
+	MustStart(t, f, options{Routes: routes(a), PollInterval: 20 * time.Millisecond, MaxAttempts: 3,
 		Backoff: []time.Duration{10 * time.Millisecond}})
 
 	waitFor(t, 10*time.Second, "row failed", func() bool { return f.MustRow(t, "flaky").Status == "failed" })
@@ -184,7 +193,7 @@ func TestReplayReachesTheSink(t *testing.T) {
 	f.MustInsert(t, event{Key: "again", HandedOff: true}, event{Key: "first", HandedOff: true})
 	f.MustExec(t, `UPDATE integration_outbox SET replays = 2 WHERE event_key = 'again'`)
 	a := newFakeSink("a", nil)
-	MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 	waitFor(t, 10*time.Second, "rows done", func() bool { return f.MustStatusCount(t, "done") == 2 })
 	for _, c := range a.Calls() {
 		if want := map[string]int{"again": 2, "first": 0}[c.Key]; c.Replay != want {
@@ -199,10 +208,30 @@ func TestWithoutReplaysColumn(t *testing.T) {
 	f.MustExec(t, `ALTER TABLE integration_outbox DROP COLUMN IF EXISTS replays`)
 	f.MustInsert(t, event{Key: "k", HandedOff: true})
 	a := newFakeSink("a", nil)
-	MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 	waitFor(t, 10*time.Second, "row done", func() bool { return f.MustStatusCount(t, "done") == 1 })
 	if calls := a.Calls(); len(calls) != 1 || calls[0].Replay != 0 {
 		t.Errorf("calls %+v, want one with Replay 0", calls)
+	}
+}
+
+// A batch larger than the engine's room for unsettled events
+// (source.batch_size above MaxUnsettled) is still delivered: the engine
+// takes it in parts instead of waiting for room for all of it at once,
+// which never comes.
+func TestBatchLargerThanTheEngineTakes(t *testing.T) {
+	f := MustFixture(t)
+	const rows = 20
+	f.MustInsertMany(t, "evt", rows, 0, true)
+	a := newFakeSink("a", nil)
+	start := time.Now()
+	MustStart(t, f, options{Routes: routes(a), BatchSize: 10, MaxUnsettled: 4, PollInterval: 50 * time.Millisecond})
+	waitFor(t, 10*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == rows })
+	t.Logf("%d rows in batches of 10, 4 unsettled at most: done after %s", rows, time.Since(start).Round(time.Millisecond))
+	for key, n := range a.Delivered() {
+		if n != 1 {
+			t.Errorf("%s delivered %d times", key, n)
+		}
 	}
 }
 

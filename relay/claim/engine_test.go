@@ -3,41 +3,21 @@ package claim_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgtype"
-
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
-
-// mustEvent reads row key as the stream would decode it.
-func (f *fixture) mustEvent(tb testing.TB, key string) *relay.Event {
-	tb.Helper()
-	ev := &relay.Event{}
-	var created, avail pgtype.Timestamptz
-	err := f.pool.QueryRow(context.Background(), `SELECT id, event_key, event_type, aggregate_type, aggregate_id, payload::text,
-		created_at, available_at FROM integration_outbox WHERE event_key = $1`, key).Scan(&ev.ID, &ev.EventKey, &ev.EventType,
-		&ev.AggregateType, &ev.AggregateID, &ev.Payload, &created, &avail)
-	if err != nil {
-		tb.Fatalf("read %s: %v", key, err)
-	}
-	ev.CreatedAt, ev.AvailableAt = created.Time, avail.Time
-	return ev
-}
 
 // The stream hands an event off; while it is with the claim path the
 // stream hands off the aggregate's later events too; the claim path
-// delivers them in order and, once the last one settles, tells the engine
-// (Undiverted), after which the stream delivers the aggregate's events
-// itself again. Both paths send the same body.
+// delivers them in order and, once the last one settles, the engine lets
+// the stream deliver the aggregate's events itself again. Both paths send
+// the same body.
 func TestEngineHandOffAndUndivert(t *testing.T) {
 	f := MustFixture(t)
-	store := ledger.New(f.pool, ledger.DefaultConfig())
-
 	var (
 		mu       sync.Mutex
 		order    []string
@@ -54,41 +34,16 @@ func TestEngineHandOffAndUndivert(t *testing.T) {
 		order = append(order, d.Event.EventKey)
 		return nil
 	})
-	owner := claim.NewOwner()
-	engine, err := relay.NewEngine(relay.EngineConfig{Routes: routes(s), Store: store, Holds: store, Owner: owner,
-		InlineAttempts: 0, Backoff: []time.Duration{300 * time.Millisecond}, Logger: testLogger(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	engineDone := make(chan error, 1)
-	go func() { engineDone <- engine.Run(ctx) }()
-	defer func() { cancel(); <-engineDone }()
-
-	c := MustStart(t, f, claim.Config{Routes: routes(s), Owner: owner, PollInterval: 50 * time.Millisecond,
-		Backoff: []time.Duration{50 * time.Millisecond}, OnAggregateSettled: engine.Undiverted, DivertSeq: engine.DivertSeq})
-
-	submit := func(keys ...string) {
-		t.Helper()
-		var events []event
-		for _, k := range keys {
-			events = append(events, event{Key: k, AggType: "order", AggID: "A", Payload: `{"k": "` + k + `"}`})
-		}
-		f.MustInsert(t, events...)
-		var evs []*relay.Event
-		for _, k := range keys {
-			evs = append(evs, f.mustEvent(t, k))
-		}
-		if err := engine.Submit(ctx, evs); err != nil {
-			t.Fatal(err)
-		}
-	}
+	// One engine and one policy for both paths: a failure at the stream is
+	// handed off at once and due after 300 ms.
+	c := MustStart(t, f, options{Routes: routes(s), PollInterval: 50 * time.Millisecond,
+		InlineAttempts: 0, Backoff: []time.Duration{300 * time.Millisecond}})
 
 	// e1 fails at the stream and is handed off (due in 300 ms); e2, submitted
 	// meanwhile, follows it to the claim path.
-	submit("e1")
+	c.MustStream(t, f, "A", "e1")
 	waitFor(t, 5*time.Second, "e1 handed off", func() bool { return f.MustRow(t, "e1").HandedOff })
-	submit("e2")
+	c.MustStream(t, f, "A", "e2")
 	waitFor(t, 5*time.Second, "e2 handed off", func() bool { return f.MustRow(t, "e2").HandedOff })
 	waitFor(t, 10*time.Second, "e1 and e2 done by the claim path", func() bool {
 		rows := f.MustRows(t)
@@ -97,7 +52,7 @@ func TestEngineHandOffAndUndivert(t *testing.T) {
 	// The claim path settled the aggregate's last hand-off: the stream
 	// delivers e3 itself.
 	time.Sleep(100 * time.Millisecond)
-	submit("e3")
+	c.MustStream(t, f, "A", "e3")
 	waitFor(t, 5*time.Second, "e3 delivered", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
@@ -121,7 +76,109 @@ func TestEngineHandOffAndUndivert(t *testing.T) {
 	if len(e1) != 2 || e1[0] != e1[1] {
 		t.Errorf("e1's bodies from the stream and the claim path: %q, want two identical", e1)
 	}
-	if c.Stats.Delivered.Load() != 2 {
-		t.Errorf("the claim path delivered %d, want 2 (e1, e2)", c.Stats.Delivered.Load())
+	// The claim path has no delivery counter of its own any more (the
+	// engine counts both paths): it claimed e1 and e2 once each, and the
+	// engine delivered three events.
+	if got := c.Stats.Claimed.Load(); got != 2 {
+		t.Errorf("the claim path claimed %d rows, want 2 (e1, e2)", got)
+	}
+	if got := c.Engine.Stats.Delivered.Load(); got != 3 {
+		t.Errorf("the engine delivered %d pairs, want 3", got)
+	}
+}
+
+// In-memory order across paths: a row the claim path is delivering holds
+// back its aggregate's next event arriving on the stream in the same
+// engine, which is sent only after it — and, when the claimed row fails,
+// follows it to the claim path instead of overtaking it.
+//
+// The row is claimed after the engine started without it being diverted
+// (as after `outbox-relay reconcile` or in poll mode), so nothing but the
+// lane keeps the stream's event back. The test drives the engine's two
+// entries directly: the store's Claim and SubmitClaimed, and the stream
+// Consumer.
+func TestClaimedRowGoesBeforeItsStreamSuccessor(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		fail bool
+	}{{"claimed row delivered", false}, {"claimed row fails", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := MustFixture(t)
+			f.MustInsert(t, event{Key: "c1", AggType: "order", AggID: "A"})
+			var (
+				mu      sync.Mutex
+				order   []string
+				started = make(chan struct{})
+				release = make(chan struct{})
+			)
+			a := newFakeSink("a", func(d *relay.Delivery) error {
+				if d.Event.EventKey == "c1" {
+					close(started)
+					<-release
+					if tc.fail {
+						return relay.TransientError(errors.New("HTTP 503"), 0)
+					}
+				}
+				mu.Lock()
+				order = append(order, d.Event.EventKey)
+				mu.Unlock()
+				return nil
+			})
+			r := MustEngine(t, f, options{Routes: routes(a), Backoff: []time.Duration{time.Hour}})
+			var releaseOnce sync.Once
+			unblock := func() { releaseOnce.Do(func() { close(release) }) }
+			t.Cleanup(unblock) // before the engine's drain, also when the test fails
+			ctx := context.Background()
+			works, err := r.Store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: r.Owner()})
+			if err != nil || len(works) != 1 {
+				t.Fatalf("Claim = %d rows, %v; want c1", len(works), err)
+			}
+			if notTaken, err := r.Engine.SubmitClaimed(ctx, works); err != nil {
+				t.Fatalf("SubmitClaimed: %v (%d not taken)", err, len(notTaken))
+			}
+			select {
+			case <-started:
+			case <-time.After(10 * time.Second):
+				t.Fatal("c1 never reached the sink")
+			}
+
+			r.MustStream(t, f, "A", "s2")
+			time.Sleep(300 * time.Millisecond) // s2's chance to overtake
+			mu.Lock()
+			early := slices.Clone(order)
+			mu.Unlock()
+			if len(early) != 0 {
+				t.Fatalf("sent %v while c1 was being delivered", early)
+			}
+			unblock()
+
+			if !tc.fail {
+				waitFor(t, 10*time.Second, "c1 done and s2 delivered", func() bool {
+					mu.Lock()
+					defer mu.Unlock()
+					return len(order) == 2 && f.MustRow(t, "c1").Status == "done"
+				})
+				mu.Lock()
+				defer mu.Unlock()
+				if order[0] != "c1" || order[1] != "s2" {
+					t.Errorf("delivered in order %v, want [c1 s2]", order)
+				}
+				if row := f.MustRow(t, "s2"); row.HandedOff {
+					t.Errorf("s2 was handed off; it should have waited in memory behind c1")
+				}
+				return
+			}
+			waitFor(t, 10*time.Second, "c1 back to pending and s2 handed off", func() bool {
+				return f.MustRow(t, "c1").Status == "pending" && f.MustRow(t, "s2").HandedOff
+			})
+			if row := f.MustRow(t, "c1"); row.Attempts != 1 {
+				t.Errorf("c1: attempts %d, want 1", row.Attempts)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if len(order) != 0 {
+				t.Errorf("sent %v; s2 must not overtake c1, which failed", order)
+			}
+		})
 	}
 }

@@ -2,16 +2,20 @@ package claim_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -289,28 +293,187 @@ func testLogger(tb testing.TB) zerolog.Logger {
 	return zerolog.New(zerolog.NewTestWriter(tb)).Level(zerolog.WarnLevel).With().Timestamp().Logger()
 }
 
-// MustStart builds a Claimer on f's pool (unless cfg names one), logging to
-// the test, and runs it until the test ends.
-func MustStart(tb testing.TB, f *fixture, cfg claim.Config) *claim.Claimer {
+// options configures the relay under test: what cmd/outbox-relay builds
+// from the configuration (a ledger.Store, a relay.Engine and a
+// claim.Source over them). Zero values take the defaults of each part.
+type options struct {
+	// Routes are the sinks; the store's ordering check routes with the
+	// same globs.
+	Routes []relay.Route
+	// The claim source (claim.Config).
+	All          bool
+	BatchSize    int
+	PollInterval time.Duration
+	// LockTimeout is the lease of the source's sweeper and of the engine's
+	// ledger claims (source.lock_timeout sets both).
+	LockTimeout time.Duration
+	SweepAfter  time.Duration
+	// Owner is the engine's and the source's owner [ledger.NewOwner()].
+	Owner  string
+	Notify string
+	// The engine and the store.
+	Unordered      bool
+	InlineAttempts int
+	MaxAttempts    int
+	Backoff        []time.Duration
+	LaneCapacity   int
+	MaxUnsettled   int
+}
+
+// rig is the relay under test: a store, an engine running until the test
+// ends and, from MustStart, a claim source running over them.
+type rig struct {
+	*claim.Source // nil from MustEngine
+	Engine        *relay.Engine
+	Store         *ledger.Store
+	opts          options
+	lsn           atomic.Uint64 // the last stream position MustStream used
+}
+
+// Owner is the owner id of the engine and its source.
+func (r *rig) Owner() string { return r.opts.Owner }
+
+// newRig builds the store and the engine on f's pool, logging to the test;
+// nothing runs yet.
+func newRig(tb testing.TB, f *fixture, o options) *rig {
 	tb.Helper()
-	if cfg.Pool == nil {
-		cfg.Pool = f.pool
+	if o.Owner == "" {
+		o.Owner = ledger.NewOwner()
 	}
-	cfg.Logger = testLogger(tb)
-	c, err := claim.New(cfg)
+	lcfg := ledger.DefaultConfig()
+	lcfg.Unordered = o.Unordered
+	for _, rt := range o.Routes {
+		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
+	}
+	store := ledger.New(f.pool, lcfg)
+	engine, err := relay.NewEngine(relay.EngineConfig{
+		Routes:       o.Routes,
+		Policy:       relay.Policy{InlineAttempts: o.InlineAttempts, MaxAttempts: o.MaxAttempts, Backoff: o.Backoff},
+		Unordered:    o.Unordered,
+		LaneCapacity: o.LaneCapacity,
+		MaxUnsettled: o.MaxUnsettled,
+		Stream:       store,
+		Claim:        store,
+		Owner:        o.Owner,
+		ClaimLease:   o.LockTimeout,
+		Logger:       testLogger(tb),
+	})
 	if err != nil {
-		tb.Fatalf("new claimer: %v", err)
+		tb.Fatalf("new engine: %v", err)
 	}
+	return &rig{Engine: engine, Store: store, opts: o}
+}
+
+// SourceConfig is the claim source's configuration for this rig, on store
+// (nil: the rig's).
+func (r *rig) SourceConfig(tb testing.TB, store claim.Store) claim.Config {
+	if store == nil {
+		store = r.Store
+	}
+	o := r.opts
+	return claim.Config{Engine: r.Engine, Store: store, All: o.All, BatchSize: o.BatchSize, PollInterval: o.PollInterval,
+		LockTimeout: o.LockTimeout, SweepAfter: o.SweepAfter, Owner: o.Owner, Notify: o.Notify, Logger: testLogger(tb)}
+}
+
+// runEngine runs the engine until the test ends; cleanup drains it (every
+// outcome written), then stops it, as the supervisor ends a term. It is
+// registered before the source's cleanup, so it runs after it.
+func (r *rig) runEngine(tb testing.TB) {
+	tb.Helper()
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Engine.Run(ctx) }()
+	tb.Cleanup(func() {
+		drainCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if err := r.Engine.Drain(drainCtx); err != nil {
+			tb.Errorf("engine drain: %v", err)
+		}
+		stop()
+		if err := <-done; err != nil && !errors.Is(err, context.Canceled) {
+			tb.Errorf("engine run: %v", err)
+		}
+	})
+}
+
+// runSource runs src until the test ends; cleanup cancels it and waits for
+// Run, which returns once the engine has settled every row it claimed.
+func runSource(tb testing.TB, src *claim.Source) {
+	tb.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
+	go func() { done <- src.Run(ctx) }()
 	tb.Cleanup(func() {
 		cancel()
 		if err := <-done; err != nil {
-			tb.Errorf("claimer run: %v", err)
+			tb.Errorf("claim source run: %v", err)
 		}
 	})
-	return c
+}
+
+// MustEngine builds the store and the engine on f's pool and runs the
+// engine until the test ends, without a claim source.
+func MustEngine(tb testing.TB, f *fixture, o options) *rig {
+	tb.Helper()
+	r := newRig(tb, f, o)
+	r.runEngine(tb)
+	return r
+}
+
+// MustStart builds the relay's claim path on f's pool — store, engine and
+// claim source — and runs it until the test ends. Cleanup stops it in the
+// supervisor's order: the source (after its claimed rows settle), then the
+// engine's drain, then the engine.
+func MustStart(tb testing.TB, f *fixture, o options) *rig {
+	tb.Helper()
+	r := newRig(tb, f, o)
+	// Before the engine runs: New registers the source's wake-up with it.
+	src, err := claim.New(r.SourceConfig(tb, nil))
+	if err != nil {
+		tb.Fatalf("new claim source: %v", err)
+	}
+	r.Source = src
+	r.runEngine(tb)
+	runSource(tb, src)
+	return r
+}
+
+// mustEvent reads row key as the stream would decode it.
+func (f *fixture) mustEvent(tb testing.TB, key string) *relay.Event {
+	tb.Helper()
+	ev := &relay.Event{}
+	var created, avail pgtype.Timestamptz
+	err := f.pool.QueryRow(context.Background(), `SELECT id, event_key, event_type, aggregate_type, aggregate_id, payload::text,
+		created_at, available_at FROM integration_outbox WHERE event_key = $1`, key).Scan(&ev.ID, &ev.EventKey, &ev.EventType,
+		&ev.AggregateType, &ev.AggregateID, &ev.Payload, &created, &avail)
+	if err != nil {
+		tb.Fatalf("read %s: %v", key, err)
+	}
+	ev.CreatedAt, ev.AvailableAt = created.Time, avail.Time
+	return ev
+}
+
+// MustStream inserts one pending row per key (aggregate order/agg, payload
+// {"k": key}) and submits them to the engine's stream Consumer as one
+// transaction, as the replication source would decode it.
+func (r *rig) MustStream(tb testing.TB, f *fixture, agg string, keys ...string) {
+	tb.Helper()
+	var events []event
+	for _, k := range keys {
+		events = append(events, event{Key: k, AggType: "order", AggID: agg, Payload: `{"k": "` + k + `"}`})
+	}
+	f.MustInsert(tb, events...)
+	lsn := relay.LSN(r.lsn.Add(1000))
+	var evs []*relay.Event
+	for _, k := range keys {
+		ev := f.mustEvent(tb, k)
+		ev.CommitLSN, ev.EndLSN, ev.CommitTime = lsn, lsn+1, time.Now()
+		evs = append(evs, ev)
+	}
+	if err := r.Engine.Stream().Submit(context.Background(), evs); err != nil {
+		tb.Fatalf("submit %v to the stream: %v", keys, err)
+	}
+	r.Engine.Stream().Commit(lsn + 1)
 }
 
 // waitFor polls cond every 20 ms until it holds, failing tb after timeout.

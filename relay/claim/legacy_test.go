@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // legacyClaim is the seed poller's claim, verbatim.
@@ -18,10 +16,10 @@ WHERE id IN (SELECT id FROM integration_outbox WHERE status='pending' AND availa
              ORDER BY created_at LIMIT 20 FOR UPDATE SKIP LOCKED)
 RETURNING id, event_key`
 
-// Two Claimers in poll mode beside a legacy seed-SQL poller on one table,
-// while rows keep arriving: every event is delivered by exactly one of
-// {the relays, the legacy poller}, the relays deliver it once per sink, and
-// none is lost.
+// Two relays (each its own engine and claim source) in poll mode beside a
+// legacy seed-SQL poller on one table, while rows keep arriving: every
+// event is delivered by exactly one of {the relays, the legacy poller}, the
+// relays deliver it once per sink, and none is lost.
 func TestTwoClaimersBesideLegacyPoller(t *testing.T) {
 	f := MustFixture(t)
 	const batches, perBatch = 30, 100
@@ -72,12 +70,12 @@ func TestTwoClaimersBesideLegacyPoller(t *testing.T) {
 	})
 	defer func() { stopLegacy(); wg.Wait() }()
 
-	var claimers []*claim.Claimer
+	var claimers []*rig
 	var sinks []*fakeSink
 	for range 2 {
 		a, b := newFakeSink("a", nil), newFakeSink("b", nil)
 		sinks = append(sinks, a, b)
-		claimers = append(claimers, MustStart(t, f, claim.Config{Routes: routes(a, b), All: true,
+		claimers = append(claimers, MustStart(t, f, options{Routes: routes(a, b), All: true,
 			PollInterval: 20 * time.Millisecond, BatchSize: 50}))
 	}
 	for i := range batches {

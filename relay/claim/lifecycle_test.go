@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
@@ -32,7 +34,7 @@ func TestUnknownOutcome(t *testing.T) {
 				}
 				return nil
 			})
-			MustStart(t, f, claim.Config{Routes: []relay.Route{{Sink: a, Hold: tc.hold}}, PollInterval: 50 * time.Millisecond,
+			MustStart(t, f, options{Routes: []relay.Route{{Sink: a, Hold: tc.hold}}, PollInterval: 50 * time.Millisecond,
 				Backoff: []time.Duration{100 * time.Millisecond}})
 			key := relay.LedgerKey{EventKey: "k", Action: "a"}
 
@@ -75,15 +77,15 @@ func TestUnknownOutcome(t *testing.T) {
 	}
 }
 
-// When the owner-lock connection dies, the Claimer takes the lock again on
+// When the owner-lock connection dies, the claim source takes the lock again on
 // a new connection and goes on claiming.
 func TestOwnerLockIsTakenAgain(t *testing.T) {
 	f := MustFixture(t)
 	a := newFakeSink("a", nil)
-	c := MustStart(t, f, claim.Config{Routes: routes(a), All: true, PollInterval: 50 * time.Millisecond})
+	c := MustStart(t, f, options{Routes: routes(a), All: true, PollInterval: 50 * time.Millisecond})
 	lockHeld := func() bool {
 		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
-			AND classid = $1 AND objid = hashtext($2)::oid`, int64(claim.OwnerLockClass), c.Owner()) == 1
+			AND classid = $1 AND objid = hashtext($2)::oid`, int64(ledger.OwnerLockClass), c.Owner()) == 1
 	}
 	waitFor(t, 5*time.Second, "the owner lock", lockHeld)
 	if n := f.MustInt(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
@@ -96,9 +98,12 @@ func TestOwnerLockIsTakenAgain(t *testing.T) {
 	waitFor(t, 10*time.Second, "a row claimed after the lock came back", func() bool { return f.MustRow(t, "after").Status == "done" })
 }
 
-// Stopping sends nothing new, finishes the deliveries in flight and settles
-// them (rows not yet sent go back to pending without an attempt), then
-// releases the owner lock.
+// Stopping claims nothing new, lets the engine finish the deliveries of
+// the rows already claimed and waits until they are settled (rows not
+// claimed stay pending without an attempt), then releases the owner lock.
+//
+// The source no longer sends: it hands claimed rows to the engine, which
+// delivers every row it took, so "in flight" is now every claimed row.
 func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsertMany(t, "evt", 5, 0, true)
@@ -108,7 +113,8 @@ func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 		time.Sleep(500 * time.Millisecond)
 		return nil
 	})
-	c, err := claim.New(claim.Config{Pool: f.pool, Routes: routes(a), PollInterval: 50 * time.Millisecond, Logger: testLogger(t)})
+	r := MustEngine(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	c, err := claim.New(r.SourceConfig(t, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,50 +135,182 @@ func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 	if n := f.MustStatusCount(t, "done"); n != int64(sent) {
 		t.Errorf("%d rows done after stopping, want the %d sent", n, sent)
 	}
+	if claimed := c.Stats.Claimed.Load(); int64(sent) != claimed {
+		t.Errorf("%d rows sent by the time Run returned, want every claimed row (%d)", sent, claimed)
+	}
 	for key, r := range f.MustRows(t) {
 		if r.Status != "done" && (r.Status != "pending" || r.Attempts != 0) {
 			t.Errorf("%s: status %s, attempts %d after stopping; want done, or pending without an attempt", key, r.Status, r.Attempts)
 		}
 	}
-	t.Logf("%d of 5 rows were in flight when Run was stopped", sent)
-	if n := f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(claim.OwnerLockClass)); n != 0 {
+	t.Logf("%d of 5 rows were claimed when Run was stopped", sent)
+	if n := f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(ledger.OwnerLockClass)); n != 0 {
 		t.Errorf("owner lock still held after Run returned")
 	}
 }
 
-// Config errors name what is wrong.
+// Rows the engine cannot take go back: here the engine holds one unsettled
+// event at most (MaxUnsettled 1) and is busy with the first row when the
+// source, having claimed the second, is stopped while SubmitClaimed waits
+// for room. The second row goes back to pending, still the claim path's,
+// without an attempt counted, a ledger claim or a send; the first is
+// delivered and settled before Run returns.
+func TestPutBackWhenTheEngineCannotTake(t *testing.T) {
+	f := MustFixture(t)
+	f.MustInsert(t, event{Key: "r1", HandedOff: true}, event{Key: "r2", HandedOff: true})
+	started := make(chan string, 2)
+	release := make(chan struct{})
+	var releaseOnce sync.Once
+	unblock := func() { releaseOnce.Do(func() { close(release) }) }
+	a := newFakeSink("a", func(d *relay.Delivery) error {
+		started <- d.Event.EventKey
+		<-release
+		return nil
+	})
+	r := MustEngine(t, f, options{Routes: routes(a), MaxUnsettled: 1, BatchSize: 1, PollInterval: 50 * time.Millisecond})
+	t.Cleanup(unblock) // before the engine's drain, also when the test fails
+	c, err := claim.New(r.SourceConfig(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var first string
+	select {
+	case first = <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no row reached the sink")
+	}
+	second := map[string]string{"r1": "r2", "r2": "r1"}[first]
+	// A full batch: the source claims again at once, and waits in
+	// SubmitClaimed for room the first row holds.
+	waitFor(t, 10*time.Second, second+" claimed", func() bool { return f.MustRow(t, second).Status == "processing" })
+	time.Sleep(200 * time.Millisecond)
+	cancel()
+
+	waitFor(t, 10*time.Second, second+" put back", func() bool { return f.MustRow(t, second).Status == "pending" })
+	row := f.MustRow(t, second)
+	if row.Attempts != 0 || row.LockedBy != nil || !row.HandedOff || row.LastError != nil {
+		t.Errorf("%s put back as %+v (locked by %s, last_error %s); want pending, 0 attempts, unlocked, still handed off",
+			second, row, deref(row.LockedBy), deref(row.LastError))
+	}
+	if _, ok := f.MustLedger(t)[relay.LedgerKey{EventKey: second, Action: "a"}]; ok {
+		t.Errorf("%s has a ledger claim; the engine never took it", second)
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("Run returned (%v) before the row it handed to the engine was settled", err)
+	default:
+	}
+	unblock()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Run: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	if st := f.MustRow(t, first).Status; st != "done" {
+		t.Errorf("%s: status %s after Run returned, want done", first, st)
+	}
+	if sent := a.Delivered(); sent[second] != 0 || sent[first] != 1 {
+		t.Errorf("sent %v, want %s once and %s never", sent, first, second)
+	}
+	if n := c.Stats.Claimed.Load(); n != 2 {
+		t.Errorf("claimed %d rows, want 2", n)
+	}
+}
+
+// One engine outlives its claim sources: in auto mode the supervisor runs
+// a polling source, stops it and starts the stream's source over the same
+// engine (relay/supervisor), while the engine may still be finishing the
+// first source's settlement. New registers the new source's wake-up with
+// the running engine; each source delivers its rows.
+func TestSourcesOneAfterAnotherOnOneEngine(t *testing.T) {
+	f := MustFixture(t)
+	a := newFakeSink("a", nil)
+	r := MustEngine(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	ctx := context.Background()
+
+	// The first source's last batch settles after its loop has stopped
+	// (here it never ran: the rows are claimed for it).
+	if _, err := claim.New(r.SourceConfig(t, nil)); err != nil {
+		t.Fatal(err)
+	}
+	f.MustInsertMany(t, "first", 5, 0, false)
+	works, err := r.Store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: r.Owner()})
+	if err != nil || len(works) != 5 {
+		t.Fatalf("Claim = %d rows, %v; want 5", len(works), err)
+	}
+	if notTaken, err := r.Engine.SubmitClaimed(ctx, works); err != nil {
+		t.Fatalf("SubmitClaimed: %v (%d not taken)", err, len(notTaken))
+	}
+	waitFor(t, 10*time.Second, "the first rows done", func() bool { return f.MustStatusCount(t, "done") == 5 })
+	time.Sleep(100 * time.Millisecond) // the engine's bookkeeping after the write
+
+	// The next source, on the same engine.
+	f.MustInsertMany(t, "second", 5, 0, true)
+	second, err := claim.New(r.SourceConfig(t, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runSource(t, second)
+	waitFor(t, 10*time.Second, "the second source's rows done", func() bool { return f.MustStatusCount(t, "done") == 10 })
+	if n := len(a.Delivered()); n != 10 {
+		t.Errorf("delivered %d rows, want 10", n)
+	}
+}
+
+// Config errors name what is wrong. Routes are the engine's now: a
+// duplicate sink or a bad glob is refused by relay.NewEngine. The owner is
+// given (ledger.NewOwner makes one with ledger.OwnerPrefix); New no longer
+// makes one nor checks its prefix.
 func TestNewRejectsBadConfig(t *testing.T) {
 	f := MustFixture(t)
 	a := newFakeSink("a", nil)
+	r := MustEngine(t, f, options{Routes: routes(a)})
 	for _, tc := range []struct {
 		name string
 		cfg  claim.Config
 		want string
 	}{
-		{"no pool", claim.Config{}, "no connection pool"},
-		{"owner without prefix", claim.Config{Pool: f.pool, Owner: "host:1"}, "must start with"},
-		{"duplicate sinks", claim.Config{Pool: f.pool, Routes: routes(a, a)}, `two sinks named "a"`},
-		{"bad glob", claim.Config{Pool: f.pool, Routes: []relay.Route{{Sink: a, Events: []string{"order.["}}}}, "syntax error in pattern"},
-		{"bad channel", claim.Config{Pool: f.pool, Notify: "a\x01"}, "notify channel"},
+		{"no engine", claim.Config{Store: r.Store, Owner: r.Owner()}, "no engine"},
+		{"no store", claim.Config{Engine: r.Engine, Owner: r.Owner()}, "no store"},
+		{"no owner", claim.Config{Engine: r.Engine, Store: r.Store}, "no owner"},
+		{"bad channel", claim.Config{Engine: r.Engine, Store: r.Store, Owner: r.Owner(), Notify: "a\x01"}, "notify channel"},
 	} {
 		if _, err := claim.New(tc.cfg); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: New = %v, want an error containing %q", tc.name, err, tc.want)
 		}
 	}
-	c, err := claim.New(claim.Config{Pool: f.pool})
-	if err != nil || !strings.HasPrefix(c.Owner(), claim.OwnerPrefix) {
-		t.Errorf("default owner %q, %v", c.Owner(), err)
+	for _, tc := range []struct {
+		name   string
+		routes []relay.Route
+		want   string
+	}{
+		{"duplicate sinks", routes(a, a), `two sinks named "a"`},
+		{"bad glob", []relay.Route{{Sink: a, Events: []string{"order.["}}}, "syntax error in pattern"},
+	} {
+		_, err := relay.NewEngine(relay.EngineConfig{Routes: tc.routes, Stream: r.Store, Claim: r.Store, Owner: r.Owner()})
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: NewEngine = %v, want an error containing %q", tc.name, err, tc.want)
+		}
 	}
-	// A second Claimer with a live owner's id cannot start.
-	first := MustStart(t, f, claim.Config{Routes: routes(a)})
+	if owner := ledger.NewOwner(); !strings.HasPrefix(owner, ledger.OwnerPrefix) {
+		t.Errorf("ledger.NewOwner() = %q, want the prefix %q", owner, ledger.OwnerPrefix)
+	}
+	// A second source with a live owner's id cannot start.
+	first := MustStart(t, f, options{Routes: routes(a)})
 	waitFor(t, 5*time.Second, "the first owner lock", func() bool {
-		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(claim.OwnerLockClass)) == 1
+		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1`, int64(ledger.OwnerLockClass)) == 1
 	})
-	second, err := claim.New(claim.Config{Pool: f.pool, Owner: first.Owner(), Routes: routes(a)})
+	second, err := claim.New(claim.Config{Engine: r.Engine, Store: r.Store, Owner: first.Owner()})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := second.Run(context.Background()); !errors.Is(err, claim.ErrOwnerTaken) {
-		t.Errorf("Run with a live owner's id = %v, want ErrOwnerTaken", err)
+	if err := second.Run(context.Background()); !errors.Is(err, relay.ErrLockTaken) {
+		t.Errorf("Run with a live owner's id = %v, want relay.ErrLockTaken", err)
 	}
 }

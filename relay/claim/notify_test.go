@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // With the opt-in statement-level trigger, a NOTIFY wakes the claim loop:
@@ -30,7 +29,7 @@ func TestNotifyWakesClaimer(t *testing.T) {
 		arrivals <- arrival{d.Event.EventKey, time.Now()}
 		return nil
 	})
-	MustStart(t, f, claim.Config{Routes: routes(a), All: true, PollInterval: 5 * time.Second, Notify: channel})
+	MustStart(t, f, options{Routes: routes(a), All: true, PollInterval: 5 * time.Second, Notify: channel})
 	waitFor(t, 10*time.Second, "the LISTEN connection", func() bool {
 		return f.MustInt(t, `SELECT count(*) FROM pg_stat_activity WHERE query = $1`, `LISTEN "`+channel+`"`) == 1
 	})

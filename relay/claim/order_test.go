@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // Per-aggregate order: with a sink failing a fifth of first attempts, each
@@ -54,7 +53,7 @@ func TestOrderingPerAggregate(t *testing.T) {
 		return nil
 	})
 	start := time.Now()
-	MustStart(t, f, claim.Config{Routes: routes(flaky, steady), PollInterval: 20 * time.Millisecond,
+	MustStart(t, f, options{Routes: routes(flaky, steady), PollInterval: 20 * time.Millisecond,
 		Backoff: []time.Duration{30 * time.Millisecond}})
 	waitFor(t, 120*time.Second, "every row done", func() bool {
 		return f.MustStatusCount(t, "done") == aggregates*perAggregate
@@ -96,7 +95,7 @@ func TestFailedRowDoesNotBlockHeldRowDoes(t *testing.T) {
 		event{Key: "d2", AggType: "order", AggID: "D", HandedOff: true},
 	)
 	a := newFakeSink("a", nil)
-	MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 	waitFor(t, 10*time.Second, "a2 and d2 done", func() bool {
 		return f.MustRow(t, "a2").Status == "done" && f.MustRow(t, "d2").Status == "done"
 	})
@@ -121,7 +120,7 @@ func TestUnorderedIgnoresAggregates(t *testing.T) {
 		event{Key: "c2", AggType: "order", AggID: "C", HandedOff: true},
 	)
 	a := newFakeSink("a", nil)
-	MustStart(t, f, claim.Config{Routes: routes(a), Unordered: true, PollInterval: 50 * time.Millisecond})
+	MustStart(t, f, options{Routes: routes(a), Unordered: true, PollInterval: 50 * time.Millisecond})
 	waitFor(t, 10*time.Second, "b2 and c2 done", func() bool {
 		rows := f.MustRows(t)
 		return rows["b2"].Status == "done" && rows["c2"].Status == "done"
@@ -157,7 +156,7 @@ func TestLedgerDeliveredRowsDoNotBlock(t *testing.T) {
 		       ('e1', 'all', 'delivered', 1, now())`)
 	all := newFakeSink("all", nil)
 	orders := newFakeSink("orders", nil)
-	MustStart(t, f, claim.Config{PollInterval: 50 * time.Millisecond, Routes: []relay.Route{
+	MustStart(t, f, options{PollInterval: 50 * time.Millisecond, Routes: []relay.Route{
 		{Sink: all, Events: []string{"*"}},
 		{Sink: orders, Events: []string{"order.*", "invoice.[a-c]?"}},
 	}})

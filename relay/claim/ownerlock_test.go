@@ -11,20 +11,22 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // A Run whose ctx ends while its owner-lock query is in flight has released
-// the lock when it returns, so a new Claimer with the same owner can start
-// at once — what the relay does in auto mode when the stream fails at start
-// (a role without REPLICATION) and it falls back to polling. Found by the
-// bad-input suite (TestBadInput_MissingGrants): the query, cut short by the
-// cancelled ctx, left the lock with a session pgx was still closing in the
-// background, the polling Claimer got ErrOwnerTaken, and the relay stopped.
+// the lock when it returns, so a new claim source with the same owner can
+// start at once — what the relay does in auto mode when the stream fails at
+// start (a role without REPLICATION) and it falls back to polling. Found by
+// the bad-input suite (TestBadInput_MissingGrants): the query, cut short by
+// the cancelled ctx, left the lock with a session pgx was still closing in
+// the background, the polling source found the lock taken, and the relay
+// stopped.
 //
-// A proxy between the Claimer and the server forwards the lock query and
-// then holds the connection: the server has granted the lock and the answer
-// has not reached the Claimer when ctx is cancelled.
+// A proxy between the source's store and the server forwards the lock
+// query and then holds the connection: the server has granted the lock and
+// the answer has not reached the source when ctx is cancelled.
 func TestRunCancelledWhileLockingReleasesTheLock(t *testing.T) {
 	f := MustFixture(t)
 	p := startFreezeProxy(t, f.url, []byte("pg_try_advisory_lock"))
@@ -41,13 +43,15 @@ func TestRunCancelledWhileLockingReleasesTheLock(t *testing.T) {
 	}
 	t.Cleanup(pool.Close)
 
-	owner := claim.NewOwner()
+	r := MustEngine(t, f, options{Routes: routes(newFakeSink("a", nil)), PollInterval: time.Hour})
+	owner := r.Owner()
 	lockHeld := func() bool {
 		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
-			AND classid = $1 AND objid = hashtext($2)::oid`, int64(claim.OwnerLockClass), owner) > 0
+			AND classid = $1 AND objid = hashtext($2)::oid`, int64(ledger.OwnerLockClass), owner) > 0
 	}
-	c, err := claim.New(claim.Config{Pool: pool, Owner: owner, Routes: routes(newFakeSink("a", nil)),
-		PollInterval: time.Hour, Logger: testLogger(t)})
+	// The source's store (the owner lock's connection) goes through the
+	// proxy; the engine's does not.
+	c, err := claim.New(r.SourceConfig(t, ledger.New(pool, ledger.DefaultConfig())))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,18 +87,18 @@ func TestRunCancelledWhileLockingReleasesTheLock(t *testing.T) {
 	}
 	p.release()
 
-	// A new Claimer with the same owner starts at once.
-	again, err := claim.New(claim.Config{Pool: f.pool, Owner: owner, Routes: routes(newFakeSink("a", nil)), Logger: testLogger(t)})
+	// A new source with the same owner starts at once.
+	again, err := claim.New(r.SourceConfig(t, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx2, cancel2 := context.WithCancel(context.Background())
 	done2 := make(chan error, 1)
 	go func() { done2 <- again.Run(ctx2) }()
-	waitFor(t, 10*time.Second, "the new Claimer's owner lock", func() bool {
+	waitFor(t, 10*time.Second, "the new source's owner lock", func() bool {
 		select {
 		case err := <-done2:
-			t.Fatalf("the new Claimer with the same owner: %v", err)
+			t.Fatalf("the new source with the same owner: %v", err)
 		default:
 		}
 		return lockHeld()

@@ -5,14 +5,15 @@ import (
 	"testing"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // Rows the stream never delivered trip the sweep_after alarm without being
-// claimed; Reconcile marks them for the claim path, which then delivers
+// claimed; reconcile marks them for the claim path, which then delivers
 // them, skipping pairs the ledger shows delivered.
+//
+// Which rows reconcile marks, and that it refuses older-than 0 and is safe
+// to repeat, is SQL and is tested with it: ledger's TestReconcile.
 func TestReconcile(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
@@ -27,10 +28,9 @@ func TestReconcile(t *testing.T) {
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
 		VALUES ('old-delivered', 'a', 'delivered', 1, now())`)
 	ctx := context.Background()
-	outbox := migrations.DefaultNames().Outbox
 
 	a := newFakeSink("a", nil)
-	c := MustStart(t, f, claim.Config{Routes: []relay.Route{{Sink: a}}, PollInterval: 50 * time.Millisecond,
+	c := MustStart(t, f, options{Routes: []relay.Route{{Sink: a}}, PollInterval: 50 * time.Millisecond,
 		SweepAfter: 10 * time.Minute})
 	waitFor(t, 5*time.Second, "the alarm", func() bool { return c.StuckRows() == 3 })
 	if age := c.OldestUnclaimedAge(); age < time.Hour || age > time.Hour+time.Minute {
@@ -41,22 +41,9 @@ func TestReconcile(t *testing.T) {
 		t.Fatalf("age alone transferred rows to the claim path: sent %v", sent)
 	}
 
-	if _, err := claim.Reconcile(ctx, f.pool, outbox, 0); err == nil {
-		t.Error("Reconcile with older-than 0: no error")
-	}
-	n, err := claim.Reconcile(ctx, f.pool, outbox, 10*time.Minute)
+	n, err := c.Store.Reconcile(ctx, 10*time.Minute)
 	if err != nil || n != 3 {
 		t.Fatalf("Reconcile = %d, %v; want 3 rows marked", n, err)
-	}
-	rows := f.MustRows(t)
-	for key, want := range map[string]bool{"old1": true, "old2": true, "old-delivered": true, "old-marked": true,
-		"new": false, "old-done": false, "old-failed": false} {
-		if rows[key].HandedOff != want {
-			t.Errorf("%s: handed off %v, want %v", key, rows[key].HandedOff, want)
-		}
-	}
-	if n, err := claim.Reconcile(ctx, f.pool, outbox, 10*time.Minute); err != nil || n != 0 {
-		t.Errorf("second Reconcile = %d, %v; want 0", n, err)
 	}
 
 	waitFor(t, 10*time.Second, "reconciled rows done", func() bool {

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
 // Transient errors: every retry waits its backoff (plus at most 10% jitter,
@@ -32,7 +31,7 @@ func TestRetryGapsFollowBackoff(t *testing.T) {
 		}
 		return nil
 	})
-	c := MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: poll200, Backoff: backoff})
+	c := MustStart(t, f, options{Routes: routes(a), PollInterval: poll200, Backoff: backoff})
 	waitFor(t, 30*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == rows })
 
 	perKey := map[string][]call{}
@@ -64,8 +63,8 @@ func TestRetryGapsFollowBackoff(t *testing.T) {
 			t.Errorf("%s: attempts %d, want %d", key, r.Attempts, len(backoff))
 		}
 	}
-	if got := c.Stats.Retried.Load(); got != rows*int64(len(backoff)) {
-		t.Errorf("Stats.Retried = %d, want %d", got, rows*len(backoff))
+	if got := c.Engine.Stats.Retried.Load(); got != rows*int64(len(backoff)) {
+		t.Errorf("Engine.Stats.Retried = %d, want %d", got, rows*len(backoff))
 	}
 }
 
@@ -99,7 +98,7 @@ func TestSinkDownDoesNotCountAttempts(t *testing.T) {
 				}
 				return nil
 			})
-			MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+			MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 			waitFor(t, 20*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == rows })
 
 			for key, r := range f.MustRows(t) {
@@ -146,7 +145,7 @@ func TestAttemptContinuesTheRowsCount(t *testing.T) {
 	f.MustInsert(t, event{Key: "k", HandedOff: true})
 	f.MustExec(t, `UPDATE integration_outbox SET attempts = 2`)
 	a := newFakeSink("a", nil)
-	MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond})
+	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 	waitFor(t, 10*time.Second, "row done", func() bool { return f.MustRow(t, "k").Status == "done" })
 	if calls := a.Calls(); len(calls) != 1 || calls[0].Attempt != 3 {
 		t.Errorf("calls %+v, want one with attempt 3", calls)

@@ -1,20 +1,25 @@
 package claim_test
 
 import (
-	"context"
 	"errors"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
-// OnAggregateSettled tells the engine an aggregate is clear once its last
-// handed-off row settles — not before, not while a held row remains — with
-// the DivertSeq value read before the check.
+// The stream delivers an aggregate's events itself again once the claim
+// path has settled the aggregate's last handed-off row — not before, and
+// not while a held row remains.
+//
+// The claim path used to tell the engine through a callback
+// (OnAggregateSettled, with the DivertSeq read before its check); the engine
+// now does it itself after each claim-path settlement, so the test watches
+// what the stream does with the aggregate's next event: handed off (still
+// diverted) or delivered (no longer). That the divert sequence number is
+// read before the table is checked is the engine's own business now and is
+// not visible from here.
 func TestOnAggregateSettledAfterLastHandedOffRow(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
@@ -34,54 +39,50 @@ func TestOnAggregateSettledAfterLastHandedOffRow(t *testing.T) {
 		}
 		return nil
 	})
+	// The engine starts with A, B and C diverted (the table shows their
+	// handed-off or held rows).
+	r := MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond,
+		Backoff: []time.Duration{time.Second}})
 
-	type settledCall struct {
-		agg      relay.AggregateKey
-		seq      uint64
-		wantSeq  uint64
-		unsettle int64 // handed-off or held rows of the aggregate not settled, at the call
-	}
-	var (
-		seq   atomic.Uint64
-		mu    sync.Mutex
-		calls []settledCall
-	)
-	MustStart(t, f, claim.Config{Routes: routes(a), PollInterval: 50 * time.Millisecond,
-		Backoff:   []time.Duration{300 * time.Millisecond},
-		DivertSeq: func() uint64 { return seq.Add(1) },
-		OnAggregateSettled: func(agg relay.AggregateKey, s uint64) {
-			var n int64
-			err := f.pool.QueryRow(context.Background(), `SELECT count(*) FROM integration_outbox
-				WHERE aggregate_type = $1 AND aggregate_id = $2 AND status IN ('pending', 'processing', 'held')
-				  AND (handoff_at IS NOT NULL OR status = 'held')`, agg.Type, agg.ID).Scan(&n)
-			if err != nil {
-				t.Error(err)
-			}
-			mu.Lock()
-			calls = append(calls, settledCall{agg: agg, seq: s, wantSeq: seq.Load(), unsettle: n})
-			mu.Unlock()
-		}})
-
-	waitFor(t, 10*time.Second, "a3, b1, c1 and n1 done", func() bool {
-		rows := f.MustRows(t)
-		return rows["a3"].Status == "done" && rows["b1"].Status == "done" && rows["c1"].Status == "done" && rows["n1"].Status == "done"
+	// Not before: while a3 waits for its retry, A's new event follows it.
+	waitFor(t, 10*time.Second, "a3 back to pending after its failure", func() bool {
+		row := f.MustRow(t, "a3")
+		return row.Status == "pending" && row.Attempts == 1
 	})
-	time.Sleep(300 * time.Millisecond)
-	mu.Lock()
-	defer mu.Unlock()
-	got := map[relay.AggregateKey]int{}
-	for _, c := range calls {
-		got[c.agg]++
-		if c.unsettle != 0 {
-			t.Errorf("%v settled with %d handed-off or held rows still open", c.agg, c.unsettle)
-		}
-		if c.seq != c.wantSeq {
-			t.Errorf("%v settled with seq %d; DivertSeq last returned %d before the check", c.agg, c.seq, c.wantSeq)
+	r.MustStream(t, f, "A", "a-mid")
+	waitFor(t, 5*time.Second, "a-mid handed off", func() bool { return f.MustRow(t, "a-mid").HandedOff })
+
+	waitFor(t, 10*time.Second, "a3, a-mid, b1, c1 and n1 done", func() bool {
+		rows := f.MustRows(t)
+		return rows["a3"].Status == "done" && rows["a-mid"].Status == "done" && rows["b1"].Status == "done" &&
+			rows["c1"].Status == "done" && rows["n1"].Status == "done"
+	})
+	if sent := a.Delivered(); sent["a-mid"] != 1 || sent["a3"] != 1 {
+		t.Errorf("sent %v, want a3 and a-mid once each", sent)
+	}
+	time.Sleep(300 * time.Millisecond) // the engine's check after the settlement
+
+	// A and C are clear: the stream delivers their next events. B still has
+	// a held row: its next event follows it to the claim path.
+	r.MustStream(t, f, "A", "a4")
+	r.MustStream(t, f, "B", "b3")
+	r.MustStream(t, f, "C", "c3")
+	waitFor(t, 5*time.Second, "a4 and c3 delivered, b3 handed off", func() bool {
+		sent := a.Delivered()
+		return sent["a4"] == 1 && sent["c3"] == 1 && f.MustRow(t, "b3").HandedOff
+	})
+	time.Sleep(300 * time.Millisecond) // more claims
+	rows := f.MustRows(t)
+	for _, key := range []string{"a4", "c3"} {
+		if rows[key].HandedOff || rows[key].Status != "pending" {
+			t.Errorf("%s: %+v, want delivered by the stream (pending, not handed off: mark_done is off)", key, rows[key])
 		}
 	}
-	want := map[relay.AggregateKey]int{{Type: "order", ID: "A"}: 1, {Type: "order", ID: "C"}: 1}
-	if len(got) != len(want) || got[relay.AggregateKey{Type: "order", ID: "A"}] != 1 || got[relay.AggregateKey{Type: "order", ID: "C"}] != 1 {
-		t.Errorf("OnAggregateSettled calls %v, want %v (B still has a held row)", got, want)
+	if r := rows["b3"]; r.Status != "pending" {
+		t.Errorf("b3: status %s, want pending behind B's held row", r.Status)
+	}
+	if sent := a.Delivered(); sent["b3"] != 0 {
+		t.Errorf("b3 sent %d times behind a held row", sent["b3"])
 	}
 	if !failedOnce.Load() {
 		t.Error("a3 never failed; the test proves little")

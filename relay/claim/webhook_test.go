@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
 	"github.com/outbox-relay/outbox-relay/sink/webhook"
 )
 
@@ -55,7 +54,7 @@ func TestWebhookSinkAgainstReceiver(t *testing.T) {
 	for i, k := range keys {
 		f.MustInsert(t, event{Key: k, AggType: "order", AggID: "A", Payload: `{"n": ` + string(rune('1'+i)) + `, "s": "é"}`})
 	}
-	MustStart(t, f, claim.Config{Routes: []relay.Route{{Sink: sink}}, All: true, PollInterval: 50 * time.Millisecond,
+	MustStart(t, f, options{Routes: []relay.Route{{Sink: sink}}, All: true, PollInterval: 50 * time.Millisecond,
 		Backoff: []time.Duration{200 * time.Millisecond}})
 	waitFor(t, 20*time.Second, "every row done", func() bool { return f.MustStatusCount(t, "done") == int64(len(keys)) })
 

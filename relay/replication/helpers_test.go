@@ -11,8 +11,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -214,8 +216,10 @@ func (f *fakeCheckpoint) snapshot() (saves []savedCheckpoint, failures int) {
 	return append([]savedCheckpoint(nil), f.saves...), f.failures
 }
 
-// claimRecorder is a MarkForClaim that does what the ledger will: in the
-// slot's exported snapshot, mark every pending row for the claim path.
+// claimRecorder is the slot-creation hand-over of ledger.Store, on a pool
+// of its own for each call, recording each MarkForClaim: in the slot's
+// exported snapshot it marks every pending row of integration_outbox for
+// the claim path, and keeps the hand-over record in relay_checkpoint.
 type claimRecorder struct {
 	url string
 
@@ -224,20 +228,33 @@ type claimRecorder struct {
 	counts    []int64
 }
 
-func (c *claimRecorder) MarkForClaim(ctx context.Context, snapshot string) (int64, error) {
-	conn, err := pgx.Connect(ctx, c.url)
+var _ replication.HandOver = (*claimRecorder)(nil)
+
+func (c *claimRecorder) withStore(ctx context.Context, f func(*ledger.Store) error) error {
+	pool, err := pgxpool.New(ctx, c.url)
 	if err != nil {
-		return 0, err
+		return err
 	}
-	defer conn.Close(context.Background())
+	defer pool.Close()
+	return f(ledger.New(pool, ledger.DefaultConfig()))
+}
+
+func (c *claimRecorder) BeginSlot(ctx context.Context, slot string) error {
+	return c.withStore(ctx, func(s *ledger.Store) error { return s.BeginSlot(ctx, slot) })
+}
+
+func (c *claimRecorder) HandedOver(ctx context.Context, slot string) (done bool, err error) {
+	err = c.withStore(ctx, func(s *ledger.Store) error {
+		done, err = s.HandedOver(ctx, slot)
+		return err
+	})
+	return done, err
+}
+
+func (c *claimRecorder) MarkForClaim(ctx context.Context, slot, snapshot string, consistent relay.LSN) (int64, error) {
 	var n int64
-	err = pgx.BeginTxFunc(ctx, conn, pgx.TxOptions{IsoLevel: pgx.RepeatableRead}, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+relay.QuoteLiteral(snapshot)); err != nil {
-			return err
-		}
-		tag, err := tx.Exec(ctx, `UPDATE integration_outbox SET handoff_at = now()
-		                           WHERE status = 'pending' AND handoff_at IS NULL`)
-		n = tag.RowsAffected()
+	err := c.withStore(ctx, func(s *ledger.Store) (err error) {
+		n, err = s.MarkForClaim(ctx, slot, snapshot, consistent)
 		return err
 	})
 	if err != nil {
@@ -255,6 +272,17 @@ func (c *claimRecorder) calls() (snapshots []string, counts []int64) {
 	defer c.mu.Unlock()
 	return append([]string(nil), c.snapshots...), append([]int64(nil), c.counts...)
 }
+
+// handOverStub is a hand-over for configurations that never make a slot,
+// or of an outbox without rows: it marks nothing, and every slot counts as
+// handed over.
+type handOverStub struct{}
+
+func (handOverStub) BeginSlot(context.Context, string) error { return nil }
+func (handOverStub) MarkForClaim(context.Context, string, string, relay.LSN) (int64, error) {
+	return 0, nil
+}
+func (handOverStub) HandedOver(context.Context, string) (bool, error) { return true, nil }
 
 // testEnv is a migrated database with a fresh slot name.
 type testEnv struct {
@@ -279,14 +307,14 @@ func newEnv(t *testing.T) *testEnv {
 
 func (e *testEnv) config(t *testing.T, c relay.Consumer, cp relay.Checkpoint, claim *claimRecorder) replication.Config {
 	return replication.Config{
-		ConnString:   e.url,
-		Slot:         e.slot,
-		Publication:  "outbox_relay",
-		Outbox:       relay.QualifiedName{Name: "integration_outbox"},
-		Consumer:     c,
-		Checkpoint:   cp,
-		MarkForClaim: claim.MarkForClaim,
-		Logger:       testLogger(t),
+		ConnString:  e.url,
+		Slot:        e.slot,
+		Publication: "outbox_relay",
+		Outbox:      relay.QualifiedName{Name: "integration_outbox"},
+		Consumer:    c,
+		Checkpoint:  cp,
+		HandOver:    claim,
+		Logger:      testLogger(t),
 	}
 }
 

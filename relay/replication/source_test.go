@@ -407,7 +407,8 @@ func TestNewSlotHandsPendingRowsToClaimPath(t *testing.T) {
 func TestReconnectsAfterWalsenderTerminated(t *testing.T) {
 	e := newEnv(t)
 	c := &fakeConsumer{}
-	start(t, e.config(t, c, &fakeCheckpoint{}, &claimRecorder{url: e.url}))
+	claim := &claimRecorder{url: e.url}
+	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	waitStreaming(t, c, 1)
 
 	e.insert(t, "before")
@@ -435,6 +436,10 @@ func TestReconnectsAfterWalsenderTerminated(t *testing.T) {
 	}
 	if restarts[1] < end {
 		t.Errorf("second Restart horizon %s is before the acknowledged %s", restarts[1], end)
+	}
+	// The slot has its hand-over record: it is kept, not made again.
+	if snapshots, _ := claim.calls(); len(snapshots) != 1 {
+		t.Errorf("%d hand-overs, want 1: the slot was made again after a reconnect", len(snapshots))
 	}
 }
 
@@ -469,6 +474,58 @@ func TestRecreatesDroppedSlot(t *testing.T) {
 	waitFor(t, 10*time.Second, "streaming on the new slot", func() bool { return c2.commitOf("next") != 0 })
 	if keys := keysOf(mustEvents(c2)); fmt.Sprint(keys) != "[next]" {
 		t.Errorf("streamed %v, want [next]", keys)
+	}
+}
+
+// TestSourceRecreatesSlotWithoutHandOverRecord: a relay that stopped between
+// creating its slot and handing the rows pending then to the claim path
+// leaves a slot that will never stream those rows, and no record of the
+// hand-over. The next Source drops that slot and makes it again, handing
+// every row pending in the new slot's snapshot to the claim path — the
+// rows from before the first slot and those committed since — and streams
+// only what comes after.
+func TestSourceRecreatesSlotWithoutHandOverRecord(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type) SELECT 'before-' || g, 'x' FROM generate_series(1, 3) g`)
+	claim := &claimRecorder{url: e.url}
+	if err := claim.BeginSlot(ctx, e.slot); err != nil {
+		t.Fatalf("BeginSlot: %v", err)
+	}
+	var first relay.LSN
+	if err := e.conn.QueryRow(ctx, `SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')`, e.slot).Scan(&first); err != nil {
+		t.Fatalf("create the slot: %v", err)
+	}
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type) SELECT 'since-' || g, 'x' FROM generate_series(1, 2) g`)
+	since := e.currentLSN(t)
+	if done, err := claim.HandedOver(ctx, e.slot); err != nil || done {
+		t.Fatalf("HandedOver = %v, %v; want false before the Source runs", done, err)
+	}
+
+	c := &fakeConsumer{}
+	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
+	waitStreaming(t, c, 1)
+	if _, counts := claim.calls(); len(counts) != 1 || counts[0] != 5 {
+		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 5 pending rows", counts)
+	}
+	if _, _, _, confirmed := slotState(t, e); confirmed < since {
+		t.Errorf("slot confirmed at %s, before %s: the slot made at %s was kept", confirmed, since, first)
+	}
+	if done, err := claim.HandedOver(ctx, e.slot); err != nil || !done {
+		t.Errorf("HandedOver = %v, %v; want true after the Source made the slot again", done, err)
+	}
+	var marked int
+	if err := e.conn.QueryRow(ctx, `SELECT count(*) FROM integration_outbox WHERE status = 'pending' AND handoff_at IS NOT NULL`).Scan(&marked); err != nil {
+		t.Fatal(err)
+	}
+	if marked != 5 {
+		t.Errorf("%d rows handed to the claim path, want 5", marked)
+	}
+
+	e.insert(t, "after")
+	waitFor(t, 10*time.Second, "streaming on the new slot", func() bool { return c.commitOf("after") != 0 })
+	if keys := keysOf(mustEvents(c)); fmt.Sprint(keys) != "[after]" {
+		t.Errorf("streamed %v, want [after]: the rows handed to the claim path are not streamed too", keys)
 	}
 }
 
@@ -520,14 +577,14 @@ func TestUnavailable(t *testing.T) {
 			setup: func(t *testing.T) replication.Config {
 				cluster := pgtest.NewCluster(t, pgtest.Options{WALLevel: "replica"})
 				return replication.Config{
-					ConnString:   cluster.URL("postgres"),
-					Slot:         "outbox_relay",
-					Publication:  "outbox_relay",
-					Outbox:       relay.QualifiedName{Name: "integration_outbox"},
-					Consumer:     &fakeConsumer{},
-					Checkpoint:   &fakeCheckpoint{},
-					MarkForClaim: func(context.Context, string) (int64, error) { return 0, nil },
-					Logger:       testLogger(t),
+					ConnString:  cluster.URL("postgres"),
+					Slot:        "outbox_relay",
+					Publication: "outbox_relay",
+					Outbox:      relay.QualifiedName{Name: "integration_outbox"},
+					Consumer:    &fakeConsumer{},
+					Checkpoint:  &fakeCheckpoint{},
+					HandOver:    handOverStub{},
+					Logger:      testLogger(t),
 				}
 			},
 			reason: "wal_level",
@@ -562,7 +619,7 @@ func TestDecodeErrorNamesColumnAndReconnects(t *testing.T) {
 	cfg := e.config(t, c, &fakeCheckpoint{}, nil)
 	cfg.Publication = "thin_pub"
 	cfg.Outbox = relay.QualifiedName{Schema: "public", Name: "thin_outbox"}
-	cfg.MarkForClaim = func(context.Context, string) (int64, error) { return 0, nil }
+	cfg.HandOver = handOverStub{}
 	cfg.Logger = zerolog.New(zerolog.SyncWriter(logs))
 	start(t, cfg)
 	waitStreaming(t, c, 1)
@@ -581,13 +638,13 @@ func TestDecodeErrorNamesColumnAndReconnects(t *testing.T) {
 func TestNewRejectsInvalidConfig(t *testing.T) {
 	valid := func() replication.Config {
 		return replication.Config{
-			ConnString:   "postgres://localhost/db",
-			Slot:         "outbox_relay",
-			Publication:  "outbox_relay",
-			Outbox:       relay.QualifiedName{Name: "integration_outbox"},
-			Consumer:     &fakeConsumer{},
-			Checkpoint:   &fakeCheckpoint{},
-			MarkForClaim: func(context.Context, string) (int64, error) { return 0, nil },
+			ConnString:  "postgres://localhost/db",
+			Slot:        "outbox_relay",
+			Publication: "outbox_relay",
+			Outbox:      relay.QualifiedName{Name: "integration_outbox"},
+			Consumer:    &fakeConsumer{},
+			Checkpoint:  &fakeCheckpoint{},
+			HandOver:    handOverStub{},
 		}
 	}
 	tests := []struct {
@@ -599,7 +656,7 @@ func TestNewRejectsInvalidConfig(t *testing.T) {
 		{"empty outbox", func(c *replication.Config) { c.Outbox = relay.QualifiedName{} }},
 		{"no consumer", func(c *replication.Config) { c.Consumer = nil }},
 		{"no checkpoint", func(c *replication.Config) { c.Checkpoint = nil }},
-		{"no MarkForClaim", func(c *replication.Config) { c.MarkForClaim = nil }},
+		{"no HandOver", func(c *replication.Config) { c.HandOver = nil }},
 		{"bad connection string", func(c *replication.Config) { c.ConnString = "postgres://%zz" }},
 	}
 	if _, err := replication.New(valid()); err != nil {

@@ -1,4 +1,4 @@
-package claim_test
+package ledger_test
 
 import (
 	"context"
@@ -8,8 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
+	"github.com/outbox-relay/outbox-relay/ledger"
 )
 
 // The claim query uses the partial claim index for the scan and the partial
@@ -20,9 +19,9 @@ func TestClaimQueryUsesPartialIndexes(t *testing.T) {
 	if testing.Short() {
 		t.Skip("100,000 rows: skipped with -short")
 	}
-	f := MustFixture(t)
+	db := mustClaimDB(t, ledger.Sink{Name: "all"}, ledger.Sink{Name: "orders", Events: []string{"order.*", "refund.[a-c]?"}})
 	ctx := context.Background()
-	f.MustExec(t, `
+	db.exec(t, `
 		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, handoff_at,
 		                                created_at, available_at)
 		SELECT CASE WHEN g % 7 = 0 THEN 'invoice.sent' ELSE 'order.placed' END, 'order', 'agg-' || (g % 5000),
@@ -30,19 +29,16 @@ func TestClaimQueryUsesPartialIndexes(t *testing.T) {
 		       now() - (100000 - g) * interval '1 millisecond', now() - (100000 - g) * interval '1 millisecond'
 		  FROM generate_series(1, 100000) AS g`)
 
-	a, b := newFakeSink("all", nil), newFakeSink("orders", nil)
-	rts := []relay.Route{{Sink: a}, {Sink: b, Events: []string{"order.*", "refund.[a-c]?"}}}
 	explain := func(t *testing.T, stage string) {
 		for _, mode := range []struct {
 			name string
 			all  bool
 		}{{"poll mode", true}, {"replication mode", false}} {
-			c, err := claim.New(claim.Config{Pool: f.pool, Routes: rts, All: mode.all})
+			sql, args, err := db.store.ClaimStatement(500, ledger.NewOwner(), mode.all)
 			if err != nil {
 				t.Fatal(err)
 			}
-			sql, args := c.ClaimStatement()
-			plan := explainText(t, f, "EXPLAIN (COSTS OFF) "+sql, args)
+			plan := explainClaim(t, db, "EXPLAIN (COSTS OFF) "+sql, args)
 			t.Logf("%s, %s: claim plan:\n%s", stage, mode.name, plan)
 			for _, index := range []string{"integration_outbox_relay_claim_idx", "integration_outbox_relay_order_idx"} {
 				if !strings.Contains(plan, index) {
@@ -53,7 +49,7 @@ func TestClaimQueryUsesPartialIndexes(t *testing.T) {
 				t.Errorf("%s, %s: the plan scans the outbox sequentially", stage, mode.name)
 			}
 			// Measured, then rolled back.
-			err = pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+			err = pgx.BeginFunc(ctx, db.pool, func(tx pgx.Tx) error {
 				rows, err := tx.Query(ctx, "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) "+sql, args...)
 				if err != nil {
 					return err
@@ -63,32 +59,32 @@ func TestClaimQueryUsesPartialIndexes(t *testing.T) {
 					return err
 				}
 				t.Logf("%s, %s: %s", stage, mode.name, lines[len(lines)-1])
-				return errRollback
+				return errExplainRollback
 			})
-			if !errors.Is(err, errRollback) {
+			if !errors.Is(err, errExplainRollback) {
 				t.Fatal(err)
 			}
 		}
 	}
 
-	f.MustExec(t, `ANALYZE integration_outbox`)
+	db.exec(t, `ANALYZE integration_outbox`)
 	explain(t, "backlog of 100,000 pending rows")
 
 	// Steady state: 90% done and delivered; the rest pending.
-	f.MustExec(t, `UPDATE integration_outbox SET status = 'done' WHERE id % 10 <> 0`)
-	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
+	db.exec(t, `UPDATE integration_outbox SET status = 'done' WHERE id % 10 <> 0`)
+	db.exec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
 		SELECT event_key, s.name, 'delivered', 1, now()
 		  FROM integration_outbox, (VALUES ('all'), ('orders')) AS s(name) WHERE status = 'done'`)
-	f.MustExec(t, `VACUUM ANALYZE integration_outbox`)
-	f.MustExec(t, `VACUUM ANALYZE integration_idempotency`)
+	db.exec(t, `VACUUM ANALYZE integration_outbox`)
+	db.exec(t, `VACUUM ANALYZE integration_idempotency`)
 	explain(t, "100,000 rows, 10% pending")
 }
 
-var errRollback = errors.New("rollback")
+var errExplainRollback = errors.New("rollback")
 
-func explainText(tb testing.TB, f *fixture, sql string, args []any) string {
+func explainClaim(tb testing.TB, db *claimDB, sql string, args []any) string {
 	tb.Helper()
-	rows, err := f.pool.Query(context.Background(), sql, args...)
+	rows, err := db.pool.Query(context.Background(), sql, args...)
 	if err != nil {
 		tb.Fatalf("%s: %v", sql, err)
 	}
