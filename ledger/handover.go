@@ -41,11 +41,6 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 	if snapshot == "" {
 		return 0, errors.New("mark rows for the claim path: empty snapshot name")
 	}
-	// Events the stream delivered whose ids wait for a checkpoint are
-	// recorded first: the marking below must see them as done.
-	if err := s.flushRecord(ctx); err != nil {
-		return 0, fmt.Errorf("mark rows for the claim path: %w", err)
-	}
 	// SET TRANSACTION SNAPSHOT takes no parameters. The simple protocol keeps
 	// this one-off text out of the connection's statement cache and makes it
 	// the transaction's first statement.
@@ -148,7 +143,14 @@ func (s *Store) MarkDeliveredDone(ctx context.Context, sinks []string) (int64, e
 // BeginSlot records, before a slot named slot is created, that its
 // hand-over has not happened yet: until MarkForClaim records it, HandedOver
 // reports false for whatever slot of that name exists. Safe to repeat.
+//
+// It also writes the delivered ids waiting for a checkpoint: the new slot's
+// snapshot, taken after it, must see those rows as done, or the hand-over
+// would give them to the claim path and they would be sent twice.
 func (s *Store) BeginSlot(ctx context.Context, slot string) error {
+	if err := s.flushRecord(ctx); err != nil {
+		return fmt.Errorf("record the delivered events before slot %s is created: %w", slot, err)
+	}
 	_, err := s.runSteps(ctx, s.sql.setSynchronousCommit, []step{exec("record the slot's creation", s.sql.beginSlot, slot)})
 	if err != nil {
 		return fmt.Errorf("record the creation of slot %s: %w", slot, err)

@@ -11,10 +11,15 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// recordMax bounds the ids waiting for a checkpoint to write them into the
-// delivered record. It is reached only while checkpoints fail: the engine
+// recordFlushAt is how many delivered ids may wait for a checkpoint before
+// SettleStream writes them itself (a transaction of many thousands of events
+// is not acknowledged until its last event settles, so no checkpoint comes
+// meanwhile). recordMax bounds them when that write fails too: the engine
 // then stops taking events (docs/guarantees.md, "back-pressure").
-const recordMax = 4096
+const (
+	recordFlushAt = 2048
+	recordMax     = 4096
+)
 
 // errRecordFull is SettleStream's refusal while recordMax ids wait.
 var errRecordFull = fmt.Errorf("the delivered record holds %d ids waiting for a checkpoint (checkpoints are failing): waiting", recordMax)
@@ -23,18 +28,24 @@ var errRecordFull = fmt.Errorf("the delivered record holds %d ids waiting for a 
 type record struct {
 	mu  sync.Mutex
 	ids []int64
+	// writing serialises the writes of the record (checkpoints, flushes),
+	// so that a flush returns only when every id taken before it is
+	// committed.
+	writing sync.Mutex
 }
 
 func newRecord() *record { return &record{} }
 
-func (r *record) add(ids []int64) error {
+// add adds ids; it reports whether the record is due for a write of its
+// own.
+func (r *record) add(ids []int64) (flush bool, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if len(r.ids) >= recordMax {
-		return errRecordFull
+		return true, errRecordFull
 	}
 	r.ids = append(r.ids, ids...)
-	return nil
+	return len(r.ids) >= recordFlushAt, nil
 }
 
 // take empties the record and returns what it held.
@@ -84,6 +95,8 @@ func (s *Store) LoadCheckpoint(ctx context.Context, slot string) (relay.LSN, err
 // SettleStream wrote — is durable too: only then may the slot be
 // acknowledged up to lsn. On an error the ids are kept for the next try.
 func (s *Store) SaveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) error {
+	s.record.writing.Lock()
+	defer s.record.writing.Unlock()
 	ids := s.record.take()
 	steps := []step{exec("save the checkpoint", s.sql.saveCheckpoint, slot, lsn)}
 	if len(ids) > 0 {
@@ -99,6 +112,8 @@ func (s *Store) SaveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) 
 // flushRecord writes the delivered ids waiting for a checkpoint, in a
 // synchronous transaction of their own.
 func (s *Store) flushRecord(ctx context.Context) error {
+	s.record.writing.Lock()
+	defer s.record.writing.Unlock()
 	ids := s.record.take()
 	if len(ids) == 0 {
 		return nil

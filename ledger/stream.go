@@ -424,7 +424,18 @@ func split(works []*relay.Work, recordDone bool) *settlementRows {
 func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
 	r := split(works, false)
 	if len(r.recordIDs) > 0 {
-		if err := s.record.add(r.recordIDs); err != nil {
+		flush, err := s.record.add(r.recordIDs)
+		if flush {
+			// Many ids wait and no checkpoint comes (a huge transaction):
+			// write them now.
+			if ferr := s.flushRecord(ctx); ferr != nil {
+				return nil, fmt.Errorf("%w (writing it now failed: %w)", errRecordFull, ferr)
+			}
+			if err != nil { // it was full: there is room now
+				_, err = s.record.add(r.recordIDs)
+			}
+		}
+		if err != nil {
 			return nil, err
 		}
 	}

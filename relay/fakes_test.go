@@ -64,6 +64,9 @@ func (s *fakeStore) SettleStream(ctx context.Context, works []*relay.Work, owner
 	return s.settleStream(ctx, works, owner)
 }
 
+// Gone reports none of the invisible rows as deleted.
+func (s *fakeStore) Gone(context.Context, []*relay.Work) ([]int64, error) { return nil, nil }
+
 func (s *fakeStore) MarkDone(ctx context.Context, ids []int64) ([]int64, error) {
 	return s.markDone(ctx, ids)
 }

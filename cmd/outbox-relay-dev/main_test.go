@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -53,7 +55,7 @@ func TestMakeRun(t *testing.T) {
 		t.Fatalf("make run: %v\noutput:\n%s", err, out.String())
 	}
 	got := out.String()
-	for _, want := range []string{"migrated integration_outbox from version 0 to 7", "embedded NATS server",
+	for _, want := range []string{fmt.Sprintf("migrated integration_outbox from version 0 to %d", migrations.Latest()), "embedded NATS server",
 		"webhook received", "lead.qualified", "all 3 sample events arrived", "relay stopped"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("output lacks %q", want)

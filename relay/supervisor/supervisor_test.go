@@ -22,6 +22,7 @@ func (nopStore) SettleStream(context.Context, []*relay.Work, string) ([]int64, e
 	return nil, nil
 }
 func (nopStore) MarkDone(context.Context, []int64) ([]int64, error)     { return nil, nil }
+func (nopStore) Gone(context.Context, []*relay.Work) ([]int64, error)   { return nil, nil }
 func (nopStore) Diverted(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
 
 func newEngine() (*relay.Engine, error) {
