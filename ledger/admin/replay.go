@@ -21,26 +21,43 @@ var ReplayStatuses = []string{"done", "failed", "held"}
 // does not swallow the replay). Pending and processing rows are on their way
 // and are not touched. Pass at most a few thousand ids (BatchSize).
 //
-// Calling Replay twice replays twice.
-func Replay(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (Changed, error) {
+// allSinks names every configured sink: a row the stream delivered (to
+// every sink it is routed to) keeps, for the sinks not chosen, a delivered
+// ledger row. Calling Replay twice replays twice.
+func Replay(ctx context.Context, db DB, t Tables, ids []int64, sinks, allSinks []string) (Changed, error) {
 	var c Changed
+	// A row the stream delivered has no ledger rows (docs/operations.md,
+	// "what the relay writes back"): with --sink, the sinks not chosen get
+	// their delivered rows now, so that the claim path skips them.
 	err := db.QueryRow(ctx, fmt.Sprintf(`
-WITH replayed AS (
+WITH was AS (
+    SELECT o.id, o.event_key, %[3]s AS recorded
+      FROM %[1]s AS o
+     WHERE o.id = ANY($1::bigint[]) AND (o.status IN ('done', 'failed', 'held') OR %[3]s)
+       FOR UPDATE),
+replayed AS (
     UPDATE %[1]s AS o
        SET status = 'pending', attempts = 0, available_at = now(), handoff_at = now(),
            last_error = NULL, processed_at = NULL, locked_at = NULL, locked_by = NULL,
            replays = coalesce(o.replays, 0) + 1
-     WHERE o.id = ANY($1::bigint[]) AND (o.status IN ('done', 'failed', 'held') OR %[3]s)
-    RETURNING o.id, o.event_key),
+      FROM was
+     WHERE o.id = was.id
+    RETURNING o.id, o.event_key, was.recorded),
 unrecorded AS (
     DELETE FROM %[4]s AS d USING replayed AS r WHERE d.id = r.id),
 cleared AS (
     DELETE FROM %[2]s AS l USING replayed AS r
      WHERE l.event_key = r.event_key
        AND ($2::text[] IS NULL OR l.action = ANY($2::text[]))
-    RETURNING 1)
+    RETURNING 1),
+kept AS (
+    INSERT INTO %[2]s AS l (event_key, action, state, attempts, delivered_at)
+    SELECT r.event_key, s.sink, 'delivered', 1, now()
+      FROM replayed AS r, unnest($3::text[]) AS s(sink)
+     WHERE r.recorded AND $2::text[] IS NOT NULL AND NOT s.sink = ANY($2::text[])
+        ON CONFLICT (event_key, action) DO NOTHING)
 SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.recorded("o"), t.Delivered().Quoted()),
-		ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
+		ids, nilIfEmpty(sinks), allSinks).Scan(&c.Rows, &c.LedgerRows)
 	if err != nil {
 		return Changed{}, fmt.Errorf("replay %d rows: %w", len(ids), err)
 	}

@@ -23,7 +23,7 @@ func TestReplay(t *testing.T) {
 			}
 
 			// --sink nats: only nats's rows go, so only nats gets it again.
-			c, err := admin.Replay(ctx, f.pool, f.tables, []int64{done, failed, processing}, []string{"nats"})
+			c, err := admin.Replay(ctx, f.pool, f.tables, []int64{done, failed, processing}, []string{"nats"}, []string{"nats", "n8n"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -49,7 +49,7 @@ func TestReplay(t *testing.T) {
 			// A second replay of the settled row counts again and, with no
 			// sink, clears every sink.
 			MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = 'done' WHERE id = $1", done)
-			c, err = admin.Replay(ctx, f.pool, f.tables, []int64{done}, nil)
+			c, err = admin.Replay(ctx, f.pool, f.tables, []int64{done}, nil, []string{"nats", "n8n"})
 			if err != nil || c.Rows != 1 || c.LedgerRows != 1 {
 				t.Fatalf("second replay: %+v %v", c, err)
 			}
