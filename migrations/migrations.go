@@ -279,8 +279,8 @@ var sqlMigrations = []string{
 	"005_outbox_publish.sql",
 	"006_replays.sql",
 	"007_handover_record.sql",
-	"008_delivered_record.sql",
-	"009_handoff_index.sql",
+	"009_delivered_record.sql",
+	"010_handoff_index.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
