@@ -70,7 +70,8 @@ type DiagnoseConfig struct {
 // version, that it is a primary, wal_level, the role's REPLICATION attribute
 // and a replication connection, the schema version, the privileges the run
 // role needs and those it has beyond them, the publication, the slot (state,
-// holder, retained WAL) and max_slot_wal_keep_size. It connects as the
+// holder, retained WAL), max_slot_wal_keep_size and (18+)
+// idle_replication_slot_timeout. It connects as the
 // relay would, only reads, and reports every problem it finds with its fix;
 // it never returns an error of its own.
 func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
@@ -106,6 +107,7 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	d.publication(ctx)
 	d.slot(ctx)
 	d.maxSlotWALKeepSize(ctx)
+	d.idleSlotTimeout(ctx)
 	return d.checks
 }
 
@@ -536,6 +538,7 @@ SELECT EXISTS (SELECT 1 FROM pg_publication_rel r WHERE r.prpubid = p.oid AND r.
 func (d *diagnosis) slot(ctx context.Context) {
 	var (
 		slotType, plugin, database, walStatus, app, client string
+		invalidation                                       string
 		sameDB, active                                     bool
 		pid                                                int32
 		retained                                           *int64
@@ -544,14 +547,16 @@ func (d *diagnosis) slot(ctx context.Context) {
 	)
 	err := d.conn.QueryRow(ctx, `
 SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s.database = current_database(), false),
-       coalesce(s.wal_status, ''), s.active, coalesce(s.active_pid, 0),
-       pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+       coalesce(s.wal_status, ''), coalesce(to_jsonb(s) ->> 'invalidation_reason', ''), s.active, coalesce(s.active_pid, 0),
+       -- an invalidated slot retains nothing, whatever restart_lsn says (18 keeps it)
+       CASE WHEN s.wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL
+            THEN pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint END,
        coalesce(a.application_name, ''), a.backend_start, coalesce(host(a.client_addr), ''),
        extract(epoch FROM now() - r.reply_time)::float8
   FROM pg_replication_slots s
   LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
   LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
- WHERE s.slot_name = $1`, d.cfg.Slot).Scan(&slotType, &plugin, &database, &sameDB, &walStatus, &active, &pid,
+ WHERE s.slot_name = $1`, d.cfg.Slot).Scan(&slotType, &plugin, &database, &sameDB, &walStatus, &invalidation, &active, &pid,
 		&retained, &app, &backendStart, &client, &replyAge)
 	name := "slot " + d.cfg.Slot
 	drop := fmt.Sprintf("SELECT pg_drop_replication_slot(%s);", relay.QuoteLiteral(d.cfg.Slot))
@@ -588,8 +593,8 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 		d.add(Fail, name, fmt.Sprintf("belongs to database %q", database), "set source.slot to another name")
 	case plugin != "pgoutput":
 		d.add(Fail, name, fmt.Sprintf("uses plugin %q, not pgoutput", plugin), "set source.slot to another name, or drop it: "+drop)
-	case walStatus == "lost":
-		d.add(Warn, name, "was invalidated (wal_status lost: it fell further behind than max_slot_wal_keep_size); run drops and recreates it, and the claim path delivers the rows in between",
+	case walStatus == "lost" || invalidation != "":
+		d.add(Warn, name, fmt.Sprintf("was invalidated (%s); run drops and recreates it, and the claim path delivers the rows in between", invalidationCause(walStatus, invalidation)),
 			"nothing is required; to drop it now: "+drop)
 	case active && replyAge != nil && *replyAge > staleReply.Seconds():
 		d.add(Fail, name, fmt.Sprintf("held by %s, which has sent no status for %.0fs: a stale process keeps the relay from streaming", holder, *replyAge), terminate)
@@ -615,6 +620,22 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 		return
 	}
 	d.add(OK, "retained WAL", fmt.Sprintf("%s (source.slot_max_retained %s)", FormatBytes(*retained), FormatBytes(limit)), "")
+}
+
+// invalidationCause explains why the server invalidated a slot, from its
+// wal_status and invalidation_reason (17+; "" before).
+func invalidationCause(walStatus, reason string) string {
+	switch reason {
+	case "", "wal_removed":
+		return "wal_status " + walStatus + ": it fell further behind than max_slot_wal_keep_size"
+	case "idle_timeout":
+		return "invalidation_reason idle_timeout: no one used it for longer than idle_replication_slot_timeout"
+	case "wal_level_insufficient":
+		return "invalidation_reason wal_level_insufficient: wal_level was set below logical"
+	case "rows_removed":
+		return "invalidation_reason rows_removed: rows it still needed were vacuumed away"
+	}
+	return "invalidation_reason " + reason
 }
 
 func formatRetained(b *int64) string {
@@ -646,6 +667,39 @@ func (d *diagnosis) maxSlotWALKeepSize(ctx context.Context) {
 			"A running relay drops a slot it cannot consume (source.slot_max_unconsumed), but a relay that is down cannot. "+
 			"With a limit the server invalidates such a slot instead; the relay recreates it and the claim path delivers the rows in between",
 		fmt.Sprintf("ALTER SYSTEM SET max_slot_wal_keep_size = '%dGB';   -- well above the relay's slot_max_retained, well below the free space of pg_wal's disk\nSELECT pg_reload_conf();", rec>>30))
+}
+
+// shortIdleSlotTimeout is the idle_replication_slot_timeout below which
+// doctor warns: a relay restart or an HA takeover can leave the slot unused
+// for that long.
+const shortIdleSlotTimeout = 10 * time.Minute
+
+// idleSlotTimeout reports idle_replication_slot_timeout (PostgreSQL 18+; on
+// older servers there is nothing to report).
+func (d *diagnosis) idleSlotTimeout(ctx context.Context) {
+	if !d.cfg.Replication {
+		return
+	}
+	var seconds int64
+	err := d.conn.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'idle_replication_slot_timeout'`).Scan(&seconds)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return
+	case err != nil:
+		d.add(Fail, "idle_replication_slot_timeout", fmt.Sprintf("read setting: %v", err), "")
+		return
+	}
+	timeout := time.Duration(seconds) * time.Second
+	switch {
+	case seconds == 0:
+		d.add(OK, "idle_replication_slot_timeout", "0 (slots are not invalidated for being unused)", "")
+	case timeout < shortIdleSlotTimeout:
+		d.add(Warn, "idle_replication_slot_timeout",
+			fmt.Sprintf("%s: a relay restart or HA takeover that leaves the slot unused that long (until the next checkpoint) loses it; run recreates it and the claim path delivers the rows in between, more slowly than the stream", timeout),
+			"ALTER SYSTEM SET idle_replication_slot_timeout = '1h';   -- longer than any relay downtime you plan for\nSELECT pg_reload_conf();")
+	default:
+		d.add(OK, "idle_replication_slot_timeout", fmt.Sprintf("%s: a relay down longer than that loses its slot; run recreates it and the claim path delivers the rows in between", timeout), "")
+	}
 }
 
 // FormatBytes prints n bytes with a binary unit ("12.3 MiB").
