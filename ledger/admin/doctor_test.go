@@ -215,6 +215,17 @@ func TestDiagnose_WALLevelReplica(t *testing.T) {
 	if _, ok := checks["replication connection"]; ok {
 		t.Error("replication connection tried with wal_level replica")
 	}
+	// This server version's own refusal of a slot is recognised, with each
+	// provider's fix.
+	_, err = conn.Exec(ctx, "SELECT pg_create_logical_replication_slot('refused', 'pgoutput')")
+	if err == nil {
+		t.Fatal("a logical slot was created with wal_level replica")
+	}
+	for p, want := range map[admin.Provider]string{admin.SelfManaged: "ALTER SYSTEM SET wal_level = logical", admin.RDS: "rds.logical_replication = 1", admin.CloudSQL: "cloudsql.logical_decoding=on"} {
+		if fix, ok := admin.RefusalFix(p, "relay", "", err); !ok || !strings.Contains(fix, want) {
+			t.Errorf("RefusalFix(%q, %q) = %q, %v; want a fix with %q", p, err, fix, ok, want)
+		}
+	}
 	// Poll mode does not need it.
 	checks = diagnose(t, c.URL("app"), func(c *admin.DiagnoseConfig) { c.Replication = false })
 	noFailures(t, checks)
