@@ -71,9 +71,10 @@ type DiagnoseConfig struct {
 // and a replication connection, the schema version, the privileges the run
 // role needs and those it has beyond them, the publication, the slot (state,
 // holder, retained WAL), max_slot_wal_keep_size and (18+)
-// idle_replication_slot_timeout. It connects as the
-// relay would, only reads, and reports every problem it finds with its fix;
-// it never returns an error of its own.
+// idle_replication_slot_timeout. On a managed service it recognises
+// (DetectProvider) the fixes are that service's. It connects as the relay
+// would, only reads, and reports every problem it finds with its fix; it
+// never returns an error of its own.
 func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	if cfg.ConnectTimeout <= 0 {
 		cfg.ConnectTimeout = 10 * time.Second
