@@ -117,6 +117,9 @@ func TestDiagnose_HealthySuperuser(t *testing.T) {
 	noFailures(t, checks)
 	requireCheck(t, checks, "connection", admin.OK, "postgres@")
 	requireCheck(t, checks, "server version", admin.OK, "PostgreSQL 1")
+	if c, ok := checks["provider"]; ok {
+		t.Errorf("a self-managed server recognised as a managed service: %s", c.Detail)
+	}
 	requireCheck(t, checks, "wal_level", admin.OK, "logical")
 	requireCheck(t, checks, "REPLICATION", admin.OK, "superuser")
 	requireCheck(t, checks, "replication connection", admin.OK)
@@ -226,6 +229,27 @@ func TestDiagnose_WALLevelReplica(t *testing.T) {
 			t.Errorf("RefusalFix(%q, %q) = %q, %v; want a fix with %q", p, err, fix, ok, want)
 		}
 	}
+	// Cloud SQL with cloudsql.logical_decoding off, and Neon without
+	// logical replication, look like this to doctor; their settings (set
+	// here as placeholders for the database) give them away.
+	for _, tc := range []struct{ setting, provider, fix string }{
+		{"cloudsql.logical_decoding", string(admin.CloudSQL), "database flag cloudsql.logical_decoding = on"},
+		{"neon.tenant_id", string(admin.Neon), "Project settings > Logical replication > Enable"},
+	} {
+		if _, err := conn.Exec(ctx, "ALTER DATABASE app SET "+tc.setting+" = 'off'"); err != nil {
+			t.Fatal(err)
+		}
+		checks := diagnose(t, c.URL("app"))
+		requireCheck(t, checks, "provider", admin.OK, tc.provider, tc.setting)
+		requireCheck(t, checks, "wal_level", admin.Fail, "replica", tc.fix)
+		if strings.Contains(checks["wal_level"].Fix, "ALTER SYSTEM") {
+			t.Errorf("%s: a fix with ALTER SYSTEM: %s", tc.provider, checks["wal_level"].Fix)
+		}
+		if _, err := conn.Exec(ctx, "ALTER DATABASE app RESET "+tc.setting); err != nil {
+			t.Fatal(err)
+		}
+	}
+
 	// Poll mode does not need it.
 	checks = diagnose(t, c.URL("app"), func(c *admin.DiagnoseConfig) { c.Replication = false })
 	noFailures(t, checks)

@@ -53,6 +53,12 @@ var markerRoles = []string{"rds_superuser", "rds_replication", "cloudsqlsuperuse
 // DetectProvider knows.
 var markerSettingPrefixes = []string{"rds.", "apg_", "aurora.", "cloudsql.", "azure.", "neon.", "supautils."}
 
+// markerSettings are provider settings read by name as well: pg_settings
+// leaves out settings marked not to be shown, and a setting an extension
+// has not defined yet.
+var markerSettings = []string{"rds.logical_replication", "rds.extensions", "cloudsql.logical_decoding", "cloudsql.iam_authentication",
+	"azure.extensions", "neon.tenant_id", "neon.timeline_id", "supautils.reserved_roles"}
+
 // DetectProvider names the managed service the server belongs to, from the
 // catalog first (a connection through a proxy or a custom DNS name hides
 // the provider's host name) and then from the host name. It returns
@@ -117,7 +123,11 @@ func readMarkers(ctx context.Context, conn *pgx.Conn, host string) ServerMarkers
 	for _, p := range markerSettingPrefixes {
 		patterns = append(patterns, p+"%")
 	}
-	_ = conn.QueryRow(ctx, `SELECT coalesce(array_agg(name ORDER BY name), '{}') FROM pg_settings WHERE name LIKE ANY ($1)`, patterns).Scan(&m.Settings)
+	_ = conn.QueryRow(ctx, `
+SELECT coalesce(array_agg(name ORDER BY name), '{}') FROM (
+  SELECT name FROM pg_settings WHERE name LIKE ANY ($1)
+  UNION
+  SELECT n FROM unnest($2::text[]) AS n WHERE current_setting(n, true) IS NOT NULL) AS s`, patterns, markerSettings).Scan(&m.Settings)
 	_ = conn.QueryRow(ctx, `SELECT coalesce(array_agg(rolname::text ORDER BY rolname), '{}') FROM pg_roles WHERE rolname = ANY ($1)`, markerRoles).Scan(&m.Roles)
 	_ = conn.QueryRow(ctx, `SELECT to_regproc('aurora_version') IS NOT NULL`).Scan(&m.AuroraVersion)
 	return m
