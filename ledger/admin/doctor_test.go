@@ -224,6 +224,7 @@ func TestDiagnose_WALLevelReplica(t *testing.T) {
 	if err == nil {
 		t.Fatal("a logical slot was created with wal_level replica")
 	}
+	t.Logf("refusal: %v", err)
 	for p, want := range map[admin.Provider]string{admin.SelfManaged: "ALTER SYSTEM SET wal_level = logical", admin.RDS: "rds.logical_replication = 1", admin.CloudSQL: "cloudsql.logical_decoding=on"} {
 		if fix, ok := admin.RefusalFix(p, "relay", "", err); !ok || !strings.Contains(fix, want) {
 			t.Errorf("RefusalFix(%q, %q) = %q, %v; want a fix with %q", p, err, fix, ok, want)

@@ -209,6 +209,8 @@ func TestRefusalFix_ServerTexts(t *testing.T) {
 		t.Fatal("a role without REPLICATION opened a replication connection")
 	} else if fix, ok := admin.RefusalFix(admin.RDS, role, "", err); !ok || !strings.Contains(fix, "GRANT rds_replication") {
 		t.Errorf("replication connection refused with %q: RefusalFix = %q, %v", err, fix, ok)
+	} else {
+		t.Logf("refusal recognised: %v", err)
 	}
 
 	conn, err := pgx.Connect(ctx, roleURL)
@@ -223,7 +225,7 @@ func TestRefusalFix_ServerTexts(t *testing.T) {
 	if fix, ok := admin.RefusalFix(admin.CloudSQL, role, "", err); !ok || !strings.Contains(fix, "WITH REPLICATION") {
 		t.Errorf("slot refused with %q: RefusalFix = %q, %v", err, fix, ok)
 	}
-	t.Logf("refusals recognised: %v", err)
+	t.Logf("refusal recognised: %v", err)
 }
 
 // TestDiagnose_RDS: on a server that looks like Amazon RDS (its roles
