@@ -719,7 +719,7 @@ func (d *diagnosis) maxSlotWALKeepSize(ctx context.Context) {
 	rec := recommendedKeepSize(d.cfg.SlotMaxRetained)
 	fix := fmt.Sprintf("ALTER SYSTEM SET max_slot_wal_keep_size = '%dGB';   -- well above the relay's slot_max_retained, well below the free space of pg_wal's disk\nSELECT pg_reload_conf();", rec>>30)
 	if d.provider != SelfManaged {
-		fix = SettingFix(d.provider, "max_slot_wal_keep_size", fmt.Sprintf("%dGB", rec>>30), false) + "   -- well above the relay's slot_max_retained, well below the storage left for WAL"
+		fix = SettingFix(d.provider, "max_slot_wal_keep_size", sizeSetting(d.provider, rec>>30), false) + "   -- in MB when a plain number; well above the relay's slot_max_retained, well below the storage left for WAL"
 	}
 	d.add(Warn, "max_slot_wal_keep_size",
 		"-1 (unlimited): a slot no one consumes keeps all WAL from its position on, until pg_wal fills the disk and the primary stops. "+
@@ -763,7 +763,7 @@ func (d *diagnosis) idleSlotTimeout(ctx context.Context) {
 
 func idleTimeoutFix(p Provider) string {
 	if p != SelfManaged {
-		return SettingFix(p, "idle_replication_slot_timeout", "1h", false) + "   -- longer than any relay downtime you plan for"
+		return SettingFix(p, "idle_replication_slot_timeout", durationSetting(p, 3600), false) + "   -- one hour (in seconds when a plain number): longer than any relay downtime you plan for"
 	}
 	return "ALTER SYSTEM SET idle_replication_slot_timeout = '1h';   -- longer than any relay downtime you plan for\nSELECT pg_reload_conf();"
 }

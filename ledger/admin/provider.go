@@ -205,6 +205,30 @@ func SettingFix(p Provider, name, value string, restart bool) string {
 	return fmt.Sprintf("ALTER SYSTEM SET %s = '%s';\n%s", name, value, then)
 }
 
+// numericOnly reports whether p's parameter store takes plain numbers in the
+// setting's base unit (MB, seconds) rather than values with units.
+func numericOnly(p Provider) bool {
+	return p == RDS || p == Aurora || p == CloudSQL || p == Azure
+}
+
+// sizeSetting is a size in GiB as p's parameter store takes it: a plain
+// number of MB, or with a unit.
+func sizeSetting(p Provider, gib int64) string {
+	if numericOnly(p) {
+		return fmt.Sprintf("%d", gib<<10)
+	}
+	return fmt.Sprintf("%dGB", gib)
+}
+
+// durationSetting is a duration in seconds as p's parameter store takes it:
+// a plain number of seconds, or with a unit.
+func durationSetting(p Provider, seconds int64) string {
+	if numericOnly(p) {
+		return fmt.Sprintf("%d", seconds)
+	}
+	return fmt.Sprintf("%ds", seconds)
+}
+
 // refusal is a kind of error a server answers when it refuses the relay
 // something it needs.
 type refusal int
