@@ -273,7 +273,7 @@ func classifyRefusal(err error) refusal {
 		return false
 	}
 	switch {
-	case has("unsupported startup parameter: replication", "replication connections are not supported", "replication is not supported"):
+	case has("unsupported startup parameter: replication"):
 		return refusalPooler
 	case has("must be superuser or replication role", "permission denied to start wal sender", "permission denied to use replication slots",
 		"only roles with the replication attribute"):
