@@ -315,7 +315,18 @@ func RefusalFix(p Provider, role, host string, err error) (string, bool) {
 	case refusalHBA:
 		return hbaFix(p), true
 	}
+	if err != nil && pooledHost(host) {
+		return poolerFix(p, host), true
+	}
 	return "", false
+}
+
+// pooledHost reports whether host is a provider's connection pooler
+// endpoint (Neon's -pooler hosts, Supabase's Supavisor), whatever it answers
+// to a replication connection.
+func pooledHost(host string) bool {
+	host = strings.ToLower(host)
+	return strings.HasSuffix(host, ".pooler.supabase.com") || (strings.HasSuffix(host, ".neon.tech") && strings.Contains(host, "-pooler."))
 }
 
 // poolerFix says where the direct endpoint is when a pooler refused the

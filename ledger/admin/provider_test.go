@@ -149,6 +149,12 @@ func TestRefusalFix(t *testing.T) {
 			want: []string{"db.<project-ref>.supabase.co:5432", "Supavisor"},
 		},
 		{
+			// Whatever Supavisor answers, its host says it is a pooler.
+			name: "Supabase pooler, any refusal", provider: admin.Supabase, host: "aws-0-eu-central-1.pooler.supabase.com",
+			err:  errors.New("failed to connect to `user=relay.abcdefghijklmnop database=postgres`: unexpected EOF"),
+			want: []string{"db.<project-ref>.supabase.co:5432"},
+		},
+		{
 			name: "self-managed PgBouncer", provider: admin.SelfManaged,
 			err:  pgError("08P01", "unsupported startup parameter: replication", "", ""),
 			want: []string{"connection pooler", "point it at PostgreSQL itself"},
