@@ -88,8 +88,9 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	conn, err := d.connect(ctx)
 	if err != nil {
 		fix := "check database_url (or --database-url, DATABASE_URL, the PG* variables), that the server is up and that pg_hba.conf admits this role from this host"
-		if f, ok := RefusalFix(d.provider, d.user, d.host, err); ok {
-			fix = f
+		// An ordinary connection: a pooler's host alone says nothing.
+		if classifyRefusal(err) != refusalUnknown {
+			fix, _ = RefusalFix(d.provider, d.user, d.host, err)
 		}
 		d.add(Fail, "connection", fmt.Sprintf("cannot connect: %v", err), fix)
 		return d.checks

@@ -296,9 +296,11 @@ func classifyRefusal(err error) refusal {
 // pooler's) refusal of something the relay needs, such as a replication
 // connection or CREATE_REPLICATION_SLOT refused for want of the replication
 // privilege, of wal_level=logical, of a free slot or WAL sender, or a pooled
-// endpoint that cannot carry replication. role is the role the relay
-// connects as and host the host of database_url. It reports false for an
-// error it does not recognise.
+// endpoint that cannot carry replication (any error from a Neon or
+// Supabase pooler host counts, so pass only errors of a replication
+// connection or a slot). role is the role the relay connects as and host
+// the host of database_url. It reports false for an error it does not
+// recognise.
 func RefusalFix(p Provider, role, host string, err error) (string, bool) {
 	switch classifyRefusal(err) {
 	case refusalReplicationPrivilege:
