@@ -622,7 +622,10 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 	case errors.Is(err, pgx.ErrNoRows):
 		return
 	case err != nil:
-		fix, _ := RefusalFix(d.provider, d.role.name, d.host, err) // Aurora refuses pg_current_wal_lsn() below wal_level logical
+		fix := ""
+		if classifyRefusal(err) != refusalUnknown { // Aurora refuses pg_current_wal_lsn() below wal_level logical
+			fix, _ = RefusalFix(d.provider, d.role.name, d.host, err)
+		}
 		d.add(Fail, name, fmt.Sprintf("read pg_replication_slots: %v", err), fix)
 		return
 	}
