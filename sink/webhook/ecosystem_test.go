@@ -242,4 +242,3 @@ func TestFormatConfig(t *testing.T) {
 		})
 	}
 }
-
