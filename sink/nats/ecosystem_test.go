@@ -1,17 +1,12 @@
 package nats_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
-	"net/url"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/cloudevents/sdk-go/v2/binding"
-	"github.com/cloudevents/sdk-go/v2/binding/spec"
-	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
 
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -65,73 +60,6 @@ func TestTraceHeaders(t *testing.T) {
 	}
 }
 
-// natsSpecs are the CloudEvents attributes as the NATS binding names its
-// headers.
-var natsSpecs = spec.WithPrefix("ce-")
-
-// natsMessage reads a NATS message in the binary content mode of the
-// CloudEvents NATS binding (version 1.0.3: ce- headers, one round of
-// percent-decoding) into the SDK's event machinery. The SDK's own NATS
-// bindings read only the structured mode.
-type natsMessage struct {
-	header nats.Header
-	data   []byte
-}
-
-func (m natsMessage) version() spec.Version {
-	return natsSpecs.Version(m.header.Get(natsSpecs.PrefixedSpecVersionName()))
-}
-
-func (m natsMessage) ReadEncoding() binding.Encoding {
-	if m.version() != nil {
-		return binding.EncodingBinary
-	}
-	return binding.EncodingUnknown
-}
-
-func (m natsMessage) ReadStructured(context.Context, binding.StructuredWriter) error {
-	return binding.ErrNotStructured
-}
-
-func (m natsMessage) ReadBinary(_ context.Context, w binding.BinaryWriter) error {
-	v := m.version()
-	for name, values := range m.header {
-		value, err := url.PathUnescape(values[0])
-		if err != nil {
-			return err
-		}
-		if attr := v.Attribute(name); attr != nil {
-			err = w.SetAttribute(attr, value)
-		} else if ext, ok := strings.CutPrefix(name, "ce-"); ok {
-			err = w.SetExtension(ext, value)
-		}
-		if err != nil {
-			return err
-		}
-	}
-	return w.SetData(bytes.NewReader(m.data))
-}
-
-func (m natsMessage) GetAttribute(k spec.Kind) (spec.Attribute, any) {
-	attr := m.version().AttributeFromKind(k)
-	if attr == nil {
-		return nil, nil
-	}
-	if v := m.header.Get(attr.PrefixedName()); v != "" {
-		return attr, v
-	}
-	return attr, nil
-}
-
-func (m natsMessage) GetExtension(name string) any {
-	if v := m.header.Get("ce-" + name); v != "" {
-		return v
-	}
-	return nil
-}
-
-func (m natsMessage) Finish(error) error { return nil }
-
 // TestCloudEvents decodes what a consumer reads from the stream as
 // CloudEvents and checks every attribute, on both paths and for a replay.
 func TestCloudEvents(t *testing.T) {
@@ -173,12 +101,9 @@ func TestCloudEvents(t *testing.T) {
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			m := msgs[i]
-			ev, err := binding.ToEvent(context.Background(), natsMessage{header: m.Headers(), data: m.Data()})
+			ev, err := natstest.ReadCloudEvent(m.Headers(), m.Data())
 			if err != nil {
-				t.Fatalf("not a binary-mode CloudEvent: %v (headers %v)", err, m.Headers())
-			}
-			if err := ev.Validate(); err != nil {
-				t.Fatalf("invalid CloudEvent: %v", err)
+				t.Fatalf("not a valid binary-mode CloudEvent: %v (headers %v)", err, m.Headers())
 			}
 			msgID := m.Headers().Get(jetstream.MsgIDHeader)
 			if ev.SpecVersion() != "1.0" || ev.ID() != msgID || ev.Source() != ceSource || ev.Type() != "order.placed" ||
