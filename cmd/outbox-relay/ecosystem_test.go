@@ -20,6 +20,7 @@ import (
 	"github.com/cloudevents/sdk-go/v2/binding"
 	cehttp "github.com/cloudevents/sdk-go/v2/protocol/http"
 	"github.com/nats-io/nats.go/jetstream"
+	"github.com/rs/zerolog"
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
 	"google.golang.org/protobuf/proto"
@@ -478,5 +479,43 @@ func TestCloudEvents_EndToEnd(t *testing.T) {
 	})
 	if n := len(hook.requests("ce-untyped")); n != 0 {
 		t.Errorf("the untyped event reached the webhook %d times", n)
+	}
+}
+
+// TestNewTracerProvider: nothing is exported unless the standard
+// environment names an OTLP endpoint; OTEL_SDK_DISABLED and another
+// OTEL_TRACES_EXPORTER turn it off; a protocol other than http/protobuf is
+// refused with the fix.
+func TestNewTracerProvider(t *testing.T) {
+	tests := []struct {
+		name    string
+		env     map[string]string
+		want    bool
+		wantErr string
+	}{
+		{"default: nothing", nil, false, ""},
+		{"endpoint", map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, true, ""},
+		{"traces endpoint", map[string]string{"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}, true, ""},
+		{"http/protobuf", map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}, true, ""},
+		{"SDK disabled", map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_SDK_DISABLED": "true"}, false, ""},
+		{"exporter none", map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_TRACES_EXPORTER": "none"}, false, ""},
+		{"grpc", map[string]string{"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, false, "http/protobuf only"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			for _, k := range []string{envOTLPEndpoint, envOTLPTracesEndpoint, envOTLPProtocol, envOTLPTracesProtocol, envSDKDisabled, envTracesExporter} {
+				t.Setenv(k, tt.env[k])
+			}
+			tp, err := newTracerProvider(context.Background(), zerolog.Nop())
+			if tp != nil {
+				defer tp.Shutdown(context.Background())
+			}
+			if (tp != nil) != tt.want || tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+				t.Fatalf("provider %v, err %v; want a provider %v, error %q", tp != nil, err, tt.want, tt.wantErr)
+			}
+		})
+	}
+	if got := redactEndpoint("https://user:pw@collector:4318/v1/traces?token=x"); got != "https://collector:4318/v1/traces" {
+		t.Errorf("redactEndpoint: %q", got)
 	}
 }
