@@ -78,15 +78,15 @@ func TestParseTraceContext(t *testing.T) {
 	}
 }
 
-// fakeSink answers every Send with the next error of its list.
-type fakeSink struct {
+// answeringSink answers every Send with the next error of its list.
+type answeringSink struct {
 	mu      sync.Mutex
 	answers []error
 }
 
-func (s *fakeSink) Name() string { return "hook" }
+func (s *answeringSink) Name() string { return "hook" }
 
-func (s *fakeSink) Send(_ context.Context, _ *relay.Delivery, done func(error)) {
+func (s *answeringSink) Send(_ context.Context, _ *relay.Delivery, done func(error)) {
 	s.mu.Lock()
 	err := s.answers[0]
 	s.answers = s.answers[1:]
@@ -94,7 +94,7 @@ func (s *fakeSink) Send(_ context.Context, _ *relay.Delivery, done func(error)) 
 	go done(err)
 }
 
-func (s *fakeSink) Close(context.Context) error { return nil }
+func (s *answeringSink) Close(context.Context) error { return nil }
 
 // TestTracedSink: each attempt is a span, a child of the producer's trace
 // context, with the sink, attempt and outcome; an event without a trace
@@ -102,7 +102,7 @@ func (s *fakeSink) Close(context.Context) error { return nil }
 func TestTracedSink(t *testing.T) {
 	rec := tracetest.NewSpanRecorder()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
-	sink := &fakeSink{answers: []error{relay.TransientError(errors.New("503 Service Unavailable"), 0), nil, nil}}
+	sink := &answeringSink{answers: []error{relay.TransientError(errors.New("503 Service Unavailable"), 0), nil, nil}}
 	routes := relay.TraceRoutes([]relay.Route{{Sink: sink, Events: []string{"order.*"}, Hold: true}}, tp)
 	if len(routes) != 1 || routes[0].Sink.Name() != "hook" || !routes[0].Hold || routes[0].Events[0] != "order.*" {
 		t.Fatalf("routes changed: %+v", routes)
