@@ -40,6 +40,7 @@ type claimOptions struct {
 
 type claimStatements struct {
 	claim, claimReplays string
+	claimTrace          string
 	hasReplays          string
 	ledgerPairs         string
 	claimPairs          string
@@ -101,9 +102,9 @@ func renderClaim(outbox, ledger string, opts claimOptions) claimStatements {
 	// $3 false takes only rows handed to the claim path (handoff_at set);
 	// true, in poll mode, every due row. The partial index (available_at,
 	// id) WHERE status = 'pending' serves the scan in order. payload::text
-	// is jsonb's text, byte for byte what the stream decodes. replays is
-	// the replays column where it exists.
-	claim := func(replays string) string {
+	// is jsonb's text, byte for byte what the stream decodes. replays and
+	// trace are the replays and trace_context columns where they exist.
+	claim := func(replays, trace string) string {
 		return fmt.Sprintf(`
 WITH locked AS (
     SELECT o.id
@@ -119,15 +120,19 @@ UPDATE %[1]s AS o
   FROM locked
  WHERE o.id = locked.id
 RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,
-          o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s`, outbox, ordering, replays)
+          o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s, %[4]s`, outbox, ordering, replays, trace)
 	}
 
 	return claimStatements{
-		claim:        claim("0"),
-		claimReplays: claim("COALESCE(o.replays, 0)"),
-		// Whether the outbox has the replays column (migration 006).
+		claim:        claim("0", "NULL::text"),
+		claimReplays: claim("COALESCE(o.replays, 0)", "NULL::text"),
+		claimTrace:   claim("COALESCE(o.replays, 0)", "o.trace_context::text"),
+		// Whether the outbox has the replays column (migration 006) and
+		// the trace_context column (migration 008).
 		hasReplays: `SELECT EXISTS (SELECT FROM pg_attribute
-                WHERE attrelid = $1::text::regclass AND attname = 'replays' AND NOT attisdropped)`,
+                WHERE attrelid = $1::text::regclass AND attname = 'replays' AND NOT attisdropped),
+       EXISTS (SELECT FROM pg_attribute
+                WHERE attrelid = $1::text::regclass AND attname = 'trace_context' AND NOT attisdropped)`,
 
 		ledgerPairs: ledgerPairsSQL(ledger),
 
@@ -269,7 +274,7 @@ func (s *Store) routingArrays() (names []string, every []bool, regex []*string, 
 }
 
 // claimStatement returns the claim query for the table's shape (with or
-// without the replays column), looked up once.
+// without the replays and trace_context columns), looked up once.
 func (s *Store) claimStatement(ctx context.Context) (string, error) {
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
@@ -278,13 +283,17 @@ func (s *Store) claimStatement(ctx context.Context) (string, error) {
 	}
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
 	defer cancel()
-	var replays bool
-	if err := s.pool.QueryRow(dbCtx, s.sql.claim.hasReplays, s.outbox).Scan(&replays); err != nil {
+	var replays, trace bool
+	if err := s.pool.QueryRow(dbCtx, s.sql.claim.hasReplays, s.outbox).Scan(&replays, &trace); err != nil {
 		return "", fmt.Errorf("inspect %s: %w", s.outbox, err)
 	}
-	s.claimSQL = s.sql.claim.claim
-	if replays {
+	switch {
+	case replays && trace:
+		s.claimSQL = s.sql.claim.claimTrace
+	case replays:
 		s.claimSQL = s.sql.claim.claimReplays
+	default:
+		s.claimSQL = s.sql.claim.claim
 	}
 	return s.claimSQL, nil
 }
@@ -313,7 +322,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	for rows.Next() {
 		ev := &relay.Event{Status: "processing"}
 		if err := rows.Scan(&ev.ID, &ev.EventKey, &ev.EventType, &ev.AggregateType, &ev.AggregateID,
-			&ev.Payload, &created, &attempts, &availAt, &replays); err != nil {
+			&ev.Payload, &created, &attempts, &availAt, &replays, &ev.TraceContext); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("claim rows: %w", err)
 		}

@@ -279,6 +279,7 @@ var sqlMigrations = []string{
 	"005_outbox_publish.sql",
 	"006_replays.sql",
 	"007_handover_record.sql",
+	"008_trace_context.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -364,6 +365,9 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"ClaimIndexName":        relay.QuoteIdentifier(claimIndex(n.Outbox).Name),
 		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
 		"LockTimeout":           relay.QuoteLiteral(fmt.Sprintf("%dms", lockTimeout.Milliseconds())),
+		"OutboxLiteral":         relay.QuoteLiteral(n.Outbox.Quoted()),
+		"PublishLiteral5":       relay.QuoteLiteral(n.PublishFunction.Quoted() + "(text, text, text, text, jsonb)"),
+		"PublishLiteral6":       relay.QuoteLiteral(n.PublishFunction.Quoted() + "(text, text, text, text, jsonb, jsonb)"),
 		"Tag":                   tag,
 	}
 }

@@ -29,6 +29,13 @@ type Event struct {
 	CommitLSN  LSN
 	EndLSN     LSN
 	CommitTime time.Time
+
+	// TraceContext is the trace_context column's text (jsonb), nil when
+	// NULL or when the table has no such column. Trace is what the engine
+	// read from it when it took the event (ParseTraceContext); the sinks
+	// forward Trace (docs/ecosystem.md).
+	TraceContext []byte
+	Trace        TraceHeaders
 }
 
 // Type returns the event type, or "" when NULL.

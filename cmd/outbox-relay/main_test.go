@@ -3,11 +3,13 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
@@ -31,11 +33,11 @@ func TestMigrateCommand(t *testing.T) {
 	url := pgtest.NewDatabase(t)
 
 	code, out, errOut := execute(t, "migrate", "--database-url", url)
-	if code != exitOK || !strings.Contains(out, "from version 0 to 7") || !strings.Contains(out, "created publication outbox_relay") {
+	if code != exitOK || !strings.Contains(out, fmt.Sprintf("from version 0 to %d", migrations.Latest())) || !strings.Contains(out, "created publication outbox_relay") {
 		t.Fatalf("first migrate: exit %d\nstdout: %s\nstderr: %s", code, out, errOut)
 	}
 	code, out, errOut = execute(t, "migrate", "--database-url", url)
-	if code != exitOK || !strings.Contains(out, "up to date (version 7)") {
+	if code != exitOK || !strings.Contains(out, fmt.Sprintf("up to date (version %d)", migrations.Latest())) {
 		t.Fatalf("second migrate: exit %d\nstdout: %s\nstderr: %s", code, out, errOut)
 	}
 }

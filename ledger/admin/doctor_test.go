@@ -282,7 +282,7 @@ func TestDiagnose_Schema(t *testing.T) {
 			c.Tables, c.Publication = f.tables, names.Publication
 		})
 		noFailures(t, checks)
-		requireCheck(t, checks, "schema", admin.OK, "at version 7")
+		requireCheck(t, checks, "schema", admin.OK, fmt.Sprintf("at version %d", migrations.Latest()))
 		requireCheck(t, checks, "publication "+names.Publication, admin.OK)
 	})
 	_ = ctx
