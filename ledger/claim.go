@@ -39,8 +39,9 @@ type claimOptions struct {
 }
 
 type claimStatements struct {
-	claim, claimReplays       string
-	claimAll, claimAllReplays string
+	// claim[all][shape]: the claim query for poll mode (all) or not, and
+	// the table's shape (see claimShape).
+	claim [2][3]string
 	hasReplays          string
 	ledgerPairs         string
 	claimPairs          string
@@ -102,13 +103,14 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 
 	// River's JobGetAvailable shape: lock a batch of due rows, skipping rows
 	// another claimer (or a legacy poller) has locked, then mark them ours.
-	// In replication mode ($3 false) only rows handed to the claim path,
-	// through their own partial index (available_at, id) WHERE status =
-	// 'pending' AND handoff_at IS NOT NULL; in poll mode every due row not
-	// in the delivered record, through (available_at, id) WHERE status =
+	// In replication mode only rows handed to the claim path, through their
+	// own partial index (available_at, id) WHERE status = 'pending' AND
+	// handoff_at IS NOT NULL; in poll mode every due row not in the
+	// delivered record, through (available_at, id) WHERE status =
 	// 'pending'. payload::text is jsonb's text, byte for byte what the
-	// stream decodes. replays is the replays column where it exists.
-	claim := func(all bool, replays string) string {
+	// stream decodes. replays and trace are the replays and trace_context
+	// columns where they exist.
+	claim := func(all bool, replays, trace string) string {
 		which := "\n       AND o.handoff_at IS NOT NULL"
 		if all {
 			which = "\n       AND NOT " + t.recorded("o")
@@ -128,17 +130,25 @@ UPDATE %[1]s AS o
   FROM locked
  WHERE o.id = locked.id
 RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,
-          o.created_at, COALESCE(o.attempts, 0), o.available_at, %[4]s`, outbox, which, ordering, replays)
+          o.created_at, COALESCE(o.attempts, 0), o.available_at, %[4]s, %[5]s`, outbox, which, ordering, replays, trace)
+	}
+	var claims [2][3]string
+	for i, all := range []bool{false, true} {
+		claims[i] = [3]string{
+			claim(all, "0", "NULL::text"),
+			claim(all, "COALESCE(o.replays, 0)", "NULL::text"),
+			claim(all, "COALESCE(o.replays, 0)", "o.trace_context::text"),
+		}
 	}
 
 	return claimStatements{
-		claim:           claim(false, "0"),
-		claimReplays:    claim(false, "COALESCE(o.replays, 0)"),
-		claimAll:        claim(true, "0"),
-		claimAllReplays: claim(true, "COALESCE(o.replays, 0)"),
-		// Whether the outbox has the replays column (migration 006).
+		claim: claims,
+		// Whether the outbox has the replays column (migration 006) and
+		// the trace_context column (migration 008).
 		hasReplays: `SELECT EXISTS (SELECT FROM pg_attribute
-                WHERE attrelid = $1::text::regclass AND attname = 'replays' AND NOT attisdropped)`,
+                WHERE attrelid = $1::text::regclass AND attname = 'replays' AND NOT attisdropped),
+       EXISTS (SELECT FROM pg_attribute
+                WHERE attrelid = $1::text::regclass AND attname = 'trace_context' AND NOT attisdropped)`,
 
 		ledgerPairs: ledgerPairsSQL(ledger),
 
@@ -282,35 +292,38 @@ func (s *Store) routingArrays() (names []string, every []bool, regex []*string, 
 }
 
 // claimStatement returns the claim query for the table's shape (with or
-// without the replays column, looked up once) and the mode.
+// without the replays and trace_context columns, looked up once) and the
+// mode.
 func (s *Store) claimStatement(ctx context.Context, all bool) (string, error) {
 	s.claimMu.Lock()
 	defer s.claimMu.Unlock()
-	if s.claimSQL != "" {
+	if s.claimKnown {
 		return s.pickClaim(all), nil
 	}
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
 	defer cancel()
-	var replays bool
-	if err := s.pool.QueryRow(dbCtx, s.sql.claim.hasReplays, s.outbox).Scan(&replays); err != nil {
+	var replays, trace bool
+	if err := s.pool.QueryRow(dbCtx, s.sql.claim.hasReplays, s.outbox).Scan(&replays, &trace); err != nil {
 		return "", fmt.Errorf("inspect %s: %w", s.outbox, err)
 	}
-	s.claimSQL = s.sql.claim.claim
-	s.replays = replays
+	switch {
+	case replays && trace:
+		s.claimShape = 2
+	case replays:
+		s.claimShape = 1
+	default:
+		s.claimShape = 0
+	}
+	s.claimKnown = true
 	return s.pickClaim(all), nil
 }
 
 func (s *Store) pickClaim(all bool) string {
-	switch {
-	case all && s.replays:
-		return s.sql.claim.claimAllReplays
-	case all:
-		return s.sql.claim.claimAll
-	case s.replays:
-		return s.sql.claim.claimReplays
-	default:
-		return s.sql.claim.claim
+	i := 0
+	if all {
+		i = 1
 	}
+	return s.sql.claim.claim[i][s.claimShape]
 }
 
 // Claim implements relay.ClaimStore.
@@ -337,7 +350,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	for rows.Next() {
 		ev := &relay.Event{Status: "processing"}
 		if err := rows.Scan(&ev.ID, &ev.EventKey, &ev.EventType, &ev.AggregateType, &ev.AggregateID,
-			&ev.Payload, &created, &attempts, &availAt, &replays); err != nil {
+			&ev.Payload, &created, &attempts, &availAt, &replays, &ev.TraceContext); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("claim rows: %w", err)
 		}

@@ -10,8 +10,12 @@ func SinkFilter(globs []string) (everyType bool, regex *string, err error) {
 }
 
 // ClaimStatement returns the claim query (for an outbox with the replays
-// column) and its arguments, for EXPLAIN.
+// and trace_context columns) and its arguments, for EXPLAIN.
 func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any, error) {
 	names, every, regex, err := s.routingArrays()
-	return s.sql.claim.claimReplays, []any{limit, owner, all, names, every, regex}, err
+	i := 0
+	if all {
+		i = 1
+	}
+	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex}, err
 }

@@ -86,9 +86,9 @@ type Store struct {
 	tables      tables
 
 	// claimSQL is the claim query for the table's shape, chosen once.
-	claimMu  sync.Mutex
-	claimSQL string // set once the shape is known
-	replays  bool
+	claimMu    sync.Mutex
+	claimKnown bool
+	claimShape int // 0: no replays column; 1: replays; 2: replays and trace_context
 }
 
 // statements is every SQL text the Store runs, rendered once with the

@@ -279,6 +279,7 @@ var sqlMigrations = []string{
 	"005_outbox_publish.sql",
 	"006_replays.sql",
 	"007_handover_record.sql",
+	"008_trace_context.sql",
 	"009_delivered_record.sql",
 	"010_handoff_index.sql",
 }
@@ -386,6 +387,9 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
 		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
 		"LockTimeout":           relay.QuoteLiteral(fmt.Sprintf("%dms", lockTimeout.Milliseconds())),
+		"OutboxLiteral":         relay.QuoteLiteral(n.Outbox.Quoted()),
+		"PublishLiteral5":       relay.QuoteLiteral(n.PublishFunction.Quoted() + "(text, text, text, text, jsonb)"),
+		"PublishLiteral6":       relay.QuoteLiteral(n.PublishFunction.Quoted() + "(text, text, text, text, jsonb, jsonb)"),
 		"Tag":                   tag,
 	}
 }

@@ -105,8 +105,8 @@ func TestMigrate_EmptyDatabase(t *testing.T) {
 	conn := mustConnect(t, pgtest.NewDatabase(t))
 
 	res := mustMigrate(t, conn, migrations.Options{})
-	if res.From != 0 || res.To != 6 || len(res.Applied) != 6 || res.To != migrations.Latest() {
-		t.Fatalf("first run: from %d to %d applied %v, want 0 → 6, six migrations", res.From, res.To, res.Applied)
+	if latest := migrations.Latest(); res.From != 0 || res.To != latest || len(res.Applied) != int(latest) {
+		t.Fatalf("first run: from %d to %d applied %v, want 0 → %d, every migration", res.From, res.To, res.Applied, latest)
 	}
 	if !res.PublicationCreated || res.PublicationSkipped != "" {
 		t.Fatalf("publication: created=%v skipped=%q", res.PublicationCreated, res.PublicationSkipped)
@@ -150,7 +150,7 @@ func TestMigrate_EmptyDatabase(t *testing.T) {
 
 	before := catalogState(t, conn)
 	res = mustMigrate(t, conn, migrations.Options{})
-	if res.From != 6 || res.To != 6 || len(res.Applied) != 0 || res.PublicationCreated || res.Retries != 0 {
+	if latest := migrations.Latest(); res.From != latest || res.To != latest || len(res.Applied) != 0 || res.PublicationCreated || res.Retries != 0 {
 		t.Fatalf("second run is not a no-op: %+v", res)
 	}
 	if after := catalogState(t, conn); after != before {
@@ -248,6 +248,9 @@ func TestMigrate_HostileNames(t *testing.T) {
 	if err := conn.QueryRow(ctx, `SELECT "my schema"."pub""lish"('t', 'a', '1', 'k1', '{"x":1}')`).Scan(&result); err != nil || result != "conflict" {
 		t.Fatalf("publish conflict: %q %v", result, err)
 	}
+	if err := conn.QueryRow(ctx, `SELECT "my schema"."pub""lish"('t', 'a', '1', 'k2', '{}', '{"traceparent":"x"}')`).Scan(&result); err != nil || result != "inserted" {
+		t.Fatalf("publish with a trace context: %q %v", result, err)
+	}
 	var n int
 	if err := conn.QueryRow(ctx, `SELECT (SELECT count(*) FROM canary) + (SELECT count(*) FROM "my schema"."con$relay$flicts")`).Scan(&n); err != nil || n != 1 {
 		t.Fatalf("canary or conflicts table: n=%d err=%v", n, err)
@@ -270,8 +273,8 @@ func TestMigrate_RebuildsInvalidIndex(t *testing.T) {
 	}
 
 	res := mustMigrate(t, conn, migrations.Options{})
-	if res.From != 2 || res.To != 6 {
-		t.Fatalf("from %d to %d, want 2 → 6", res.From, res.To)
+	if res.From != 2 || res.To != migrations.Latest() {
+		t.Fatalf("from %d to %d, want 2 → %d", res.From, res.To, migrations.Latest())
 	}
 	var valid bool
 	var newOID uint32
@@ -584,5 +587,126 @@ func TestMigrate_NotifyTrigger(t *testing.T) {
 	conn.QueryRow(ctx, "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'integration_outbox'::regclass AND NOT tgisinternal").Scan(&triggers)
 	if triggers != 0 {
 		t.Fatalf("%d triggers left", triggers)
+	}
+}
+
+// TestOutboxPublish_TraceContext: the sixth argument stores the trace
+// context; five-argument calls, positional or named, keep working with
+// none; the trace context is not part of the event, so a publish of the
+// same event from another trace is a duplicate and changes nothing.
+func TestOutboxPublish_TraceContext(t *testing.T) {
+	ctx := context.Background()
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustMigrate(t, conn, migrations.Options{})
+
+	const tc1 = `{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "tracestate": "congo=t61rcWkgMzE"}`
+	const tc2 = `{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}`
+	publish6 := func(key, payload string, tc any) string {
+		t.Helper()
+		var got string
+		if err := conn.QueryRow(ctx, "SELECT outbox_publish('lead.created', 'lead', 'L1', $1, $2::jsonb, $3::jsonb)", key, payload, tc).Scan(&got); err != nil {
+			t.Fatalf("publish %s: %v", key, err)
+		}
+		return got
+	}
+	stored := func(table, key string) *string {
+		t.Helper()
+		var tc *string
+		if err := conn.QueryRow(ctx, "SELECT trace_context::text FROM "+table+" WHERE event_key = $1", key).Scan(&tc); err != nil {
+			t.Fatalf("read %s %s: %v", table, key, err)
+		}
+		return tc
+	}
+
+	if got := publish6("T", `{"n": 1}`, tc1); got != "inserted" {
+		t.Fatalf("first publish: %s", got)
+	}
+	if got := publish6("T", `{"n": 1}`, tc2); got != "duplicate" {
+		t.Fatalf("same event from another trace: %s, want duplicate", got)
+	}
+	if got := publish6("T", `{"n": 1}`, nil); got != "duplicate" {
+		t.Fatalf("same event without a trace: %s, want duplicate", got)
+	}
+	if tc := stored("integration_outbox", "T"); tc == nil || !strings.Contains(*tc, "4bf92f3577b34da6a3ce929d0e0e4736") {
+		t.Fatalf("stored trace context %v, want the first call's", tc)
+	}
+	if got := publish6("T", `{"n": 2}`, tc2); got != "conflict" {
+		t.Fatalf("other payload: %s, want conflict", got)
+	}
+	if tc := stored("integration_outbox_conflicts", "T"); tc == nil || !strings.Contains(*tc, "0af7651916cd43dd8448eb211c80319c") {
+		t.Fatalf("conflict's trace context %v, want the conflicting call's", tc)
+	}
+
+	// Five arguments, positional and named: no trace context.
+	var got string
+	if err := conn.QueryRow(ctx, "SELECT outbox_publish('lead.created', 'lead', 'L1', 'F', '{}')").Scan(&got); err != nil || got != "inserted" {
+		t.Fatalf("five-argument publish: %q %v", got, err)
+	}
+	if err := conn.QueryRow(ctx, `SELECT outbox_publish(p_event_type => 'lead.created', p_aggregate_type => 'lead',
+		p_aggregate_id => 'L1', p_event_key => 'G', p_payload => '{}')`).Scan(&got); err != nil || got != "inserted" {
+		t.Fatalf("named five-argument publish: %q %v", got, err)
+	}
+	if err := conn.QueryRow(ctx, `SELECT outbox_publish(p_event_type => 'lead.created', p_aggregate_type => 'lead',
+		p_aggregate_id => 'L1', p_event_key => 'H', p_payload => '{}', p_trace_context => $1::jsonb)`, tc2).Scan(&got); err != nil || got != "inserted" {
+		t.Fatalf("named six-argument publish: %q %v", got, err)
+	}
+	if stored("integration_outbox", "F") != nil || stored("integration_outbox", "G") != nil || stored("integration_outbox", "H") == nil {
+		t.Fatal("trace contexts of F, G (none) and H (one) not as published")
+	}
+	// Any JSON is stored: a bad trace context never fails the business
+	// transaction (the relay drops it).
+	if got := publish6("J", `{}`, `"not an object"`); got != "inserted" {
+		t.Fatalf("publish with a malformed trace context: %s", got)
+	}
+}
+
+// TestMigrate_TraceContextKeepsPublishGrants: a REVOKE FROM PUBLIC on
+// outbox_publish carries over to the six-argument signature migration 008
+// adds, with the grants the old one had.
+func TestMigrate_TraceContextKeepsPublishGrants(t *testing.T) {
+	ctx := context.Background()
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustMigrate(t, conn, migrations.Options{})
+	// Back to the state before 008, with locked-down grants.
+	mustExec(t, conn, "DROP FUNCTION outbox_publish(text, text, text, text, jsonb, jsonb)")
+	mustExec(t, conn, "UPDATE integration_outbox_relay_version SET version = 7")
+	// Roles are the cluster's: one of this test's own, dropped at its end
+	// (before conn closes: cleanups run last first).
+	var db string
+	if err := conn.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	role := relay.QuoteIdentifier(db + "_publish_app")
+	mustExec(t, conn, "CREATE ROLE "+role)
+	t.Cleanup(func() {
+		conn.Exec(context.Background(), "DROP OWNED BY "+role)
+		conn.Exec(context.Background(), "DROP ROLE "+role)
+	})
+	mustExec(t, conn, "REVOKE ALL ON FUNCTION outbox_publish(text, text, text, text, jsonb) FROM PUBLIC")
+	mustExec(t, conn, "GRANT EXECUTE ON FUNCTION outbox_publish(text, text, text, text, jsonb) TO "+role)
+
+	res := mustMigrate(t, conn, migrations.Options{})
+	if len(res.Applied) != 1 || res.Applied[0] != "008_trace_context" {
+		t.Fatalf("applied %v, want 008 only", res.Applied)
+	}
+	var public, app bool
+	if err := conn.QueryRow(ctx, `SELECT has_function_privilege('public', 'outbox_publish(text, text, text, text, jsonb, jsonb)', 'EXECUTE'),
+		has_function_privilege($1, 'outbox_publish(text, text, text, text, jsonb, jsonb)', 'EXECUTE')`, db+"_publish_app").Scan(&public, &app); err != nil {
+		t.Fatal(err)
+	}
+	if public || !app {
+		t.Fatalf("six-argument outbox_publish: PUBLIC may execute = %v (want false), the app's role = %v (want true)", public, app)
+	}
+}
+
+// TestMigrate_TraceContextOfAnotherType: an existing trace_context column
+// that is not jsonb stops migrate with the fix.
+func TestMigrate_TraceContextOfAnotherType(t *testing.T) {
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustExec(t, conn, seedSQL)
+	mustExec(t, conn, "ALTER TABLE integration_outbox ADD COLUMN trace_context text")
+	_, err := migrations.Migrate(context.Background(), conn, migrations.Options{Names: migrations.DefaultNames()})
+	if err == nil || !strings.Contains(err.Error(), "trace_context") || !strings.Contains(err.Error(), "jsonb") {
+		t.Fatalf("err = %v, want one naming trace_context and jsonb", err)
 	}
 }

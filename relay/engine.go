@@ -317,6 +317,7 @@ func (e *Engine) undiverted(a AggregateKey, seq uint64) {
 
 // route builds the work of ev: one pair per sink that takes its type.
 func (e *Engine) route(p Path, ev *Event) *Work {
+	e.readTrace(ev)
 	w := &Work{Event: ev, path: p}
 	for _, l := range e.lanes {
 		if Matches(l.route.Events, ev.EventType) {

@@ -31,6 +31,13 @@ type Event struct {
 	EndLSN     LSN
 	CommitTime time.Time
 	Xid        uint32
+
+	// TraceContext is the trace_context column's text (jsonb), nil when
+	// NULL or when the table has no such column. Trace is what the engine
+	// read from it when it took the event (ParseTraceContext); the sinks
+	// forward Trace (docs/ecosystem.md).
+	TraceContext []byte
+	Trace        TraceHeaders
 }
 
 // Type returns the event type, or "" when NULL.

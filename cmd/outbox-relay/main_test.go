@@ -4,12 +4,12 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"github.com/outbox-relay/outbox-relay/migrations"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 

@@ -102,6 +102,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		cfg.Sinks = []config.SinkConfig{s}
 		log.Info().Msg("no sinks configured: delivering to an embedded NATS server with JetStream")
 	}
+	if err := fillCloudEventsSources(ctx, pool, cfg, r.tables.Outbox); err != nil {
+		return err
+	}
 	// Sinks are closed last, after the engine has drained, on a fresh context.
 	r.routes, err = openSinks(ctx, cfg, log)
 	defer func() {
@@ -138,6 +141,13 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 			r.sinksDown = append(r.sinksDown, "sink "+down.name+" is down: "+down.err.Error())
 		}
 	}
+
+	routes, stopTracing, err := traceDeliveries(ctx, r.routes, log)
+	if err != nil {
+		return err
+	}
+	defer stopTracing()
+	r.routes = routes
 
 	sup, err := supervisor.New(r.supervisorConfig())
 	if err != nil {
@@ -325,6 +335,8 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				Concurrency:         w.Concurrency,
 				Headers:             w.Headers,
 				Auth:                webhook.Auth{Type: string(w.Auth.Type), Secret: w.Auth.Secret.Reveal(), Header: w.Auth.Header, Value: w.Auth.Value.Reveal(), Username: w.Auth.Username, Password: w.Auth.Password.Reveal()},
+				Format:              string(sc.Format),
+				CloudEventsSource:   sc.CloudEvents.Source,
 				MaxBody:             int64(w.MaxBody),
 				PermanentStatuses:   w.PermanentStatuses,
 				Treat409AsDelivered: w.Treat409AsDelivered,
@@ -365,8 +377,10 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				Subject: n.Subject,
 				Stream: natssink.StreamConfig{Name: n.Stream.Name, Subjects: n.Stream.Subjects,
 					DuplicateWindow: time.Duration(n.Stream.DuplicateWindow), Create: n.Stream.Create, MaxMsgSize: int64(n.Stream.MaxMsgSize)},
-				MaxPending: n.MaxPending,
-				Logger:     slog,
+				MaxPending:        n.MaxPending,
+				Format:            string(sc.Format),
+				CloudEventsSource: sc.CloudEvents.Source,
+				Logger:            slog,
 			})
 			if credentialsRefused(err) {
 				down := newDownSink(sc.Name, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err))

@@ -94,7 +94,11 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 		if s.RetainedWALBytes != nil {
 			retained = admin.FormatBytes(*s.RetainedWALBytes)
 		}
-		line("slot:", "%s: %s; wal_status %s, retained WAL %s, confirmed %s", s.Name, state, s.WALStatus, retained, s.ConfirmedFlushLSN)
+		walStatus := s.WALStatus
+		if s.InvalidationReason != "" {
+			walStatus += " (invalidated: " + s.InvalidationReason + ")"
+		}
+		line("slot:", "%s: %s; wal_status %s, retained WAL %s, confirmed %s", s.Name, state, walStatus, retained, s.ConfirmedFlushLSN)
 	}
 	if cp := st.Checkpoint; cp != nil {
 		line("checkpoint:", "%s, written %s ago", cp.ConfirmedLSN, roundAge(now.Sub(cp.UpdatedAt)))

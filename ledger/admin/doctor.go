@@ -70,18 +70,29 @@ type DiagnoseConfig struct {
 // version, that it is a primary, wal_level, the role's REPLICATION attribute
 // and a replication connection, the schema version, the privileges the run
 // role needs and those it has beyond them, the publication, the slot (state,
-// holder, retained WAL) and max_slot_wal_keep_size. It connects as the
-// relay would, only reads, and reports every problem it finds with its fix;
-// it never returns an error of its own.
+// holder, retained WAL), max_slot_wal_keep_size and (18+)
+// idle_replication_slot_timeout. On a managed service it recognises
+// (DetectProvider) the fixes are that service's. It connects as the relay
+// would, only reads, and reports every problem it finds with its fix; it
+// never returns an error of its own.
 func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	if cfg.ConnectTimeout <= 0 {
 		cfg.ConnectTimeout = 10 * time.Second
 	}
 	d := &diagnosis{cfg: cfg}
+	if cc, err := pgconn.ParseConfig(cfg.ConnString); err == nil {
+		d.host, d.user = cc.Host, cc.User
+	}
+	// Before connecting, only the host name can tell the provider.
+	d.provider = DetectProvider(ServerMarkers{Host: d.host})
 	conn, err := d.connect(ctx)
 	if err != nil {
-		d.add(Fail, "connection", fmt.Sprintf("cannot connect: %v", err),
-			"check database_url (or --database-url, DATABASE_URL, the PG* variables), that the server is up and that pg_hba.conf admits this role from this host")
+		fix := "check database_url (or --database-url, DATABASE_URL, the PG* variables), that the server is up and that pg_hba.conf admits this role from this host"
+		// An ordinary connection: a pooler's host alone says nothing.
+		if classifyRefusal(err) != refusalUnknown {
+			fix, _ = RefusalFix(d.provider, d.user, d.host, err)
+		}
+		d.add(Fail, "connection", fmt.Sprintf("cannot connect: %v", err), fix)
 		return d.checks
 	}
 	defer func() {
@@ -93,6 +104,7 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	if !d.server(ctx) {
 		return d.checks
 	}
+	d.detectProvider(ctx)
 	d.walLevel(ctx)
 	if !d.readRole(ctx) {
 		return d.checks
@@ -106,6 +118,7 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	d.publication(ctx)
 	d.slot(ctx)
 	d.maxSlotWALKeepSize(ctx)
+	d.idleSlotTimeout(ctx)
 	return d.checks
 }
 
@@ -117,6 +130,10 @@ type diagnosis struct {
 	// From the server and the role.
 	walLevelSetting string
 	role            roleInfo
+	// host and user are database_url's; provider is the managed service
+	// the server belongs to (SelfManaged if none).
+	host, user string
+	provider   Provider
 	// tables are the configured tables, schema-qualified when they exist.
 	tables Tables
 	exists map[relay.QualifiedName]bool
@@ -127,6 +144,37 @@ type diagnosis struct {
 type roleInfo struct {
 	name                                             string
 	super, replication, createRole, createDB, bypass bool
+	// rdsReplication is membership in Amazon RDS's rds_replication role,
+	// which stands for the REPLICATION attribute there (rolreplication
+	// stays false).
+	rdsReplication bool
+}
+
+// canReplicate reports whether the role may open a replication connection
+// and use replication slots.
+func (r roleInfo) canReplicate() bool { return r.super || r.replication || r.rdsReplication }
+
+// detectProvider recognises a managed service from the catalog and the
+// host, and says which one when it finds one.
+func (d *diagnosis) detectProvider(ctx context.Context) {
+	m := readMarkers(ctx, d.conn, d.host)
+	d.provider = DetectProvider(m)
+	if d.provider == SelfManaged {
+		return
+	}
+	var seen []string
+	seen = append(seen, m.Settings...)
+	seen = append(seen, m.Roles...)
+	if m.AuroraVersion {
+		seen = append(seen, "aurora_version()")
+	}
+	if len(seen) == 0 {
+		seen = append(seen, "host "+d.host)
+	}
+	if len(seen) > 4 {
+		seen = append(seen[:4], "...")
+	}
+	d.add(OK, "provider", fmt.Sprintf("%s (recognised by %s): fixes below are that service's; see docs/managed-postgres.md", d.provider, strings.Join(seen, ", ")), "")
 }
 
 func (d *diagnosis) add(status CheckStatus, name, detail, fix string) {
@@ -189,10 +237,13 @@ func (d *diagnosis) walLevel(ctx context.Context) {
 		d.add(OK, "wal_level", d.walLevelSetting+" (enough for source.mode poll)", "")
 	case d.walLevelSetting != "logical":
 		d.add(Fail, "wal_level", fmt.Sprintf("%s: the stream path needs logical (until then the relay only polls, every poll_interval)", d.walLevelSetting),
-			"ALTER SYSTEM SET wal_level = logical;\n-- then restart PostgreSQL: wal_level takes effect only at server start")
+			WALLevelFix(d.provider))
 	case d.cfg.Replication && (slots == 0 || senders == 0):
-		d.add(Fail, "wal_level", fmt.Sprintf("logical, but max_replication_slots = %d and max_wal_senders = %d leave no room for the relay's slot", slots, senders),
-			"ALTER SYSTEM SET max_replication_slots = 10;\nALTER SYSTEM SET max_wal_senders = 10;\n-- then restart PostgreSQL")
+		fix := "ALTER SYSTEM SET max_replication_slots = 10;\nALTER SYSTEM SET max_wal_senders = 10;\n-- then restart PostgreSQL"
+		if d.provider != SelfManaged {
+			fix = SettingFix(d.provider, "max_replication_slots", "10", true) + "\n" + SettingFix(d.provider, "max_wal_senders", "10", true)
+		}
+		d.add(Fail, "wal_level", fmt.Sprintf("logical, but max_replication_slots = %d and max_wal_senders = %d leave no room for the relay's slot", slots, senders), fix)
 	default:
 		d.add(OK, "wal_level", "logical", "")
 	}
@@ -200,8 +251,9 @@ func (d *diagnosis) walLevel(ctx context.Context) {
 
 func (d *diagnosis) readRole(ctx context.Context) bool {
 	r := &d.role
-	err := d.conn.QueryRow(ctx, `SELECT rolname, rolsuper, rolreplication, rolcreaterole, rolcreatedb, rolbypassrls
-		FROM pg_roles WHERE rolname = current_user`).Scan(&r.name, &r.super, &r.replication, &r.createRole, &r.createDB, &r.bypass)
+	err := d.conn.QueryRow(ctx, `SELECT rolname, rolsuper, rolreplication, rolcreaterole, rolcreatedb, rolbypassrls,
+		coalesce((SELECT pg_has_role(current_user, g.oid, 'MEMBER') FROM pg_roles g WHERE g.rolname = 'rds_replication'), false)
+		FROM pg_roles WHERE rolname = current_user`).Scan(&r.name, &r.super, &r.replication, &r.createRole, &r.createDB, &r.bypass, &r.rdsReplication)
 	if err != nil {
 		d.add(Fail, "role", fmt.Sprintf("read the role's attributes: %v", err), "")
 		return false
@@ -218,16 +270,21 @@ func (d *diagnosis) replicationAttribute() {
 		d.add(OK, "REPLICATION", fmt.Sprintf("role %s is a superuser", r.name), "")
 	case r.replication:
 		d.add(OK, "REPLICATION", fmt.Sprintf("role %s has REPLICATION", r.name), "")
+	case r.rdsReplication:
+		d.add(OK, "REPLICATION", fmt.Sprintf("role %s is a member of rds_replication", r.name), "")
+	case d.provider == RDS || d.provider == Aurora:
+		d.add(Fail, "REPLICATION", fmt.Sprintf("role %s is not a member of rds_replication: it cannot open the replication connection (the relay only polls)", r.name),
+			ReplicationFix(d.provider, r.name))
 	default:
 		d.add(Fail, "REPLICATION", fmt.Sprintf("role %s lacks the REPLICATION attribute: it cannot open the replication connection (the relay only polls)", r.name),
-			fmt.Sprintf("ALTER ROLE %s WITH REPLICATION;", relay.QuoteIdentifier(r.name)))
+			ReplicationFix(d.provider, r.name))
 	}
 }
 
 // replicationConnection opens the connection the stream path uses, which
 // pg_hba.conf may treat differently from ordinary ones.
 func (d *diagnosis) replicationConnection(ctx context.Context) {
-	if !d.cfg.Replication || d.walLevelSetting != "logical" || !(d.role.super || d.role.replication) {
+	if !d.cfg.Replication || d.walLevelSetting != "logical" || !d.role.canReplicate() {
 		return
 	}
 	pc, err := pgconn.ParseConfig(d.cfg.ConnString)
@@ -250,8 +307,8 @@ func (d *diagnosis) replicationConnection(ctx context.Context) {
 		d.add(OK, "replication connection", "IDENTIFY_SYSTEM answered", "")
 		return
 	}
-	fix := ""
-	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "28000" {
+	fix, _ := RefusalFix(d.provider, d.role.name, d.host, err)
+	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "28000" && d.provider == SelfManaged {
 		fix = fmt.Sprintf("add a pg_hba.conf line for this role and database (a logical replication connection matches the database name, not the keyword \"replication\"), e.g.\nhost  %s  %s  10.0.0.0/8  scram-sha-256\n-- then SELECT pg_reload_conf();",
 			pc.Database, d.role.name)
 	}
@@ -536,6 +593,7 @@ SELECT EXISTS (SELECT 1 FROM pg_publication_rel r WHERE r.prpubid = p.oid AND r.
 func (d *diagnosis) slot(ctx context.Context) {
 	var (
 		slotType, plugin, database, walStatus, app, client string
+		invalidation                                       string
 		sameDB, active                                     bool
 		pid                                                int32
 		retained                                           *int64
@@ -544,14 +602,16 @@ func (d *diagnosis) slot(ctx context.Context) {
 	)
 	err := d.conn.QueryRow(ctx, `
 SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s.database = current_database(), false),
-       coalesce(s.wal_status, ''), s.active, coalesce(s.active_pid, 0),
-       pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+       coalesce(s.wal_status, ''), coalesce(to_jsonb(s) ->> 'invalidation_reason', ''), s.active, coalesce(s.active_pid, 0),
+       -- an invalidated slot retains nothing, whatever restart_lsn says (18 keeps it)
+       CASE WHEN s.wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL
+            THEN pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint END,
        coalesce(a.application_name, ''), a.backend_start, coalesce(host(a.client_addr), ''),
        extract(epoch FROM now() - r.reply_time)::float8
   FROM pg_replication_slots s
   LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
   LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
- WHERE s.slot_name = $1`, d.cfg.Slot).Scan(&slotType, &plugin, &database, &sameDB, &walStatus, &active, &pid,
+ WHERE s.slot_name = $1`, d.cfg.Slot).Scan(&slotType, &plugin, &database, &sameDB, &walStatus, &invalidation, &active, &pid,
 		&retained, &app, &backendStart, &client, &replyAge)
 	name := "slot " + d.cfg.Slot
 	drop := fmt.Sprintf("SELECT pg_drop_replication_slot(%s);", relay.QuoteLiteral(d.cfg.Slot))
@@ -562,7 +622,11 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 	case errors.Is(err, pgx.ErrNoRows):
 		return
 	case err != nil:
-		d.add(Fail, name, fmt.Sprintf("read pg_replication_slots: %v", err), "")
+		fix := ""
+		if classifyRefusal(err) != refusalUnknown { // Aurora refuses pg_current_wal_lsn() below wal_level logical
+			fix, _ = RefusalFix(d.provider, d.role.name, d.host, err)
+		}
+		d.add(Fail, name, fmt.Sprintf("read pg_replication_slots: %v", err), fix)
 		return
 	}
 	if !d.cfg.Replication {
@@ -588,8 +652,8 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 		d.add(Fail, name, fmt.Sprintf("belongs to database %q", database), "set source.slot to another name")
 	case plugin != "pgoutput":
 		d.add(Fail, name, fmt.Sprintf("uses plugin %q, not pgoutput", plugin), "set source.slot to another name, or drop it: "+drop)
-	case walStatus == "lost":
-		d.add(Warn, name, "was invalidated (wal_status lost: it fell further behind than max_slot_wal_keep_size); run drops and recreates it, and the claim path delivers the rows in between",
+	case walStatus == "lost" || invalidation != "":
+		d.add(Warn, name, fmt.Sprintf("was invalidated (%s); run drops and recreates it, and the claim path delivers the rows in between", invalidationCause(walStatus, invalidation)),
 			"nothing is required; to drop it now: "+drop)
 	case active && replyAge != nil && *replyAge > staleReply.Seconds():
 		d.add(Fail, name, fmt.Sprintf("held by %s, which has sent no status for %.0fs: a stale process keeps the relay from streaming", holder, *replyAge), terminate)
@@ -617,6 +681,22 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 	d.add(OK, "retained WAL", fmt.Sprintf("%s (source.slot_max_retained %s)", FormatBytes(*retained), FormatBytes(limit)), "")
 }
 
+// invalidationCause explains why the server invalidated a slot, from its
+// wal_status and invalidation_reason (17+; "" before).
+func invalidationCause(walStatus, reason string) string {
+	switch reason {
+	case "", "wal_removed":
+		return "wal_status " + walStatus + ": it fell further behind than max_slot_wal_keep_size"
+	case "idle_timeout":
+		return "invalidation_reason idle_timeout: no one used it for longer than idle_replication_slot_timeout"
+	case "wal_level_insufficient":
+		return "invalidation_reason wal_level_insufficient: wal_level was set below logical"
+	case "rows_removed":
+		return "invalidation_reason rows_removed: rows it still needed were vacuumed away"
+	}
+	return "invalidation_reason " + reason
+}
+
 func formatRetained(b *int64) string {
 	if b == nil {
 		return "an unknown amount"
@@ -641,11 +721,55 @@ func (d *diagnosis) maxSlotWALKeepSize(ctx context.Context) {
 		return
 	}
 	rec := recommendedKeepSize(d.cfg.SlotMaxRetained)
+	fix := fmt.Sprintf("ALTER SYSTEM SET max_slot_wal_keep_size = '%dGB';   -- well above the relay's slot_max_retained, well below the free space of pg_wal's disk\nSELECT pg_reload_conf();", rec>>30)
+	if d.provider != SelfManaged {
+		fix = SettingFix(d.provider, "max_slot_wal_keep_size", sizeSetting(d.provider, rec>>30), false) + "   -- in MB when a plain number; well above the relay's slot_max_retained, well below the storage left for WAL"
+	}
 	d.add(Warn, "max_slot_wal_keep_size",
 		"-1 (unlimited): a slot no one consumes keeps all WAL from its position on, until pg_wal fills the disk and the primary stops. "+
 			"A running relay drops a slot it cannot consume (source.slot_max_unconsumed), but a relay that is down cannot. "+
 			"With a limit the server invalidates such a slot instead; the relay recreates it and the claim path delivers the rows in between",
-		fmt.Sprintf("ALTER SYSTEM SET max_slot_wal_keep_size = '%dGB';   -- well above the relay's slot_max_retained, well below the free space of pg_wal's disk\nSELECT pg_reload_conf();", rec>>30))
+		fix)
+}
+
+// shortIdleSlotTimeout is the idle_replication_slot_timeout below which
+// doctor warns: a relay restart or an HA takeover can leave the slot unused
+// for that long.
+const shortIdleSlotTimeout = 10 * time.Minute
+
+// idleSlotTimeout reports idle_replication_slot_timeout (PostgreSQL 18+; on
+// older servers there is nothing to report).
+func (d *diagnosis) idleSlotTimeout(ctx context.Context) {
+	if !d.cfg.Replication {
+		return
+	}
+	var seconds int64
+	err := d.conn.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'idle_replication_slot_timeout'`).Scan(&seconds)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return
+	case err != nil:
+		d.add(Fail, "idle_replication_slot_timeout", fmt.Sprintf("read setting: %v", err), "")
+		return
+	}
+	timeout := time.Duration(seconds) * time.Second
+	switch {
+	case seconds == 0:
+		d.add(OK, "idle_replication_slot_timeout", "0 (slots are not invalidated for being unused)", "")
+	case timeout < shortIdleSlotTimeout:
+		d.add(Warn, "idle_replication_slot_timeout",
+			fmt.Sprintf("%s: a relay restart or HA takeover that leaves the slot unused that long (until the next checkpoint) loses it; run recreates it and the claim path delivers the rows in between, more slowly than the stream", timeout),
+			idleTimeoutFix(d.provider))
+	default:
+		d.add(OK, "idle_replication_slot_timeout", fmt.Sprintf("%s: a relay down longer than that loses its slot; run recreates it and the claim path delivers the rows in between", timeout), "")
+	}
+}
+
+func idleTimeoutFix(p Provider) string {
+	if p != SelfManaged {
+		return SettingFix(p, "idle_replication_slot_timeout", durationSetting(p, 3600), false) + "   -- one hour (in seconds when a plain number): longer than any relay downtime you plan for"
+	}
+	return "ALTER SYSTEM SET idle_replication_slot_timeout = '1h';   -- longer than any relay downtime you plan for\nSELECT pg_reload_conf();"
 }
 
 // FormatBytes prints n bytes with a binary unit ("12.3 MiB").

@@ -117,6 +117,9 @@ func TestDiagnose_HealthySuperuser(t *testing.T) {
 	noFailures(t, checks)
 	requireCheck(t, checks, "connection", admin.OK, "postgres@")
 	requireCheck(t, checks, "server version", admin.OK, "PostgreSQL 1")
+	if c, ok := checks["provider"]; ok {
+		t.Errorf("a self-managed server recognised as a managed service: %s", c.Detail)
+	}
 	requireCheck(t, checks, "wal_level", admin.OK, "logical")
 	requireCheck(t, checks, "REPLICATION", admin.OK, "superuser")
 	requireCheck(t, checks, "replication connection", admin.OK)
@@ -215,6 +218,39 @@ func TestDiagnose_WALLevelReplica(t *testing.T) {
 	if _, ok := checks["replication connection"]; ok {
 		t.Error("replication connection tried with wal_level replica")
 	}
+	// This server version's own refusal of a slot is recognised, with each
+	// provider's fix.
+	_, err = conn.Exec(ctx, "SELECT pg_create_logical_replication_slot('refused', 'pgoutput')")
+	if err == nil {
+		t.Fatal("a logical slot was created with wal_level replica")
+	}
+	t.Logf("refusal: %v", err)
+	for p, want := range map[admin.Provider]string{admin.SelfManaged: "ALTER SYSTEM SET wal_level = logical", admin.RDS: "rds.logical_replication = 1", admin.CloudSQL: "cloudsql.logical_decoding=on"} {
+		if fix, ok := admin.RefusalFix(p, "relay", "", err); !ok || !strings.Contains(fix, want) {
+			t.Errorf("RefusalFix(%q, %q) = %q, %v; want a fix with %q", p, err, fix, ok, want)
+		}
+	}
+	// Cloud SQL with cloudsql.logical_decoding off, and Neon without
+	// logical replication, look like this to doctor; their settings (set
+	// here as placeholders for the database) give them away.
+	for _, tc := range []struct{ setting, provider, fix string }{
+		{"cloudsql.logical_decoding", string(admin.CloudSQL), "database flag cloudsql.logical_decoding = on"},
+		{"neon.tenant_id", string(admin.Neon), "Project settings > Logical replication > Enable"},
+	} {
+		if _, err := conn.Exec(ctx, "ALTER DATABASE app SET "+tc.setting+" = 'off'"); err != nil {
+			t.Fatal(err)
+		}
+		checks := diagnose(t, c.URL("app"))
+		requireCheck(t, checks, "provider", admin.OK, tc.provider, tc.setting)
+		requireCheck(t, checks, "wal_level", admin.Fail, "replica", tc.fix)
+		if strings.Contains(checks["wal_level"].Fix, "ALTER SYSTEM") {
+			t.Errorf("%s: a fix with ALTER SYSTEM: %s", tc.provider, checks["wal_level"].Fix)
+		}
+		if _, err := conn.Exec(ctx, "ALTER DATABASE app RESET "+tc.setting); err != nil {
+			t.Fatal(err)
+		}
+	}
+
 	// Poll mode does not need it.
 	checks = diagnose(t, c.URL("app"), func(c *admin.DiagnoseConfig) { c.Replication = false })
 	noFailures(t, checks)
@@ -246,7 +282,7 @@ func TestDiagnose_Schema(t *testing.T) {
 			c.Tables, c.Publication = f.tables, names.Publication
 		})
 		noFailures(t, checks)
-		requireCheck(t, checks, "schema", admin.OK, "at version 7")
+		requireCheck(t, checks, "schema", admin.OK, fmt.Sprintf("at version %d", migrations.Latest()))
 		requireCheck(t, checks, "publication "+names.Publication, admin.OK)
 	})
 	_ = ctx

@@ -51,9 +51,14 @@ type SlotStatus struct {
 	// WALStatus is reserved, extended, unreserved or lost ("" when the slot
 	// does not exist).
 	WALStatus string `json:"wal_status,omitempty"`
+	// InvalidationReason is why the server invalidated the slot
+	// (pg_replication_slots.invalidation_reason, PostgreSQL 17+: wal_removed,
+	// idle_timeout, ...); "" when it is valid or the server is older.
+	InvalidationReason string `json:"invalidation_reason,omitempty"`
 	// RetainedWALBytes is the WAL the slot keeps from being removed: from
 	// its restart_lsn to the server's current position. Nil when unknown
-	// (no slot, or lost).
+	// or none (no slot, or invalidated: PostgreSQL 18 keeps the restart_lsn
+	// of a slot invalidated for idleness, but the slot retains nothing).
 	RetainedWALBytes  *int64 `json:"retained_wal_bytes,omitempty"`
 	ConfirmedFlushLSN string `json:"confirmed_flush_lsn,omitempty"`
 }
@@ -105,13 +110,17 @@ func ReadStatus(ctx context.Context, db DB, t Tables, slot string, leaderKey int
 		pid      int32
 		retained *int64
 		walStat  *string
+		reason   *string
 		flushLSN *string
 	)
+	// to_jsonb(s) ->> 'invalidation_reason' is NULL before 17, which lacks
+	// the column.
 	err := db.QueryRow(ctx, `
-SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), confirmed_flush_lsn::text,
+SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'invalidation_reason', confirmed_flush_lsn::text,
+       CASE WHEN wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL THEN
        pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END,
-                       restart_lsn)::bigint
-  FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&pid, &walStat, &flushLSN, &retained)
+                       restart_lsn)::bigint END
+  FROM pg_replication_slots s WHERE slot_name = $1`, slot).Scan(&pid, &walStat, &reason, &flushLSN, &retained)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 	case err != nil:
@@ -120,6 +129,7 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), confirmed_flush_lsn::t
 		st.Slot.Exists = true
 		st.Slot.Active = pid != 0
 		st.Slot.WALStatus = deref(walStat)
+		st.Slot.InvalidationReason = deref(reason)
 		st.Slot.ConfirmedFlushLSN = deref(flushLSN)
 		st.Slot.RetainedWALBytes = retained
 	}

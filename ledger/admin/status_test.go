@@ -2,6 +2,7 @@ package admin_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"testing"
 	"time"
@@ -46,9 +47,19 @@ func MustStream(tb testing.TB, url, slot, publication, app string) *pgconn.PgCon
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { conn.Close(context.Background()) })
-	err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
-		PluginArgs: []string{"proto_version '1'", fmt.Sprintf("publication_names '%s'", publication)},
-	})
+	// The walsender of a stream closed a moment ago may still hold the slot
+	// (55006 object_in_use): it exits on its own.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err = pglogrepl.StartReplication(ctx, conn, slot, 0, pglogrepl.StartReplicationOptions{
+			PluginArgs: []string{"proto_version '1'", fmt.Sprintf("publication_names '%s'", publication)},
+		})
+		pgErr, _ := errors.AsType[*pgconn.PgError](err)
+		if err == nil || pgErr == nil || pgErr.Code != "55006" || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 	if err != nil {
 		tb.Fatalf("start replication: %v", err)
 	}

@@ -2,9 +2,13 @@
 // development tool (make run).
 //
 // StartCluster runs initdb and postgres from the local PostgreSQL install
-// (found with pg_config --bindir) in a fresh directory under os.TempDir,
-// listening on 127.0.0.1 only. When the caller is root, both run as the
-// postgres OS user, because they refuse to run as root.
+// (found with pg_config --bindir, or in the directory EnvBindir names) in a
+// fresh directory under os.TempDir, listening on 127.0.0.1 only. When the
+// caller is root, both run as the postgres OS user, because they refuse to run
+// as root. Only initdb and postgres are used (no psql, pg_ctl or
+// pg_isready), so a bin directory holding just those two will do, such as the
+// one cmd/outbox-relay-pg installs for the version matrix (make test-pg).
+// With EnvVersion set, a server of another major version is an error.
 //
 // Tests use NewCluster for a server of their own (to kill or restart it, or
 // for a wal_level other than logical), or NewDatabase for a fresh database on
@@ -60,6 +64,18 @@ const (
 	// one it picked was taken before the server could bind it.
 	portAttempts = 3
 )
+
+// EnvBindir names the environment variable that, when set, is the directory
+// of the server binaries (initdb and postgres) to use instead of
+// pg_config --bindir. When running as root, the postgres OS user must be able
+// to reach it: every parent directory searchable.
+const EnvBindir = "OUTBOX_RELAY_PG_BINDIR"
+
+// EnvVersion names the environment variable that, when set, is the major
+// version (such as "13") every cluster must run: StartCluster checks
+// server_version_num and fails on another, so that a matrix run cannot pass
+// on the wrong binaries.
+const EnvVersion = "OUTBOX_RELAY_PG_VERSION"
 
 // ErrClosed is returned by the methods of a Cluster after Close.
 var ErrClosed = errors.New("pgtest: cluster is closed")
@@ -183,13 +199,47 @@ func StartCluster(ctx context.Context, opts Options) (*Cluster, error) {
 			return nil, err
 		}
 	}
+	if err := c.checkVersion(ctx); err != nil {
+		return nil, err
+	}
 	ok = true
 	return c, nil
 }
 
-// serverBindir returns the directory of the PostgreSQL server binaries,
-// checking that initdb and postgres are there.
+// checkVersion fails if EnvVersion is set and the server runs another major
+// version.
+func (c *Cluster) checkVersion(ctx context.Context) error {
+	want := os.Getenv(EnvVersion)
+	if want == "" {
+		return nil
+	}
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		return fmt.Errorf("check server version: %w", err)
+	}
+	defer conn.Close(context.Background())
+	var num int
+	if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&num); err != nil {
+		return fmt.Errorf("check server version: %w", err)
+	}
+	if strconv.Itoa(num/10000) != want {
+		return fmt.Errorf("%s=%s but the server in %s runs server_version_num %d (major %d)", EnvVersion, want, c.bindir, num, num/10000)
+	}
+	return nil
+}
+
+// serverBindir returns the directory of the PostgreSQL server binaries
+// (EnvBindir, or pg_config --bindir), checking that initdb and postgres are
+// there.
 func serverBindir() (string, error) {
+	if bindir := os.Getenv(EnvBindir); bindir != "" {
+		for _, name := range []string{"initdb", "postgres"} {
+			if _, err := os.Stat(filepath.Join(bindir, name)); err != nil {
+				return "", fmt.Errorf("%s not found in %s (%s; make test-pg installs versions with cmd/outbox-relay-pg): %w", name, bindir, EnvBindir, err)
+			}
+		}
+		return bindir, nil
+	}
 	pgConfig, err := exec.LookPath("pg_config")
 	if err != nil {
 		return "", fmt.Errorf("pg_config not found in PATH (install the PostgreSQL server, e.g. apt-get install postgresql): %w", err)

@@ -303,3 +303,43 @@ func TestCloseRemovesDirectory(t *testing.T) {
 		t.Errorf("Start after Close = %v, want ErrClosed", err)
 	}
 }
+
+// TestServerVersion reports the server's version, and under make test-pg
+// (EnvVersion set) checks it is the version the matrix asked for: a run on
+// the wrong binaries must not pass.
+func TestServerVersion(t *testing.T) {
+	conn := connect(t, pgtest.NewDatabase(t))
+	num, err := strconv.Atoi(queryString(t, conn, "SHOW server_version_num"))
+	if err != nil {
+		t.Fatalf("server_version_num: %v", err)
+	}
+	t.Logf("server_version_num %d (%s)", num, queryString(t, conn, "SHOW server_version"))
+	if want := os.Getenv(pgtest.EnvVersion); want != "" && strconv.Itoa(num/10000) != want {
+		t.Errorf("server_version_num = %d, want major %s (%s)", num, want, pgtest.EnvVersion)
+	}
+	if num < 130000 {
+		t.Errorf("server_version_num = %d: the relay needs PostgreSQL 13 or later", num)
+	}
+}
+
+func TestBindirFromEnvironment(t *testing.T) {
+	empty := t.TempDir()
+	t.Setenv(pgtest.EnvBindir, empty)
+	_, err := pgtest.StartCluster(context.Background(), pgtest.Options{})
+	if err == nil || !strings.Contains(err.Error(), pgtest.EnvBindir) || !strings.Contains(err.Error(), "initdb not found in "+empty) {
+		t.Fatalf("StartCluster with %s=%s (empty): err = %v, want initdb not found naming %s", pgtest.EnvBindir, empty, err, pgtest.EnvBindir)
+	}
+}
+
+func TestStartClusterChecksVersion(t *testing.T) {
+	pgtest.NewCluster(t, pgtest.Options{}) // skips or fails without binaries
+	t.Setenv(pgtest.EnvVersion, "9")
+	c, err := pgtest.StartCluster(context.Background(), pgtest.Options{})
+	if err == nil {
+		_ = c.Close()
+		t.Fatalf("StartCluster with %s=9: no error", pgtest.EnvVersion)
+	}
+	if !strings.Contains(err.Error(), pgtest.EnvVersion+"=9 but the server") {
+		t.Fatalf("StartCluster with %s=9: err = %v, want a version mismatch", pgtest.EnvVersion, err)
+	}
+}

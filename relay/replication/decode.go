@@ -215,6 +215,7 @@ const (
 	colAvailableAt
 	colAttempts
 	colStatus
+	colTraceContext // optional: migration 008
 	numCols
 )
 
@@ -229,6 +230,7 @@ var colNames = [numCols]string{
 	colAvailableAt:   "available_at",
 	colAttempts:      "attempts",
 	colStatus:        "status",
+	colTraceContext:  "trace_context",
 }
 
 // relation is what a RELATION message says about a table.
@@ -376,6 +378,14 @@ func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
 	}
 	if status != nil {
 		ev.Status = *status
+	}
+
+	// trace_context is optional (a table not migrated to 008 has none) and
+	// never stops the stream: a value it cannot read is no trace context.
+	if r.pos[colTraceContext] >= 0 {
+		if data, null, err := r.value(t, colTraceContext); err == nil && !null {
+			ev.TraceContext = data
+		}
 	}
 	return ev, nil
 }

@@ -3,6 +3,7 @@ package replication_test
 import (
 	"encoding/binary"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 
@@ -52,6 +53,57 @@ func TestMalformedMessagesAreErrors(t *testing.T) {
 			}
 			if n := after.TotalAlloc - before.TotalAlloc; n > 1<<20 {
 				t.Fatalf("decoding allocated %d bytes", n)
+			}
+		})
+	}
+}
+
+// TestTraceContextColumnIsOptional: the trace_context column (migration 008)
+// is read verbatim when the relation has it; a table without it, a NULL, or
+// a value in a form the decoder cannot read gives an event without trace
+// context, never an error.
+func TestTraceContextColumnIsOptional(t *testing.T) {
+	const tc = `{"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}`
+	withColumn := append(slices.Clone(outboxColumns), pgColumn{"trace_context", 3802})
+	row := func(cols []pgColumn, traceContext tupleValue) []tupleValue {
+		out := make([]tupleValue, len(cols))
+		for i, c := range cols {
+			switch c.name {
+			case "id":
+				out[i] = textValue("1")
+			case "event_key":
+				out[i] = textValue("k1")
+			case "trace_context":
+				out[i] = traceContext
+			default:
+				out[i] = nullValue
+			}
+		}
+		return out
+	}
+	tests := []struct {
+		name  string
+		cols  []pgColumn
+		value tupleValue
+		want  string
+	}{
+		{"column with a value", withColumn, textValue(tc), tc},
+		{"column NULL", withColumn, nullValue, ""},
+		{"binary value", withColumn, tupleValue{kind: 'b', data: []byte{1}}, ""},
+		{"no such column", outboxColumns, nullValue, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			events, err := replication.DecodeMessages(outboxName,
+				relationMessage(outboxRelID, "public", "integration_outbox", tt.cols),
+				beginMessage(finalLSN, commitTime, 7),
+				insertMessage(outboxRelID, row(tt.cols, tt.value)),
+				commitMessage(finalLSN, endLSN, commitTime))
+			if err != nil || len(events) != 1 {
+				t.Fatalf("%d events, err %v", len(events), err)
+			}
+			if got := string(events[0].TraceContext); got != tt.want || (tt.want == "") != (events[0].TraceContext == nil) {
+				t.Fatalf("TraceContext %q, want %q", got, tt.want)
 			}
 		})
 	}

@@ -212,17 +212,42 @@ type slotDetails struct {
 	walStatus      string
 	confirmedFlush relay.LSN
 	activePID      int32
+
+	// invalidationReason is pg_replication_slots.invalidation_reason (17+),
+	// "" when the slot is valid or the server is older.
+	invalidationReason string
+}
+
+// invalidated reports whether the server has invalidated the slot, so that
+// it can no longer stream, and why. wal_status "lost" says so on every
+// supported version: on 13-15 the one cause is WAL removed past
+// max_slot_wal_keep_size, and from 16 on every invalidation shows as lost.
+// From 17 on invalidation_reason names the cause ("wal_removed",
+// "rows_removed", "wal_level_insufficient", and on 18 "idle_timeout" for a
+// slot unused longer than idle_replication_slot_timeout); it is checked as
+// well, so that no cause is missed whatever wal_status shows.
+func (d slotDetails) invalidated() (bool, string) {
+	switch {
+	case d.invalidationReason != "":
+		return true, d.invalidationReason
+	case d.walStatus == "lost":
+		return true, "wal_status lost"
+	}
+	return false, ""
 }
 
 func lookUpSlot(ctx context.Context, conn *pgx.Conn, slot string) (slotDetails, error) {
 	d := slotDetails{exists: true}
+	// to_jsonb(s) ->> 'invalidation_reason' is NULL on servers before 17,
+	// which lack the column: one query for every version.
 	err := conn.QueryRow(ctx, `
 		SELECT slot_type, coalesce(plugin, ''), coalesce(database, ''),
 		       coalesce(database = current_database(), false),
-		       coalesce(wal_status, ''), confirmed_flush_lsn::text, coalesce(active_pid, 0)
-		  FROM pg_replication_slots
+		       coalesce(wal_status, ''), coalesce(to_jsonb(s) ->> 'invalidation_reason', ''),
+		       confirmed_flush_lsn::text, coalesce(active_pid, 0)
+		  FROM pg_replication_slots s
 		 WHERE slot_name = $1`, slot).
-		Scan(&d.slotType, &d.plugin, &d.database, &d.sameDatabase, &d.walStatus, &d.confirmedFlush, &d.activePID)
+		Scan(&d.slotType, &d.plugin, &d.database, &d.sameDatabase, &d.walStatus, &d.invalidationReason, &d.confirmedFlush, &d.activePID)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return slotDetails{}, nil
 	}
@@ -265,9 +290,10 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		if err != nil {
 			return 0, err
 		}
+		invalidated, reason := slot.invalidated()
 		switch {
-		case slot.walStatus == "lost":
-			s.log.Warn().Msg("replication slot was invalidated (wal_status lost); dropping and recreating it")
+		case invalidated:
+			s.log.Warn().Str("reason", reason).Msg("replication slot was invalidated; dropping and recreating it")
 		case !handedOver:
 			s.log.Warn().Msg("replication slot has no record of its hand-over (the relay stopped between creating it and handing the rows pending then to the claim path): dropping and recreating it")
 		default:

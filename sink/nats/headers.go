@@ -22,6 +22,13 @@ const (
 	HeaderAggregateID      = "Outbox-Aggregate-Id"       // absent when NULL
 	HeaderEventID          = "Outbox-Event-Id"
 	HeaderAttempt          = "Outbox-Attempt"
+	// The producer's W3C trace context, when the event has a valid one
+	// (relay.TraceHeaders): the same on every attempt and replay.
+	HeaderTraceparent = "traceparent"
+	HeaderTracestate  = "tracestate"
+	// HeaderCloudEventsContentType is datacontenttype in the binary
+	// content mode of the CloudEvents NATS binding (format cloudevents).
+	HeaderCloudEventsContentType = "ce-datacontenttype"
 )
 
 // EncodedPrefix marks a header value that could not travel verbatim and is
@@ -101,6 +108,12 @@ func buildHeader(d *relay.Delivery) nats.Header {
 	setNullable(h, HeaderAggregateID, e.AggregateID)
 	h.Set(HeaderEventID, strconv.FormatInt(e.ID, 10))
 	h.Set(HeaderAttempt, strconv.Itoa(d.Attempt))
+	if e.Trace.Traceparent != "" {
+		h.Set(HeaderTraceparent, e.Trace.Traceparent)
+		if e.Trace.Tracestate != "" {
+			h.Set(HeaderTracestate, e.Trace.Tracestate)
+		}
+	}
 	return h
 }
 

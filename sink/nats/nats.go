@@ -10,6 +10,12 @@
 // acknowledges before fsync by default, so a single server that crashes can
 // lose acknowledged messages. Use R3 streams or sync_interval: always; the
 // embedded server syncs every write unless told otherwise.
+//
+// An event with a trace context carries the producer's traceparent and
+// tracestate headers. With Format FormatCloudEvents a message is a
+// CloudEvent in the binary content mode of the CloudEvents NATS binding: the
+// payload as data and ce- headers, ce-id being the Nats-Msg-Id. See
+// docs/ecosystem.md.
 package nats
 
 import (
@@ -35,6 +41,17 @@ import (
 // Type is the sink type this package implements, as configured
 // (type: nats).
 const Type = "nats"
+
+// Formats: what a message carries.
+const (
+	// FormatEnvelope (or empty) publishes Delivery.Body, the envelope.
+	FormatEnvelope = "envelope"
+	// FormatCloudEvents publishes a CloudEvent in the binary content mode
+	// of the CloudEvents NATS binding: the event's payload as the data, its
+	// attributes as ce- headers (relay.CloudEventsHeaders, and
+	// ce-datacontenttype).
+	FormatCloudEvents = "cloudevents"
+)
 
 // Connection liveness settings; see connect.
 const (
@@ -68,6 +85,10 @@ type Config struct {
 	// AckTimeout bounds the wait for one PubAck; past it the outcome is
 	// unknown. Default DefaultAckTimeout.
 	AckTimeout time.Duration
+	// Format is FormatEnvelope (or empty) or FormatCloudEvents.
+	Format string
+	// CloudEventsSource is ce-source, required with FormatCloudEvents.
+	CloudEventsSource string
 	// Options are extra client options (credentials, token, TLS,
 	// reconnect tuning), applied after the sink's own.
 	Options []nats.Option
@@ -106,6 +127,7 @@ type Sink struct {
 	name       string
 	log        zerolog.Logger
 	subject    *subjectTemplate
+	ceSource   string // ce-source; "" unless the format is cloudevents
 	maxPending int
 	// maxMsgSize is the stream's max_msg_size, or 0 when unlimited.
 	maxMsgSize int64
@@ -176,6 +198,7 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		name:       cfg.Name,
 		log:        cfg.Logger.With().Str("sink", cfg.Name).Logger(),
 		subject:    subject,
+		ceSource:   cfg.CloudEventsSource,
 		maxPending: cfg.MaxPending,
 		window:     make(chan struct{}, cfg.MaxPending),
 		queue:      make(chan inflight, cfg.MaxPending),
@@ -242,6 +265,18 @@ func applyDefaults(cfg *Config) error {
 	}
 	if cfg.AckTimeout == 0 {
 		cfg.AckTimeout = DefaultAckTimeout
+	}
+	switch cfg.Format {
+	case "", FormatEnvelope:
+		if cfg.CloudEventsSource != "" {
+			return fmt.Errorf("nats sink %q: a CloudEvents source is only used with format cloudevents", cfg.Name)
+		}
+	case FormatCloudEvents:
+		if cfg.CloudEventsSource == "" {
+			return fmt.Errorf("nats sink %q: format cloudevents needs a source (ce-source)", cfg.Name)
+		}
+	default:
+		return fmt.Errorf("nats sink %q: format %q is not one of envelope, cloudevents", cfg.Name, cfg.Format)
 	}
 	switch {
 	case cfg.MaxPending < 0:
@@ -334,8 +369,10 @@ func (s *Sink) Duplicates() int64 { return s.duplicates.Load() }
 // included), or a relay.DeliveryError:
 //   - Permanent, without publishing, when the message (headers included) is
 //     larger than the server's max_payload or the stream's max_msg_size, its
-//     subject is unusable, or its event key is empty (wrapping
-//     relay.ErrEmptyEventKey); or when the server refuses it as too large.
+//     subject is unusable, its event key is empty (wrapping
+//     relay.ErrEmptyEventKey), or, with format cloudevents, it has no type
+//     (wrapping relay.ErrNoEventType); or when the server refuses it as too
+//     large.
 //   - SinkDown, without publishing, when the connection is not up or the
 //     sink is closed; or when no stream answers (deleted, JetStream down).
 //   - Transient when the stream refused the message (nothing stored), or
@@ -409,6 +446,17 @@ func (s *Sink) message(d *relay.Delivery) (*nats.Msg, error) {
 		return nil, relay.PermanentError(fmt.Errorf("event %s: subject: %w", key, err))
 	}
 	msg := &nats.Msg{Subject: subject, Header: buildHeader(d), Data: d.Body}
+	if s.ceSource != "" {
+		ce, err := relay.CloudEventsHeaders(d.Event, MsgID(d), s.ceSource)
+		if err != nil {
+			return nil, relay.PermanentError(fmt.Errorf("event %s: %w", key, err))
+		}
+		for _, a := range ce {
+			msg.Header.Set(a.Name, a.Value)
+		}
+		msg.Header.Set(HeaderCloudEventsContentType, relay.CloudEventsContentType)
+		msg.Data = relay.CloudEventsData(d.Event)
+	}
 	hdr := headerSize(msg.Header)
 	size := int64(hdr + len(msg.Data))
 	if limit := s.nc.MaxPayload(); limit > 0 && size > limit {

@@ -16,8 +16,18 @@
 //	Outbox-Event-Key             the event key, only when it is header-safe
 //	webhook-signature            standard-webhooks auth: "v1,<base64 HMAC>"
 //	Authorization                jwt (Bearer, HS256) or basic auth
+//	traceparent, tracestate      the producer's W3C trace context, when the
+//	                             event has a valid one (relay.TraceHeaders):
+//	                             the same on every attempt and replay
 //
 // plus the configured static headers and, for header auth, its header.
+//
+// With Format FormatCloudEvents the request is a CloudEvent in the binary
+// content mode of the CloudEvents HTTP binding: the body is the event's
+// payload (JSON null when NULL), Content-Type (datacontenttype) is
+// application/json, and relay.CloudEventsHeaders adds ce-specversion,
+// ce-id (the id above), ce-source, ce-type, ce-subject and ce-time. An
+// event without a type is Permanent. See docs/ecosystem.md.
 //
 // # Outcomes
 //

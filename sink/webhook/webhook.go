@@ -44,6 +44,16 @@ func DefaultPermanentStatuses() []int {
 	return []int{http.StatusBadRequest, http.StatusRequestEntityTooLarge, http.StatusUnsupportedMediaType, http.StatusUnprocessableEntity}
 }
 
+// Formats: what a request carries.
+const (
+	// FormatEnvelope (or empty) posts Delivery.Body, the envelope or nudge.
+	FormatEnvelope = "envelope"
+	// FormatCloudEvents posts a CloudEvent in the binary content mode: the
+	// event's payload as the body, its attributes as ce- headers
+	// (relay.CloudEventsHeaders).
+	FormatCloudEvents = "cloudevents"
+)
+
 // Auth types.
 const (
 	AuthNone             = "none"
@@ -88,6 +98,11 @@ type Config struct {
 	// {"id","event_key","event_type"}. The sink sends Delivery.Body as given
 	// either way; Nudge reports the setting.
 	Nudge bool
+	// Format is FormatEnvelope (or empty) or FormatCloudEvents, which
+	// cannot be combined with Nudge.
+	Format string
+	// CloudEventsSource is ce-source, required with FormatCloudEvents.
+	CloudEventsSource string
 	// MaxBody is the largest body sent; a larger one is a PermanentError
 	// without a request (default 16 MiB).
 	MaxBody int64
@@ -133,6 +148,7 @@ type Sink struct {
 	name      string
 	url       string
 	nudge     bool
+	ceSource  string // ce-source; "" unless the format is cloudevents
 	maxBody   int64
 	permanent map[int]bool
 	treat409  bool
@@ -174,6 +190,27 @@ func New(cfg Config) (*Sink, error) {
 	if cfg.Timeout < 0 || cfg.Concurrency < 0 || cfg.MaxBody < 0 {
 		return fail("timeout, concurrency and max_body must not be negative")
 	}
+	reserved := []string{"Content-Type", "Content-Length", "Transfer-Encoding", "Connection", "Host",
+		"Idempotency-Key", "Webhook-Id", "Webhook-Timestamp", "Webhook-Signature", "Webhook-Attempt", "Outbox-Event-Key",
+		"Traceparent", "Tracestate"}
+	switch cfg.Format {
+	case "", FormatEnvelope:
+		if cfg.CloudEventsSource != "" {
+			return fail("a CloudEvents source is only used with format cloudevents")
+		}
+	case FormatCloudEvents:
+		switch {
+		case cfg.Nudge:
+			return fail("format cloudevents sends the payload as the body: it cannot be combined with body nudge")
+		case cfg.CloudEventsSource == "":
+			return fail("format cloudevents needs a source (ce-source)")
+		}
+		// The attributes the sink sets; other ce- headers configured are
+		// extension attributes, sent as they are.
+		reserved = append(reserved, "Ce-Specversion", "Ce-Id", "Ce-Source", "Ce-Type", "Ce-Subject", "Ce-Time")
+	default:
+		return fail("format %q is not one of envelope, cloudevents", cfg.Format)
+	}
 	if cfg.Timeout == 0 {
 		cfg.Timeout = DefaultTimeout
 	}
@@ -190,6 +227,7 @@ func New(cfg Config) (*Sink, error) {
 		name:      cfg.Name,
 		url:       cfg.URL,
 		nudge:     cfg.Nudge,
+		ceSource:  cfg.CloudEventsSource,
 		maxBody:   cfg.MaxBody,
 		permanent: make(map[int]bool, len(cfg.PermanentStatuses)),
 		treat409:  cfg.Treat409AsDelivered,
@@ -209,8 +247,6 @@ func New(cfg Config) (*Sink, error) {
 		s.permanent[code] = true
 	}
 
-	reserved := []string{"Content-Type", "Content-Length", "Transfer-Encoding", "Connection", "Host",
-		"Idempotency-Key", "Webhook-Id", "Webhook-Timestamp", "Webhook-Signature", "Webhook-Attempt", "Outbox-Event-Key"}
 	switch cfg.Auth.Type {
 	case "", AuthNone:
 		s.auth.Type = AuthNone
@@ -305,7 +341,8 @@ func (s *Sink) Name() string { return s.name }
 // engine computes the nudge body instead of the envelope.
 func (s *Sink) Nudge() bool { return s.nudge }
 
-// Send posts d.Body and calls done exactly once with the outcome: nil on a
+// Send posts d.Body (with format cloudevents, the event's payload and its
+// attributes) and calls done exactly once with the outcome: nil on a
 // 2xx (or a 409 with Treat409AsDelivered), otherwise an error classified by
 // relay.Classify.
 //
@@ -313,8 +350,10 @@ func (s *Sink) Nudge() bool { return s.nudge }
 // ctx is done, or the sink is closed. It calls done on the calling
 // goroutine, without a request, when ctx is already done or ends while
 // waiting (TransientError wrapping ctx's error), when the sink is closed
-// (SinkDownError wrapping ErrClosed), when the body is over MaxBody and when
-// the event key is empty (PermanentError, wrapping relay.ErrEmptyEventKey).
+// (SinkDownError wrapping ErrClosed), when the body is over MaxBody, when
+// the event key is empty (PermanentError, wrapping relay.ErrEmptyEventKey)
+// and, with format cloudevents, when the event has no type (PermanentError,
+// wrapping relay.ErrNoEventType).
 // Otherwise the request runs on its own goroutine, which calls done; ctx no
 // longer affects it (Close does).
 //
@@ -328,12 +367,22 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 		done(relay.TransientError(fmt.Errorf("webhook %s: not sent: %w", s.name, err), 0))
 		return
 	}
-	if n := int64(len(d.Body)); n > s.maxBody {
+	body := d.Body
+	var ce []relay.Header
+	if s.ceSource != "" {
+		body = relay.CloudEventsData(d.Event)
+		var err error
+		if ce, err = relay.CloudEventsHeaders(d.Event, IdempotencyKey(d.Event.EventKey, d.Replay), s.ceSource); err != nil {
+			done(relay.PermanentError(fmt.Errorf("webhook %s: event %q: %w", s.name, d.Event.EventKey, err)))
+			return
+		}
+	}
+	if n := int64(len(body)); n > s.maxBody {
 		done(relay.PermanentError(fmt.Errorf("webhook %s: event %q: body is %d bytes, over the sink's max_body of %d bytes",
 			s.name, d.Event.EventKey, n, s.maxBody)))
 		return
 	}
-	if len(d.Body) == 0 {
+	if len(body) == 0 {
 		// An empty POST counts as replayable to net/http, which would then
 		// re-send it on its own; the engine never builds one.
 		done(relay.PermanentError(fmt.Errorf("webhook %s: event %q: empty body", s.name, d.Event.EventKey)))
@@ -359,7 +408,7 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 	s.mu.Unlock()
 	go func() {
 		defer s.inflight.Done()
-		err := s.post(d)
+		err := s.post(d, body, ce)
 		<-s.slots
 		done(err)
 	}()
@@ -472,8 +521,9 @@ func (w *writeTrace) result() (bool, error) {
 	return w.wrote, w.writeErr
 }
 
-// post makes one request for d and returns its classified outcome.
-func (s *Sink) post(d *relay.Delivery) error {
+// post makes one request for d with body and, with format cloudevents, the
+// attribute headers ce, and returns its classified outcome.
+func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
 	key := d.Event.EventKey
 	id := IdempotencyKey(key, d.Replay)
 	now := time.Now()
@@ -486,12 +536,12 @@ func (s *Sink) post(d *relay.Delivery) error {
 		GotConn:      trace.gotConnection,
 		WroteRequest: trace.wroteRequest,
 	})
-	body := &trackedBody{r: bytes.NewReader(d.Body)}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, body)
+	tracked := &trackedBody{r: bytes.NewReader(body)}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, tracked)
 	if err != nil {
 		return relay.SinkDownError(fmt.Errorf("webhook %s: build request: %w", s.name, err), 0)
 	}
-	req.ContentLength = int64(len(d.Body))
+	req.ContentLength = int64(len(body))
 	// With GetBody nil net/http treats the POST as not replayable, despite
 	// its Idempotency-Key, and never re-sends it on a reused connection
 	// that closed after the write: a written request with no answer must
@@ -513,11 +563,21 @@ func (s *Sink) post(d *relay.Delivery) error {
 	if headerSafe(key) {
 		h.Set("Outbox-Event-Key", key)
 	}
+	// The producer's trace context, as stored: the same on every attempt.
+	if tc := d.Event.Trace; tc.Traceparent != "" {
+		h.Set("Traceparent", tc.Traceparent)
+		if tc.Tracestate != "" {
+			h.Set("Tracestate", tc.Tracestate)
+		}
+	}
+	for _, a := range ce {
+		h.Set(a.Name, a.Value)
+	}
 	switch s.auth.Type {
 	case AuthStandardWebhooks:
 		sigs := make([]string, len(s.signKeys))
 		for i, key := range s.signKeys {
-			sigs[i] = sign(key, id, ts, d.Body)
+			sigs[i] = sign(key, id, ts, body)
 		}
 		h.Set("Webhook-Signature", strings.Join(sigs, " "))
 	case AuthJWT:
@@ -568,7 +628,7 @@ func (s *Sink) post(d *relay.Delivery) error {
 		case writeErr != nil:
 			event.Msg("webhook request not completely written")
 			return relay.TransientError(fmt.Errorf("webhook %s: event %q: request not completely written: %w", s.name, key, err), 0)
-		case !body.consumed.Load():
+		case !tracked.consumed.Load():
 			event.Msg("webhook request not written")
 			return relay.TransientError(fmt.Errorf("webhook %s: event %q: request not written: %w", s.name, key, err), 0)
 		default:

@@ -179,12 +179,37 @@ type SinkConfig struct {
 	URL string `yaml:"url"`
 	// Events lists path.Match globs over the event type.
 	Events []string `yaml:"events"`
+	// Format is what a request or message carries: the envelope (or, for
+	// a webhook, the nudge of body: nudge), or a CloudEvent in the binary
+	// content mode (docs/ecosystem.md).
+	Format      Format            `yaml:"format"`
+	CloudEvents CloudEventsConfig `yaml:"cloudevents"`
 	// TLS configures the connection to a webhook (https://) or a NATS
 	// server; the zero value uses the system roots and no client
 	// certificate.
 	TLS     TLSConfig     `yaml:"tls"`
 	Webhook WebhookConfig `yaml:",inline"`
 	NATS    NATSConfig    `yaml:",inline"`
+}
+
+// Format selects how a sink renders an event.
+type Format string
+
+// Formats.
+const (
+	FormatEnvelope    Format = "envelope"
+	FormatCloudEvents Format = "cloudevents"
+)
+
+func (Format) choices() []string { return strs(FormatEnvelope, FormatCloudEvents) }
+
+// CloudEventsConfig holds the CloudEvents attributes a sink with format
+// cloudevents takes from its configuration.
+type CloudEventsConfig struct {
+	// Source is ce-source, a URI-reference. Empty means
+	// "/<database>/<schema>/<table>" of the outbox (the run command fills
+	// it in: CloudEventsSource).
+	Source string `yaml:"source"`
 }
 
 // TLSConfig is a sink's TLS client configuration. Every file is PEM.
@@ -454,7 +479,7 @@ func Default() Config {
 // command uses it for the embedded NATS sink. An unknown type gets only the
 // common defaults.
 func DefaultSink(typ SinkType) SinkConfig {
-	s := SinkConfig{Type: typ, Events: []string{"*"}}
+	s := SinkConfig{Type: typ, Events: []string{"*"}, Format: FormatEnvelope}
 	switch typ {
 	case SinkWebhook:
 		s.Webhook = WebhookConfig{
@@ -623,4 +648,14 @@ func redactURL(raw string) string {
 	// A lone user part is how NATS URLs carry a token (nats://TOKEN@host).
 	u.User = url.User("xxxxx")
 	return u.String()
+}
+
+// CloudEventsSource returns the ce-source of sink s: its cloudevents.source,
+// or "/<database>/<schema>/<table>" of the outbox table, each part
+// percent-escaped as a URI path segment. outbox must be schema-qualified.
+func (s *SinkConfig) CloudEventsSource(database string, outbox relay.QualifiedName) string {
+	if s.CloudEvents.Source != "" {
+		return s.CloudEvents.Source
+	}
+	return "/" + url.PathEscape(database) + "/" + url.PathEscape(outbox.Schema) + "/" + url.PathEscape(outbox.Name)
 }

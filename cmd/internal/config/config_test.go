@@ -984,6 +984,16 @@ func TestLoad_InvalidValues(t *testing.T) {
 		{"secret and secret_file", hook + "    auth:\n      type: jwt\n      secret: s\n      secret_file: /run/secrets/jwt\n", nil, []string{
 			"relay.yaml:8: sinks[0].auth.secret_file: sinks[0].auth.secret is set too; set only one of them",
 		}},
+		{"bad format", hook + "    format: xml\n", nil, []string{`relay.yaml:5: sinks[0].format: "xml" is not one of envelope, cloudevents`}},
+		{"cloudevents source without the format", bus + "    cloudevents: {source: /shop}\n", nil, []string{
+			"relay.yaml:4: sinks[0].cloudevents.source: is only used with format: cloudevents",
+		}},
+		{"bad cloudevents source", bus + "    format: cloudevents\n    cloudevents: {source: \"%zz\"}\n", nil, []string{
+			`relay.yaml:5: sinks[0].cloudevents.source: "%zz" is not a URI-reference`,
+		}},
+		{"cloudevents and nudge", hook + "    format: cloudevents\n    body: nudge\n", nil, []string{
+			"relay.yaml:6: sinks[0].body: nudge cannot be combined with format: cloudevents",
+		}},
 		{"duplicate key", "source:\n  mode: poll\n  mode: auto\n", nil, []string{"relay.yaml:3: source.mode: set twice (first at line 2)"}},
 		{"top level not a mapping", "- a\n", nil, []string{"relay.yaml:1: the top level must be a mapping"}},
 		{"syntax error", "source: [\n", nil, []string{"relay.yaml: yaml:"}},
@@ -1285,5 +1295,20 @@ func TestByteSize(t *testing.T) {
 				t.Errorf("UnmarshalText(%q) = %d (%s), want %d (%s)", tt.in, b, b, tt.want, tt.text)
 			}
 		})
+	}
+}
+
+func TestSinkConfig_CloudEventsSource(t *testing.T) {
+	outbox := relay.QualifiedName{Schema: "public", Name: "integration_outbox"}
+	s := config.DefaultSink(config.SinkNATS)
+	if got := s.CloudEventsSource("shop", outbox); got != "/shop/public/integration_outbox" {
+		t.Errorf("default source %q", got)
+	}
+	if got := s.CloudEventsSource("my shop", relay.QualifiedName{Schema: "a/b", Name: "out box"}); got != "/my%20shop/a%2Fb/out%20box" {
+		t.Errorf("default source of awkward names %q", got)
+	}
+	s.CloudEvents.Source = "urn:shop:orders"
+	if got := s.CloudEventsSource("shop", outbox); got != "urn:shop:orders" {
+		t.Errorf("configured source %q", got)
 	}
 }

@@ -29,6 +29,8 @@ func TestKeys_Examples(t *testing.T) {
 		{Path: "sinks[].name", Type: "string"},
 		{Path: "sinks[].events", Type: "list of strings", Default: "['*']"},
 		{Path: "sinks[].tls.ca_file", Type: "string"},
+		{Path: "sinks[].format", Type: "envelope | cloudevents", Default: "envelope"},
+		{Path: "sinks[].cloudevents.source", Type: "string"},
 		{Path: "sinks[].timeout", Type: "duration", Default: "10s", Sink: config.SinkWebhook},
 		{Path: "sinks[].auth.type", Type: "none | jwt | header | basic | standard-webhooks", Default: "none", Sink: config.SinkWebhook},
 		{Path: "sinks[].headers", Type: "map of strings", Sink: config.SinkWebhook},
@@ -41,7 +43,7 @@ func TestKeys_Examples(t *testing.T) {
 			t.Errorf("key %s = %+v, want %+v", want.Path, got, want)
 		}
 	}
-	for _, section := range []string{"source", "sinks", "sinks[].auth", "sinks[].stream"} {
+	for _, section := range []string{"source", "sinks", "sinks[].auth", "sinks[].stream", "sinks[].cloudevents"} {
 		if _, ok := keys[section]; ok {
 			t.Errorf("section %s is listed as a key", section)
 		}

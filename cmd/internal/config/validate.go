@@ -207,6 +207,7 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 		}
 	}
 	v.tls(p, s)
+	v.format(p, s)
 	switch s.Type {
 	case SinkWebhook:
 		v.webhook(p, s)
@@ -218,6 +219,26 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 		v.fail(p+".type", "is required (webhook or nats)")
 	default:
 		oneOf(v, p+".type", s.Type, s.Type.choices())
+	}
+}
+
+// format checks a sink's format and its cloudevents section.
+func (v *validator) format(p string, s *SinkConfig) {
+	oneOf(v, p+".format", s.Format, s.Format.choices())
+	src := s.CloudEvents.Source
+	switch {
+	case src == "":
+	case s.Format != FormatCloudEvents:
+		v.fail(p+".cloudevents.source", "is only used with format: cloudevents")
+	case !isPrintable(src) || strings.TrimSpace(src) != src:
+		v.fail(p+".cloudevents.source", "%q must be printable, without surrounding spaces", src)
+	default:
+		if _, err := url.Parse(src); err != nil {
+			v.fail(p+".cloudevents.source", "%q is not a URI-reference (a CloudEvents source is one, e.g. /shop/orders or urn:shop:orders)", src)
+		}
+	}
+	if s.Format == FormatCloudEvents && s.Type == SinkWebhook && s.Webhook.Body == BodyNudge {
+		v.fail(p+".body", "nudge cannot be combined with format: cloudevents, whose body is the event's payload")
 	}
 }
 
