@@ -41,25 +41,25 @@ type claimOptions struct {
 type claimStatements struct {
 	// claim[all][shape]: the claim query for poll mode (all) or not, and
 	// the table's shape (see claimShape).
-	claim [2][3]string
-	hasReplays          string
-	ledgerPairs         string
-	claimPairs          string
-	delivered           string
-	release             string
-	unknown             string
-	done                string
-	failed              string
-	retry               string
-	held                string
-	settled             string
-	extendRows          string
-	extendClaims        string
-	expireLeases        string
-	stuck               string
-	repairDue           string
-	lockOwner           string
-	unlockOwner         string
+	claim        [2][3]string
+	hasReplays   string
+	ledgerPairs  string
+	claimPairs   string
+	delivered    string
+	release      string
+	unknown      string
+	done         string
+	failed       string
+	retry        string
+	held         string
+	settled      string
+	extendRows   string
+	extendClaims string
+	expireLeases string
+	stuck        string
+	repairDue    string
+	lockOwner    string
+	unlockOwner  string
 }
 
 // ownerAlive is true while the session advisory lock of the owner named by

@@ -143,7 +143,7 @@ func New(pool *pgxpool.Pool, cfg Config) *Store {
 		record: newRecord(),
 		tables: tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted(),
 			delivered: cfg.Delivered.Quoted()},
-		routes:      cfg.Sinks,
+		routes: cfg.Sinks,
 	}
 }
 

@@ -40,9 +40,9 @@ type aggQueue struct{ waiting []*task }
 
 // task is one pair on its way through the lane.
 type task struct {
-	w       *Work
-	p       *Pair
-	l       *lane
+	w *Work
+	p *Pair
+	l *lane
 	// owns: t is its aggregate's pair in flight in this lane (busy[agg]
 	// is its queue); only its completion moves the queue on.
 	owns    bool
