@@ -288,20 +288,20 @@ var sqlMigrations = []string{
 // number of migrations, which is what the version table holds after migrate.
 func Latest() int32 { return int32(1 + len(sqlMigrations)) }
 
-// CheckVersion returns an error naming both versions when the schema of
-// outbox is older than this build needs (Latest), or when migrate has never
-// run on it: the relay must not run on tables it would misread.
-func CheckVersion(ctx context.Context, db querier, outbox relay.QualifiedName) error {
-	var version int32
-	err := db.QueryRow(ctx, "SELECT version FROM "+versionTable(outbox).Quoted()).Scan(&version)
-	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "42P01" {
-		return fmt.Errorf("the schema of %s was never migrated: run outbox-relay migrate", outbox)
-	}
+// CheckSchema returns an error saying to run migrate when the relay's
+// tables lack what this build needs (the checkpoint's hand-over record, the
+// delivered record). It reads only the catalogs, which every role may, so
+// the run role needs no grant on the version table.
+func CheckSchema(ctx context.Context, db querier, n Names) error {
+	var handover, delivered bool
+	err := db.QueryRow(ctx, `SELECT
+		EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'handover_lsn' AND NOT attisdropped),
+		to_regclass($2) IS NOT NULL`, n.Checkpoint.Quoted(), DeliveredTable(n.Outbox).Quoted()).Scan(&handover, &delivered)
 	if err != nil {
-		return fmt.Errorf("read the schema version of %s: %w", outbox, err)
+		return fmt.Errorf("inspect the relay's tables: %w", err)
 	}
-	if version < Latest() {
-		return fmt.Errorf("the schema of %s is at version %d and this relay needs %d: run outbox-relay migrate", outbox, version, Latest())
+	if !handover || !delivered {
+		return fmt.Errorf("the relay's tables for %s are older than this relay (schema version %d): run outbox-relay migrate", n.Outbox, Latest())
 	}
 	return nil
 }

@@ -414,3 +414,20 @@ func (s *setup) doneRows(t *testing.T, where string) int64 {
 	t.Helper()
 	return s.scalar(t, "SELECT count(*) FROM integration_outbox AS o WHERE "+doneSQL+" AND ("+where+")")
 }
+
+// waitDone waits until want rows matching where are done: the delivered
+// record is written with the checkpoint that follows the deliveries.
+func (s *setup) waitDone(t *testing.T, where string, want int64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		n := s.doneRows(t, where)
+		if n == want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d rows done (%s), want %d", n, where, want)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

@@ -106,9 +106,7 @@ func TestRelay_SlotDroppedWhileStreaming(t *testing.T) {
 		}
 		checkOrder(t, sink, ds)
 	}
-	if n := s.doneRows(t, "true"); n != int64(len(keys)) {
-		t.Fatalf("%d rows done, want %d", n, len(keys))
-	}
+	s.waitDone(t, "true", int64(len(keys)))
 }
 
 // TestRelay_UnconsumedSlotIsDropped: with its publication gone, the relay
@@ -173,9 +171,9 @@ func TestRelay_ReturnsToReplication(t *testing.T) {
 		}
 		checkOrder(t, sink, ds)
 	}
-	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox o JOIN integration_outbox_delivered r USING (id) WHERE o.event_key LIKE 'after-%'`); n != 50 {
-		t.Fatalf("%d of 50 events after the return were delivered by the stream", n)
-	}
+	eventually(t, 10*time.Second, "the 50 events after the return recorded as delivered by the stream", func() bool {
+		return s.scalar(t, `SELECT count(*) FROM integration_outbox o JOIN integration_outbox_delivered r USING (id) WHERE o.event_key LIKE 'after-%'`) == 50
+	})
 }
 
 // TestRelay_KillNineWhileProcessing: a relay in poll mode is killed while

@@ -140,9 +140,7 @@ func TestRelay_KillNine(t *testing.T) {
 		}
 		checkOrder(t, sink, ds)
 	}
-	if n := s.doneRows(t, "true"); n != int64(len(keys)) {
-		t.Fatalf("%d rows done, want %d", n, len(keys))
-	}
+	s.waitDone(t, "true", int64(len(keys)))
 }
 
 type writerFunc func([]byte) (int, error)

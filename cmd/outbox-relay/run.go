@@ -89,7 +89,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if r.tables, err = resolveTables(ctx, pool, cfg.Tables()); err != nil {
 		return err
 	}
-	if err := migrations.CheckVersion(ctx, pool, r.tables.Outbox); err != nil {
+	if err := migrations.CheckSchema(ctx, pool, migrations.Names{Outbox: r.tables.Outbox, Checkpoint: r.tables.Checkpoint}); err != nil {
 		return err
 	}
 	if err := checkPrivileges(ctx, pool, r.tables, cfg.Source.Mode == config.SourceReplication); err != nil {
