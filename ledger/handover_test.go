@@ -2,7 +2,6 @@ package ledger_test
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
