@@ -2,7 +2,6 @@ package ledger_test
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -346,8 +345,8 @@ func TestHandOverRecordBackfilled(t *testing.T) {
 	if err != nil {
 		t.Fatalf("migrate: %v", err)
 	}
-	if res.From != 6 || fmt.Sprint(res.Applied) != "[007_handover_record]" {
-		t.Fatalf("migrate from %d applied %v, want from 6: [007_handover_record]", res.From, res.Applied)
+	if res.From != 6 || len(res.Applied) == 0 || res.Applied[0] != "007_handover_record" {
+		t.Fatalf("migrate from %d applied %v, want from 6: 007_handover_record and the later ones", res.From, res.Applied)
 	}
 
 	if done, err := f.store.HandedOver(ctx, "old_slot"); err != nil || !done {
