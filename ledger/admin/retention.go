@@ -112,7 +112,14 @@ DELETE FROM %[1]s
         LIMIT $2
           FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted())
 
+	var anyRecorded bool
+	if err := db.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s)`, t.Delivered().Quoted())).Scan(&anyRecorded); err != nil {
+		return 0, 0, fmt.Errorf("look at the delivered record %s: %w", t.Delivered(), err)
+	}
 	for _, sql := range []string{pruneDone, pruneRecorded} {
+		if sql == pruneRecorded && !anyRecorded {
+			continue
+		}
 		for {
 			var rows, ledgerWith int64
 			if err := db.QueryRow(ctx, sql, cfg.DoneAfter.Microseconds(), cfg.Batch).Scan(&rows, &ledgerWith); err != nil {
