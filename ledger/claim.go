@@ -54,6 +54,7 @@ type claimStatements struct {
 	held         string
 	settled      string
 	extendRows   string
+	releaseOwned string
 	extendClaims string
 	expireLeases string
 	stuck        string
@@ -225,6 +226,16 @@ SELECT t.at, t.ai
           AND o.status IN ('pending', 'processing', 'held')
           AND (o.handoff_at IS NOT NULL OR o.status = 'held'))`, outbox),
 
+		releaseOwned: fmt.Sprintf(`
+WITH back AS (
+UPDATE %[1]s AS o SET status = 'pending', locked_at = NULL, locked_by = NULL,
+       handoff_at = coalesce(o.handoff_at, now())
+ WHERE o.status = 'processing' AND o.locked_by = $1
+RETURNING o.event_key),
+withdrawn AS (
+DELETE FROM %[2]s AS l USING back WHERE l.event_key = back.event_key AND l.owner = $1 AND l.state = 'sending')
+SELECT count(*) FROM back`, outbox, ledger),
+
 		// A lease is renewed while its rows are being delivered.
 		extendRows: fmt.Sprintf(`
 UPDATE %s SET locked_at = now()
@@ -336,7 +347,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	if err != nil {
 		return nil, err
 	}
-	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
+	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
 	rows, err := s.pool.Query(dbCtx, claimSQL, q.Limit, q.Owner, q.All, names, every, regex)
 	if err != nil {
@@ -377,7 +388,7 @@ func (s *Store) PrepareClaim(ctx context.Context, works []*relay.Work, owner str
 	if len(keys) == 0 {
 		return nil
 	}
-	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
+	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
 	known, err := readLedger(dbCtx, s.pool, s.sql.claim.ledgerPairs, keys)
 	if err != nil {
@@ -507,6 +518,20 @@ func (s *Store) SettledAggregates(ctx context.Context, aggs []relay.AggregateKey
 		return nil, fmt.Errorf("check settled aggregates: %w", err)
 	}
 	return settled, nil
+}
+
+// ReleaseOwned returns to pending the rows processing under owner, keeping
+// their attempts, and withdraws owner's 'sending' claims of them: the claim
+// source calls it as it starts, when it has nothing in flight, so that rows
+// a claim cut short by a stopping term left claimed do not wait for their
+// lease. It returns how many rows it returned.
+func (s *Store) ReleaseOwned(ctx context.Context, owner string) (int64, error) {
+	var n int64
+	err := s.pool.QueryRow(ctx, s.sql.claim.releaseOwned, owner).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("return the rows %s left claimed: %w", owner, err)
+	}
+	return n, nil
 }
 
 // ExtendLeases implements relay.ClaimStore.

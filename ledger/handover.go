@@ -148,7 +148,7 @@ func (s *Store) MarkDeliveredDone(ctx context.Context, sinks []string) (int64, e
 // snapshot, taken after it, must see those rows as done, or the hand-over
 // would give them to the claim path and they would be sent twice.
 func (s *Store) BeginSlot(ctx context.Context, slot string) error {
-	if err := s.flushRecord(ctx); err != nil {
+	if err := s.flushRecord(ctx, true); err != nil {
 		return fmt.Errorf("record the delivered events before slot %s is created: %w", slot, err)
 	}
 	_, err := s.runSteps(ctx, s.sql.setSynchronousCommit, []step{exec("record the slot's creation", s.sql.beginSlot, slot)})

@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
+
+	"golang.org/x/sync/semaphore"
 
 	"github.com/jackc/pgx/v5"
 
@@ -30,11 +33,19 @@ type record struct {
 	ids []int64
 	// writing serialises the writes of the record (checkpoints, flushes),
 	// so that a flush returns only when every id taken before it is
-	// committed.
-	writing sync.Mutex
+	// committed. A semaphore, so that waiting for it ends with ctx.
+	writing   *semaphore.Weighted
+	lastWrite time.Time // guarded by mu
 }
 
-func newRecord() *record { return &record{} }
+func newRecord() *record { return &record{writing: semaphore.NewWeighted(1), lastWrite: time.Now()} }
+
+// recordEvery is how often SettleStream writes the record itself, with an
+// asynchronous commit, between checkpoints: the ids become visible at once,
+// so after a crash of the relay (not of PostgreSQL) at most this much of
+// its deliveries are sent again. The checkpoint's synchronous commit makes
+// them durable before the slot is acknowledged.
+const recordEvery = 50 * time.Millisecond
 
 // add adds ids; it reports whether the record is due for a write of its
 // own.
@@ -45,7 +56,7 @@ func (r *record) add(ids []int64) (flush bool, err error) {
 		return true, errRecordFull
 	}
 	r.ids = append(r.ids, ids...)
-	return len(r.ids) >= recordFlushAt, nil
+	return len(r.ids) >= recordFlushAt || time.Since(r.lastWrite) >= recordEvery, nil
 }
 
 // take empties the record and returns what it held.
@@ -54,6 +65,7 @@ func (r *record) take() []int64 {
 	defer r.mu.Unlock()
 	ids := r.ids
 	r.ids = nil
+	r.lastWrite = time.Now()
 	return ids
 }
 
@@ -95,8 +107,10 @@ func (s *Store) LoadCheckpoint(ctx context.Context, slot string) (relay.LSN, err
 // SettleStream wrote — is durable too: only then may the slot be
 // acknowledged up to lsn. On an error the ids are kept for the next try.
 func (s *Store) SaveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) error {
-	s.record.writing.Lock()
-	defer s.record.writing.Unlock()
+	if err := s.record.writing.Acquire(ctx, 1); err != nil {
+		return fmt.Errorf("save checkpoint %s of slot %s: %w", lsn, slot, err)
+	}
+	defer s.record.writing.Release(1)
 	ids := s.record.take()
 	steps := []step{exec("save the checkpoint", s.sql.saveCheckpoint, slot, lsn)}
 	if len(ids) > 0 {
@@ -110,15 +124,22 @@ func (s *Store) SaveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) 
 }
 
 // flushRecord writes the delivered ids waiting for a checkpoint, in a
-// synchronous transaction of their own.
-func (s *Store) flushRecord(ctx context.Context) error {
-	s.record.writing.Lock()
-	defer s.record.writing.Unlock()
+// transaction of their own: synchronous before a slot is made, otherwise
+// asynchronous (the next checkpoint makes it durable).
+func (s *Store) flushRecord(ctx context.Context, sync bool) error {
+	if err := s.record.writing.Acquire(ctx, 1); err != nil {
+		return err
+	}
+	defer s.record.writing.Release(1)
 	ids := s.record.take()
 	if len(ids) == 0 {
 		return nil
 	}
-	if _, err := s.runSteps(ctx, s.sql.setSynchronousCommit, []step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}); err != nil {
+	commit := s.sql.setAsyncCommit
+	if sync {
+		commit = s.sql.setSynchronousCommit
+	}
+	if _, err := s.runSteps(ctx, commit, []step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}); err != nil {
 		s.record.putBack(ids)
 		return err
 	}

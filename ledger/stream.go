@@ -426,9 +426,9 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 	if len(r.recordIDs) > 0 {
 		flush, err := s.record.add(r.recordIDs)
 		if flush {
-			// Many ids wait and no checkpoint comes (a huge transaction):
-			// write them now.
-			if ferr := s.flushRecord(ctx); ferr != nil {
+			// recordEvery passed, or many ids wait and no checkpoint comes
+			// (a huge transaction): write them now.
+			if ferr := s.flushRecord(ctx, false); ferr != nil {
 				return nil, fmt.Errorf("%w (writing it now failed: %w)", errRecordFull, ferr)
 			}
 			if err != nil { // it was full: there is room now

@@ -222,7 +222,7 @@ func messagesOf(t *testing.T, srv *natstest.Server, key string) []jetstream.Msg 
 func (s *setup) replay(t *testing.T, cfgPath, key string) {
 	t.Helper()
 	eventually(t, 30*time.Second, key+" done", func() bool {
-		return s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE event_key = $1 AND status = 'done'", key) == 1
+		return s.doneRows(t, "o.event_key = '"+strings.ReplaceAll(key, "'", "''")+"'") == 1
 	})
 	id := s.scalar(t, "SELECT id FROM integration_outbox WHERE event_key = $1", key)
 	var out, errOut bytes.Buffer

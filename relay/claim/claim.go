@@ -43,6 +43,9 @@ import (
 // engine writes through relay.ClaimStore.
 type Store interface {
 	relay.ClaimStore
+	// ReleaseOwned returns to pending the rows processing under owner (it
+	// has nothing in flight when it calls it).
+	ReleaseOwned(ctx context.Context, owner string) (int64, error)
 	// LockOwner takes owner's lock on a dedicated connection; an error
 	// wrapping relay.ErrLockTaken means another live session holds it.
 	LockOwner(ctx context.Context, owner string) (relay.Lock, error)
@@ -183,6 +186,11 @@ func (c *Source) Run(ctx context.Context) error {
 		return fmt.Errorf("claim path: %w", err)
 	}
 	c.ownerHeld.Store(true)
+	if n, err := c.cfg.Store.ReleaseOwned(ctx, c.cfg.Owner); err != nil {
+		c.log.Warn().Err(err).Msg("return rows this relay left claimed; their lease returns them")
+	} else if n > 0 {
+		c.log.Info().Int64("rows", n).Msg("returned rows this relay had claimed and not settled to pending")
+	}
 	c.log.Info().Str("owner", c.cfg.Owner).Bool("all_due_rows", c.cfg.All).Msg("claim path running")
 
 	// The helpers outlive ctx until the rows are settled: the owner lock
