@@ -83,6 +83,7 @@ type Store struct {
 	outbox      string // quoted, for the few statements built elsewhere
 	routes      []Sink
 	record      *record
+	scan        scanState
 	tables      tables
 
 	// claimSQL is the claim query for the table's shape, chosen once.
@@ -98,6 +99,9 @@ type statements struct {
 	claim  claimStatements
 
 	recordDelivered string
+
+	scanStart, scanTop, scanRange, scanRecheck string
+	statsHanded, statsStatuses                 string
 
 	loadCheckpoint string
 	saveCheckpoint string
@@ -160,9 +164,18 @@ func (t tables) recorded(o string) string {
 
 func render(t tables, claim claimOptions) statements {
 	outbox, ledger, checkpoint := t.outbox, t.ledger, t.checkpoint
+	scanStart, scanTop, scanRange, scanRecheck := scanStatements(t)
 	return statements{
+		scanStart: scanStart, scanTop: scanTop, scanRange: scanRange, scanRecheck: scanRecheck,
 		stream: renderStream(t),
 		claim:  renderClaim(t, claim),
+
+		statsHanded: fmt.Sprintf(`
+SELECT (SELECT count(*) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NOT NULL),
+       coalesce((SELECT extract(epoch FROM now() - min(created_at)) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NOT NULL), 0)::float8,
+       greatest((SELECT reltuples FROM pg_class WHERE oid = to_regclass(%[2]s)), 0)::float8`, outbox, relay.QuoteLiteral(outbox)),
+		statsStatuses: fmt.Sprintf(`
+SELECT status, count(*) FROM %s WHERE status IN ('processing', 'failed', 'held') GROUP BY status`, outbox),
 
 		recordDelivered: fmt.Sprintf(`
 INSERT INTO %s (id) SELECT DISTINCT unnest($1::bigint[]) ON CONFLICT (id) DO NOTHING`, t.delivered),

@@ -2,7 +2,9 @@ package ledger
 
 import (
 	"context"
+
 	"fmt"
+	"github.com/jackc/pgx/v5"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -10,7 +12,7 @@ import (
 
 // Stats is a snapshot of the outbox for metrics and status.
 type Stats struct {
-	Rows             map[string]int64 // by status
+	Rows             map[string]int64 // by status; done is an estimate
 	OldestPendingAge time.Duration
 	// Stuck counts rows the stream owns (pending, not handed off) older
 	// than the sweep_after given to Stats.
@@ -19,41 +21,49 @@ type Stats struct {
 	RetainedWAL int64 // bytes the slot retains (current WAL - restart_lsn)
 }
 
-// Stats reads the outbox's counts and the slot's retained WAL in one round
-// trip. Counting by status scans the table, so callers refresh on an
-// interval, never per scrape.
+// Stats reads the outbox's counts and the slot's retained WAL. It never
+// reads the whole table: pending rows are the rows handed to the claim path
+// (their own index) and the pending scan's watch list (rows still the
+// stream's and not delivered, see scan.go); processing, failed and held rows
+// come from the status index; done is the table's estimated size
+// (pg_class.reltuples) less the others. Callers refresh on an interval,
+// never per scrape.
 func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration) (Stats, error) {
 	st := Stats{Rows: map[string]int64{}}
-	// A pending row the stream delivered (its id is in the delivered
-	// record) counts as done.
-	rows, err := s.pool.Query(ctx, fmt.Sprintf(`
-WITH o AS (
-SELECT CASE WHEN o.status = 'pending' AND o.handoff_at IS NULL AND %s THEN 'done' ELSE coalesce(o.status, 'pending') END AS status,
-       o.created_at, o.handoff_at
-  FROM %s AS o)
-SELECT status, count(*),
-       coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending')), 0),
-       count(*) FILTER (WHERE status = 'pending' AND handoff_at IS NULL AND created_at < now() - $1::interval)
-  FROM o GROUP BY 1`, s.tables.recorded("o"), s.outbox), sweepAfter.String())
+	watch, err := s.scanPending(ctx)
 	if err != nil {
 		return st, fmt.Errorf("outbox stats: %w", err)
 	}
-	for rows.Next() {
-		var status string
-		var n, stuck int64
-		var oldest float64
-		if err := rows.Scan(&status, &n, &oldest, &stuck); err != nil {
-			return st, fmt.Errorf("outbox stats: %w", err)
-		}
-		st.Rows[status] += n
-		st.Stuck += stuck
-		if age := time.Duration(oldest * float64(time.Second)); age > st.OldestPendingAge {
-			st.OldestPendingAge = age
+	now := time.Now()
+	for _, w := range watch {
+		if age := now.Sub(w.due); age > sweepAfter {
+			st.Stuck++
 		}
 	}
-	if err := rows.Err(); err != nil {
+	if len(watch) > 0 {
+		st.OldestPendingAge = max(now.Sub(watch[0].due), 0)
+	}
+	var total float64
+	var handed int64
+	var handedOldest float64
+	err = s.pool.QueryRow(ctx, s.sql.statsHanded).Scan(&handed, &handedOldest, &total)
+	if err != nil {
 		return st, fmt.Errorf("outbox stats: %w", err)
 	}
+	if age := time.Duration(handedOldest * float64(time.Second)); age > st.OldestPendingAge {
+		st.OldestPendingAge = age
+	}
+	rows, err := s.pool.Query(ctx, s.sql.statsStatuses)
+	if err != nil {
+		return st, fmt.Errorf("outbox stats: %w", err)
+	}
+	var status string
+	var n int64
+	if _, err := pgx.ForEachRow(rows, []any{&status, &n}, func() error { st.Rows[status] = n; return nil }); err != nil {
+		return st, fmt.Errorf("outbox stats: %w", err)
+	}
+	st.Rows["pending"] = handed + int64(len(watch))
+	st.Rows["done"] = max(int64(total)-st.Rows["pending"]-st.Rows["processing"]-st.Rows["failed"]-st.Rows["held"], 0)
 	err = s.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint
 		FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&st.SlotExists, &st.RetainedWAL)
 	if err != nil {

@@ -860,3 +860,49 @@ func TestSettleStreamStoresAnyReason(t *testing.T) {
 		t.Errorf("held/erp detail = %q, want %q", deref(l.Detail), want)
 	}
 }
+
+// TestPendingScanSeesOnlyRowsNotDelivered: the pending scan (Stuck, Stats)
+// finds the rows pending, not handed off and not in the delivered record —
+// and only those — however many the stream delivered before, and stops
+// watching a row once it is recorded.
+func TestPendingScanSeesOnlyRowsNotDelivered(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := f.pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	// 120,000 rows an hour old, all delivered by the stream but 3; 2 handed
+	// off; a young one.
+	exec(`INSERT INTO integration_outbox (event_key, payload, created_at, available_at)
+		SELECT 'k' || g, '{}', now() - interval '1 hour', now() - interval '1 hour' FROM generate_series(1, 120000) g`)
+	exec(`INSERT INTO integration_outbox_delivered (id) SELECT id FROM integration_outbox WHERE id NOT IN (7, 60001, 119999)`)
+	exec(`UPDATE integration_outbox SET handoff_at = now() WHERE id IN (8, 9)`)
+	exec(`DELETE FROM integration_outbox_delivered WHERE id IN (8, 9)`)
+	exec(`INSERT INTO integration_outbox (event_key, payload) VALUES ('young', '{}')`)
+
+	var rows int64
+	var err error
+	for step := 0; step < 3; step++ { // a first walk of 120,000 ids takes a step
+		if rows, _, err = f.store.Stuck(ctx, time.Minute); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if rows != 3 {
+		t.Fatalf("Stuck = %d rows, want 3 (ids 7, 60001, 119999)", rows)
+	}
+	st, err := f.store.Stats(ctx, "outbox_relay", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Rows["pending"] != 6 || st.Stuck != 3 {
+		t.Fatalf("Stats: pending %d, stuck %d; want 6 (3 stuck, 2 handed off, 1 young) and 3", st.Rows["pending"], st.Stuck)
+	}
+	// Recorded at last: no longer watched.
+	exec(`INSERT INTO integration_outbox_delivered (id) VALUES (7), (60001), (119999)`)
+	if rows, _, err = f.store.Stuck(ctx, time.Minute); err != nil || rows != 0 {
+		t.Fatalf("Stuck after recording = %d, %v; want 0", rows, err)
+	}
+}

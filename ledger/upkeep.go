@@ -54,16 +54,24 @@ func (s *Store) RepairDue(ctx context.Context) (int64, error) {
 	return tag.RowsAffected(), nil
 }
 
-// Stuck counts the rows pending, not the claim path's, and due longer than
-// after ago, and returns the age of the oldest. It never claims them: only
-// a hand-off, the slot hand-over or `outbox-relay reconcile` makes a row
-// the claim path's.
+// Stuck counts the rows pending, not the claim path's, not delivered, and
+// due longer than after ago, and returns the age of the oldest. It never
+// claims them: only a hand-off, the slot hand-over or `outbox-relay
+// reconcile` makes a row the claim path's. It reads the pending scan's
+// watch list (scan.go), so its cost follows the write rate.
 func (s *Store) Stuck(ctx context.Context, after time.Duration) (rows int64, oldest time.Duration, err error) {
-	var secs float64
-	if err := s.pool.QueryRow(ctx, s.sql.claim.stuck, after.Milliseconds()).Scan(&rows, &secs); err != nil {
+	watch, err := s.scanPending(ctx)
+	if err != nil {
 		return 0, 0, fmt.Errorf("measure rows pending longer than %s: %w", after, err)
 	}
-	return rows, time.Duration(secs * float64(time.Second)), nil
+	now := time.Now()
+	for _, w := range watch {
+		if age := now.Sub(w.due); age > after {
+			rows++
+			oldest = max(oldest, age)
+		}
+	}
+	return rows, oldest, nil
 }
 
 // pingTimeout bounds one check of a dedicated connection; one that does

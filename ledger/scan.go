@@ -1,0 +1,147 @@
+package ledger
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// The pending scan. Rows the stream delivered keep status pending (the
+// delivered record says they are done), so "which rows are still the
+// stream's and not delivered" cannot be answered by an index: counting them
+// every few seconds would read the whole table each time. The scan instead
+// walks the outbox once by id, in chunks, and keeps the rows it finds
+// pending, not handed off and not recorded in a watch list that it checks
+// again on each step: rows the stream is still delivering leave it within
+// a checkpoint, rows nobody delivers (a slot made by someone else while the
+// relay was down) stay and raise the stuck-rows alarm. Each step reads the
+// ids added since the last one and the watch list: its cost follows the
+// write rate, not the table's size.
+//
+// A row whose id was taken by a transaction that commits only after the
+// scan passed that id (a transaction open longer than a step) is not seen;
+// docs/operations.md says so.
+
+const (
+	// scanIDs is how many ids one statement of the scan covers.
+	scanIDs = 50_000
+	// scanBudget bounds the ids one step reads: a first walk over a long
+	// table takes several steps.
+	scanBudget = 200_000
+	// watchMax bounds the watch list; past it the scan stops walking (and
+	// says so) until rows leave it.
+	watchMax = 100_000
+)
+
+// scanState is the scan's state, shared by Stuck and Stats.
+type scanState struct {
+	mu       sync.Mutex
+	floor    int64 // every id up to floor has been read
+	started  bool
+	watch    map[int64]time.Time // id → when it became due
+	last     time.Time
+	caughtUp bool // the walk has reached the table's newest id once
+}
+
+// watched is a row on the watch list.
+type watched struct {
+	id  int64
+	due time.Time
+}
+
+// scanPending advances the scan and returns the watch list: the rows
+// pending, not handed off and not in the delivered record.
+func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
+	sc := &s.scan
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	if sc.watch == nil {
+		sc.watch = map[int64]time.Time{}
+	}
+	if err := s.scanStep(ctx); err != nil {
+		return nil, err
+	}
+	out := make([]watched, 0, len(sc.watch))
+	for id, due := range sc.watch {
+		out = append(out, watched{id, due})
+	}
+	slices.SortFunc(out, func(a, b watched) int { return a.due.Compare(b.due) })
+	return out, nil
+}
+
+func (s *Store) scanStep(ctx context.Context) error {
+	sc := &s.scan
+	if !sc.started {
+		var low pgtype.Int8
+		if err := s.pool.QueryRow(ctx, s.sql.scanStart).Scan(&low); err != nil {
+			return fmt.Errorf("start the pending scan: %w", err)
+		}
+		sc.floor = low.Int64 - 1
+		sc.started = true
+	}
+	// The rows on the watch list that are still pending and not recorded.
+	if len(sc.watch) > 0 {
+		ids := make([]int64, 0, len(sc.watch))
+		for id := range sc.watch {
+			ids = append(ids, id)
+		}
+		still := map[int64]time.Time{}
+		for _, chunk := range chunks(ids) {
+			if err := s.collectPending(ctx, s.sql.scanRecheck, still, chunk); err != nil {
+				return err
+			}
+		}
+		sc.watch = still
+	}
+	var top pgtype.Int8
+	if err := s.pool.QueryRow(ctx, s.sql.scanTop).Scan(&top); err != nil {
+		return fmt.Errorf("pending scan: %w", err)
+	}
+	for read := int64(0); sc.floor < top.Int64 && read < scanBudget && len(sc.watch) < watchMax; read += scanIDs {
+		to := min(sc.floor+scanIDs, top.Int64)
+		if err := s.collectPending(ctx, s.sql.scanRange, sc.watch, sc.floor, to); err != nil {
+			return err
+		}
+		sc.floor = to
+	}
+	sc.caughtUp = sc.caughtUp || sc.floor >= top.Int64
+	return nil
+}
+
+func (s *Store) collectPending(ctx context.Context, sql string, into map[int64]time.Time, args ...any) error {
+	rows, err := s.pool.Query(ctx, sql, args...)
+	if err != nil {
+		return fmt.Errorf("pending scan: %w", err)
+	}
+	var (
+		id  int64
+		due time.Time
+	)
+	_, err = pgx.ForEachRow(rows, []any{&id, &due}, func() error {
+		into[id] = due
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("pending scan: %w", err)
+	}
+	return nil
+}
+
+// scanStatements are the pending scan's SQL texts.
+func scanStatements(t tables) (start, top, rng, recheck string) {
+	// due: the later of created_at and available_at (a NULL available_at
+	// counts as created_at), so a scheduled row is not stuck before it is
+	// due.
+	const due = "GREATEST(o.created_at, COALESCE(o.available_at, o.created_at))"
+	cond := fmt.Sprintf("COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL AND NOT %s", t.recorded("o"))
+	start = fmt.Sprintf(`SELECT min(o.id) FROM %s AS o WHERE COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL`, t.outbox)
+	top = fmt.Sprintf(`SELECT max(id) FROM %s`, t.outbox)
+	rng = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND %s`, due, t.outbox, cond)
+	recheck = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[]) AND %s`, due, t.outbox, cond)
+	return start, top, rng, recheck
+}
