@@ -116,6 +116,7 @@ type options struct {
 	writers           int
 	rssWebhook        bool
 	quiet             float64
+	profileDir        string
 	quietWait         time.Duration
 	quick             bool
 	phases            string
@@ -165,6 +166,7 @@ func main() {
 	fs.BoolVar(&o.quick, "quick", false, "small sizes, about three minutes (for CI; reports, does not assert)")
 	fs.StringVar(&o.phases, "phases", strings.Join(allPhases, ","), "comma-separated phases to run")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, configs) after the run")
+	fs.StringVar(&o.profileDir, "profile", "", "write the relay's CPU profile of each steady phase's measured window to this directory (<phase>.cpu.pprof)")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the SPEC §6 workload and prints a markdown table.\n\n")
 		fs.PrintDefaults()

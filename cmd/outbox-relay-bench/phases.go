@@ -546,8 +546,11 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	// tail from what the relay and the sinks add.
 	metrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
 	var before, senderBefore histogram
+	waitProfile := func() {}
+	defer func() { waitProfile() }()
 	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, floor: true, warmup: true,
 		duration: e.o.duration, settle: 30 * time.Second, onStart: func() {
+			waitProfile = e.profileCPU(port, phase, e.o.duration)
 			var err error
 			if before, err = scrapeHistogram(ctx, metrics, decodeLatency); err != nil {
 				e.say("warning: %v", err)

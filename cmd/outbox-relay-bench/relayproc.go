@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -60,6 +62,9 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 		fmt.Fprintf(&b, "delivery:\n  mark_done: %s\n", s.markDone)
 	}
 	fmt.Fprintf(&b, "http:\n  listen: 127.0.0.1:%d\n", s.httpPort)
+	if e.o.profileDir != "" {
+		b.WriteString("  pprof: true\n")
+	}
 	b.WriteString("shutdown_timeout: 20s\n")
 	b.WriteString("log: {level: info, format: json}\n")
 	path := filepath.Join(e.work, "relay-"+s.name+".yaml")
@@ -131,4 +136,40 @@ func (e *env) subscribe(s relaySetup, t *tracker) (*nats.Subscription, error) {
 		return nil, err
 	}
 	return sub, e.nc.Flush()
+}
+
+// profileCPU fetches the relay's CPU profile over d into
+// <profileDir>/<phase>.cpu.pprof, in the background; wait waits for it.
+func (e *env) profileCPU(port int, phase string, d time.Duration) (wait func()) {
+	if e.o.profileDir == "" {
+		return func() {}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		url := fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/profile?seconds=%d", port, int(d.Seconds()))
+		resp, err := http.Get(url)
+		if err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		defer resp.Body.Close()
+		if err := os.MkdirAll(e.o.profileDir, 0o755); err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		path := filepath.Join(e.o.profileDir, phase+".cpu.pprof")
+		f, err := os.Create(path)
+		if err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		defer f.Close()
+		if _, err := io.Copy(f, resp.Body); err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		e.say("%s: the relay's CPU profile is in %s", phase, path)
+	}()
+	return func() { <-done }
 }
