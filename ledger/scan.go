@@ -44,8 +44,7 @@ type scanState struct {
 	floor    int64 // every id up to floor has been read
 	started  bool
 	watch    map[int64]time.Time // id → when it became due
-	last     time.Time
-	caughtUp bool // the walk has reached the table's newest id once
+	caughtUp bool                // the walk has reached the table's newest id once
 }
 
 // watched is a row on the watch list.

@@ -86,7 +86,6 @@ type Engine struct {
 	marks  *markQueue
 
 	started chan struct{}
-	runCtx  context.Context
 
 	stream *streamFeed
 	// claimSettled is called after claim-path settlements (OnClaimSettled);
@@ -161,7 +160,6 @@ func (e *Engine) Run(ctx context.Context) error {
 		return err
 	}
 	g, ctx := errgroup.WithContext(ctx)
-	e.runCtx = ctx
 	close(e.started)
 	for _, l := range e.lanes {
 		g.Go(func() error { l.dispatch(ctx); return nil })

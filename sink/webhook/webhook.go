@@ -93,10 +93,6 @@ type Config struct {
 	// attempt headers, or the auth header).
 	Headers map[string]string
 	Auth    Auth
-	// Nudge records `body: nudge`: the engine sends only
-	// {"id","event_key","event_type"}. The sink sends Delivery.Body as given
-	// either way; Nudge reports the setting.
-	Nudge bool
 	// Format is FormatEnvelope (or empty) or FormatCloudEvents, which
 	// cannot be combined with Nudge.
 	Format string
@@ -146,7 +142,6 @@ const (
 type Sink struct {
 	name      string
 	url       string
-	nudge     bool
 	ceSource  string // ce-source; "" unless the format is cloudevents
 	maxBody   int64
 	permanent map[int]bool
@@ -198,10 +193,7 @@ func New(cfg Config) (*Sink, error) {
 			return fail("a CloudEvents source is only used with format cloudevents")
 		}
 	case FormatCloudEvents:
-		switch {
-		case cfg.Nudge:
-			return fail("format cloudevents sends the payload as the body: it cannot be combined with body nudge")
-		case cfg.CloudEventsSource == "":
+		if cfg.CloudEventsSource == "" {
 			return fail("format cloudevents needs a source (ce-source)")
 		}
 		// The attributes the sink sets; other ce- headers configured are
@@ -225,7 +217,6 @@ func New(cfg Config) (*Sink, error) {
 	s := &Sink{
 		name:      cfg.Name,
 		url:       cfg.URL,
-		nudge:     cfg.Nudge,
 		ceSource:  cfg.CloudEventsSource,
 		maxBody:   cfg.MaxBody,
 		permanent: make(map[int]bool, len(cfg.PermanentStatuses)),
@@ -335,10 +326,6 @@ func New(cfg Config) (*Sink, error) {
 
 // Name returns the sink's configured name.
 func (s *Sink) Name() string { return s.name }
-
-// Nudge reports whether the sink was configured with `body: nudge`, so the
-// engine computes the nudge body instead of the envelope.
-func (s *Sink) Nudge() bool { return s.nudge }
 
 // Send posts d.Body (with format cloudevents, the event's payload and its
 // attributes) and calls done exactly once with the outcome: nil on a
