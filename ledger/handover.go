@@ -85,7 +85,7 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 	}
 	marked = 0
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		for _, chunk := range chunks(ids) {
+		for chunk := range chunks(ids) {
 			tag, err := tx.Exec(ctx, s.sql.markForClaimByID, chunk)
 			if err != nil {
 				return err

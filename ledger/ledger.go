@@ -12,6 +12,8 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"iter"
+	"slices"
 	"sync"
 
 	"errors"
@@ -267,17 +269,7 @@ func (s *Store) inTx(ctx context.Context, setCommit string, queue func(*pgx.Batc
 }
 
 // chunks splits ids into slices of at most maxIDsPerQuery.
-func chunks(ids []int64) [][]int64 {
-	var out [][]int64
-	for len(ids) > maxIDsPerQuery {
-		out = append(out, ids[:maxIDsPerQuery:maxIDsPerQuery])
-		ids = ids[maxIDsPerQuery:]
-	}
-	if len(ids) > 0 {
-		out = append(out, ids)
-	}
-	return out
-}
+func chunks(ids []int64) iter.Seq[[]int64] { return slices.Chunk(ids, maxIDsPerQuery) }
 
 // querier is what reads need: a pool, a connection or a transaction.
 type querier interface {

@@ -90,7 +90,7 @@ func (s *Store) scanStep(ctx context.Context) error {
 			ids = append(ids, id)
 		}
 		still := map[int64]time.Time{}
-		for _, chunk := range chunks(ids) {
+		for chunk := range chunks(ids) {
 			if err := s.collectPending(ctx, s.sql.scanRecheck, still, chunk); err != nil {
 				return err
 			}

@@ -277,14 +277,14 @@ func retry(ctx context.Context, f func() error, warn func(error, time.Duration))
 		}
 		wait := RetryDelay(attempt)
 		warn(err, wait)
-		if !sleepCtx(ctx, wait) {
+		if !Sleep(ctx, wait) {
 			return ctx.Err()
 		}
 	}
 }
 
-// sleepCtx waits d or until ctx ends; it reports whether d passed.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
+// Sleep waits d or until ctx ends; it reports whether d passed.
+func Sleep(ctx context.Context, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
