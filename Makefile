@@ -143,6 +143,7 @@ FUZZ_TARGETS := \
 	./sink/webhook:FuzzIdempotencyKey \
 	./relay:FuzzAppendEnvelope \
 	./relay:FuzzAppendJSONString \
+	./relay:FuzzShortError \
 	./relay/replication:FuzzDecodeMessages \
 	./relay/replication:FuzzDecodeInsert \
 	./ledger:FuzzGlobToRegex
