@@ -58,6 +58,14 @@
 //	            10,000-row statements while it was stopped.
 //	rss-bigtx   peak RSS of the relay draining one -bigtx-row transaction.
 //
+// One phase runs only when -phases names it:
+//
+//	partitions  one outbox table and one relay against two tables, each
+//	            with its own publication, slot and relay process
+//	            (docs/scaling.md), draining the same -n events into
+//	            JetStream, -drain-runs times each: the drain rate and each
+//	            walsender's CPU per event of the database.
+//
 // Every steady phase (steady, steady-after-drain) also runs the bare
 // pglogrepl client beside the relay, on its own temporary slot in the same
 // database, over the same events in the same window: its p50/p99 are the

@@ -72,7 +72,7 @@ func run(ctx context.Context, o options, args []string) error {
 	r := &report{}
 	started := time.Now()
 	load := loadAvg()
-	for _, phase := range allPhases {
+	for _, phase := range append(allPhases, extraPhases...) {
 		if !o.wants(phase) {
 			continue
 		}
