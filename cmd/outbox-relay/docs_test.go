@@ -568,7 +568,7 @@ func TestDocs_CodeCitations(t *testing.T) {
 		}
 		src := string(b)
 		if i := strings.Index(src, "SPEC \u00a7"); i >= 0 {
-			t.Errorf("%s:%d: cites SPEC §; cite the docs page that states it", p, 1+strings.Count(src[:i], "\n"))
+			t.Errorf("%s:%d: cites SPEC \u00a7; cite the docs page that states it", p, 1+strings.Count(src[:i], "\n"))
 		}
 		for _, m := range docsCitation.FindAllStringSubmatchIndex(src, -1) {
 			page := src[m[2]:m[3]]
