@@ -1,4 +1,4 @@
-// Command outbox-relay-bench measures outbox-relay on the workload of SPEC §6
+// Command outbox-relay-bench measures outbox-relay on the workload of docs/performance.md
 // in one run and prints a markdown table that can be pasted into the README:
 // ≥ 1,000 aggregates, 300-byte payloads, the idempotency ledger on, and an
 // external NATS server process with JetStream.
@@ -174,7 +174,7 @@ func main() {
 	fs.StringVar(&o.phases, "phases", strings.Join(allPhases, ","), "comma-separated phases to run")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, configs) after the run")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the SPEC §6 workload and prints a markdown table.\n\n")
+		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the workload of docs/performance.md and prints a markdown table.\n\n")
 		fs.PrintDefaults()
 	}
 	_ = fs.Parse(os.Args[1:])

@@ -292,7 +292,7 @@ func phaseDrain(ctx context.Context, e *env, r *report, webhook bool, markDone s
 	}
 	target, verdict := "≥ 40% of the ceiling", "n/a (no ceiling)"
 	if webhook {
-		target = "— (SPEC: CPU caps both sinks near 20,000/s here)"
+		target = "— (CPU caps both sinks near 20,000/s here)"
 	}
 	if r.ceiling > 0 {
 		ratio := rate / r.ceiling

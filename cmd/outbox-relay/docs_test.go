@@ -558,7 +558,8 @@ var (
 )
 
 // TestDocs_CodeCitations: every docs page the code cites exists, and a
-// cited section is part of one of its headings; no code cites "SPEC §".
+// cited section is part of one of its headings; no code cites the
+// contract by section number ("SPEC" and the section sign).
 func TestDocs_CodeCitations(t *testing.T) {
 	headings := map[string][]string{}
 	for _, p := range goFiles(t) {
