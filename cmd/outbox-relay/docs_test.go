@@ -524,6 +524,7 @@ func TestDocs_CommandLines(t *testing.T) {
 	if n == 0 {
 		t.Error("no outbox-relay command line found in the manual")
 	}
+	t.Logf("%d outbox-relay command lines parsed", n)
 }
 
 // goFiles returns the repository's Go files, relative to the root.
