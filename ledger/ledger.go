@@ -1,6 +1,6 @@
 // Package ledger is the PostgreSQL side of the stream path: the idempotency
 // ledger, the outbox rows' status as the stream settles them, and the slot's
-// checkpoint (SPEC §3).
+// checkpoint (docs/schema.md).
 //
 // Every write is conditional on the row still being where the writer expects
 // it (status = 'pending', handoff_at IS NULL, ledger state), so every method
@@ -43,7 +43,7 @@ type Config struct {
 	// Outbox (migrations.DeliveredTable).
 	Delivered relay.QualifiedName
 	// Outbox, Ledger and Checkpoint are the tables migrate created or
-	// adopted. A name left empty takes the default of SPEC §3
+	// adopted. A name left empty takes its default (docs/configuration.md)
 	// (integration_outbox, integration_idempotency, relay_checkpoint).
 	Outbox, Ledger, Checkpoint relay.QualifiedName
 

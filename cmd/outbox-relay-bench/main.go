@@ -1,4 +1,4 @@
-// Command outbox-relay-bench measures outbox-relay on the workload of SPEC §6
+// Command outbox-relay-bench measures outbox-relay on the workload of docs/performance.md
 // in one run and prints a markdown table that can be pasted into the README:
 // ≥ 1,000 aggregates, 300-byte payloads, the idempotency ledger on, and an
 // external NATS server process with JetStream.
@@ -57,6 +57,14 @@
 //	rss-queued  peak RSS of the relay draining -queued rows inserted in
 //	            10,000-row statements while it was stopped.
 //	rss-bigtx   peak RSS of the relay draining one -bigtx-row transaction.
+//
+// One phase runs only when -phases names it:
+//
+//	partitions  one outbox table and one relay against two tables, each
+//	            with its own publication, slot and relay process
+//	            (docs/scaling.md), draining the same -n events into
+//	            JetStream, -drain-runs times each: the drain rate and each
+//	            walsender's CPU per event of the database.
 //
 // Every steady phase (steady, steady-after-drain) also runs the bare
 // pglogrepl client beside the relay, on its own temporary slot in the same
@@ -168,7 +176,7 @@ func main() {
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, configs) after the run")
 	fs.StringVar(&o.profileDir, "profile", "", "write the relay's CPU profile of each steady phase's measured window to this directory (<phase>.cpu.pprof)")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the SPEC §6 workload and prints a markdown table.\n\n")
+		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the workload of docs/performance.md and prints a markdown table.\n\n")
 		fs.PrintDefaults()
 	}
 	_ = fs.Parse(os.Args[1:])

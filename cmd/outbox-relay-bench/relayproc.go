@@ -22,10 +22,14 @@ type relaySetup struct {
 	url     string // database
 	webhook bool   // deliver to the receiver as well as JetStream
 	mode    string // source.mode; empty: the default (auto)
-	// markDone is delivery.mark_done; empty: the default (async).
+	// markDone is delivery.mark_done; empty: the default (off).
 	markDone string
 	// httpPort is where the relay serves /metrics; 0: any free port.
 	httpPort int
+	// outbox, when set, is a second outbox table of the database (a
+	// partition): the relay's tables, publish function and publication
+	// are named after it.
+	outbox string
 }
 
 // slot is the replication slot of the phase (slot names are cluster-wide).
@@ -44,7 +48,13 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "database_url: %q\n", s.url)
 	fmt.Fprintf(&b, "data_dir: %q\n", filepath.Join(e.work, "relay-data-"+s.name))
+	if s.outbox != "" {
+		fmt.Fprintf(&b, "outbox:\n  table: %[1]s\n  ledger_table: %[1]s_idempotency\n  checkpoint_table: %[1]s_checkpoint\n  publish_function: %[1]s_publish\n", s.outbox)
+	}
 	b.WriteString("source:\n")
+	if s.outbox != "" {
+		fmt.Fprintf(&b, "  publication: %s\n", s.outbox)
+	}
 	if s.mode != "" {
 		fmt.Fprintf(&b, "  mode: %s\n", s.mode)
 	}

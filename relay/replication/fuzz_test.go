@@ -133,7 +133,7 @@ var outboxName = relay.QualifiedName{Schema: "public", Name: "integration_outbox
 
 const outboxRelID = 16390
 
-// outboxColumns is the seed table of SPEC §3 with the column migrate adds.
+// outboxColumns is the seed table (docs/schema.md) with the column migrate adds.
 var outboxColumns = []pgColumn{
 	{"id", 20}, {"event_type", 25}, {"aggregate_type", 25}, {"aggregate_id", 25}, {"event_key", 25},
 	{"payload", 3802}, {"status", 25}, {"attempts", 23}, {"available_at", 1184}, {"locked_at", 1184},
