@@ -139,6 +139,13 @@ type Source struct {
 	// owns the current session's connection.
 	checkpointed relay.LSN
 	checkpointAt time.Time
+
+	// abandoned holds the backend pids of this Source's replication
+	// connections that ended in an error (at most the last few), touched
+	// only by the session goroutine. Behind a network that swallows
+	// packets the server keeps such a walsender, and the slot busy, until
+	// its wal_sender_timeout; the next session ends it instead.
+	abandoned []uint32
 }
 
 // New validates cfg, fills in defaults and returns a Source. It does not
