@@ -9,6 +9,8 @@ package main
 import (
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -127,5 +129,245 @@ func TestBlackHole_ReplicationConnection(t *testing.T) {
 	s.checkDeliveries(t)
 }
 
-var _ = fmt.Sprint
-var _ = slices.Sort[[]int]
+// relayConfig writes a config file for relay name, which reaches
+// PostgreSQL at url and marks its webhook requests X-Test-Relay: name.
+func (s *setup) relayConfig(t *testing.T, name, url string) string {
+	t.Helper()
+	direct := s.url
+	s.url = url
+	defer func() { s.url = direct }()
+	path := filepath.Join(s.dir, "relay-"+name+".yaml")
+	if err := os.Rename(s.configFile(t, "    headers: {X-Test-Relay: "+name+"}"), path); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// deliveryRun is a stretch of webhook deliveries by one relay with no pause
+// longer than runGap.
+type deliveryRun struct {
+	from        string
+	first, last time.Time
+	n           int
+}
+
+// runGap splits one relay's deliveries into runs: under the tests' load a
+// leader delivers every few milliseconds, and a takeover pauses for seconds.
+const runGap = 2 * time.Second
+
+// deliveryRuns splits the deliveries made after since into runs per relay,
+// ordered by their first delivery.
+func deliveryRuns(ds []delivery, since time.Time) []deliveryRun {
+	byRelay := map[string][]time.Time{}
+	for _, d := range ds {
+		if !d.At.Before(since) {
+			byRelay[d.From] = append(byRelay[d.From], d.At)
+		}
+	}
+	var runs []deliveryRun
+	for from, ats := range byRelay {
+		slices.SortFunc(ats, func(a, b time.Time) int { return a.Compare(b) })
+		run := deliveryRun{from: from, first: ats[0], last: ats[0], n: 1}
+		for _, at := range ats[1:] {
+			if at.Sub(run.last) > runGap {
+				runs = append(runs, run)
+				run = deliveryRun{from: from, first: at}
+			}
+			run.last = at
+			run.n++
+		}
+		runs = append(runs, run)
+	}
+	slices.SortFunc(runs, func(a, b deliveryRun) int { return a.first.Compare(b.first) })
+	return runs
+}
+
+// bothDelivered is how long two relays delivered at once — the total
+// overlap of runs of different relays — and how many pairs of such runs
+// overlap at all (a single delivery inside another relay's run counts,
+// though it adds no time).
+func bothDelivered(runs []deliveryRun) (overlap time.Duration, pairs int) {
+	for i, a := range runs {
+		for _, b := range runs[i+1:] {
+			// Runs are ordered by first: b starts within a, or after it.
+			if a.from == b.from || b.first.After(a.last) {
+				continue
+			}
+			pairs++
+			end := a.last
+			if b.last.Before(end) {
+				end = b.last
+			}
+			overlap += end.Sub(b.first)
+		}
+	}
+	return overlap, pairs
+}
+
+func describeRuns(runs []deliveryRun, since time.Time) string {
+	var parts []string
+	for _, r := range runs {
+		parts = append(parts, fmt.Sprintf("%s %d deliveries from %+.3fs to %+.3fs", r.from, r.n, r.first.Sub(since).Seconds(), r.last.Sub(since).Seconds()))
+	}
+	return strings.Join(parts, "; ")
+}
+
+// twoRelays starts relay A, waits until it streams, then relay B, and waits
+// until B stands by. Each reaches PostgreSQL through its own proxy.
+func (s *setup) twoRelays(t *testing.T) (pgA *netfault.Proxy, logA, logB *syncBuffer) {
+	t.Helper()
+	direct := s.url
+	pgA, urlA := netfault.ProxyURL(t, direct)
+	_, urlB := netfault.ProxyURL(t, direct)
+	logA, logB = &syncBuffer{}, &syncBuffer{}
+	s.startProcess(t, s.relayConfig(t, "A", urlA), logA)
+	s.waitSlot(t)
+	s.startProcess(t, s.relayConfig(t, "B", urlB), logB)
+	eventually(t, 20*time.Second, "relay B standing by", func() bool { return strings.Contains(logB.String(), "standing by") })
+	return pgA, logA, logB
+}
+
+// logTime returns the time of the first line of a JSON log that contains
+// msg, or the zero time.
+func logTime(t *testing.T, log, msg string) time.Time {
+	t.Helper()
+	for line := range strings.Lines(log) {
+		if !strings.Contains(line, msg) {
+			continue
+		}
+		m := regexp.MustCompile(`"time":"([^"]+)"`).FindStringSubmatch(line)
+		if m == nil {
+			continue
+		}
+		at, err := time.Parse(time.RFC3339, m[1])
+		if err != nil {
+			t.Fatalf("log time %q: %v", m[1], err)
+		}
+		return at
+	}
+	return time.Time{}
+}
+
+// TestBlackHole_LeaderLockPath: the leader's lock connection — and every
+// lock connection it opens afterwards — is black-holed while its pool
+// works, with a second relay standing by; in the second case its
+// replication connection too, so the server keeps its walsender. The
+// leader's ping fails and it stops delivering (ping 1 s + timeout 2 s, then
+// a drain of 1 s); the standby ends the leader's lock session once it has
+// been idle for LeaderStaleAfter (10 s), takes over, ends the old
+// walsender if the server still has it, and delivers everything. The two
+// never deliver at once: the receiver tells them apart by a header each
+// relay's sink sets.
+func TestBlackHole_LeaderLockPath(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		match     func(netfault.ConnInfo) bool
+		oldSender bool // the server keeps A's walsender: B must end it
+	}{
+		{"lock", isLeaderLockConn, false},
+		{"lock and replication", func(c netfault.ConnInfo) bool { return isLeaderLockConn(c) || isReplicationConn(c) }, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newSetup(t, pgtest.NewDatabase(t))
+			pgA, logA, logB := s.twoRelays(t)
+
+			var wg sync.WaitGroup
+			wg.Go(func() { s.publishWritersPaced(t, 2, 4000, 20, "lbh", 4*time.Millisecond) })
+			eventually(t, 20*time.Second, "deliveries before the fault", func() bool { return len(s.hook.deliveries()) >= 200 })
+
+			oldSender := s.walsenderPID(t)
+			pgA.BlackHoleConns(tc.match, netfault.NewConnsBlackHole)
+			holed := time.Now()
+			eventually(t, 30*time.Second, "relay B leading", func() bool { return strings.Contains(logB.String(), "leader for the slot") })
+			eventually(t, 30*time.Second, "relay B streaming", func() bool {
+				pid := s.walsenderPID(t)
+				return pid != 0 && pid != oldSender
+			})
+			streaming := time.Since(holed)
+			wg.Wait()
+			keys := s.keys(t, "true")
+			s.waitAllDelivered(t, 90*time.Second, keys)
+
+			stepDown := logTime(t, logA.String(), "lost the leader lock")
+			takeOver := logTime(t, logB.String(), "leader for the slot")
+			if stepDown.IsZero() {
+				t.Fatal("relay A never logged the lost leader lock")
+			}
+			ended := strings.Contains(logB.String(), "ended a stale walsender")
+			if ended != tc.oldSender {
+				t.Errorf("relay B ended a stale walsender: %v, want %v", ended, tc.oldSender)
+			}
+			runs := deliveryRuns(s.hook.deliveries(), holed.Add(-time.Second))
+			overlap, pairs := bothDelivered(runs)
+			var lastA, firstB time.Time
+			for _, r := range runs {
+				if r.from == "A" && r.last.After(lastA) {
+					lastA = r.last
+				}
+				if r.from == "B" && (firstB.IsZero() || r.first.Before(firstB)) {
+					firstB = r.first
+				}
+			}
+			// The log's clock is to the second.
+			t.Logf("black hole: A stepped down at %+.0fs (log time), B took the lock at %+.0fs (ended the old walsender: %v) and streamed after %v",
+				stepDown.Sub(holed.Truncate(time.Second)).Seconds(), takeOver.Sub(holed.Truncate(time.Second)).Seconds(), ended, streaming.Round(time.Millisecond))
+			t.Logf("deliveries: %s", describeRuns(runs, holed))
+			t.Logf("A's last delivery %v after the black hole, B's first %v after; both delivered for %v (%d overlapping runs); %d events, none lost",
+				lastA.Sub(holed).Round(time.Millisecond), firstB.Sub(holed).Round(time.Millisecond), overlap, pairs, len(keys))
+			if pairs != 0 {
+				t.Errorf("the two relays delivered at the same time: %s", describeRuns(runs, holed))
+			}
+			// Ping every 1 s with a 2 s timeout, then a 1 s drain.
+			if d := lastA.Sub(holed); d > 4500*time.Millisecond {
+				t.Errorf("relay A delivered until %v after its lock connection was black-holed, want at most 4.5 s", d)
+			}
+			// LeaderStaleAfter (10 s) from A's last ping, B's 1 s wait
+			// between tries, then a term's start.
+			if firstB.IsZero() || firstB.Sub(holed) > 20*time.Second {
+				t.Errorf("relay B's first delivery came %v after the black hole, want within 20 s", firstB.Sub(holed))
+			}
+			s.checkDeliveries(t)
+		})
+	}
+}
+
+// TestBlackHole_LeaderLockConnection: only the leader's open lock
+// connection is black-holed (a dead NAT entry: new connections work). The
+// leader steps down when its ping fails, and after its stand-by pause ends
+// its own lost lock session and leads again, or the standby does; either
+// way one relay delivers at a time and nothing is lost.
+func TestBlackHole_LeaderLockConnection(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	pgA, logA, logB := s.twoRelays(t)
+
+	var wg sync.WaitGroup
+	wg.Go(func() { s.publishWritersPaced(t, 2, 3000, 20, "lbc", 4*time.Millisecond) })
+	eventually(t, 20*time.Second, "deliveries before the fault", func() bool { return len(s.hook.deliveries()) >= 200 })
+
+	pgA.BlackHoleConns(isLeaderLockConn, netfault.NewConnsPass)
+	holed := time.Now()
+	eventually(t, 10*time.Second, "relay A stepping down", func() bool { return strings.Contains(logA.String(), "lost the leader lock") })
+	eventually(t, 30*time.Second, "a leader again", func() bool {
+		return strings.Count(logA.String(), "leader for the slot") >= 2 || strings.Contains(logB.String(), "leader for the slot")
+	})
+	wg.Wait()
+	keys := s.keys(t, "true")
+	s.waitAllDelivered(t, 90*time.Second, keys)
+
+	runs := deliveryRuns(s.hook.deliveries(), holed.Add(-time.Second))
+	overlap, pairs := bothDelivered(runs)
+	t.Logf("deliveries: %s", describeRuns(runs, holed))
+	var pause time.Duration
+	for i := 1; i < len(runs); i++ {
+		pause = max(pause, runs[i].first.Sub(runs[i-1].last))
+	}
+	t.Logf("lock connection black-holed: delivery paused for %v; both delivered for %v (%d overlapping runs); %d events, none lost",
+		pause.Round(time.Millisecond), overlap, pairs, len(keys))
+	if strings.Contains(logA.String(), "own lost") || strings.Contains(logA.String(), "that it lost") {
+		t.Log("relay A ended its own lost lock session")
+	}
+	if pairs != 0 {
+		t.Errorf("the two relays delivered at the same time: %s", describeRuns(runs, holed))
+	}
+	s.checkDeliveries(t)
+}
