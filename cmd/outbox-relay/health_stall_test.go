@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -48,8 +49,12 @@ func TestHealth_ForcedStall(t *testing.T) {
 			s.startInProcess(t, cfg)
 			if tc.poll {
 				eventually(t, 20*time.Second, "the relay polling", func() bool {
-					code, _ := httpGet(t, "http://"+addr+"/readyz")
-					return code == 200
+					resp, err := http.Get("http://" + addr + "/readyz")
+					if err != nil { // not listening yet
+						return false
+					}
+					resp.Body.Close()
+					return resp.StatusCode == 200
 				})
 			} else {
 				s.waitStreaming(t)
