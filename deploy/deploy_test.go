@@ -1057,6 +1057,8 @@ func TestAlertRules(t *testing.T) {
 		{"OutboxRelayNoLeader", []string{"max(outbox_relay_leader) == 0"}, 2 * time.Minute},
 		{"OutboxRelayStuckRows", []string{"outbox_relay_stuck_rows", "> 0"}, 5 * time.Minute},
 		{"OutboxRelayDown", []string{"absent(outbox_relay_up)"}, time.Minute},
+		{"OutboxRelayStalled", []string{"outbox_relay_stalled", "== 1"}, time.Minute},
+		{"OutboxRelayStalledRepeatedly", []string{"changes(outbox_relay_stalled[1h])"}, 0},
 	}
 	for _, w := range want {
 		rule := rules[w.alert]

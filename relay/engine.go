@@ -80,7 +80,9 @@ type Engine struct {
 	idle     *sync.Cond // broadcast when inflight empties
 
 	divertSeq atomic.Uint64 // orders diverts against the claim path's checks
-	draining  atomic.Bool   // stop retrying inline: hand waiting retries off
+	// settledCount counts works settled, per path (Progress).
+	settledCount map[Path]*atomic.Uint64
+	draining     atomic.Bool // stop retrying inline: hand waiting retries off
 
 	settle map[Path]*settleQueue
 	marks  *markQueue
@@ -117,12 +119,13 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		return nil, errors.New("engine: no stream store")
 	}
 	e := &Engine{
-		cfg:       cfg,
-		log:       cfg.Logger,
-		unsettled: semaphore.NewWeighted(int64(cfg.MaxUnsettled)),
-		inflight:  map[Path]map[int64]*Work{PathStream: {}, PathClaim: {}},
-		started:   make(chan struct{}),
-		marks:     newMarkQueue(),
+		cfg:          cfg,
+		log:          cfg.Logger,
+		unsettled:    semaphore.NewWeighted(int64(cfg.MaxUnsettled)),
+		inflight:     map[Path]map[int64]*Work{PathStream: {}, PathClaim: {}},
+		settledCount: map[Path]*atomic.Uint64{PathStream: new(atomic.Uint64), PathClaim: new(atomic.Uint64)},
+		started:      make(chan struct{}),
+		marks:        newMarkQueue(),
 	}
 	e.idle = sync.NewCond(&e.mu)
 	e.settle = map[Path]*settleQueue{PathStream: newSettleQueue(e, PathStream), PathClaim: newSettleQueue(e, PathClaim)}
@@ -175,6 +178,20 @@ func (e *Engine) Run(ctx context.Context) error {
 	}
 	<-ctx.Done()
 	return g.Wait()
+}
+
+// Progress reports, for path p, how many events the engine has taken and
+// not yet settled, and how many it has settled since it was built. The
+// stall detector reads it (docs/operations-health.md): events held for long
+// while the count stands still are a stall. Safe to call concurrently.
+func (e *Engine) Progress(p Path) (unsettled int, settled uint64) {
+	e.mu.Lock()
+	unsettled = len(e.inflight[p])
+	e.mu.Unlock()
+	if c := e.settledCount[p]; c != nil {
+		settled = c.Load()
+	}
+	return unsettled, settled
 }
 
 // waitStarted waits until Run has started the lanes, or ctx ends.
@@ -457,6 +474,7 @@ func (e *Engine) settled(w *Work) {
 		e.idle.Broadcast()
 	}
 	e.mu.Unlock()
+	e.settledCount[w.path].Add(1)
 	e.unsettled.Release(1)
 	if e.cfg.MarkDone && w.path == PathStream && w.Decision.Kind == Done {
 		e.marks.add(w.Event.ID)

@@ -102,6 +102,16 @@ var (
 		Namespace: "outbox_relay", Name: "settle_errors_total",
 		Help: "Outcome writes that failed and are retried (database unreachable, tables locked, privileges); nothing settles meanwhile.",
 	}, []string{"path"})
+	// Stalled and LastProgress are the stall detector's
+	// (docs/operations-health.md), which cmd/outbox-relay runs.
+	Stalled = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "stalled",
+		Help: "1 while the relay holds events it has not settled or acknowledged and has made no progress for http.stall_after (/healthz fails); 0 otherwise.",
+	})
+	LastProgress = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "last_progress_timestamp_seconds",
+		Help: "When the relay last made progress (Unix time): the stream acknowledged a new position or the claim path settled an event, or nothing was waiting.",
+	})
 	up = promauto.NewGauge(prometheus.GaugeOpts{Namespace: "outbox_relay", Name: "up", Help: "1 while the relay runs."})
 )
 

@@ -38,6 +38,7 @@ type delivery struct {
 	IdemKey  string // webhook-id / Nats-Msg-Id
 	Body     string
 	At       time.Time
+	From     string // the X-Test-Relay header: which relay sent it, when a test sets it per relay
 }
 
 func parseDelivery(body []byte, idem string) delivery {
@@ -68,6 +69,7 @@ func newReceiver(t *testing.T) *receiver {
 	r.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		body, _ := io.ReadAll(req.Body)
 		d := parseDelivery(body, req.Header.Get("webhook-id"))
+		d.From = req.Header.Get("X-Test-Relay")
 		r.mu.Lock()
 		reply := r.reply
 		r.mu.Unlock()

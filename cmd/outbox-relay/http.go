@@ -19,16 +19,27 @@ import (
 )
 
 // health is what /healthz and /readyz report. Live means the process runs
-// its loops; ready means it can do its job now: streaming or polling as the
-// leader, or waiting as a standby that can take over.
+// its loops and is not stalled (stall.go); ready means it can do its job
+// now: streaming or polling as the leader, or waiting as a standby that can
+// take over — and not stalled.
 type health struct {
-	ready  atomic.Bool
-	reason atomic.Value // string: why not ready
+	ready   atomic.Bool
+	reason  atomic.Value // string: why not ready
+	stalled atomic.Value // string: why the relay is stalled, "" when it is not
 }
 
 func (h *health) set(ready bool, reason string) {
 	h.ready.Store(ready)
 	h.reason.Store(reason)
+}
+
+// setStalled records why the relay is stalled ("" when it is not).
+func (h *health) setStalled(reason string) { h.stalled.Store(reason) }
+
+// stalledReason returns why the relay is stalled, or "".
+func (h *health) stalledReason() string {
+	reason, _ := h.stalled.Load().(string)
+	return reason
 }
 
 // serveHTTP serves /metrics, /healthz and /readyz on hc.Listen until ctx is
@@ -59,9 +70,17 @@ func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog
 		mux.Handle("GET /debug/pprof/trace", guard(http.HandlerFunc(pprof.Trace)))
 	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if reason := h.stalledReason(); reason != "" {
+			http.Error(w, "stalled: "+reason, http.StatusServiceUnavailable)
+			return
+		}
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if reason := h.stalledReason(); reason != "" {
+			http.Error(w, "not ready: stalled: "+reason, http.StatusServiceUnavailable)
+			return
+		}
 		if h.ready.Load() {
 			fmt.Fprintln(w, "ready")
 			return

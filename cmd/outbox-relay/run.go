@@ -149,7 +149,12 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	defer stopTracing()
 	r.routes = routes
 
-	sup, err := supervisor.New(r.supervisorConfig())
+	// The stall detector follows the supervisor's terms (stall.go).
+	stall := newStallWatch(time.Duration(cfg.HTTP.StallAfter), r.health, log)
+	stallDone := make(chan struct{})
+	go func() { defer close(stallDone); stall.run(httpCtx) }()
+	defer func() { stopHTTP(); <-stallDone }()
+	sup, err := supervisor.New(stall.watch(r.supervisorConfig()))
 	if err != nil {
 		return err
 	}

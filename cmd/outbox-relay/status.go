@@ -31,7 +31,10 @@ whether a relay runs or not:
   leader      the session holding the leader lock of the slot, or else the slot's walsender
   slot        wal_status, retained WAL, confirmed position
   rows        outbox rows by status, the age of the oldest pending row
-  delivered   per sink, ledger rows delivered in the last hour`,
+  delivered   per sink, ledger rows delivered in the last hour
+  progress    stalled when rows have waited longer than http.stall_after (5m when 0) on a
+              path that shows no progress for as long: the stream's checkpoint, the claim
+              path's claims and settlements (a running relay's /readyz says more)`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := g.loadConfig()
@@ -46,6 +49,13 @@ whether a relay runs or not:
 			defer pool.Close()
 			st, err := admin.ReadStatus(ctx, pool, tables, cfg.Source.Slot, ledger.LeaderLockKey(cfg.Source.Slot))
 			if err != nil {
+				return err
+			}
+			stallAfter := time.Duration(cfg.HTTP.StallAfter)
+			if stallAfter <= 0 {
+				stallAfter = time.Duration(config.Default().HTTP.StallAfter)
+			}
+			if st.Progress, err = admin.ReadProgress(ctx, pool, tables, cfg.Source.Slot, stallAfter); err != nil {
 				return err
 			}
 			for _, s := range configuredSinks(cfg) {
@@ -129,6 +139,17 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 		delivered = []string{"none"}
 	}
 	line("delivered (1h):", "%s", strings.Join(delivered, ", "))
+	if p := st.Progress; p != nil {
+		after := time.Duration(p.StallAfterSeconds * float64(time.Second))
+		switch {
+		case p.Stalled != "":
+			line("progress:", "STALLED: %s", p.Stalled)
+		case p.Note != "":
+			line("progress:", "no stall; %s", p.Note)
+		default:
+			line("progress:", "no row has waited longer than %s", after)
+		}
+	}
 }
 
 func describeSession(s admin.Session, now time.Time) string {

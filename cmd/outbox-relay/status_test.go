@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -157,6 +158,7 @@ func TestStatusCommand(t *testing.T) {
 		"oldest pending:  ",
 		"held / failed:   1 / 1",
 		"delivered (1h):  n8n 1, nats 2",
+		"progress:        no row has waited longer than 5m0s",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("status output lacks %q", want)
@@ -198,6 +200,30 @@ func TestStatusCommand(t *testing.T) {
 		!strings.Contains(out, "(holds the leader lock)") || !strings.Contains(out, "slot:            outbox_relay: inactive; wal_status reserved") {
 		t.Fatalf("status with a leader:\n%s", out)
 	}
+}
+
+// TestStatusCommand_Stalled: status says the relay is stalled when rows have
+// waited longer than http.stall_after on a path that shows no progress.
+func TestStatusCommand_Stalled(t *testing.T) {
+	d := newOpsDB(t)
+	cfg := writeOpsConfig(t, d.url, "", "http: {stall_after: 2m}")
+	d.insert(t, "waiting", "order.created", "pending", "")
+	d.exec(t, "UPDATE integration_outbox SET created_at = now() - interval '3 minutes', available_at = now() - interval '3 minutes'")
+	d.exec(t, "SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')")
+	d.exec(t, "INSERT INTO relay_checkpoint (slot_name, confirmed_lsn, updated_at) VALUES ('outbox_relay', '0/1', now() - interval '150 seconds')")
+
+	code, out, errOut := execute(t, "status", "--config", cfg)
+	want := regexp.MustCompile(`progress: +STALLED: the stream last wrote its checkpoint 2m3\ds ago while 1 rows it owns have waited longer than 2m0s \(the oldest 3m\ds\)`)
+	if code != exitOK || !want.MatchString(out) {
+		t.Fatalf("exit %d, want a line matching %s:\n%s%s", code, want, out, errOut)
+	}
+	code, out, _ = execute(t, "status", "--config", cfg, "--json")
+	var st admin.Status
+	if err := json.Unmarshal([]byte(out), &st); code != exitOK || err != nil || st.Progress == nil || st.Progress.StreamWaiting != 1 ||
+		!strings.Contains(st.Progress.Stalled, "the stream last wrote its checkpoint") || st.Progress.StallAfterSeconds != 120 {
+		t.Fatalf("status --json: exit %d, %v\n%s", code, err, out)
+	}
+	d.exec(t, "SELECT pg_drop_replication_slot('outbox_relay')")
 }
 
 func TestStatusCommand_Errors(t *testing.T) {

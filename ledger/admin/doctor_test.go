@@ -354,3 +354,61 @@ func TestDiagnose_NoConnection(t *testing.T) {
 		t.Fatal("the password is in doctor's output")
 	}
 }
+
+// TestDiagnose_ServerTimeouts: the settings that bound how long a vanished
+// or cut-off relay's sessions outlive it, as the relay's role sees them
+// (here set per connection in the URL, as ALTER ROLE … SET would).
+func TestDiagnose_ServerTimeouts(t *testing.T) {
+	f := MustFixture(t)
+	for _, tc := range []struct {
+		name   string
+		params string
+		want   map[string]admin.CheckStatus
+		says   map[string][]string
+	}{
+		{"server defaults", "", map[string]admin.CheckStatus{
+			"wal_sender_timeout": admin.OK, "tcp keepalives": admin.Warn, "idle_in_transaction_session_timeout": admin.Warn, "idle_session_timeout": admin.OK,
+		}, map[string][]string{
+			"wal_sender_timeout":                  {"1m0s: the server ends a walsender", "after 1m0s mid-transaction, 6.5 s between transactions"},
+			"tcp keepalives":                      {"idle 7200s, interval 75s, count 9", "2h11m15s", `ALTER ROLE "postgres" SET tcp_keepalives_idle = '5';`, "tcp_keepalives_count = '3'", "restart the relay"},
+			"idle_in_transaction_session_timeout": {"0 (off): a relay that vanishes mid-transaction", `ALTER ROLE "postgres" SET idle_in_transaction_session_timeout = '1min';`},
+			"idle_session_timeout":                {"0 (off)"},
+		}},
+		{"keepalives of the relay's lock connections", "tcp_keepalives_idle=5&tcp_keepalives_interval=2&tcp_keepalives_count=3", map[string]admin.CheckStatus{
+			"tcp keepalives": admin.OK, "idle_in_transaction_session_timeout": admin.OK,
+		}, map[string][]string{
+			"tcp keepalives":                      {"after about 11s"},
+			"idle_in_transaction_session_timeout": {"TCP keepalives end a vanished relay's sessions"},
+		}},
+		{"idle transactions bounded", "idle_in_transaction_session_timeout=1min", map[string]admin.CheckStatus{
+			"tcp keepalives": admin.OK, "idle_in_transaction_session_timeout": admin.OK,
+		}, nil},
+		{"wal_sender_timeout off", "wal_sender_timeout=0", map[string]admin.CheckStatus{"wal_sender_timeout": admin.Warn},
+			map[string][]string{"wal_sender_timeout": {"0 (off)", `ALTER ROLE "postgres" SET wal_sender_timeout = '60s';`}}},
+		{"wal_sender_timeout long", "wal_sender_timeout=5min", map[string]admin.CheckStatus{"wal_sender_timeout": admin.Warn},
+			map[string][]string{"wal_sender_timeout": {"5m0s: a walsender whose relay vanished holds the slot that long"}}},
+		{"wal_sender_timeout short", "wal_sender_timeout=5s", map[string]admin.CheckStatus{"wal_sender_timeout": admin.Warn},
+			map[string][]string{"wal_sender_timeout": {"5s: shorter than the relay's own receive limit", "wal_sender_timeout = '30s'"}}},
+		{"wal_sender_timeout 30s", "wal_sender_timeout=30s", map[string]admin.CheckStatus{"wal_sender_timeout": admin.OK},
+			map[string][]string{"wal_sender_timeout": {"after 30s mid-transaction"}}},
+		{"idle_session_timeout short", "idle_session_timeout=3s", map[string]admin.CheckStatus{"idle_session_timeout": admin.Warn},
+			map[string][]string{"idle_session_timeout": {"3s: ends the relay's leader and owner lock connections", `SET idle_session_timeout = '0'`}}},
+		{"idle_session_timeout long", "idle_session_timeout=10min", map[string]admin.CheckStatus{"idle_session_timeout": admin.OK},
+			map[string][]string{"idle_session_timeout": {"10m0s: ends the relay's idle pool and LISTEN connections"}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			u := f.url
+			if tc.params != "" {
+				u += "&" + tc.params
+			}
+			checks := diagnose(t, u)
+			for name, status := range tc.want {
+				requireCheck(t, checks, name, status, tc.says[name]...)
+			}
+		})
+	}
+	// Poll mode has no walsender.
+	if _, ok := diagnose(t, f.url, func(c *admin.DiagnoseConfig) { c.Replication = false })["wal_sender_timeout"]; ok {
+		t.Error("wal_sender_timeout checked in source.mode poll")
+	}
+}

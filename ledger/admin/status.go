@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -89,6 +90,9 @@ type Status struct {
 	DeliveredLastHour map[string]int64 `json:"delivered_last_hour"`
 	Held              int64            `json:"held"`
 	Failed            int64            `json:"failed"`
+	// Progress is what the tables show of a stall (ReadProgress); the
+	// status command fills it in.
+	Progress *Progress `json:"progress,omitempty"`
 }
 
 // Statuses are the outbox statuses (docs/schema.md).
@@ -282,4 +286,113 @@ func deref[T any](p *T) T {
 		return zero
 	}
 	return *p
+}
+
+// Progress is what the database shows of the relays' progress, for status
+// (docs/operations-health.md, "What status can know"). The relay's own
+// stall detector sees more (events in memory, the acknowledged position);
+// from the tables status sees rows that wait and the traces progress
+// leaves: the checkpoint the stream writes before it acknowledges events,
+// and the claim path's claims and settlements.
+type Progress struct {
+	// StallAfter is the age beyond which a waiting row counts.
+	StallAfterSeconds float64 `json:"stall_after_seconds"`
+	// StreamWaiting counts rows the stream owns (pending, not handed off,
+	// not in the delivered record) created more than StallAfter ago, while
+	// the slot exists; OldestStreamWaitingSeconds is the oldest one's age.
+	StreamWaiting              int64    `json:"stream_waiting"`
+	OldestStreamWaitingSeconds *float64 `json:"oldest_stream_waiting_seconds,omitempty"`
+	// CheckpointAgeSeconds is how long ago the stream last wrote its
+	// checkpoint; nil when it never did.
+	CheckpointAgeSeconds *float64 `json:"checkpoint_age_seconds,omitempty"`
+	// ClaimWaiting counts rows of the claim path (handed off; every
+	// pending row when there is no slot) due more than StallAfter ago and
+	// not claimed; OldestClaimWaitingSeconds is how long the oldest has
+	// been due.
+	ClaimWaiting              int64    `json:"claim_waiting"`
+	OldestClaimWaitingSeconds *float64 `json:"oldest_claim_waiting_seconds,omitempty"`
+	// ClaimActivityAgeSeconds is how long ago the claim path last claimed
+	// or settled a row (the latest locked_at, processed_at, or ledger
+	// claimed_at or delivered_at); nil when never.
+	ClaimActivityAgeSeconds *float64 `json:"claim_activity_age_seconds,omitempty"`
+	// Stalled says why the tables show a stall: rows that have waited
+	// longer than StallAfter on a path that has shown no progress for as
+	// long. "" when they show none.
+	Stalled string `json:"stalled,omitempty"`
+	// Note points at rows that wait though their path progresses: rows the
+	// stream owns that it may never stream (outbox-relay reconcile), or a
+	// backlog.
+	Note string `json:"note,omitempty"`
+}
+
+// ReadProgress reads what the tables show of the progress of the relays of
+// slot, counting rows that have waited longer than stallAfter. It only
+// reads; like ReadStatus it scans the outbox and the ledger.
+func ReadProgress(ctx context.Context, db DB, t Tables, slot string, stallAfter time.Duration) (*Progress, error) {
+	p := &Progress{StallAfterSeconds: stallAfter.Seconds()}
+	after := stallAfter.Seconds()
+	var slotExists bool
+	if err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)`, slot).Scan(&slotExists); err != nil {
+		return nil, fmt.Errorf("read slot %s: %w", slot, err)
+	}
+	// Without a slot every pending row is the claim path's (poll mode).
+	err := db.QueryRow(ctx, fmt.Sprintf(`
+SELECT count(*) FILTER (WHERE stream AND created_at < now() - make_interval(secs => $1)),
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE stream AND created_at < now() - make_interval(secs => $1)))::float8,
+       count(*) FILTER (WHERE NOT stream AND due < now() - make_interval(secs => $1)),
+       extract(epoch FROM now() - min(due) FILTER (WHERE NOT stream AND due < now() - make_interval(secs => $1)))::float8
+  FROM (SELECT o.created_at, coalesce(o.available_at, o.created_at) AS due, $2 AND o.handoff_at IS NULL AS stream
+          FROM %s AS o
+         WHERE coalesce(o.status, 'pending') = 'pending' AND NOT %s) AS w`,
+		t.Outbox.Quoted(), t.recorded("o")), after, slotExists).
+		Scan(&p.StreamWaiting, &p.OldestStreamWaitingSeconds, &p.ClaimWaiting, &p.OldestClaimWaitingSeconds)
+	if err != nil {
+		return nil, fmt.Errorf("rows waiting: %w", err)
+	}
+	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - updated_at)::float8 FROM %s WHERE slot_name = $1`, t.Checkpoint.Quoted()), slot).
+		Scan(&p.CheckpointAgeSeconds)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return nil, fmt.Errorf("read checkpoint: %w", err)
+	}
+	err = db.QueryRow(ctx, fmt.Sprintf(`
+SELECT extract(epoch FROM now() - greatest(
+         (SELECT greatest(max(locked_at), max(processed_at)) FROM %s),
+         (SELECT greatest(max(claimed_at), max(delivered_at)) FROM %s)))::float8`,
+		t.Outbox.Quoted(), t.Ledger.Quoted())).Scan(&p.ClaimActivityAgeSeconds)
+	if err != nil {
+		return nil, fmt.Errorf("claim path activity: %w", err)
+	}
+
+	age := func(s *float64) string {
+		if s == nil {
+			return "never"
+		}
+		return roundSeconds(*s) + " ago"
+	}
+	var stalled []string
+	if p.StreamWaiting > 0 {
+		if p.CheckpointAgeSeconds == nil || *p.CheckpointAgeSeconds > after {
+			stalled = append(stalled, fmt.Sprintf("the stream last wrote its checkpoint %s while %d rows it owns have waited longer than %s (the oldest %s)",
+				age(p.CheckpointAgeSeconds), p.StreamWaiting, stallAfter, roundSeconds(*p.OldestStreamWaitingSeconds)))
+		} else {
+			p.Note = fmt.Sprintf("%d rows the stream owns have waited longer than %s (the oldest %s) though it checkpoints: a backlog, or rows it will never stream (a slot made again while the relay was down): if they stay, outbox-relay reconcile",
+				p.StreamWaiting, stallAfter, roundSeconds(*p.OldestStreamWaitingSeconds))
+		}
+	}
+	if p.ClaimWaiting > 0 {
+		if p.ClaimActivityAgeSeconds == nil || *p.ClaimActivityAgeSeconds > after {
+			stalled = append(stalled, fmt.Sprintf("the claim path last claimed or settled a row %s while %d rows due have waited longer than %s (the oldest %s)",
+				age(p.ClaimActivityAgeSeconds), p.ClaimWaiting, stallAfter, roundSeconds(*p.OldestClaimWaitingSeconds)))
+		} else if p.Note == "" {
+			p.Note = fmt.Sprintf("%d rows due for the claim path have waited longer than %s (the oldest %s) though it works: a backlog",
+				p.ClaimWaiting, stallAfter, roundSeconds(*p.OldestClaimWaitingSeconds))
+		}
+	}
+	p.Stalled = strings.Join(stalled, "; ")
+	return p, nil
+}
+
+// roundSeconds prints s seconds to the second.
+func roundSeconds(s float64) string {
+	return (time.Duration(s * float64(time.Second))).Round(time.Second).String()
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -170,4 +171,82 @@ func TestReadStatus_ModeAndLeader(t *testing.T) {
 	if len(st.Relays) != 2 {
 		t.Fatalf("relays: %+v, want the poller and the walsender", st.Relays)
 	}
+}
+
+// TestReadProgress: what status can know of a stall from the tables. Rows
+// that have waited longer than stall_after on a path that shows no
+// progress as long are a stall; rows that wait while the path progresses
+// are a note (a backlog, or rows the stream will never send).
+func TestReadProgress(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	const stallAfter = 5 * time.Minute
+	read := func() *admin.Progress {
+		t.Helper()
+		p, err := admin.ReadProgress(ctx, f.pool, f.tables, "outbox_relay", stallAfter)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	outbox, checkpoint := f.tables.Outbox.Quoted(), f.tables.Checkpoint.Quoted()
+
+	// Nothing waits.
+	f.MustInsert(t, row{key: "new", created: time.Minute})
+	if p := read(); p.Stalled != "" || p.Note != "" || p.StreamWaiting != 0 || p.ClaimWaiting != 0 {
+		t.Fatalf("a row a minute old: %+v", p)
+	}
+
+	// No slot: every pending row is the claim path's; one due 10 minutes
+	// ago, and the claim path has never done anything.
+	f.MustInsert(t, row{key: "old", created: 10 * time.Minute})
+	MustExec(t, f.pool, "UPDATE "+outbox+" SET available_at = now() - interval '10 minutes' WHERE event_key = 'old'")
+	p := read()
+	if p.ClaimWaiting != 1 || p.StreamWaiting != 0 || !strings.Contains(p.Stalled, "the claim path last claimed or settled a row never while 1 rows due have waited longer than 5m0s (the oldest 10m0s)") {
+		t.Fatalf("claim path, no activity: %+v", p)
+	}
+	// It claimed a row a moment ago: a backlog, not a stall.
+	f.MustInsert(t, row{key: "claimed", status: "processing"})
+	MustExec(t, f.pool, "UPDATE "+outbox+" SET locked_at = now() WHERE event_key = 'claimed'")
+	if p := read(); p.Stalled != "" || !strings.Contains(p.Note, "1 rows due for the claim path have waited longer than 5m0s") {
+		t.Fatalf("claim path working: %+v", p)
+	}
+	MustExec(t, f.pool, "UPDATE "+outbox+" SET locked_at = now() - interval '6 minutes' WHERE event_key = 'claimed'")
+	if p := read(); !strings.Contains(p.Stalled, "the claim path last claimed or settled a row 6m0s ago") {
+		t.Fatalf("claim path quiet for 6m: %+v", p)
+	}
+	f.MustLedger(t, "claimed", "n8n", "delivered", time.Second)
+	if p := read(); p.Stalled != "" {
+		t.Fatalf("a ledger delivery a second ago: %+v", p)
+	}
+
+	// A slot: the row not handed off is the stream's, and the stream has
+	// never written its checkpoint.
+	MustExec(t, f.pool, "SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')")
+	p = read()
+	if p.StreamWaiting != 1 || p.ClaimWaiting != 0 || !strings.Contains(p.Stalled, "the stream last wrote its checkpoint never while 1 rows it owns have waited longer than 5m0s (the oldest 10m0s)") {
+		t.Fatalf("stream, no checkpoint: %+v", p)
+	}
+	MustExec(t, f.pool, "INSERT INTO "+checkpoint+" (slot_name, confirmed_lsn, updated_at) VALUES ('outbox_relay', '0/1', now() - interval '7 minutes')")
+	if p := read(); !strings.Contains(p.Stalled, "the stream last wrote its checkpoint 7m0s ago") {
+		t.Fatalf("stream, checkpoint 7m old: %+v", p)
+	}
+	// It checkpoints: the row is one it may never stream.
+	MustExec(t, f.pool, "UPDATE "+checkpoint+" SET updated_at = now()")
+	if p := read(); p.Stalled != "" || !strings.Contains(p.Note, "outbox-relay reconcile") {
+		t.Fatalf("stream checkpointing: %+v", p)
+	}
+	// Delivered by the stream (in the delivered record): nothing waits.
+	MustExec(t, f.pool, "INSERT INTO "+f.tables.Delivered().Quoted()+" (id) SELECT id FROM "+outbox+" WHERE event_key = 'old'")
+	if p := read(); p.StreamWaiting != 0 || p.Stalled != "" || p.Note != "" {
+		t.Fatalf("the old row delivered: %+v", p)
+	}
+	// Handed off, it is the claim path's, whose last sign of life is the
+	// ledger delivery above.
+	MustExec(t, f.pool, "DELETE FROM "+f.tables.Delivered().Quoted())
+	MustExec(t, f.pool, "UPDATE "+outbox+" SET handoff_at = now() WHERE event_key = 'old'")
+	if p := read(); p.StreamWaiting != 0 || p.ClaimWaiting != 1 || p.Stalled != "" {
+		t.Fatalf("handed off: %+v", p)
+	}
+	MustExec(t, f.pool, "SELECT pg_drop_replication_slot('outbox_relay')")
 }

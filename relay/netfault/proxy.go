@@ -28,6 +28,7 @@ import (
 	"io"
 	"net"
 	"net/url"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -78,15 +79,18 @@ type Proxy struct {
 	listener net.Listener
 	upstream string
 
-	mu         sync.Mutex
-	cond       *sync.Cond // broadcast on every change of the fields below
-	closed     bool
-	holeNew    bool // new connections start black-holed
-	refuse     bool // new connections are closed at once
-	latency    [2]time.Duration
-	bandwidth  [2]int // bytes per second; 0 = unlimited
-	conns      map[*conn]struct{}
-	accepted   int
+	mu        sync.Mutex
+	cond      *sync.Cond // broadcast on every change of the fields below
+	closed    bool
+	holeNew   bool // new connections start black-holed
+	refuse    bool // new connections are closed at once
+	latency   [2]time.Duration
+	bandwidth [2]int // bytes per second; 0 = unlimited
+	conns     map[*conn]struct{}
+	accepted  int
+	// holeMatch black-holes a new connection as soon as it selects it
+	// (BlackHoleConns with NewConnsBlackHole).
+	holeMatch  func(ConnInfo) bool
 	wg         sync.WaitGroup
 	acceptDone chan struct{}
 }
@@ -95,8 +99,10 @@ type Proxy struct {
 type conn struct {
 	p              *Proxy
 	client, server net.Conn
-	holed          bool // guarded by p.mu
-	dead           bool // guarded by p.mu: closed, stop waiting
+	seq            int    // accept order, from 1
+	head           []byte // guarded by p.mu: the client's first HeadBytes
+	holed          bool   // guarded by p.mu
+	dead           bool   // guarded by p.mu: closed, stop waiting
 	once           sync.Once
 }
 
@@ -156,6 +162,70 @@ func (p *Proxy) BlackHole(newConns NewConns) {
 	p.cond.Broadcast()
 }
 
+// HeadBytes is how much of what a client sends first the proxy keeps for
+// ConnInfo.Head.
+const HeadBytes = 4 << 10
+
+// ConnInfo describes one proxied connection to a selector (BlackHoleConns)
+// and in ConnInfos.
+type ConnInfo struct {
+	// Seq is the connection's place in the proxy's accept order, from 1.
+	Seq int
+	// Head is the first bytes the client sent (up to HeadBytes, as far as
+	// they have arrived): enough for a protocol's opening message, such as
+	// a PostgreSQL StartupMessage (see PostgresStartup).
+	Head []byte
+	// BlackHoled reports whether the connection is black-holed.
+	BlackHoled bool
+}
+
+// BlackHoleConns is BlackHole for the connections match selects: the open
+// ones it selects now and, with NewConnsBlackHole, every connection accepted
+// later as soon as it selects it — match is asked again each time such a
+// connection's client has sent more of its first HeadBytes, and a
+// connection it selects is black-holed before the bytes that made it match
+// are forwarded. The other connections pass. match runs with the proxy's
+// lock held: it must not call the proxy. Pass undoes it.
+//
+// A test black-holes one kind of connection among a client's several this
+// way, e.g. a PostgreSQL client's replication connection:
+//
+//	p.BlackHoleConns(func(c netfault.ConnInfo) bool {
+//		params, ok := netfault.PostgresStartup(c.Head)
+//		return ok && params["replication"] == "database"
+//	}, netfault.NewConnsPass)
+func (p *Proxy) BlackHoleConns(match func(ConnInfo) bool, newConns NewConns) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.conns {
+		if !c.holed && match(c.info()) {
+			c.holed = true
+		}
+	}
+	p.holeMatch = nil
+	if newConns == NewConnsBlackHole {
+		p.holeMatch = match
+	}
+	p.cond.Broadcast()
+}
+
+// ConnInfos describes the open connections, in accept order.
+func (p *Proxy) ConnInfos() []ConnInfo {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([]ConnInfo, 0, len(p.conns))
+	for c := range p.conns {
+		out = append(out, c.info())
+	}
+	slices.SortFunc(out, func(a, b ConnInfo) int { return a.Seq - b.Seq })
+	return out
+}
+
+// info describes c; p.mu must be held.
+func (c *conn) info() ConnInfo {
+	return ConnInfo{Seq: c.seq, Head: slices.Clip(c.head), BlackHoled: c.holed}
+}
+
 // Pass forwards again on every connection and accepts new ones normally;
 // latency and bandwidth settings stay.
 func (p *Proxy) Pass() {
@@ -165,6 +235,7 @@ func (p *Proxy) Pass() {
 		c.holed = false
 	}
 	p.holeNew = false
+	p.holeMatch = nil
 	p.refuse = false
 	p.cond.Broadcast()
 }
@@ -277,6 +348,7 @@ func (p *Proxy) serve(client net.Conn) {
 	c.holed = p.holeNew
 	p.conns[c] = struct{}{}
 	p.accepted++
+	c.seq = p.accepted
 	p.mu.Unlock()
 
 	var halves sync.WaitGroup
@@ -311,6 +383,9 @@ func (p *Proxy) forward(c *conn, d Direction, src, dst net.Conn) {
 			buf := make([]byte, p.readSize(d))
 			n, err := src.Read(buf)
 			if n > 0 {
+				if d == Upstream {
+					p.sawHead(c, buf[:n])
+				}
 				queue <- chunk{data: buf[:n], read: time.Now()}
 			}
 			if err != nil {
@@ -344,6 +419,22 @@ func (p *Proxy) forward(c *conn, d Direction, src, dst net.Conn) {
 			return
 		}
 		p.throttle(d, len(ch.data), start)
+	}
+}
+
+// sawHead adds data, read from c's client, to c's head, and black-holes c
+// when a selector of new connections now selects it: before data is
+// forwarded, since the writer checks holed after taking it from the queue.
+func (p *Proxy) sawHead(c *conn, data []byte) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(c.head) >= HeadBytes {
+		return
+	}
+	c.head = append(c.head, data[:min(len(data), HeadBytes-len(c.head))]...)
+	if p.holeMatch != nil && !c.holed && p.holeMatch(c.info()) {
+		c.holed = true
+		p.cond.Broadcast()
 	}
 }
 

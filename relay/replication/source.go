@@ -16,6 +16,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -139,6 +140,34 @@ type Source struct {
 	// owns the current session's connection.
 	checkpointed relay.LSN
 	checkpointAt time.Time
+
+	// abandoned holds the backend pids of this Source's replication
+	// connections that ended in an error (at most the last few), touched
+	// only by the session goroutine. Behind a network that swallows
+	// packets the server keeps such a walsender, and the slot busy, until
+	// its wal_sender_timeout; the next session ends it instead.
+	abandoned []uint32
+
+	// received and acknowledged are the highest WAL position of data read
+	// from the server and the highest position acknowledged to it, over
+	// all sessions (Progress). Written by the receiver alone.
+	received, acknowledged atomic.Uint64
+}
+
+// Progress reports the highest WAL position of data (pgoutput messages) the
+// stream has read, and the highest position it has acknowledged to the
+// server, over every session of this Source. While the first is ahead,
+// events wait to be settled; the stall detector watches the second move
+// (docs/operations-health.md). Safe to call concurrently with Run.
+func (s *Source) Progress() (received, acknowledged relay.LSN) {
+	return relay.LSN(s.received.Load()), relay.LSN(s.acknowledged.Load())
+}
+
+// raise stores v in a if it is higher; a has one writer.
+func raise(a *atomic.Uint64, v relay.LSN) {
+	if uint64(v) > a.Load() {
+		a.Store(uint64(v))
+	}
 }
 
 // New validates cfg, fills in defaults and returns a Source. It does not

@@ -142,6 +142,7 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked,
 		silentMax: silentLimit(senderTimeout), idleSilentMax: 5*time.Second + 3*every, lastHeard: time.Now()}
 	r.ackable.Store(uint64(acked))
+	raise(&s.acknowledged, acked)
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
@@ -322,6 +323,7 @@ func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) erro
 			if len(xld.WALData) == 0 {
 				return fmt.Errorf("empty XLogData at %s", relay.LSN(xld.WALStart))
 			}
+			raise(&r.s.received, relay.LSN(xld.WALStart))
 			m, err := parseMessage(xld.WALData)
 			if err != nil {
 				return fmt.Errorf("parse pgoutput message %q at %s: %w", xld.WALData[0], relay.LSN(xld.WALStart), err)
@@ -395,6 +397,7 @@ func (r *receiver) sendStatus(ctx context.Context) error {
 	if pos > r.acked {
 		r.s.log.Trace().Str("lsn", pos.String()).Msg("acknowledged")
 		r.acked = pos
+		raise(&r.s.acknowledged, pos)
 	}
 	r.next = time.Now().Add(r.every)
 	return nil

@@ -380,6 +380,14 @@ type HTTPConfig struct {
 	// Pprof serves the Go runtime profiles under /debug/pprof/ (behind the
 	// metrics token, when one is set). Off by default.
 	Pprof bool `yaml:"pprof"`
+	// StallAfter makes /healthz (and /readyz) answer 503 once the relay
+	// has held events it has not settled or acknowledged and made no
+	// progress for this long — the stream acknowledged no new position,
+	// the claim path settled nothing — so that an orchestrator restarts it
+	// (docs/operations-health.md). 0 turns the check off; the
+	// outbox_relay_stalled metric then stays 0. Keep it above the sinks'
+	// timeouts.
+	StallAfter Duration `yaml:"stall_after"`
 }
 
 // LogConfig configures zerolog. Level is one of trace, debug, info, warn,
@@ -456,7 +464,7 @@ func Default() Config {
 			MarkDone:     MarkDoneOff,
 			LaneBlockMax: Duration(2 * time.Second),
 		},
-		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187"},
+		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187", StallAfter: Duration(5 * time.Minute)},
 		DataDir:         "./data",
 		ShutdownTimeout: Duration(30 * time.Second),
 		Log:             LogConfig{Level: "info", Format: "auto"},

@@ -38,6 +38,7 @@ func TestKeys_Examples(t *testing.T) {
 		{Path: "sinks[].stream.duplicate_window", Type: "duration", Default: "2m", Sink: config.SinkNATS},
 		{Path: "sinks[].stream.max_msg_size", Type: "size", Default: "0", Sink: config.SinkNATS},
 		{Path: "retention.batch", Type: "integer", Default: "1000"},
+		{Path: "http.stall_after", Type: "duration", Default: "5m"},
 	} {
 		if got := keys[want.Path]; got != want {
 			t.Errorf("key %s = %+v, want %+v", want.Path, got, want)

@@ -37,6 +37,9 @@ func (c *Config) Validate() error {
 	if strings.ContainsFunc(c.HTTP.MetricsToken.Reveal(), func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) {
 		v.fail("http.metrics_token", "must be printable, without spaces")
 	}
+	if c.HTTP.StallAfter < 0 {
+		v.fail("http.stall_after", "must not be negative (0 turns the stall check off)")
+	}
 	if c.DataDir == "" {
 		v.fail("data_dir", "must not be empty")
 	}
