@@ -6,10 +6,13 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
+	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/netfault"
 )
 
 // TestLeader: one relay leads a slot, another stands by; when the leader's
@@ -71,5 +74,48 @@ func TestLeader(t *testing.T) {
 		l.Release()
 	case <-time.After(10 * time.Second):
 		t.Fatal("the standby did not take over")
+	}
+}
+
+// A server (or a middlebox) that accepts connections and then says nothing
+// must not hold a lock attempt forever: each attempt gives up after
+// relay.ConnectTimeout and the next one, once the path works again, takes
+// the lock. Before the connect timeout the first attempt hung until its
+// context ended, and a leader that lost its lock this way never led again.
+func TestLockAttemptsOutlastASilentServer(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	proxy, proxied := netfault.ProxyURL(t, url)
+	// The first connection is accepted and never answered; later ones pass.
+	proxy.BlackHoleConns(func(c netfault.ConnInfo) bool { return c.Seq == 1 }, netfault.NewConnsBlackHole)
+	log := zerolog.New(zerolog.NewTestWriter(t))
+	ctx, cancel := context.WithTimeout(context.Background(), 4*relay.ConnectTimeout)
+	defer cancel()
+
+	start := time.Now()
+	l, err := ledger.AcquireLeader(ctx, proxied, "slot_a", log)
+	if err != nil {
+		t.Fatalf("leader lock: %v (after %s)", err, time.Since(start).Round(time.Millisecond))
+	}
+	l.Release()
+	took := time.Since(start)
+	t.Logf("leader lock taken %s after start (first connection silent)", took.Round(time.Millisecond))
+	if took > relay.ConnectTimeout+5*time.Second {
+		t.Errorf("leader lock took %s, want within the connect timeout (%s) and a retry", took, relay.ConnectTimeout)
+	}
+
+	// The owner lock's attempt fails in bounded time instead of hanging.
+	proxy.BlackHole(netfault.NewConnsBlackHole)
+	pool, err := pgxpool.New(ctx, proxied) // connects only when used
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	start = time.Now()
+	if lock, err := ledger.New(pool, ledger.DefaultConfig()).LockOwner(ctx, ledger.NewOwner()); err == nil {
+		lock.Release()
+		t.Fatal("owner lock taken through a black hole")
+	}
+	if took := time.Since(start); took > relay.ConnectTimeout+5*time.Second {
+		t.Errorf("owner lock attempt gave up after %s, want about the connect timeout (%s)", took, relay.ConnectTimeout)
 	}
 }

@@ -95,6 +95,9 @@ func dedicatedConfig(cfg *pgx.ConnConfig, purpose string) *pgx.ConnConfig {
 	cc.RuntimeParams["tcp_keepalives_interval"] = fmt.Sprint(relay.KeepaliveInterval.Seconds())
 	cc.RuntimeParams["tcp_keepalives_count"] = fmt.Sprint(relay.KeepaliveCount)
 	cc.DialFunc = relay.Dial
+	if cc.ConnectTimeout == 0 {
+		cc.ConnectTimeout = relay.ConnectTimeout
+	}
 	return cc
 }
 

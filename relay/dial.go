@@ -20,10 +20,17 @@ const (
 	TCPUserTimeout    = 20 * time.Second
 )
 
+// ConnectTimeout bounds one connection attempt to PostgreSQL — the dial,
+// TLS and the start-up exchange — unless the URL's connect_timeout sets
+// another. Without it a server (or a middlebox) that accepts the TCP
+// connection and then says nothing holds the attempt forever: a relay
+// that lost its leader lock that way would never lead again.
+const ConnectTimeout = 10 * time.Second
+
 // Dial is a DialFunc for pgx with those keepalives and TCP_USER_TIMEOUT.
 func Dial(ctx context.Context, network, addr string) (net.Conn, error) {
 	d := &net.Dialer{
-		Timeout:         10 * time.Second,
+		Timeout:         ConnectTimeout,
 		KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: KeepaliveIdle, Interval: KeepaliveInterval, Count: KeepaliveCount},
 		Control: func(network, address string, c syscall.RawConn) error {
 			if network != "tcp" && network != "tcp4" && network != "tcp6" {

@@ -280,6 +280,9 @@ func newPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 		pcfg.MaxConns = 12
 	}
 	pcfg.ConnConfig.DialFunc = relay.Dial
+	if pcfg.ConnConfig.ConnectTimeout == 0 {
+		pcfg.ConnConfig.ConnectTimeout = relay.ConnectTimeout
+	}
 	// A connection idle for a second is pinged before use; one that does
 	// not answer within 2 s is dropped and another used, instead of a
 	// statement waiting on a dead connection for its whole timeout.

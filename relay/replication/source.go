@@ -208,6 +208,9 @@ func New(cfg Config) (*Source, error) {
 		return nil, fmt.Errorf("replication: connection string: %w", err)
 	}
 	replConfig.DialFunc = relay.Dial
+	if replConfig.ConnectTimeout == 0 {
+		replConfig.ConnectTimeout = relay.ConnectTimeout
+	}
 	replConfig.RuntimeParams["replication"] = "database"
 	replConfig.RuntimeParams["TimeZone"] = "UTC"
 	replConfig.RuntimeParams["DateStyle"] = "ISO"
@@ -220,6 +223,9 @@ func New(cfg Config) (*Source, error) {
 	}
 	delete(queryConfig.RuntimeParams, "replication")
 	queryConfig.DialFunc = relay.Dial
+	if queryConfig.ConnectTimeout == 0 {
+		queryConfig.ConnectTimeout = relay.ConnectTimeout
+	}
 
 	outbox := cfg.Outbox
 	if outbox.Schema == "" {
