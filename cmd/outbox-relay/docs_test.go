@@ -634,3 +634,28 @@ func TestDocs_TestNames(t *testing.T) {
 		}
 	}
 }
+
+// TestDocs_AlertsListed: every alert rule in deploy/prometheus/alerts.yml
+// has its row in docs/operations.md's alert table.
+func TestDocs_AlertsListed(t *testing.T) {
+	rules, err := os.ReadFile(filepath.Join(repoRoot, "deploy/prometheus/alerts.yml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, err := os.ReadFile(filepath.Join(repoRoot, "docs/operations.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := regexp.MustCompile(`(?m)^\s*- alert:\s*(\S+)`).FindAllSubmatch(rules, -1)
+	if len(names) == 0 {
+		t.Fatal("no alert rules found in deploy/prometheus/alerts.yml")
+	}
+	for _, m := range names {
+		name := string(m[1])
+		// A row may name a pair as "`OutboxRelayRetainedWALHigh`, `…Critical`".
+		short := "…" + strings.TrimPrefix(name, "OutboxRelayRetainedWAL")
+		if !strings.Contains(string(page), "`"+name+"`") && !strings.Contains(string(page), "`"+short+"`") {
+			t.Errorf("alert %s has no row in docs/operations.md's alert table", name)
+		}
+	}
+}

@@ -289,7 +289,7 @@ func deref[T any](p *T) T {
 }
 
 // Progress is what the database shows of the relays' progress, for status
-// (docs/operations-health.md, "What status can know"). The relay's own
+// (docs/operations-health.md, "What outbox-relay status can know"). The relay's own
 // stall detector sees more (events in memory, the acknowledged position);
 // from the tables status sees rows that wait and the traces progress
 // leaves: the checkpoint the stream writes before it acknowledges events,
