@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"time"
-
-	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 )
 
 // phaseSteadyAfterDrain starts the relay with -backlog events queued and,
@@ -16,21 +14,13 @@ import (
 // slot created after the backlog (so it does not decode the backlog).
 func phaseSteadyAfterDrain(ctx context.Context, e *env, r *report) error {
 	const phase, db = "steady-after-drain", "bench_steady_after_drain"
-	url, err := e.newDatabase(ctx, db)
+	s := relaySetup{name: phase, webhook: true}
+	cfg, done, err := e.setUpRelay(ctx, db, &s)
 	if err != nil {
 		return err
 	}
-	defer e.dropDatabase(db)
-	port, err := harness.FreePort()
-	if err != nil {
-		return err
-	}
-	s := relaySetup{name: phase, url: url, webhook: true, httpPort: port}
-	defer e.deleteStream(s.stream())
-	cfg, err := e.writeConfig(s)
-	if err != nil {
-		return err
-	}
+	defer done()
+	url := s.url
 	e.say("%s: creating slot %s (start the relay, stop it with SIGTERM)", phase, s.slot())
 	if err := e.createSlot(ctx, s, cfg); err != nil {
 		return err

@@ -508,21 +508,13 @@ func addCPUPerEvent(r *report, e *env, phase string, o loadOutcome) {
 // phaseSteady measures commit→delivery latency at -rate events/s.
 func phaseSteady(ctx context.Context, e *env, r *report) error {
 	const phase, db = "steady", "bench_steady"
-	url, err := e.newDatabase(ctx, db)
+	s := relaySetup{name: phase, webhook: true}
+	cfg, done, err := e.setUpRelay(ctx, db, &s)
 	if err != nil {
 		return err
 	}
-	defer e.dropDatabase(db)
-	port, err := harness.FreePort()
-	if err != nil {
-		return err
-	}
-	s := relaySetup{name: phase, url: url, webhook: true, httpPort: port}
-	defer e.deleteStream(s.stream())
-	cfg, err := e.writeConfig(s)
-	if err != nil {
-		return err
-	}
+	defer done()
+	url := s.url
 	rp, err := e.startRelay(s, cfg)
 	if err != nil {
 		return err
@@ -548,13 +540,13 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	// the event decoded in the engine, before any sink), scraped around the
 	// measured load, tells what the database and the walsender add to the
 	// tail from what the relay and the sinks add.
-	metrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
+	metrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", s.httpPort)
 	var before, senderBefore histogram
 	waitProfile := func() {}
 	defer func() { waitProfile() }()
 	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, floor: true, warmup: true,
 		duration: e.o.duration, settle: 30 * time.Second, onStart: func() {
-			waitProfile = e.profileCPU(port, phase, e.o.duration)
+			waitProfile = e.profileCPU(s.httpPort, phase, e.o.duration)
 			var err error
 			if before, err = scrapeHistogram(ctx, metrics, decodeLatency); err != nil {
 				e.say("warning: %v", err)
@@ -667,17 +659,13 @@ func phasePoller(ctx context.Context, e *env, r *report) error {
 // phasePollMode measures the relay's own poll mode when this build has it.
 func phasePollMode(ctx context.Context, e *env, r *report) error {
 	const phase, db = "pollmode", "bench_pollmode"
-	url, err := e.newDatabase(ctx, db)
+	s := relaySetup{name: phase, webhook: true, mode: "poll"}
+	cfg, done, err := e.setUpRelay(ctx, db, &s)
 	if err != nil {
 		return err
 	}
-	defer e.dropDatabase(db)
-	s := relaySetup{name: phase, url: url, webhook: true, mode: "poll"}
-	defer e.deleteStream(s.stream())
-	cfg, err := e.writeConfig(s)
-	if err != nil {
-		return err
-	}
+	defer done()
+	url := s.url
 	rp, err := e.startRelay(s, cfg)
 	if err != nil {
 		return err

@@ -42,6 +42,30 @@ func (s relaySetup) stream() string {
 
 func (s relaySetup) subjectPrefix() string { return "bench." + s.name }
 
+// setUpRelay gives s a fresh database of its own, db, a known /metrics
+// port (for -profile) and a configuration file, whose path it returns;
+// done drops s's stream and the database.
+func (e *env) setUpRelay(ctx context.Context, db string, s *relaySetup) (cfg string, done func(), err error) {
+	if s.url, err = e.newDatabase(ctx, db); err != nil {
+		return "", nil, err
+	}
+	done = func() {
+		e.deleteStream(s.stream())
+		e.dropDatabase(db)
+	}
+	if s.httpPort == 0 {
+		s.httpPort, err = harness.FreePort()
+	}
+	if err == nil {
+		cfg, err = e.writeConfig(*s)
+	}
+	if err != nil {
+		done()
+		return "", nil, err
+	}
+	return cfg, done, nil
+}
+
 // writeConfig writes the relay's configuration file for s and returns its
 // path.
 func (e *env) writeConfig(s relaySetup) (string, error) {

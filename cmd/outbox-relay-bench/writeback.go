@@ -203,11 +203,13 @@ func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWi
 // until pg_waldump has read it.
 func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 	const phase, db = "write-back", "bench_write_back"
-	url, err := e.newDatabase(ctx, db)
+	s := relaySetup{name: phase, webhook: true}
+	cfg, done, err := e.setUpRelay(ctx, db, &s)
 	if err != nil {
 		return err
 	}
-	defer e.dropDatabase(db)
+	defer done()
+	url := s.url
 	var c writeBackConns
 	defer c.close()
 	if c.mon, err = e.connectBench(ctx, e.cluster.URL("postgres")); err != nil {
@@ -236,16 +238,6 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 			e.say("warning: drop slot %s: %v", walSlot, err)
 		}
 	}()
-	port, err := harness.FreePort()
-	if err != nil {
-		return err
-	}
-	s := relaySetup{name: phase, url: url, webhook: true, httpPort: port}
-	defer e.deleteStream(s.stream())
-	cfg, err := e.writeConfig(s)
-	if err != nil {
-		return err
-	}
 	e.say("%s: creating slot %s (start the relay, stop it with SIGTERM)", phase, s.slot())
 	if err := e.createSlot(ctx, s, cfg); err != nil {
 		return err
