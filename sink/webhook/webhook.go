@@ -156,6 +156,14 @@ type Sink struct {
 
 	// slots holds one token per request in flight.
 	slots chan struct{}
+	// jobs feeds the workers that make the requests: long-lived goroutines,
+	// whose stacks have grown to what net/http needs, instead of one new
+	// goroutine per request. A job is queued only by a Send holding a slot
+	// and holds it until a worker has taken it, so the buffer (Concurrency)
+	// never fills.
+	jobs     chan job
+	workers  int // started, up to Concurrency; guarded by mu
+	stopJobs sync.Once
 	// reqCtx is the parent of every request; Close cancels it when its
 	// deadline passes with requests still in flight.
 	reqCtx     context.Context
@@ -225,6 +233,7 @@ func New(cfg Config) (*Sink, error) {
 		auth:      cfg.Auth,
 		log:       cfg.Logger.With().Str("sink", cfg.Name).Logger(),
 		slots:     make(chan struct{}, cfg.Concurrency),
+		jobs:      make(chan job, cfg.Concurrency),
 		closing:   make(chan struct{}),
 	}
 	for _, code := range cfg.PermanentStatuses {
@@ -391,13 +400,30 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 		return
 	}
 	s.inflight.Add(1)
+	if s.workers < cap(s.slots) {
+		s.workers++
+		go s.work()
+	}
+	s.jobs <- job{d: d, body: body, ce: ce, done: done}
 	s.mu.Unlock()
-	go func() {
-		defer s.inflight.Done()
-		err := s.post(d, body, ce)
+}
+
+// job is one request for a worker.
+type job struct {
+	d    *relay.Delivery
+	body []byte
+	ce   []relay.Header
+	done func(error)
+}
+
+// work makes the requests of the jobs it takes until Close ends them.
+func (s *Sink) work() {
+	for j := range s.jobs {
+		err := s.post(j.d, j.body, j.ce)
 		<-s.slots
-		done(err)
-	}()
+		j.done(err)
+		s.inflight.Done()
+	}
 }
 
 // Close stops accepting Sends (later ones report ErrClosed), waits for the
@@ -426,6 +452,11 @@ func (s *Sink) Close(ctx context.Context) error {
 		<-finished
 	}
 	s.cancelReqs()
+	s.stopJobs.Do(func() {
+		s.mu.Lock()
+		close(s.jobs) // closed is set: no Send queues another
+		s.mu.Unlock()
+	})
 	s.transport.CloseIdleConnections()
 	return err
 }
