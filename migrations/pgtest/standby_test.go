@@ -6,7 +6,6 @@ import (
 	"testing"
 	"time"
 
-
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
@@ -104,4 +103,3 @@ func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
 		}
 	}
 }
-
