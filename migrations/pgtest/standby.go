@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/url"
 	"os"
 	"os/exec"
@@ -27,6 +28,10 @@ type StandbyOptions struct {
 	// Slot is the physical replication slot the standby streams through;
 	// empty means "pgtest_standby".
 	Slot string
+	// PrimaryAddr is the host:port the standby streams from; empty means
+	// the primary's own. A test gives it a proxy to the primary (see
+	// relay/netfault) to stall or cut replication.
+	PrimaryAddr string
 	// NoSlotSync leaves logical slot synchronization off on 17 and later:
 	// no sync_replication_slots, no synchronized_standby_slots.
 	NoSlotSync bool
@@ -113,7 +118,14 @@ func (c *Cluster) StartStandby(ctx context.Context, opts StandbyOptions) (*Clust
 	if copyErr != nil {
 		return nil, fmt.Errorf("standby: %w", copyErr)
 	}
-	conf := standbyConfig(c.port, slot, version, syncSlots, opts.Settings)
+	primaryAddr := opts.PrimaryAddr
+	if primaryAddr == "" {
+		primaryAddr = fmt.Sprintf("127.0.0.1:%d", c.port)
+	}
+	conf, err := standbyConfig(primaryAddr, slot, version, syncSlots, opts.Settings)
+	if err != nil {
+		return nil, fmt.Errorf("standby: %w", err)
+	}
 	if err := s.writeStandbyFiles(conf); err != nil {
 		return nil, fmt.Errorf("standby: %w", err)
 	}
@@ -214,12 +226,16 @@ func (c *Cluster) prepareForStandby(ctx context.Context, slot string, syncSlots 
 }
 
 // standbyConfig is what the standby adds to postgresql.auto.conf.
-func standbyConfig(primaryPort int, slot string, version int, syncSlots bool, extra map[string]string) string {
+func standbyConfig(primaryAddr, slot string, version int, syncSlots bool, extra map[string]string) (string, error) {
+	host, port, err := net.SplitHostPort(primaryAddr)
+	if err != nil {
+		return "", fmt.Errorf("primary address %q: %w", primaryAddr, err)
+	}
 	var b strings.Builder
 	b.WriteString("\n# Added by pgtest for a standby.\n")
 	set := func(name, value string) { fmt.Fprintf(&b, "%s = %s\n", name, quoteConf(value)) }
 	// dbname: the slot sync worker (17+) connects to a database.
-	set("primary_conninfo", fmt.Sprintf("host=127.0.0.1 port=%d user=postgres dbname=postgres application_name=pgtest_standby", primaryPort))
+	set("primary_conninfo", fmt.Sprintf("host=%s port=%s user=postgres dbname=postgres application_name=pgtest_standby", host, port))
 	set("primary_slot_name", slot)
 	set("hot_standby_feedback", "on")
 	if version >= 170000 {
@@ -236,7 +252,7 @@ func standbyConfig(primaryPort int, slot string, version int, syncSlots bool, ex
 	for _, name := range names {
 		set(name, extra[name])
 	}
-	return b.String()
+	return b.String(), nil
 }
 
 func quoteConf(v string) string { return "'" + strings.ReplaceAll(v, "'", "''") + "'" }

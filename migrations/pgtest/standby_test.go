@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
+	"github.com/outbox-relay/outbox-relay/relay/netfault"
 )
 
 // TestStandbyFollowsAndPromotes builds a standby from a cold copy of the
@@ -101,5 +102,40 @@ func waitFor(t *testing.T, ctx context.Context, what string, cond func() bool) {
 			t.Fatalf("timed out waiting for %s", what)
 		case <-time.After(50 * time.Millisecond):
 		}
+	}
+}
+
+// TestStandbyThroughProxy: a standby streaming through a proxy that
+// black-holes its connection misses the writes the primary acknowledges
+// meanwhile, and a failover then loses them.
+func TestStandbyThroughProxy(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	primary := pgtest.NewCluster(t, pgtest.Options{})
+	proxy := netfault.NewProxy(t, "127.0.0.1:"+strconv.Itoa(primary.Port()))
+	standby := pgtest.NewStandby(t, primary, pgtest.StandbyOptions{NoSlotSync: true, PrimaryAddr: proxy.Addr()})
+	pconn := connect(t, primary.URL("postgres"))
+	exec(t, pconn, "CREATE TABLE events (id int PRIMARY KEY)")
+	sconn := connect(t, standby.URL("postgres"))
+	waitFor(t, ctx, "the table on the standby", func() bool {
+		return queryString(t, sconn, "SELECT (to_regclass('events') IS NOT NULL)::text") == "true"
+	})
+
+	proxy.BlackHole(netfault.NewConnsBlackHole)
+	exec(t, pconn, "INSERT INTO events VALUES (1)")
+	time.Sleep(300 * time.Millisecond)
+	if got := queryString(t, sconn, "SELECT count(*)::text FROM events"); got != "0" {
+		t.Fatalf("the standby has %s rows while its link is black-holed", got)
+	}
+	if err := primary.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	proxy.ResetConns()
+	proxy.Pass()
+	if err := standby.Promote(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := queryString(t, sconn, "SELECT count(*)::text FROM events"); got != "0" {
+		t.Errorf("after the failover the new primary has %s rows, want the acknowledged one lost", got)
 	}
 }
