@@ -70,8 +70,9 @@ type DiagnoseConfig struct {
 // version, that it is a primary, wal_level, the role's REPLICATION attribute
 // and a replication connection, the schema version, the privileges the run
 // role needs and those it has beyond them, the publication, the slot (state,
-// holder, retained WAL), max_slot_wal_keep_size and (18+)
-// idle_replication_slot_timeout. On a managed service it recognises
+// holder, retained WAL), max_slot_wal_keep_size, (18+)
+// idle_replication_slot_timeout and, when physical standbys exist, what a
+// failover to one needs (failover.go). On a managed service it recognises
 // (DetectProvider) the fixes are that service's. It connects as the relay
 // would, only reads, and reports every problem it finds with its fix; it
 // never returns an error of its own.
@@ -119,6 +120,7 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	d.slot(ctx)
 	d.maxSlotWALKeepSize(ctx)
 	d.idleSlotTimeout(ctx)
+	d.failover(ctx)
 	return d.checks
 }
 
@@ -129,6 +131,7 @@ type diagnosis struct {
 
 	// From the server and the role.
 	walLevelSetting string
+	version         int // server_version_num
 	role            roleInfo
 	// host and user are database_url's; provider is the managed service
 	// the server belongs to (SelfManaged if none).
@@ -208,6 +211,7 @@ func (d *diagnosis) server(ctx context.Context) bool {
 		d.add(Fail, "connection", fmt.Sprintf("connected, but reading the server settings failed: %v", err), "")
 		return false
 	}
+	d.version = num
 	cc := d.conn.Config()
 	d.add(OK, "connection", fmt.Sprintf("%s@%s on %s:%d", user, db, cc.Host, cc.Port), "")
 	if num < MinServerVersion {
