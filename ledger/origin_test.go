@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"context"
 	"errors"
+	"net/url"
 	"strconv"
 	"strings"
 	"testing"
@@ -233,5 +234,47 @@ func TestSaveCheckpointWaitsForStandbys(t *testing.T) {
 	link.Pass()
 	if err := store.SaveCheckpoint(ctx, "s", 3); err != nil {
 		t.Fatalf("SaveCheckpoint once the standby streams again: %v", err)
+	}
+}
+
+// TestOriginGuardNeedsNoPrivileges: the timeline check and the standby wait
+// run as a role with only the table privileges run needs.
+func TestOriginGuardNeedsNoPrivileges(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	var db string
+	if err := f.pool.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+		t.Fatal(err)
+	}
+	role := db + "_r"
+	f.MustExec(t, `CREATE ROLE "`+role+`" LOGIN`)
+	t.Cleanup(func() {
+		f.MustExec(t, `DROP OWNED BY "`+role+`"`)
+		f.MustExec(t, `DROP ROLE "`+role+`"`)
+	})
+	f.MustExec(t, `GRANT SELECT, UPDATE ON integration_outbox TO "`+role+`"`)
+	f.MustExec(t, `GRANT SELECT, INSERT, UPDATE, DELETE ON integration_idempotency, relay_checkpoint TO "`+role+`"`)
+	f.MustExec(t, `GRANT SELECT, INSERT, DELETE ON integration_outbox_delivered TO "`+role+`"`)
+	u, err := url.Parse(f.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	u.User = url.User(role)
+	pool, err := pgxpool.New(ctx, u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	store := ledger.New(pool, ledger.DefaultConfig())
+	systemID, timeline := serverOrigin(t, f.pool)
+	if _, err := store.StreamFrom(ctx, systemID, timeline); err != nil {
+		t.Fatal(err)
+	}
+	ids := f.MustInsert(t, row{Key: "k1"})
+	if _, err := store.MarkDone(ctx, ids); err != nil {
+		t.Fatalf("MarkDone as %s: %v", role, err)
+	}
+	if err := store.SaveCheckpoint(ctx, "s", 42); err != nil {
+		t.Fatalf("SaveCheckpoint as %s: %v", role, err)
 	}
 }
