@@ -146,6 +146,7 @@ FUZZ_TARGETS := \
 	./sink/webhook:FuzzIdempotencyKey \
 	./relay:FuzzAppendEnvelope \
 	./relay:FuzzAppendJSONString \
+	./relay:FuzzShortError \
 	./relay/replication:FuzzDecodeMessages \
 	./relay/replication:FuzzDecodeInsert \
 	./ledger:FuzzGlobToRegex
@@ -165,7 +166,7 @@ fuzz:
 
 ## run: with DATABASE_URL, attach to that database; without it, start a private
 ## logical-WAL PostgreSQL from the local binaries. Then migrate and show what
-## the relay does (see README).
+## the relay does (README, "A five-minute tour").
 run: build
 	$(BIN)/outbox-relay-dev --relay $(BIN)/outbox-relay
 

@@ -13,7 +13,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// MarkForClaim is the slot-creation hand-over (SPEC §3 "Slot creation"). In
+// MarkForClaim is the slot-creation hand-over (docs/architecture.md, "slot creation"). In
 // the snapshot that CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported, it
 // marks for the claim path (handoff_at = now()) every row still pending and
 // not handed off: exactly the rows committed before the slot's consistent
@@ -85,7 +85,7 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 	}
 	marked = 0
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		for _, chunk := range chunks(ids) {
+		for chunk := range chunks(ids) {
 			tag, err := tx.Exec(ctx, s.sql.markForClaimByID, chunk)
 			if err != nil {
 				return err
@@ -112,7 +112,7 @@ const deliveredDoneChunk = 10_000
 
 // MarkDeliveredDone sets status 'done' on the rows still pending and not
 // handed off whose ledger shows 'delivered' for every one of sinks, and
-// returns how many. The relay runs it at start (SPEC §3), beside the stream:
+// returns how many. The relay runs it at start (docs/operations.md, "what the relay writes back"), beside the stream:
 // a row whose MarkDone was lost in a crash is otherwise never settled,
 // because the slot does not stream it again. It walks the pending ids in
 // ranges of deliveredDoneChunk, one short transaction each, skipping rows

@@ -1,6 +1,6 @@
 // Package ledger is the PostgreSQL side of the stream path: the idempotency
 // ledger, the outbox rows' status as the stream settles them, and the slot's
-// checkpoint (SPEC §3).
+// checkpoint (docs/schema.md).
 //
 // Every write is conditional on the row still being where the writer expects
 // it (status = 'pending', handoff_at IS NULL, ledger state), so every method
@@ -12,6 +12,8 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"iter"
+	"slices"
 	"sync"
 
 	"errors"
@@ -41,7 +43,7 @@ type Config struct {
 	// Outbox (migrations.DeliveredTable).
 	Delivered relay.QualifiedName
 	// Outbox, Ledger and Checkpoint are the tables migrate created or
-	// adopted. A name left empty takes the default of SPEC §3
+	// adopted. A name left empty takes its default (docs/configuration.md)
 	// (integration_outbox, integration_idempotency, relay_checkpoint).
 	Outbox, Ledger, Checkpoint relay.QualifiedName
 
@@ -268,17 +270,7 @@ func (s *Store) inTx(ctx context.Context, setCommit string, queue func(*pgx.Batc
 }
 
 // chunks splits ids into slices of at most maxIDsPerQuery.
-func chunks(ids []int64) [][]int64 {
-	var out [][]int64
-	for len(ids) > maxIDsPerQuery {
-		out = append(out, ids[:maxIDsPerQuery:maxIDsPerQuery])
-		ids = ids[maxIDsPerQuery:]
-	}
-	if len(ids) > 0 {
-		out = append(out, ids)
-	}
-	return out
-}
+func chunks(ids []int64) iter.Seq[[]int64] { return slices.Chunk(ids, maxIDsPerQuery) }
 
 // querier is what reads need: a pool, a connection or a transaction.
 type querier interface {

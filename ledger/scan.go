@@ -44,8 +44,7 @@ type scanState struct {
 	floor    int64 // every id up to floor has been read
 	started  bool
 	watch    map[int64]time.Time // id → when it became due
-	last     time.Time
-	caughtUp bool // the walk has reached the table's newest id once
+	caughtUp bool                // the walk has reached the table's newest id once
 }
 
 // watched is a row on the watch list.
@@ -91,7 +90,7 @@ func (s *Store) scanStep(ctx context.Context) error {
 			ids = append(ids, id)
 		}
 		still := map[int64]time.Time{}
-		for _, chunk := range chunks(ids) {
+		for chunk := range chunks(ids) {
 			if err := s.collectPending(ctx, s.sql.scanRecheck, still, chunk); err != nil {
 				return err
 			}

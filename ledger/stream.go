@@ -299,7 +299,7 @@ func (s *Store) restreamed(ctx context.Context, works []*relay.Work) error {
 		ids[i] = w.Event.ID
 		byID[w.Event.ID] = w
 	}
-	for _, chunk := range chunks(ids) {
+	for chunk := range chunks(ids) {
 		rows, err := s.pool.Query(ctx, s.sql.stream.restreamed, chunk)
 		if err != nil {
 			return fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)

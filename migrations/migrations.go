@@ -45,7 +45,7 @@ type Names struct {
 	Publication     string
 }
 
-// DefaultNames returns the names SPEC §3 uses.
+// DefaultNames returns the default names (docs/configuration.md, "outbox").
 func DefaultNames() Names {
 	return Names{
 		Outbox:          relay.QualifiedName{Name: "integration_outbox"},

@@ -86,7 +86,6 @@ type Engine struct {
 	marks  *markQueue
 
 	started chan struct{}
-	runCtx  context.Context
 
 	stream *streamFeed
 	// claimSettled is called after claim-path settlements (OnClaimSettled);
@@ -161,7 +160,6 @@ func (e *Engine) Run(ctx context.Context) error {
 		return err
 	}
 	g, ctx := errgroup.WithContext(ctx)
-	e.runCtx = ctx
 	close(e.started)
 	for _, l := range e.lanes {
 		g.Go(func() error { l.dispatch(ctx); return nil })
@@ -279,14 +277,14 @@ func retry(ctx context.Context, f func() error, warn func(error, time.Duration))
 		}
 		wait := RetryDelay(attempt)
 		warn(err, wait)
-		if !sleepCtx(ctx, wait) {
+		if !Sleep(ctx, wait) {
 			return ctx.Err()
 		}
 	}
 }
 
-// sleepCtx waits d or until ctx ends; it reports whether d passed.
-func sleepCtx(ctx context.Context, d time.Duration) bool {
+// Sleep waits d or until ctx ends; it reports whether d passed.
+func Sleep(ctx context.Context, d time.Duration) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {

@@ -23,12 +23,11 @@ type Event struct {
 	// taken as pending. The stream skips rows inserted with another status.
 	Status string
 
-	// CommitLSN and EndLSN place a streamed event's transaction in the WAL;
+	// CommitLSN places a streamed event's transaction in the WAL;
 	// CommitTime is when it committed (the server's clock); Xid is the
 	// transaction's id, which tells a deleted row from one whose commit is
 	// not visible yet. All are zero on the claim path.
 	CommitLSN  LSN
-	EndLSN     LSN
 	CommitTime time.Time
 	Xid        uint32
 

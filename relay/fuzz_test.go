@@ -10,7 +10,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// envelopeKeys are the envelope's keys in the order SPEC §4 lists them.
+// envelopeKeys are the envelope's keys in the order docs/sinks.md shows them.
 var envelopeKeys = []string{"id", "event_key", "event_type", "aggregate_type", "aggregate_id", "payload", "created_at"}
 
 type decodedEnvelope struct {

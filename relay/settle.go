@@ -95,7 +95,7 @@ func (q *settleQueue) run(ctx context.Context) {
 			q.mu.Lock()
 			full := len(q.items) >= settleBatch
 			q.mu.Unlock()
-			if !full && !sleepCtx(ctx, settleLinger) {
+			if !full && !Sleep(ctx, settleLinger) {
 				return
 			}
 		case <-due:
@@ -296,7 +296,7 @@ func (q *settleQueue) writeIsolating(ctx context.Context, works []*Work) (invisi
 		wait := RetryDelay(attempt)
 		e.log.Error().Err(err).Int("events", len(works)).Dur("retry_in", wait).Str("path", string(q.path)).
 			Msg("write delivery outcomes; retrying (the events are not settled, nor the slot acknowledged past them, until this succeeds)")
-		if !sleepCtx(ctx, wait) {
+		if !Sleep(ctx, wait) {
 			return nil, false
 		}
 	}

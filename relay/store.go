@@ -51,9 +51,6 @@ type Pair struct {
 	Outcome Outcome
 }
 
-// Key returns the pair's ledger key.
-func (p *Pair) key(ev *Event) LedgerKey { return LedgerKey{EventKey: ev.EventKey, Action: p.Sink} }
-
 // Path names where a Work came from: the stream (PathStream) or the claim
 // path (PathClaim). It is the path label of the metrics.
 type Path string

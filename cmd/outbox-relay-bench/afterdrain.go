@@ -97,8 +97,13 @@ func phaseSteadyAfterDrain(ctx context.Context, e *env, r *report) error {
 	drainUsage := meter.stop()
 	e.recv.cur.Store(t)
 	var gap time.Duration
+	waitProfile := func() {}
+	defer func() { waitProfile() }()
 	o, err := e.loadWindow(ctx, pool, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, floor: true,
-		duration: e.o.duration, settle: 30 * time.Second, onStart: func() { gap = time.Since(drainedAt) }})
+		duration: e.o.duration, settle: 30 * time.Second, onStart: func() {
+			gap = time.Since(drainedAt)
+			waitProfile = e.profileCPU(s.httpPort, phase, e.o.duration)
+		}})
 	if err != nil {
 		return err
 	}

@@ -14,8 +14,8 @@ import (
 
 // phaseFloor measures commit→decode latency of a bare pglogrepl client under
 // the steady load, without the relay: the floor any relay on this machine,
-// in this run, can reach (SPEC §6 reference: p50 0.65 ms, p99 1.4 ms on a
-// quiet machine). The steady phases run the same client beside the relay.
+// in this run, can reach (the reference measured on this machine kind: p50 0.65 ms, p99
+// 1.4 ms when quiet; docs/performance.md). The steady phases run the same client beside the relay.
 func phaseFloor(ctx context.Context, e *env, r *report) error {
 	const phase, db = "floor", "bench_floor"
 	url, err := e.newDatabase(ctx, db)

@@ -1,4 +1,4 @@
-// Command outbox-relay-bench measures outbox-relay on the workload of SPEC §6
+// Command outbox-relay-bench measures outbox-relay on the workload of docs/performance.md
 // in one run and prints a markdown table that can be pasted into the README:
 // ≥ 1,000 aggregates, 300-byte payloads, the idempotency ledger on, and an
 // external NATS server process with JetStream.
@@ -58,6 +58,14 @@
 //	            10,000-row statements while it was stopped.
 //	rss-bigtx   peak RSS of the relay draining one -bigtx-row transaction.
 //
+// One phase runs only when -phases names it:
+//
+//	partitions  one outbox table and one relay against two tables, each
+//	            with its own publication, slot and relay process
+//	            (docs/scaling.md), draining the same -n events into
+//	            JetStream, -drain-runs times each: the drain rate and each
+//	            walsender's CPU per event of the database.
+//
 // Every steady phase (steady, steady-after-drain) also runs the bare
 // pglogrepl client beside the relay, on its own temporary slot in the same
 // database, over the same events in the same window: its p50/p99 are the
@@ -116,6 +124,7 @@ type options struct {
 	writers           int
 	rssWebhook        bool
 	quiet             float64
+	profileDir        string
 	quietWait         time.Duration
 	quick             bool
 	phases            string
@@ -165,8 +174,9 @@ func main() {
 	fs.BoolVar(&o.quick, "quick", false, "small sizes, about three minutes (for CI; reports, does not assert)")
 	fs.StringVar(&o.phases, "phases", strings.Join(allPhases, ","), "comma-separated phases to run")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, configs) after the run")
+	fs.StringVar(&o.profileDir, "profile", "", "write the relay's CPU profile of each steady phase's measured window to this directory (<phase>.cpu.pprof)")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the SPEC §6 workload and prints a markdown table.\n\n")
+		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the workload of docs/performance.md and prints a markdown table.\n\n")
 		fs.PrintDefaults()
 	}
 	_ = fs.Parse(os.Args[1:])

@@ -24,8 +24,11 @@ import (
 // allPhases are the phases in the order they run.
 var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx"}
 
+// extraPhases run only when -phases names them.
+var extraPhases = []string{"partitions"}
+
 func isPhase(p string) bool {
-	for _, q := range allPhases {
+	for _, q := range append(allPhases, extraPhases...) {
 		if p == q {
 			return true
 		}
@@ -47,6 +50,7 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"pollmode":           phasePollMode,
 	"rss-queued":         func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, false) },
 	"rss-bigtx":          func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
+	"partitions":         phasePartitions,
 }
 
 // quiet waits for a quiet machine before a measured window and says so.
@@ -288,7 +292,7 @@ func phaseDrain(ctx context.Context, e *env, r *report, webhook bool, markDone s
 	}
 	target, verdict := "≥ 40% of the ceiling", "n/a (no ceiling)"
 	if webhook {
-		target = "— (SPEC: CPU caps both sinks near 20,000/s here)"
+		target = "— (CPU caps both sinks near 20,000/s here)"
 	}
 	if r.ceiling > 0 {
 		ratio := rate / r.ceiling
@@ -546,8 +550,11 @@ func phaseSteady(ctx context.Context, e *env, r *report) error {
 	// tail from what the relay and the sinks add.
 	metrics := fmt.Sprintf("http://127.0.0.1:%d/metrics", port)
 	var before, senderBefore histogram
+	waitProfile := func() {}
+	defer func() { waitProfile() }()
 	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, relay: rp, nats: true, hook: true, floor: true, warmup: true,
 		duration: e.o.duration, settle: 30 * time.Second, onStart: func() {
+			waitProfile = e.profileCPU(port, phase, e.o.duration)
 			var err error
 			if before, err = scrapeHistogram(ctx, metrics, decodeLatency); err != nil {
 				e.say("warning: %v", err)

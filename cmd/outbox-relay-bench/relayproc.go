@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -20,10 +22,14 @@ type relaySetup struct {
 	url     string // database
 	webhook bool   // deliver to the receiver as well as JetStream
 	mode    string // source.mode; empty: the default (auto)
-	// markDone is delivery.mark_done; empty: the default (async).
+	// markDone is delivery.mark_done; empty: the default (off).
 	markDone string
 	// httpPort is where the relay serves /metrics; 0: any free port.
 	httpPort int
+	// outbox, when set, is a second outbox table of the database (a
+	// partition): the relay's tables, publish function and publication
+	// are named after it.
+	outbox string
 }
 
 // slot is the replication slot of the phase (slot names are cluster-wide).
@@ -42,7 +48,13 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "database_url: %q\n", s.url)
 	fmt.Fprintf(&b, "data_dir: %q\n", filepath.Join(e.work, "relay-data-"+s.name))
+	if s.outbox != "" {
+		fmt.Fprintf(&b, "outbox:\n  table: %[1]s\n  ledger_table: %[1]s_idempotency\n  checkpoint_table: %[1]s_checkpoint\n  publish_function: %[1]s_publish\n", s.outbox)
+	}
 	b.WriteString("source:\n")
+	if s.outbox != "" {
+		fmt.Fprintf(&b, "  publication: %s\n", s.outbox)
+	}
 	if s.mode != "" {
 		fmt.Fprintf(&b, "  mode: %s\n", s.mode)
 	}
@@ -60,6 +72,9 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 		fmt.Fprintf(&b, "delivery:\n  mark_done: %s\n", s.markDone)
 	}
 	fmt.Fprintf(&b, "http:\n  listen: 127.0.0.1:%d\n", s.httpPort)
+	if e.o.profileDir != "" {
+		b.WriteString("  pprof: true\n")
+	}
 	b.WriteString("shutdown_timeout: 20s\n")
 	b.WriteString("log: {level: info, format: json}\n")
 	path := filepath.Join(e.work, "relay-"+s.name+".yaml")
@@ -131,4 +146,40 @@ func (e *env) subscribe(s relaySetup, t *tracker) (*nats.Subscription, error) {
 		return nil, err
 	}
 	return sub, e.nc.Flush()
+}
+
+// profileCPU fetches the relay's CPU profile over d into
+// <profileDir>/<phase>.cpu.pprof, in the background; wait waits for it.
+func (e *env) profileCPU(port int, phase string, d time.Duration) (wait func()) {
+	if e.o.profileDir == "" {
+		return func() {}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		url := fmt.Sprintf("http://127.0.0.1:%d/debug/pprof/profile?seconds=%d", port, int(d.Seconds()))
+		resp, err := http.Get(url)
+		if err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		defer resp.Body.Close()
+		if err := os.MkdirAll(e.o.profileDir, 0o755); err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		path := filepath.Join(e.o.profileDir, phase+".cpu.pprof")
+		f, err := os.Create(path)
+		if err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		defer f.Close()
+		if _, err := io.Copy(f, resp.Body); err != nil {
+			e.say("warning: profile: %v", err)
+			return
+		}
+		e.say("%s: the relay's CPU profile is in %s", phase, path)
+	}()
+	return func() { <-done }
 }

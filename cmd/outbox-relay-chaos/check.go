@@ -250,7 +250,7 @@ func checkIdentity(f runFacts, byKey map[string]event) invariant {
 const crashSlack = time.Second
 
 // checkRepeatCauses: a sink sees a repeat only for an attempt whose outcome
-// was unknown (SPEC §2.2). After a 2xx the relay knows the outcome, so a
+// was unknown (docs/guarantees.md, "at most one delivery"). After a 2xx the relay knows the outcome, so a
 // later copy needs a crash in between: one at or after the 2xx (less
 // crashSlack) and at or before the copy.
 func checkRepeatCauses(f runFacts) invariant {

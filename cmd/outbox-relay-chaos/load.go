@@ -281,7 +281,7 @@ func (l *load) count() int {
 
 // otherTable is a table outside the publication that busyOtherTable fills,
 // so that most of the run's WAL is not the outbox's: the slot must keep
-// releasing it (SPEC §2.4) for the retained WAL to stay bounded.
+// releasing it (docs/guarantees.md, "a slow or dead sink") for the retained WAL to stay bounded.
 const otherTable = "chaos_other_table"
 
 // busyOtherTable inserts otherRowsPerTick rows of ~900 bytes every 500 ms

@@ -1,5 +1,5 @@
 // Command outbox-relay-chaos runs the relay binary under continuous load
-// while it injects the faults of SPEC §2, then checks the guarantees and
+// while it injects the faults docs/guarantees.md names, then checks the guarantees and
 // prints a markdown table. `make chaos` runs it; exit status 1 means an
 // invariant was violated (the violations are listed), 2 a usage error.
 //
@@ -116,7 +116,7 @@ func main() {
 	fs.IntVar(&aggregates, "aggregates", 0, "distinct aggregates, at least 100 (0: the profile's)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (relay and server logs, config, WAL samples, webhook deliveries, faults)")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: outbox-relay-chaos [flags]\n\nRuns the relay under faults and load, checks SPEC §2's guarantees, prints a markdown table.\n\n")
+		fmt.Fprintf(fs.Output(), "usage: outbox-relay-chaos [flags]\n\nRuns the relay under faults and load, checks the guarantees of docs/guarantees.md, prints a markdown table.\n\n")
 		fs.PrintDefaults()
 	}
 	_ = fs.Parse(os.Args[1:])

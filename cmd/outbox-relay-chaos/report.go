@@ -14,7 +14,7 @@ import (
 func (res *result) print(w io.Writer, s *stack, args []string) {
 	o, p := s.o, s.o.profile
 	th := harness.Thousands
-	fmt.Fprintf(w, "\n### Chaos run (SPEC §2)\n\n")
+	fmt.Fprintf(w, "\n### Chaos run\n\n")
 	quiet := "did not quiesce within " + p.quiesce.String()
 	if res.quiesced >= 0 {
 		quiet = fmt.Sprintf("everything delivered %.1f s after the writers stopped", res.quiesced.Seconds())

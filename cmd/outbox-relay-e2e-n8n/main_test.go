@@ -18,10 +18,10 @@ func TestShippedWorkflow(t *testing.T) {
 		t.Fatal(err)
 	}
 	if wf.ID != "outboxRelayApply" || wf.WebhookPath != "outbox" {
-		t.Errorf("id %q, webhook path %q; want outboxRelayApply, outbox (deploy/n8n/README.md names both)", wf.ID, wf.WebhookPath)
+		t.Errorf("id %q, webhook path %q; want outboxRelayApply, outbox (docs/n8n.md names both)", wf.ID, wf.WebhookPath)
 	}
 	if wf.HeaderCred != (credRef{"outboxRelayToken", "outbox-relay"}) || wf.PostgresCre != (credRef{"outboxRelayPgsql", "outbox-relay-postgres"}) {
-		t.Errorf("credentials %+v, %+v; the README documents outboxRelayToken/outbox-relay and outboxRelayPgsql/outbox-relay-postgres", wf.HeaderCred, wf.PostgresCre)
+		t.Errorf("credentials %+v, %+v; docs/n8n.md documents outboxRelayToken/outbox-relay and outboxRelayPgsql/outbox-relay-postgres", wf.HeaderCred, wf.PostgresCre)
 	}
 }
 

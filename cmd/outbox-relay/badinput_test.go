@@ -1,6 +1,6 @@
 package main
 
-// The bad-input suite (SPEC §2.5): each class of bad input, end to end
+// The bad-input suite (docs/guarantees.md, "bad input never stops the stream"): each class of bad input, end to end
 // through the relay against a real PostgreSQL, an embedded NATS server and a
 // webhook receiver. Every test asserts the exact outcome — a dead letter
 // whose reason names the cause, a clear error, or a faithful delivery where

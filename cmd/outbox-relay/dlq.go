@@ -328,7 +328,7 @@ func newDLQDiscardCommand(g *globals) *cobra.Command {
 		Use:   "discard",
 		Short: "Settle failed and held events without delivering them",
 		Long: `Discard marks the chosen failed and held events as settled without delivering them: status
-done, processed_at now, last_error prefixed with "discarded: ". SPEC's five statuses are fixed
+done, processed_at now, last_error prefixed with "discarded: ". The five statuses are fixed
 (the claim query, the ordering check and legacy pollers rely on them), so a discarded event is
 a done event with that prefix: it no longer blocks its aggregate and retention prunes it like
 any done row. Find them with: SELECT … WHERE status = 'done' AND last_error LIKE 'discarded: %'.

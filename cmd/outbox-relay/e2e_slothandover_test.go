@@ -11,7 +11,7 @@ import (
 // TestRelay_SlotDroppedWhileDeliveringRepeatsNothing: the slot is dropped
 // while the stream still has events in flight and queued for a slow (but
 // healthy) webhook. No outcome is ever unknown, so no event may reach the
-// webhook twice (SPEC §2.2): the new slot's hand-over must not give the claim
+// webhook twice (docs/guarantees.md, "at most one delivery"): the new slot's hand-over must not give the claim
 // path rows the engine is still delivering. Found by the chaos suite's
 // "a repeat after a 2xx only follows a crash" check.
 func TestRelay_SlotDroppedWhileDeliveringRepeatsNothing(t *testing.T) {

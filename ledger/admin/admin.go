@@ -4,7 +4,7 @@
 //
 // Every name comes from the configuration and is rendered with
 // relay.QualifiedName.Quoted, so no name is ever read as SQL. Every status
-// change is conditional on the status the operator saw (SPEC §3): a row that
+// change is conditional on the status the operator saw (docs/operations.md): a row that
 // moved on in the meantime is left alone and not counted. Changes that touch
 // the outbox and the ledger together (retry, replay) are one statement per
 // batch, so each batch is atomic.

@@ -248,7 +248,7 @@ SELECT (SELECT count(*) FROM reset), (SELECT count(*) FROM cleared)`, t.Outbox.Q
 
 // DiscardPrefix starts the last_error of a discarded row.
 //
-// SPEC §3 fixes the five statuses, and the claim query, the ordering check
+// The five statuses are fixed (docs/schema.md), and the claim query, the ordering check
 // and a legacy poller all rely on them, so a discarded row becomes 'done'
 // (settled, no longer blocking, pruned by retention like any done row) and
 // keeps its error behind this prefix: WHERE last_error LIKE 'discarded: %'

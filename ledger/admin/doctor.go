@@ -416,7 +416,7 @@ type TableGrant struct {
 }
 
 // LeastPrivilegeRole returns the statements that create a role for run with
-// exactly the rights it needs (SPEC §5, issue "least privilege"): LOGIN and
+// exactly the rights it needs (docs/security.md, "a least-privilege role"): LOGIN and
 // REPLICATION (unless the relay only polls), USAGE on the tables' schemas,
 // and the table privileges of NeededPrivileges. The password is left for
 // the reader to fill in.

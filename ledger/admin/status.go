@@ -78,7 +78,7 @@ type Status struct {
 	Relays     []Session         `json:"relays"`
 	Slot       SlotStatus        `json:"slot"`
 	Checkpoint *CheckpointStatus `json:"checkpoint,omitempty"`
-	// Rows counts outbox rows by status; the five statuses of SPEC §3 are
+	// Rows counts outbox rows by status; the five statuses (docs/schema.md) are
 	// always present, others (a legacy poller's) only when they occur.
 	Rows map[string]int64 `json:"rows"`
 	// OldestPendingSeconds is the age of the oldest pending row (by
@@ -91,7 +91,7 @@ type Status struct {
 	Failed            int64            `json:"failed"`
 }
 
-// Statuses are the outbox statuses of SPEC §3.
+// Statuses are the outbox statuses (docs/schema.md).
 var Statuses = []string{"pending", "processing", "held", "failed", "done"}
 
 // ReadStatus reads the state of the relays of slot from the database. The

@@ -229,7 +229,7 @@ func (c *Source) claimLoop(ctx context.Context) {
 				failures++
 				wait := relay.RetryDelay(failures)
 				c.log.Warn().Err(err).Dur("retry_in", wait).Msg("claim a batch; retrying")
-				if !sleep(ctx, wait) {
+				if !relay.Sleep(ctx, wait) {
 					return
 				}
 				continue
@@ -287,17 +287,5 @@ func (c *Source) putBack(ctx context.Context, works []*relay.Work) {
 	defer cancel()
 	if err := c.cfg.Store.SettleClaim(wctx, works, c.cfg.Owner); err != nil {
 		c.log.Warn().Err(err).Int("rows", len(works)).Msg("put claimed rows back; the sweeper returns them when their lease passes")
-	}
-}
-
-// sleep waits d or until ctx is done; it reports whether d passed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
 	}
 }

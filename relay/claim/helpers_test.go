@@ -467,7 +467,7 @@ func (r *rig) MustStream(tb testing.TB, f *fixture, agg string, keys ...string) 
 	var evs []*relay.Event
 	for _, k := range keys {
 		ev := f.mustEvent(tb, k)
-		ev.CommitLSN, ev.EndLSN, ev.CommitTime = lsn, lsn+1, time.Now()
+		ev.CommitLSN, ev.CommitTime = lsn, time.Now()
 		evs = append(evs, ev)
 	}
 	if err := r.Engine.Stream().Submit(context.Background(), evs); err != nil {

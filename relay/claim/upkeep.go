@@ -149,7 +149,7 @@ func (c *Source) listen(ctx context.Context) {
 		wait := min(relay.RetryDelay(attempt), 30*time.Second)
 		c.log.Warn().Err(err).Str("channel", c.cfg.Notify).Dur("retry_in", wait).
 			Msg("LISTEN connection failed; polling every poll_interval until it is back")
-		if !sleep(ctx, wait) {
+		if !relay.Sleep(ctx, wait) {
 			return
 		}
 	}

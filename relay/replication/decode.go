@@ -101,9 +101,6 @@ func (d *decoder) handle(ctx context.Context, it streamItem) error {
 		// The end of the commit record, not its start (CommitLSN): a slot
 		// restarted at CommitLSN would stream the transaction again.
 		end := relay.LSN(m.TransactionEndLSN)
-		for _, ev := range d.batch {
-			ev.EndLSN = end
-		}
 		if err := d.submit(ctx); err != nil {
 			return err
 		}

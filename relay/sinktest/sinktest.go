@@ -42,6 +42,7 @@ func Run(t *testing.T, newHarness func(t *testing.T) *Harness) {
 	t.Run("CancelledContext", func(t *testing.T) { testCancelled(t, newHarness(t)) })
 	t.Run("CloseWaitsForInFlight", func(t *testing.T) { testClose(t, newHarness(t)) })
 	t.Run("EmptyEventKeyIsPermanent", func(t *testing.T) { testEmptyKey(t, newHarness(t)) })
+	t.Run("ThroughBothSources", func(t *testing.T) { testBothSources(t, newHarness(t)) })
 }
 
 // Event returns a sample event with id n.
@@ -220,3 +221,117 @@ func testEmptyKey(t *testing.T, h *Harness) {
 		t.Fatalf("destination holds %d messages, want none", len(got))
 	}
 }
+
+// testBothSources runs the sink under the one delivery core, fed by both
+// sources: events submitted as the stream would and rows handed over as the
+// claim path would reach the destination once each, with the same bytes,
+// and settle as done.
+func testBothSources(t *testing.T, h *Harness) {
+	const n = 40
+	stores := &memStores{done: map[int64]relay.DecisionKind{}}
+	e, err := relay.NewEngine(relay.EngineConfig{Routes: []relay.Route{{Sink: h.Sink}}, Stream: stores, Claim: stores, Owner: "outbox-relay:sinktest"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { defer close(ran); e.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+
+	c := e.Stream()
+	for i := 1; i <= n/2; i++ {
+		if err := c.Submit(ctx, []*relay.Event{Event(i)}); err != nil {
+			t.Fatal(err)
+		}
+		c.Commit(relay.LSN(i * 100))
+	}
+	var claimed []*relay.Work
+	for i := n/2 + 1; i <= n; i++ {
+		claimed = append(claimed, &relay.Work{Event: Event(i)})
+	}
+	if notTaken, err := e.SubmitClaimed(ctx, claimed); err != nil || len(notTaken) > 0 {
+		t.Fatalf("SubmitClaimed: %v (%d not taken)", err, len(notTaken))
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for stores.settled() < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events settled", stores.settled(), n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	got := waitReceived(t, h, n)
+	byKey := map[string]Message{}
+	for _, m := range got {
+		if prev, ok := byKey[m.IdempotencyKey]; ok && !bytes.Equal(prev.Body, m.Body) {
+			t.Fatalf("%s arrived twice with different bodies", m.IdempotencyKey)
+		}
+		byKey[m.IdempotencyKey] = m
+	}
+	for i := 1; i <= n; i++ {
+		ev := Event(i)
+		m, ok := byKey[ev.EventKey]
+		if !ok {
+			t.Fatalf("event %d never arrived", i)
+		}
+		if want := ev.AppendEnvelope(nil); !bytes.Equal(m.Body, want) {
+			t.Fatalf("event %d arrived as %s, want %s", i, m.Body, want)
+		}
+		if k := stores.decision(int64(i)); k != relay.Done {
+			t.Fatalf("event %d settled as %v, want done", i, k)
+		}
+	}
+}
+
+// memStores are the stream's and the claim path's stores kept in memory.
+type memStores struct {
+	mu   sync.Mutex
+	done map[int64]relay.DecisionKind
+}
+
+func (s *memStores) record(works []*relay.Work) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, w := range works {
+		s.done[w.Event.ID] = w.Decision.Kind
+	}
+}
+
+func (s *memStores) settled() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.done)
+}
+
+func (s *memStores) decision(id int64) relay.DecisionKind {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.done[id]
+}
+
+func (s *memStores) PrepareStream(context.Context, []*relay.Work, bool, string) error { return nil }
+func (s *memStores) SettleStream(_ context.Context, works []*relay.Work, _ string) ([]int64, error) {
+	s.record(works)
+	return nil, nil
+}
+func (s *memStores) Gone(context.Context, []*relay.Work) ([]int64, error)   { return nil, nil }
+func (s *memStores) MarkDone(context.Context, []int64) ([]int64, error)     { return nil, nil }
+func (s *memStores) Diverted(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
+func (s *memStores) Claim(context.Context, relay.ClaimQuery) ([]*relay.Work, error) {
+	return nil, nil
+}
+func (s *memStores) PrepareClaim(_ context.Context, works []*relay.Work, _ string, _ time.Duration) error {
+	for _, w := range works {
+		for _, p := range w.Pairs {
+			p.Claimed = true
+		}
+	}
+	return nil
+}
+func (s *memStores) SettleClaim(_ context.Context, works []*relay.Work, _ string) error {
+	s.record(works)
+	return nil
+}
+func (s *memStores) SettledAggregates(context.Context, []relay.AggregateKey) ([]relay.AggregateKey, error) {
+	return nil, nil
+}
+func (s *memStores) ExtendLeases(context.Context, []int64, string) error { return nil }

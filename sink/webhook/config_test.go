@@ -76,11 +76,3 @@ func TestNewValidates(t *testing.T) {
 		})
 	}
 }
-
-func TestNudgeReportsTheSetting(t *testing.T) {
-	t.Parallel()
-	s := MustSink(t, webhook.Config{URL: "http://127.0.0.1:1/x", Nudge: true})
-	if !s.Nudge() {
-		t.Fatal("Nudge() = false, want true")
-	}
-}

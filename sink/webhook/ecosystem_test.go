@@ -221,7 +221,6 @@ func TestFormatConfig(t *testing.T) {
 		{"cloudevents", webhook.Config{Format: webhook.FormatCloudEvents, CloudEventsSource: ceSource}, ""},
 		{"cloudevents without a source", webhook.Config{Format: webhook.FormatCloudEvents}, "needs a source"},
 		{"a source with the envelope", webhook.Config{CloudEventsSource: ceSource}, "only used with format cloudevents"},
-		{"cloudevents and nudge", webhook.Config{Format: webhook.FormatCloudEvents, CloudEventsSource: ceSource, Nudge: true}, "body nudge"},
 		{"unknown format", webhook.Config{Format: "xml"}, `format "xml"`},
 		{"a ce- attribute the sink sets", webhook.Config{Format: webhook.FormatCloudEvents, CloudEventsSource: ceSource,
 			Headers: map[string]string{"ce-type": "x"}}, "set by the sink"},

@@ -17,7 +17,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -94,10 +93,6 @@ type Config struct {
 	// attempt headers, or the auth header).
 	Headers map[string]string
 	Auth    Auth
-	// Nudge records `body: nudge`: the engine sends only
-	// {"id","event_key","event_type"}. The sink sends Delivery.Body as given
-	// either way; Nudge reports the setting.
-	Nudge bool
 	// Format is FormatEnvelope (or empty) or FormatCloudEvents, which
 	// cannot be combined with Nudge.
 	Format string
@@ -147,7 +142,6 @@ const (
 type Sink struct {
 	name      string
 	url       string
-	nudge     bool
 	ceSource  string // ce-source; "" unless the format is cloudevents
 	maxBody   int64
 	permanent map[int]bool
@@ -199,10 +193,7 @@ func New(cfg Config) (*Sink, error) {
 			return fail("a CloudEvents source is only used with format cloudevents")
 		}
 	case FormatCloudEvents:
-		switch {
-		case cfg.Nudge:
-			return fail("format cloudevents sends the payload as the body: it cannot be combined with body nudge")
-		case cfg.CloudEventsSource == "":
+		if cfg.CloudEventsSource == "" {
 			return fail("format cloudevents needs a source (ce-source)")
 		}
 		// The attributes the sink sets; other ce- headers configured are
@@ -226,7 +217,6 @@ func New(cfg Config) (*Sink, error) {
 	s := &Sink{
 		name:      cfg.Name,
 		url:       cfg.URL,
-		nudge:     cfg.Nudge,
 		ceSource:  cfg.CloudEventsSource,
 		maxBody:   cfg.MaxBody,
 		permanent: make(map[int]bool, len(cfg.PermanentStatuses)),
@@ -337,10 +327,6 @@ func New(cfg Config) (*Sink, error) {
 // Name returns the sink's configured name.
 func (s *Sink) Name() string { return s.name }
 
-// Nudge reports whether the sink was configured with `body: nudge`, so the
-// engine computes the nudge body instead of the envelope.
-func (s *Sink) Nudge() bool { return s.nudge }
-
 // Send posts d.Body (with format cloudevents, the event's payload and its
 // attributes) and calls done exactly once with the outcome: nil on a
 // 2xx (or a 409 with Treat409AsDelivered), otherwise an error classified by
@@ -444,25 +430,6 @@ func (s *Sink) Close(ctx context.Context) error {
 	return err
 }
 
-// trackedBody is a request body that records whether the transport read
-// all of it. A body not read to its end cannot have reached the receiver
-// complete (the request has a Content-Length), so the request is safe to
-// retry. It has no GetBody, so net/http never re-sends it.
-type trackedBody struct {
-	r        *bytes.Reader
-	consumed atomic.Bool
-}
-
-func (b *trackedBody) Read(p []byte) (int, error) {
-	n, err := b.r.Read(p)
-	if b.r.Len() == 0 {
-		b.consumed.Store(true)
-	}
-	return n, err
-}
-
-func (b *trackedBody) Close() error { return nil }
-
 // writeTrace records the connection and WroteRequest events of one
 // request.
 type writeTrace struct {
@@ -536,8 +503,10 @@ func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
 		GotConn:      trace.gotConnection,
 		WroteRequest: trace.wroteRequest,
 	})
-	tracked := &trackedBody{r: bytes.NewReader(body)}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, tracked)
+	// A *bytes.Reader: net/http knows it is in memory and writes the
+	// headers and the body in one write (another reader type costs a
+	// second write system call per request).
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, bytes.NewReader(body))
 	if err != nil {
 		return relay.SinkDownError(fmt.Errorf("webhook %s: build request: %w", s.name, err), 0)
 	}
@@ -628,7 +597,10 @@ func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
 		case writeErr != nil:
 			event.Msg("webhook request not completely written")
 			return relay.TransientError(fmt.Errorf("webhook %s: event %q: request not completely written: %w", s.name, key, err), 0)
-		case !tracked.consumed.Load():
+		case !wrote:
+			// WroteRequest fires once the whole request (Content-Length
+			// bytes) is written: before that the receiver cannot have a
+			// complete request, so the event is safe to send again.
 			event.Msg("webhook request not written")
 			return relay.TransientError(fmt.Errorf("webhook %s: event %q: request not written: %w", s.name, key, err), 0)
 		default:

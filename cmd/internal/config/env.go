@@ -39,7 +39,7 @@ func envAssignments(environ []string) ([]assignment, []error) {
 	for _, k := range slices.Sorted(maps.Keys(vars)) {
 		segs, ok := matchEnv(configType, strings.Split(strings.TrimPrefix(k, envPrefix), "_"))
 		if !ok {
-			errs = append(errs, fmt.Errorf("%s: names no configuration key (see the README for RELAY_ variables)", k))
+			errs = append(errs, fmt.Errorf("%s: names no configuration key (see docs/configuration.md for RELAY_ variables)", k))
 			continue
 		}
 		if vars[k] == "" {
