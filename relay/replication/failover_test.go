@@ -3,6 +3,7 @@ package replication_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -222,5 +223,36 @@ func TestSourceEndsWhenServerChanges(t *testing.T) {
 	defer mu.Unlock()
 	if len(calls) == 0 || calls[0].timeline != 1 {
 		t.Errorf("StreamFrom calls %v, want the first on timeline 1", calls)
+	}
+}
+
+// TestCheckpointOnAnotherServerEndsSource: a checkpoint refused because the
+// server written to is not the one streamed from (the pool reached a
+// promoted standby, or a second primary, before the stream did) ends the
+// session and Run with relay.ErrServerChanged, instead of holding the
+// acknowledgement back forever.
+func TestCheckpointOnAnotherServerEndsSource(t *testing.T) {
+	e := newEnv(t)
+	c := &fakeConsumer{}
+	cp := &fakeCheckpoint{failWith: fmt.Errorf("save checkpoint: %w: the server is on timeline 2", relay.ErrServerChanged)}
+	src, err := replication.New(e.config(t, c, cp, &claimRecorder{url: e.url}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- src.Run(ctx) }()
+	waitStreaming(t, c, 1)
+	e.insert(t, "event")
+	waitFor(t, 10*time.Second, "the event", func() bool { return c.commitOf("event") != 0 })
+	cp.setFail(true)
+	select {
+	case err := <-done:
+		if !errors.Is(err, relay.ErrServerChanged) {
+			t.Fatalf("Run = %v, want ErrServerChanged", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Run goes on although its checkpoints land on another server")
 	}
 }
