@@ -34,13 +34,14 @@ test: fmt-check vet
 ## (needs Node.js and npm). For each version: the packages PG_PKGS (PG_RUN, if
 ## set, filters their tests) and the cmd/outbox-relay end-to-end tests PG_E2E
 ## (stream, claim path, auto mode's fallback and return, slot hand-overs, HA,
-## kill -9, doctor, status), then "PostgreSQL N: ok in Ns". A run on the wrong
+## kill -9, a primary failover to its standby, doctor, status), then
+## "PostgreSQL N: ok in Ns". A run on the wrong
 ## binaries fails: every cluster checks server_version_num against the version
 ## asked for. 3-8 minutes per version on a shared 2-core machine.
 PG      ?= 13 14 16 17 18
 PG_PKGS ?= ./relay/replication/... ./ledger/... ./relay/claim/... ./migrations/...
 PG_RUN  ?=
-PG_E2E  ?= ^(TestRelay_EndToEnd|TestRelay_FirstStartHandsExistingRowsToClaimPath|TestRelay_AutoPollsWithoutLogicalWAL|TestRelay_ReturnsToReplication|TestRelay_SlotDroppedWhileStreaming|TestRelay_SlotDroppedWhileDeliveringRepeatsNothing|TestRelay_HA|TestRelay_KillNine|TestDoctor_Healthy|TestStatusCommand|TestMigrateCommand)$$
+PG_E2E  ?= ^(TestRelay_EndToEnd|TestRelay_FirstStartHandsExistingRowsToClaimPath|TestRelay_AutoPollsWithoutLogicalWAL|TestRelay_ReturnsToReplication|TestRelay_SlotDroppedWhileStreaming|TestRelay_SlotDroppedWhileDeliveringRepeatsNothing|TestRelay_HA|TestRelay_KillNine|TestRelay_Failover|TestDoctor_Healthy|TestStatusCommand|TestMigrateCommand)$$
 test-pg:
 	@$(GO) build -o $(BIN)/outbox-relay-pg ./cmd/outbox-relay-pg
 	@failed=""; for v in $(PG); do \
@@ -63,12 +64,14 @@ test-pg:
 ## acknowledgement (replication); the checkpoint, hand-over, leader lock and
 ## settling SQL (ledger); doctor and status, whose catalog queries differ by
 ## version; the claim query and its plan (claim); every migration; the
-## server version -- and the end-to-end tests of the stream, the slot
-## hand-over, HA and doctor. `make test-pg` runs everything. Measured: 427 s
-## for the five versions (64-117 s each).
+## server version; failover slots (17+) and the standby harness -- and the
+## end-to-end tests of the stream, the slot hand-over, HA, a primary
+## failover and doctor. `make test-pg` runs everything. Measured: 427 s
+## for the five versions (64-117 s each) before the failover tests, which
+## add about 15-20 s per version.
 ## One go test per version, so that the end-to-end package builds and runs
 ## beside the others.
-PG_CI_RUN := ^(TestStreamsInsertsInCommitOrder|TestNewSlotHandsPendingRowsToClaimPath|TestRecreatesLostSlot|TestRecreatesSlotInvalidatedByIdleTimeout|TestResumesAfterServerRestart|TestAcknowledgesOnlySettledTransactions|TestIdleOutboxLetsSlotAdvance|TestCheckpoint|TestMarkForClaim|TestLeader|TestSettleDelivered|TestDiagnose_.*|TestReadStatus_.*|TestRefusalFix_ServerTexts|TestPollModeDeliversEveryEventOnceToEverySink|TestReplicationModeClaimsOnlyHandedOffRows|TestClaimQueryUsesPartialIndexes|TestMigrate_.*|TestOutboxPublish_Protocol|TestServerVersion|TestRelay_EndToEnd|TestRelay_SlotDroppedWhileDeliveringRepeatsNothing|TestRelay_HA|TestDoctor_Healthy)$$
+PG_CI_RUN := ^(TestStreamsInsertsInCommitOrder|TestNewSlotHandsPendingRowsToClaimPath|TestRecreatesLostSlot|TestRecreatesSlotInvalidatedByIdleTimeout|TestResumesAfterServerRestart|TestAcknowledgesOnlySettledTransactions|TestIdleOutboxLetsSlotAdvance|TestCheckpoint|TestMarkForClaim|TestLeader|TestSettleDelivered|TestDiagnose_.*|TestReadStatus_.*|TestRefusalFix_ServerTexts|TestPollModeDeliversEveryEventOnceToEverySink|TestReplicationModeClaimsOnlyHandedOffRows|TestClaimQueryUsesPartialIndexes|TestMigrate_.*|TestOutboxPublish_Protocol|TestServerVersion|TestCreatesFailoverSlot|TestSaveCheckpointWaitsForStandbys|TestStandbyFollowsAndPromotes|TestRelay_EndToEnd|TestRelay_SlotDroppedWhileDeliveringRepeatsNothing|TestRelay_HA|TestRelay_Failover|TestDoctor_Healthy)$$
 test-pg-ci: PG_PKGS = ./relay/replication/... ./ledger/... ./relay/claim/... ./migrations/... ./cmd/outbox-relay
 test-pg-ci: PG_RUN = $(PG_CI_RUN)
 test-pg-ci: PG_E2E =

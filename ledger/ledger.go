@@ -85,6 +85,7 @@ type Store struct {
 	outbox      string // quoted, for the few statements built elsewhere
 	routes      []Sink
 	record      *record
+	origin      originState
 	scan        scanState
 	tables      tables
 
@@ -283,6 +284,9 @@ type step struct {
 	args []any
 	// ids: the statement returns ids of rows it could not see.
 	ids bool
+	// check, when set, reads the statement's one row; an error rolls the
+	// transaction back.
+	check func(pgx.Row) error
 }
 
 func exec(kind, sql string, args ...any) step { return step{kind: kind, sql: sql, args: args} }
@@ -307,6 +311,12 @@ func (s *Store) runSteps(ctx context.Context, setCommit string, steps []step) ([
 		}
 	}, func(br pgx.BatchResults) error {
 		for _, st := range steps {
+			if st.check != nil {
+				if err := st.check(br.QueryRow()); err != nil {
+					return fmt.Errorf("%s: %w", st.kind, err)
+				}
+				continue
+			}
 			if !st.ids {
 				if _, err := br.Exec(); err != nil {
 					return fmt.Errorf("%s: %w", st.kind, err)

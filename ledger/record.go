@@ -105,23 +105,48 @@ func (s *Store) LoadCheckpoint(ctx context.Context, slot string) (relay.LSN, err
 // SaveCheckpoint returns nil the WAL is flushed up to its commit, so every
 // asynchronous commit made before it on this server — the other outcomes
 // SettleStream wrote — is durable too: only then may the slot be
-// acknowledged up to lsn. On an error the ids are kept for the next try.
+// acknowledged up to lsn. When the server names standbys in
+// synchronized_standby_slots (PostgreSQL 17+), it also waits until they
+// have flushed that WAL: a failover slot synced to a standby must not stand
+// past events whose outcomes the standby lacks (docs/failover.md). On an
+// error before the commit the ids are kept for the next try; the commit is
+// refused on another timeline than the stream's (see StreamFrom).
 func (s *Store) SaveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) error {
-	if err := s.record.writing.Acquire(ctx, 1); err != nil {
+	standbys, err := s.saveCheckpoint(ctx, slot, lsn)
+	if err != nil {
 		return fmt.Errorf("save checkpoint %s of slot %s: %w", lsn, slot, err)
 	}
-	defer s.record.writing.Release(1)
-	ids := s.record.take()
-	steps := []step{exec("save the checkpoint", s.sql.saveCheckpoint, slot, lsn)}
-	if len(ids) > 0 {
-		steps = append([]step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}, steps...)
-	}
-	if _, err := s.runSteps(ctx, s.sql.setSynchronousCommit, steps); err != nil {
-		s.record.putBack(ids)
+	// Outside the record's lock: waiting for a standby must not hold up
+	// the record's writes, nor with them the engine.
+	if err := s.waitStandbys(ctx, standbys); err != nil {
 		return fmt.Errorf("save checkpoint %s of slot %s: %w", lsn, slot, err)
 	}
 	return nil
 }
+
+// saveCheckpoint writes the checkpoint and the record, and returns the
+// server's synchronized_standby_slots.
+func (s *Store) saveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) (standbys string, err error) {
+	if err := s.record.writing.Acquire(ctx, 1); err != nil {
+		return "", err
+	}
+	defer s.record.writing.Release(1)
+	ids := s.record.take()
+	steps := []step{exec("save the checkpoint", s.sql.saveCheckpoint, slot, lsn),
+		{kind: "read synchronized_standby_slots", sql: standbySlotsSQL, check: func(row pgx.Row) error { return row.Scan(&standbys) }}}
+	if len(ids) > 0 {
+		steps = append([]step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}, steps...)
+	}
+	if _, err := s.runStreamSteps(ctx, s.sql.setSynchronousCommit, steps); err != nil {
+		s.record.putBack(ids)
+		return "", err
+	}
+	return standbys, nil
+}
+
+// standbySlotsSQL reads synchronized_standby_slots ("" before PostgreSQL 17,
+// which lacks it).
+const standbySlotsSQL = `SELECT coalesce(current_setting('synchronized_standby_slots', true), '')`
 
 // flushRecord writes the delivered ids waiting for a checkpoint, in a
 // transaction of their own: synchronous before a slot is made, otherwise
@@ -139,7 +164,7 @@ func (s *Store) flushRecord(ctx context.Context, sync bool) error {
 	if sync {
 		commit = s.sql.setSynchronousCommit
 	}
-	if _, err := s.runSteps(ctx, commit, []step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}); err != nil {
+	if _, err := s.runStreamSteps(ctx, commit, []step{exec(fmt.Sprintf("record %d delivered events", len(ids)), s.sql.recordDelivered, ids)}); err != nil {
 		s.record.putBack(ids)
 		return err
 	}

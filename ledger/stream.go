@@ -466,7 +466,7 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 	if len(steps) == 0 {
 		return nil, nil
 	}
-	invisible, err := s.runSteps(ctx, setCommit, steps)
+	invisible, err := s.runStreamSteps(ctx, setCommit, steps)
 	if err != nil {
 		return nil, fmt.Errorf("settle %d stream events: %w", len(works), err)
 	}
@@ -480,7 +480,7 @@ func (s *Store) MarkDone(ctx context.Context, ids []int64) ([]int64, error) {
 	if len(ids) == 0 {
 		return nil, nil
 	}
-	invisible, err := s.runSteps(ctx, s.sql.setAsyncCommit, []step{idsStep("mark rows done", s.sql.stream.markDone, ids)})
+	invisible, err := s.runStreamSteps(ctx, s.sql.setAsyncCommit, []step{idsStep("mark rows done", s.sql.stream.markDone, ids)})
 	if err != nil {
 		return nil, fmt.Errorf("mark %d rows done: %w", len(ids), err)
 	}

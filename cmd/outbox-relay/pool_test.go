@@ -40,3 +40,25 @@ func TestNewPoolTurnsJITOff(t *testing.T) {
 		}
 	}
 }
+
+// TestNewPoolFollowsWritableHost: with a multi-host URL whose first host is
+// a standby and target_session_attrs=read-write, the pool connects to the
+// primary (docs/failover.md).
+func TestNewPoolFollowsWritableHost(t *testing.T) {
+	ctx := context.Background()
+	primary := pgtest.NewCluster(t, pgtest.Options{})
+	standby := pgtest.NewStandby(t, primary, pgtest.StandbyOptions{})
+	pool, err := newPool(ctx, pgtest.MultiHostURL("postgres", standby, primary))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	var recovery bool
+	var port int
+	if err := pool.QueryRow(ctx, "SELECT pg_is_in_recovery(), inet_server_port()").Scan(&recovery, &port); err != nil {
+		t.Fatal(err)
+	}
+	if recovery || port != primary.Port() {
+		t.Errorf("pool connected to port %d (in recovery: %v), want the primary's %d", port, recovery, primary.Port())
+	}
+}

@@ -183,6 +183,9 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 			return l, nil
 		},
 		Engine: func() (*relay.Engine, error) {
+			// A term's stream writes its outcomes to one server only
+			// (docs/failover.md).
+			r.store.BeginTerm()
 			return relay.NewEngine(relay.EngineConfig{
 				Routes: r.routes,
 				Policy: relay.Policy{
@@ -210,6 +213,7 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				Consumer:    e.Stream(),
 				Checkpoint:  r.store,
 				HandOver:    r.store,
+				StreamFrom:  r.store.StreamFrom,
 				WaitSettled: e.WaitSettled,
 				Logger:      log,
 			})

@@ -71,10 +71,11 @@ type DiagnoseConfig struct {
 // and a replication connection, the schema version, the privileges the run
 // role needs and those it has beyond them, the publication, the slot (state,
 // holder, retained WAL), max_slot_wal_keep_size, (18+)
-// idle_replication_slot_timeout, and the settings that bound how long a
+// idle_replication_slot_timeout, the settings that bound how long a
 // vanished or cut-off relay's sessions outlive it (wal_sender_timeout, TCP
 // keepalives, idle_session_timeout, idle_in_transaction_session_timeout;
-// docs/operations-health.md). On a managed service it recognises
+// docs/operations-health.md) and, when physical standbys exist, what a
+// failover to one needs (failover.go). On a managed service it recognises
 // (DetectProvider) the fixes are that service's. It connects as the relay
 // would, only reads, and reports every problem it finds with its fix; it
 // never returns an error of its own.
@@ -125,6 +126,7 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	d.walSenderTimeout(ctx)
 	d.vanishedSessions(ctx)
 	d.idleSessionTimeout(ctx)
+	d.failover(ctx)
 	return d.checks
 }
 
@@ -135,6 +137,7 @@ type diagnosis struct {
 
 	// From the server and the role.
 	walLevelSetting string
+	version         int // server_version_num
 	role            roleInfo
 	// host and user are database_url's; provider is the managed service
 	// the server belongs to (SelfManaged if none).
@@ -214,6 +217,7 @@ func (d *diagnosis) server(ctx context.Context) bool {
 		d.add(Fail, "connection", fmt.Sprintf("connected, but reading the server settings failed: %v", err), "")
 		return false
 	}
+	d.version = num
 	cc := d.conn.Config()
 	d.add(OK, "connection", fmt.Sprintf("%s@%s on %s:%d", user, db, cc.Host, cc.Port), "")
 	if num < MinServerVersion {

@@ -169,6 +169,7 @@ type fakeCheckpoint struct {
 
 	mu       sync.Mutex
 	fail     bool
+	failWith error // the error a failing write returns; nil: a generic one
 	failures int
 	saves    []savedCheckpoint
 }
@@ -198,6 +199,9 @@ func (f *fakeCheckpoint) SaveCheckpoint(ctx context.Context, _ string, lsn relay
 	defer f.mu.Unlock()
 	if f.fail {
 		f.failures++
+		if f.failWith != nil {
+			return f.failWith
+		}
 		return errors.New("checkpoint table unavailable")
 	}
 	f.saves = append(f.saves, savedCheckpoint{lsn: lsn, confirmed: confirmed})

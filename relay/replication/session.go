@@ -30,7 +30,7 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	}
 	defer closeConn(qconn)
 
-	senderTimeout, err := s.checkServer(ctx, qconn)
+	senderTimeout, version, err := s.checkServer(ctx, qconn)
 	if err != nil {
 		return false, err
 	}
@@ -54,8 +54,12 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	}
 	s.log.Debug().Str("system_id", sys.SystemID).Int32("timeline", sys.Timeline).
 		Str("server_wal", sys.XLogPos.String()).Msg("replication connection open")
+	s.rememberWalsender(rconn.PID())
+	if err := s.checkOrigin(ctx, sys); err != nil {
+		return false, err
+	}
 
-	startLSN, err := s.ensureSlot(ctx, qconn, rconn)
+	startLSN, err := s.ensureSlot(ctx, qconn, rconn, version)
 	if err != nil {
 		return false, err
 	}
@@ -86,7 +90,7 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	})
 	if err != nil {
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "55006" {
-			return false, fmt.Errorf("START_REPLICATION: the slot is in use by another process (a stale walsender exits after wal_sender_timeout): %w", err)
+			return false, s.slotInUse(ctx, rconn.PID(), err)
 		}
 		return false, fmt.Errorf("START_REPLICATION: %w", err)
 	}
@@ -127,8 +131,22 @@ func replicationConnectError(err error) error {
 }
 
 // checkServer verifies what retrying cannot fix and returns
-// wal_sender_timeout (0 when disabled).
-func (s *Source) checkServer(ctx context.Context, conn *pgx.Conn) (time.Duration, error) {
+// wal_sender_timeout (0 when disabled) and server_version_num.
+func (s *Source) checkServer(ctx context.Context, conn *pgx.Conn) (time.Duration, int, error) {
+	timeout, err := s.checkPublication(ctx, conn)
+	if err != nil {
+		return 0, 0, err
+	}
+	var version int
+	if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
+		return 0, 0, fmt.Errorf("read server_version_num: %w", err)
+	}
+	return timeout, version, nil
+}
+
+// checkPublication checks wal_level and the publication, and returns
+// wal_sender_timeout.
+func (s *Source) checkPublication(ctx context.Context, conn *pgx.Conn) (time.Duration, error) {
 	var walLevel, senderTimeout string
 	if err := conn.QueryRow(ctx, "SHOW wal_level").Scan(&walLevel); err != nil {
 		return 0, fmt.Errorf("show wal_level: %w", err)
@@ -216,6 +234,9 @@ type slotDetails struct {
 	walStatus      string
 	confirmedFlush relay.LSN
 	activePID      int32
+	// failover is pg_replication_slots.failover (17+): the slot is synced
+	// to standbys with sync_replication_slots; false on older servers.
+	failover bool
 
 	// invalidationReason is pg_replication_slots.invalidation_reason (17+),
 	// "" when the slot is valid or the server is older.
@@ -248,10 +269,11 @@ func lookUpSlot(ctx context.Context, conn *pgx.Conn, slot string) (slotDetails, 
 		SELECT slot_type, coalesce(plugin, ''), coalesce(database, ''),
 		       coalesce(database = current_database(), false),
 		       coalesce(wal_status, ''), coalesce(to_jsonb(s) ->> 'invalidation_reason', ''),
-		       confirmed_flush_lsn::text, coalesce(active_pid, 0)
+		       confirmed_flush_lsn::text, coalesce(active_pid, 0),
+		       coalesce((to_jsonb(s) ->> 'failover')::bool, false)
 		  FROM pg_replication_slots s
 		 WHERE slot_name = $1`, slot).
-		Scan(&d.slotType, &d.plugin, &d.database, &d.sameDatabase, &d.walStatus, &d.invalidationReason, &d.confirmedFlush, &d.activePID)
+		Scan(&d.slotType, &d.plugin, &d.database, &d.sameDatabase, &d.walStatus, &d.invalidationReason, &d.confirmedFlush, &d.activePID, &d.failover)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return slotDetails{}, nil
 	}
@@ -276,7 +298,7 @@ func SlotInfo(ctx context.Context, conn *pgx.Conn, slot string) (exists bool, wa
 
 // ensureSlot returns the position streaming will start from, creating the
 // slot (through the snapshot hand-over) when it is missing or lost.
-func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.PgConn) (relay.LSN, error) {
+func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.PgConn, version int) (relay.LSN, error) {
 	slot, err := lookUpSlot(ctx, qconn, s.cfg.Slot)
 	if err != nil {
 		return 0, err
@@ -309,6 +331,9 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			} else if slot.activePID != 0 {
 				s.log.Warn().Int32("pid", slot.activePID).Msg("replication slot is in use by another process")
 			}
+			if version >= failoverVersion && !slot.failover {
+				s.enableFailover(ctx, rconn, slot.activePID)
+			}
 			return slot.confirmedFlush, nil
 		}
 		if err := pglogrepl.DropReplicationSlot(ctx, rconn, s.cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
@@ -324,10 +349,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	if err := s.cfg.HandOver.BeginSlot(ctx, s.cfg.Slot); err != nil {
 		return 0, err
 	}
-	res, err := pglogrepl.CreateReplicationSlot(ctx, rconn, s.cfg.Slot, "pgoutput", pglogrepl.CreateReplicationSlotOptions{
-		SnapshotAction: "EXPORT_SNAPSHOT",
-		Mode:           pglogrepl.LogicalReplication,
-	})
+	res, err := createSlot(ctx, rconn, s.cfg.Slot, version)
 	if err != nil {
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "53400" {
 			return 0, &UnavailableError{Reason: "all replication slots are in use (raise max_replication_slots, or drop an unused slot)", Err: err}
@@ -348,7 +370,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		s.dropAfterFailedHandOver(rconn)
 		return 0, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
 	}
-	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).
+	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("failover", version >= failoverVersion).
 		Msg("created replication slot; rows pending in its snapshot go to the claim path")
 	return consistent, nil
 }

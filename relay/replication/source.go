@@ -68,6 +68,14 @@ type Config struct {
 	// path as well.
 	WaitSettled func(ctx context.Context) error
 
+	// StreamFrom, when set, is told at the start of every session which
+	// server the session streams from (IDENTIFY_SYSTEM's system identifier
+	// and timeline), before anything is written for it. It returns how many
+	// outcomes of another server's events it dropped, or an error wrapping
+	// relay.ErrServerChanged when the term must end; ledger.Store.StreamFrom
+	// implements it (docs/failover.md).
+	StreamFrom func(ctx context.Context, systemID string, timeline int32) (dropped int, err error)
+
 	// StatusInterval is how often settled positions are acknowledged
 	// [DefaultStatusInterval]. It is lowered to the server's
 	// wal_sender_timeout/3 when that is shorter.
@@ -134,6 +142,14 @@ type Source struct {
 	outbox      relay.QualifiedName // Schema never empty
 	replConfig  *pgconn.Config
 	queryConfig *pgx.ConnConfig
+
+	// origin is the server of the first session: every later session must
+	// stream from the same one (relay.ErrServerChanged). walsenders holds
+	// the backend pids of this Source's replication connections, to end
+	// one that outlived its connection and holds the slot. Both are touched
+	// only by the goroutine running the sessions.
+	origin     *origin
+	walsenders []uint32
 
 	// checkpointed and checkpointAt describe the last checkpoint this Source
 	// wrote. They outlive sessions and are touched only by the goroutine that
@@ -253,7 +269,10 @@ func setDefault(d *time.Duration, def time.Duration) {
 // resumes from the slot's confirmed position, and Consumer.Restart is called
 // before each new stream starts. Run returns an *UnavailableError, without
 // retrying, when the server cannot do logical replication for this
-// configuration. Run must not be called concurrently with itself.
+// configuration, and an error wrapping relay.ErrServerChanged when a
+// session finds another server than the first one did (a failover: the
+// events already streamed belong to the old server). Run must not be called
+// concurrently with itself.
 func (s *Source) Run(ctx context.Context) error {
 	b := backoff{min: s.cfg.ReconnectMin, max: s.cfg.ReconnectMax}
 	for {
@@ -263,6 +282,9 @@ func (s *Source) Run(ctx context.Context) error {
 		}
 		if ue, ok := errors.AsType[*UnavailableError](err); ok {
 			return ue
+		}
+		if errors.Is(err, relay.ErrServerChanged) {
+			return err
 		}
 		if streamed {
 			b.reset()

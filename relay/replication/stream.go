@@ -139,7 +139,7 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	if senderTimeout > 0 {
 		saveTimeout = min(saveTimeout, senderTimeout/3)
 	}
-	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked,
+	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked, stop: cancel,
 		silentMax: silentLimit(senderTimeout), idleSilentMax: 5*time.Second + 3*every, lastHeard: time.Now()}
 	r.ackable.Store(uint64(acked))
 	raise(&s.acknowledged, acked)
@@ -152,6 +152,9 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	cancel()
 	wg.Wait()
 
+	if changed := r.serverChanged.Load(); changed != nil {
+		return *changed
+	}
 	if ctx.Err() != nil {
 		if !conn.IsClosed() {
 			r.finalStatus()
@@ -197,6 +200,13 @@ type receiver struct {
 	published      relay.LSN // checkpointer: last position stored in ackable
 	mustCheckpoint bool      // checkpointer: settled passed events not yet covered by a checkpoint
 	saveFailing    bool      // checkpointer: the last checkpoint write failed (logged once)
+
+	// serverChanged is set when the checkpoint was refused because the
+	// server the relay writes to is not the one it streams from (a
+	// promotion the stream has not seen, or two primaries): the session
+	// ends with it, and the term with the session (docs/failover.md).
+	serverChanged atomic.Pointer[error]
+	stop          context.CancelFunc // ends the session
 }
 
 // checkpointLoop publishes the position the receiver may acknowledge, every
@@ -206,6 +216,10 @@ func (r *receiver) checkpointLoop(ctx context.Context) {
 	defer tick.Stop()
 	for {
 		r.publish(ctx)
+		if r.serverChanged.Load() != nil {
+			r.stop()
+			return
+		}
 		select {
 		case <-ctx.Done():
 			return
@@ -430,6 +444,9 @@ func (r *receiver) position(ctx context.Context) relay.LSN {
 	err := s.cfg.Checkpoint.SaveCheckpoint(sctx, s.cfg.Slot, save)
 	cancel()
 	if err != nil {
+		if errors.Is(err, relay.ErrServerChanged) {
+			r.serverChanged.CompareAndSwap(nil, &err)
+		}
 		if !r.saveFailing {
 			s.log.Warn().Err(err).Str("lsn", save.String()).Msg("checkpoint write failed; the slot is not acknowledged past settled events until it succeeds")
 			r.saveFailing = true

@@ -13,7 +13,9 @@
 // events (the claim path waits for the rows it claimed to settle); the
 // engine drains (every outcome written, up to ShutdownTimeout); the engine
 // stops; the lock is released. Every goroutine a term starts has ended when
-// the term returns.
+// the term returns. A term streams from one database server: when the
+// stream finds another (relay.ErrServerChanged, a failover), the term ends
+// as if its lock were lost and a new one starts on the new server.
 //
 // In poll mode there is no leader: every relay claims rows, and the table
 // (SKIP LOCKED, leases, owner locks) coordinates them.
@@ -215,6 +217,12 @@ func (s *Supervisor) Run(ctx context.Context) error {
 		if ctx.Err() != nil {
 			return nil
 		}
+		if errors.Is(err, relay.ErrServerChanged) {
+			// A failover: the old server's events stayed with the old term;
+			// lead again at once, on the new server (docs/failover.md).
+			s.log.Warn().Err(err).Msg("the database server changed: the term ended; leading again on the new server")
+			continue
+		}
 		if err != nil {
 			return err
 		}
@@ -253,6 +261,11 @@ func (s *Supervisor) term(ctx context.Context, drain time.Duration, body func(ct
 			drain = min(drain, lostDrain)
 		default:
 		}
+	}
+	if errors.Is(bodyErr, relay.ErrServerChanged) {
+		// What is in flight came from the old server: its outcomes cannot
+		// be written to the new one.
+		drain = min(drain, lostDrain)
 	}
 	drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), drain)
 	defer cancel()

@@ -2,6 +2,7 @@ package supervisor_test
 
 import (
 	"context"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -276,4 +277,51 @@ func TestTermStopsEveryGoroutine(t *testing.T) {
 		}
 	}
 	eventually(t, "the goroutines to end", func() bool { return runtime.NumGoroutine() <= before })
+}
+
+// TestServerChangeStartsNewTerm: a stream that finds another database
+// server (relay.ErrServerChanged, a failover) ends the term, its lock is
+// released, and a new term leads at once on the new server: Run goes on.
+func TestServerChangeStartsNewTerm(t *testing.T) {
+	var terms, leads atomic.Int32
+	var released []*leadership
+	var mu sync.Mutex
+	cfg := baseConfig(supervisor.ModeReplication, &slots{})
+	cfg.StandBy = time.Hour // a failover does not wait to lead again
+	cfg.Leader = func(ctx context.Context) (supervisor.Leadership, error) {
+		leads.Add(1)
+		l := &leadership{lost: make(chan struct{})}
+		mu.Lock()
+		released = append(released, l)
+		mu.Unlock()
+		return l, nil
+	}
+	cfg.Engine = func() (*relay.Engine, error) {
+		terms.Add(1)
+		return newEngine()
+	}
+	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+		return runner{func(ctx context.Context) error {
+			if terms.Load() == 1 {
+				return fmt.Errorf("stream: %w", relay.ErrServerChanged)
+			}
+			return untilDone(ctx)
+		}}, nil
+	}
+	stop := start(t, cfg)
+	deadline := time.Now().Add(5 * time.Second)
+	for terms.Load() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d terms after the server changed, want a second one at once", terms.Load())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("Run = %v, want nil: a failover is not fatal", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if leads.Load() != 2 || !released[0].released.Load() {
+		t.Errorf("leads %d, first lock released %v: want the lock released and taken again", leads.Load(), released[0].released.Load())
+	}
 }

@@ -1,0 +1,179 @@
+package ledger
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// The stream's origin: which server its events come from.
+//
+// After a promotion the new primary may lack the old primary's last
+// transactions, and it hands out their ids again to new rows (sequences are
+// logged ahead, and that log may be lost too). An outcome of an event
+// streamed from the old primary that is written by id on the new one —
+// the delivered record, status done, a dead letter, a hold — could mark a
+// different, undelivered row, which would then never be delivered. So the
+// stream's by-id writes go only to the timeline its events came from
+// (docs/failover.md, "what is written where"): each such transaction first
+// reads the server's timeline and rolls back on another; and when the
+// stream starts on a new timeline, the ids not yet written are dropped.
+// The events the new primary does have come again — from the synced slot,
+// or through a new slot's hand-over to the claim path — and may be
+// delivered a second time, with the same id and body.
+
+// originState is the server the stream's writes are bound to.
+type originState struct {
+	mu        sync.Mutex
+	set       bool
+	systemID  string
+	timeline  int32
+	termBound bool // bound by a StreamFrom of the current term
+}
+
+// timelineSQL reads the timeline the server writes WAL on: the first eight
+// hex digits of the current WAL file's name. Unlike pg_control_checkpoint()
+// it is right from the moment a promoted standby accepts writes.
+const timelineSQL = `SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int`
+
+// BeginTerm starts a leadership term (docs/architecture.md): the first
+// StreamFrom of the term may bind the stream to a new server; a later one
+// on another server fails with relay.ErrServerChanged, so that the events
+// of two servers never share a term.
+func (s *Store) BeginTerm() {
+	s.origin.mu.Lock()
+	defer s.origin.mu.Unlock()
+	s.origin.termBound = false
+}
+
+// StreamFrom binds the stream's writes to the server a replication session
+// streams from, named by IDENTIFY_SYSTEM's system identifier and timeline;
+// the stream calls it at the start of every session, before it writes
+// anything. From then on SettleStream, MarkDone, the delivered record and
+// SaveCheckpoint check in their own transaction that the server is on that
+// timeline and roll back otherwise.
+//
+// Binding to another server than the last one (a failover) drops the
+// delivered ids not yet written: they belong to the old server. It returns
+// how many it dropped. Within a term (see BeginTerm) only the first session
+// may change the server: a later change returns relay.ErrServerChanged.
+// Safe to repeat for the same server.
+func (s *Store) StreamFrom(ctx context.Context, systemID string, timeline int32) (dropped int, err error) {
+	o := &s.origin
+	o.mu.Lock()
+	same := o.set && o.systemID == systemID && o.timeline == timeline
+	switch {
+	case same:
+		o.termBound = true
+		o.mu.Unlock()
+		return 0, nil
+	case o.set && o.termBound:
+		from := fmt.Sprintf("system %s timeline %d", o.systemID, o.timeline)
+		o.mu.Unlock()
+		return 0, fmt.Errorf("%w: the stream moved from %s to system %s timeline %d", relay.ErrServerChanged, from, systemID, timeline)
+	}
+	o.mu.Unlock()
+	// No write of the record may be under way while its ids are dropped.
+	if err := s.record.writing.Acquire(ctx, 1); err != nil {
+		return 0, fmt.Errorf("bind the stream to system %s timeline %d: %w", systemID, timeline, err)
+	}
+	defer s.record.writing.Release(1)
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.set {
+		dropped = len(s.record.take())
+	}
+	o.set, o.systemID, o.timeline, o.termBound = true, systemID, timeline, true
+	return dropped, nil
+}
+
+// originGuard returns the step that checks the server's timeline against
+// the stream's origin, or false when the stream has not bound one.
+func (s *Store) originGuard() (step, bool) {
+	s.origin.mu.Lock()
+	defer s.origin.mu.Unlock()
+	if !s.origin.set {
+		return step{}, false
+	}
+	want, systemID := s.origin.timeline, s.origin.systemID
+	return step{kind: "check the server's timeline", sql: timelineSQL, check: func(row pgx.Row) error {
+		var got int32
+		if err := row.Scan(&got); err != nil {
+			return err
+		}
+		if got != want {
+			return fmt.Errorf("%w: the server is on timeline %d, the stream's events came from system %s timeline %d: their outcomes are not written here",
+				relay.ErrServerChanged, got, systemID, want)
+		}
+		return nil
+	}}, true
+}
+
+// runStreamSteps is runSteps for the stream's writes: preceded, in the same
+// transaction, by the origin guard.
+func (s *Store) runStreamSteps(ctx context.Context, setCommit string, steps []step) ([]int64, error) {
+	if guard, ok := s.originGuard(); ok {
+		steps = append([]step{guard}, steps...)
+	}
+	return s.runSteps(ctx, setCommit, steps)
+}
+
+// standbySlotsPoll is how often waitStandbys reads the standbys' positions.
+const standbySlotsPoll = 10 * time.Millisecond
+
+// waitStandbys waits until every physical slot named in setting (the
+// server's synchronized_standby_slots, PostgreSQL 17+) has flushed the WAL
+// the server has flushed now, or ctx ends. It returns nil at once when the
+// setting is empty. Called after a checkpoint commits: the standbys then
+// hold the delivered record and every outcome written before it, so a
+// failover slot synced to them never stands past an event whose outcome
+// they lack (docs/failover.md). Slots that do not exist or are not
+// physical are skipped: the walsender itself waits for them.
+func (s *Store) waitStandbys(ctx context.Context, setting string) error {
+	var names []string
+	for _, n := range strings.Split(setting, ",") {
+		n = strings.TrimSpace(n)
+		if len(n) >= 2 && n[0] == '"' && n[len(n)-1] == '"' {
+			n = strings.ReplaceAll(n[1:len(n)-1], `""`, `"`)
+		}
+		if n != "" {
+			names = append(names, n)
+		}
+	}
+	if len(names) == 0 {
+		return nil
+	}
+	var flushed string
+	if err := s.pool.QueryRow(ctx, `SELECT pg_current_wal_flush_lsn()::text`).Scan(&flushed); err != nil {
+		return fmt.Errorf("read the flushed WAL position: %w", err)
+	}
+	var behind []string
+	slots := strings.Join(names, ", ")
+	for {
+		behind = behind[:0]
+		err := s.pool.QueryRow(ctx, `
+SELECT coalesce(array_agg(slot_name ORDER BY slot_name), '{}')
+  FROM pg_replication_slots
+ WHERE slot_name = ANY($1) AND slot_type = 'physical' AND (restart_lsn IS NULL OR restart_lsn < $2::pg_lsn)`, names, flushed).Scan(&behind)
+		if err != nil && ctx.Err() == nil {
+			return fmt.Errorf("read the standbys' positions: %w", err)
+		}
+		if err == nil && len(behind) == 0 {
+			return nil
+		}
+		if err == nil {
+			slots = strings.Join(behind, ", ")
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("standby slots %s (synchronized_standby_slots) have not flushed %s: %w", slots, flushed, ctx.Err())
+		case <-time.After(standbySlotsPoll):
+		}
+	}
+}
