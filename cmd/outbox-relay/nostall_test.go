@@ -345,9 +345,20 @@ func TestNoStall_InvisibleRowHandOffIsNotAcknowledged(t *testing.T) {
 	}
 	setStandbys("ghost")
 	t.Cleanup(func() { setStandbys("") })
+	// pg_reload_conf only signals: publish on a session that has been seen
+	// to have the setting, or the commit may not wait.
+	publisher, err := pgx.Connect(ctx, cluster.URL("outbox"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { publisher.Close(ctx) })
+	eventually(t, 10*time.Second, "the publishing session to see synchronous_standby_names", func() bool {
+		var names string
+		return publisher.QueryRow(ctx, `SELECT current_setting('synchronous_standby_names')`).Scan(&names) == nil && names == "ghost"
+	})
 	committed := make(chan error, 1)
 	go func() {
-		_, err := s.pool.Exec(ctx, `SELECT outbox_publish('order.placed', 'order', 'inv', 'invisible', '{}')`)
+		_, err := publisher.Exec(ctx, `SELECT outbox_publish('order.placed', 'order', 'inv', 'invisible', '{}')`)
 		committed <- err
 	}()
 	// Longer than the 30 s after which the old relay gave up on the row.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"time"
 
 	"github.com/jackc/pglogrepl"
 	"github.com/jackc/pgx/v5"
@@ -103,10 +104,10 @@ func (s *Source) rememberWalsender(pid uint32) {
 // slotInUse explains START_REPLICATION's "replication slot is active for
 // PID" (55006), which the session retries: the walsender of an earlier
 // connection of this Source that outlived it (a network that swallowed its
-// packets keeps it until wal_sender_timeout) is ended at once; any other
-// holder — a former leader's walsender, after a failover or a leader change
-// (the supervisor ends those as a term starts), or another client — is
-// waited for.
+// packets keeps it until wal_sender_timeout: docs/operations-health.md) is
+// ended at once; any other holder — a former leader's walsender, after a
+// failover or a leader change (the supervisor ends those as a term
+// starts), or another client — is waited for.
 func (s *Source) slotInUse(ctx context.Context, self uint32, startErr error) error {
 	conn, err := pgx.ConnectConfig(ctx, s.queryConfig)
 	if err != nil {
@@ -118,13 +119,41 @@ func (s *Source) slotInUse(ctx context.Context, self uint32, startErr error) err
 		return fmt.Errorf("START_REPLICATION: the slot was in use by another process; retrying: %w", startErr)
 	}
 	pid := uint32(slot.activePID)
-	if pid == self || !slices.Contains(s.walsenders, pid) {
+	if !s.ownStaleWalsender(pid, self) {
 		return fmt.Errorf("START_REPLICATION: the slot is in use by process %d (a former leader's walsender, or another client); retrying until it is free: %w", pid, startErr)
 	}
-	var ended bool
-	if err := conn.QueryRow(ctx, "SELECT pg_terminate_backend($1)", int32(pid)).Scan(&ended); err != nil {
-		return fmt.Errorf("START_REPLICATION: the slot is held by walsender %d, an earlier connection of this relay; ending it failed (%v); retrying: %w", pid, err, startErr)
+	if err := s.endOwnWalsender(ctx, conn, pid); err != nil {
+		return fmt.Errorf("START_REPLICATION: %w; retrying: %w", err, startErr)
 	}
-	s.log.Warn().Uint32("pid", pid).Msg("ended the walsender of an earlier replication connection of this relay, which still held the slot")
 	return fmt.Errorf("START_REPLICATION: the slot was held by walsender %d, an earlier connection of this relay: ended it; retrying: %w", pid, startErr)
+}
+
+// ownStaleWalsender reports whether pid is the walsender of one of this
+// Source's earlier replication connections (not the current one, self).
+func (s *Source) ownStaleWalsender(pid, self uint32) bool {
+	return pid != 0 && pid != self && slices.Contains(s.walsenders, pid)
+}
+
+// endOwnWalsender ends pid, the walsender of an earlier replication
+// connection of this Source that the server still keeps streaming from the
+// slot (a connection given up as dead: docs/operations-health.md), and
+// waits up to closeTimeout for the slot to be free. Failing that,
+// START_REPLICATION fails with "in use" and the session is retried.
+func (s *Source) endOwnWalsender(ctx context.Context, conn *pgx.Conn, pid uint32) error {
+	var ended bool
+	if err := conn.QueryRow(ctx, "SELECT pg_terminate_backend($1)", int32(pid)).Scan(&ended); err != nil || !ended {
+		s.log.Warn().Uint32("pid", pid).Err(err).Msg("the slot is still streamed by an earlier connection of this relay; could not end it (the server ends it after wal_sender_timeout)")
+		return fmt.Errorf("the slot is held by walsender %d, an earlier connection of this relay; ending it failed (%v)", pid, err)
+	}
+	deadline := time.Now().Add(closeTimeout)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		var active bool
+		if err := conn.QueryRow(ctx, "SELECT coalesce(bool_or(active_pid = $2), false) FROM pg_replication_slots WHERE slot_name = $1",
+			s.cfg.Slot, int32(pid)).Scan(&active); err != nil || !active {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	s.log.Warn().Uint32("pid", pid).Msg("ended the walsender of an earlier replication connection of this relay, which still held the slot (its connection was given up as dead)")
+	return nil
 }

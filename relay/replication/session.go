@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -40,9 +39,6 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 		return false, replicationConnectError(err)
 	}
 	defer func() {
-		if err != nil && ctx.Err() == nil {
-			s.abandon(rconn.PID())
-		}
 		cctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
 		defer cancel()
 		_ = rconn.Close(cctx)
@@ -326,8 +322,8 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			if slot.walStatus == "unreserved" {
 				s.log.Warn().Msg("replication slot retains more WAL than max_slot_wal_keep_size; it will be invalidated unless it catches up")
 			}
-			if slot.activePID != 0 && slices.Contains(s.abandoned, uint32(slot.activePID)) {
-				s.endAbandoned(ctx, qconn, slot.activePID)
+			if s.ownStaleWalsender(uint32(slot.activePID), rconn.PID()) {
+				_ = s.endOwnWalsender(ctx, qconn, uint32(slot.activePID))
 			} else if slot.activePID != 0 {
 				s.log.Warn().Int32("pid", slot.activePID).Msg("replication slot is in use by another process")
 			}
@@ -373,43 +369,6 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("failover", version >= failoverVersion).
 		Msg("created replication slot; rows pending in its snapshot go to the claim path")
 	return consistent, nil
-}
-
-// abandon remembers pid as a replication connection of this Source that
-// ended in an error.
-func (s *Source) abandon(pid uint32) {
-	if pid == 0 {
-		return
-	}
-	const keep = 8
-	s.abandoned = append(s.abandoned, pid)
-	if len(s.abandoned) > keep {
-		s.abandoned = slices.Delete(s.abandoned, 0, len(s.abandoned)-keep)
-	}
-}
-
-// endAbandoned ends the walsender pid, one of this Source's own abandoned
-// connections that the server still keeps streaming from the slot (a
-// connection given up as dead: docs/operations-health.md), and waits up to
-// closeTimeout for the slot to be free. Failing that, START_REPLICATION
-// fails with "in use" and the session is retried.
-func (s *Source) endAbandoned(ctx context.Context, conn *pgx.Conn, pid int32) {
-	log := s.log.With().Int32("pid", pid).Logger()
-	var ended bool
-	if err := conn.QueryRow(ctx, "SELECT pg_terminate_backend($1)", pid).Scan(&ended); err != nil || !ended {
-		log.Warn().Err(err).Msg("the slot is still streamed by this relay's own abandoned connection; could not end it (the server ends it after wal_sender_timeout)")
-		return
-	}
-	deadline := time.Now().Add(closeTimeout)
-	for time.Now().Before(deadline) {
-		var active bool
-		if err := conn.QueryRow(ctx, "SELECT coalesce(bool_or(active_pid = $2), false) FROM pg_replication_slots WHERE slot_name = $1",
-			s.cfg.Slot, pid).Scan(&active); err != nil || !active {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	log.Warn().Msg("ended this relay's own abandoned walsender, which still held the slot (its connection was given up as dead)")
 }
 
 func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {

@@ -157,13 +157,6 @@ type Source struct {
 	checkpointed relay.LSN
 	checkpointAt time.Time
 
-	// abandoned holds the backend pids of this Source's replication
-	// connections that ended in an error (at most the last few), touched
-	// only by the session goroutine. Behind a network that swallows
-	// packets the server keeps such a walsender, and the slot busy, until
-	// its wal_sender_timeout; the next session ends it instead.
-	abandoned []uint32
-
 	// received and acknowledged are the highest WAL position of data read
 	// from the server and the highest position acknowledged to it, over
 	// all sessions (Progress). Written by the receiver alone.
