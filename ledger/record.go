@@ -69,6 +69,23 @@ func (r *record) take() []int64 {
 	return ids
 }
 
+// waiting returns the ids the record holds, once no write of it is in
+// flight: every id taken out before is then committed (visible to a query
+// made after) or put back.
+func (r *record) waiting(ctx context.Context) (map[int64]struct{}, error) {
+	if err := r.writing.Acquire(ctx, 1); err != nil {
+		return nil, err
+	}
+	defer r.writing.Release(1)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	set := make(map[int64]struct{}, len(r.ids))
+	for _, id := range r.ids {
+		set[id] = struct{}{}
+	}
+	return set, nil
+}
+
 // putBack returns ids a failed checkpoint did not write.
 func (r *record) putBack(ids []int64) {
 	if len(ids) == 0 {

@@ -291,12 +291,23 @@ func (s *Store) PrepareStream(ctx context.Context, works []*relay.Work, restream
 
 // restreamed marks the works whose row is no longer the stream's as Skip,
 // and their pairs the ledger shows delivered as PairDelivered; one query
-// per 10,000 rows. Rows missing from the table are left as they are.
+// per 10,000 rows. Rows missing from the table are left as they are. An id
+// still waiting in the delivered record (settled as delivered, not yet
+// written: a reconnect re-streams from the last checkpoint) is the stream's
+// no more either.
 func (s *Store) restreamed(ctx context.Context, works []*relay.Work) error {
+	waiting, err := s.record.waiting(ctx)
+	if err != nil {
+		return err
+	}
 	byID := make(map[int64]*relay.Work, len(works))
-	ids := make([]int64, len(works))
-	for i, w := range works {
-		ids[i] = w.Event.ID
+	ids := make([]int64, 0, len(works))
+	for _, w := range works {
+		if _, ok := waiting[w.Event.ID]; ok {
+			w.Skip = true
+			continue
+		}
+		ids = append(ids, w.Event.ID)
 		byID[w.Event.ID] = w
 	}
 	for chunk := range chunks(ids) {

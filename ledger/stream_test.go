@@ -906,3 +906,30 @@ func TestPendingScanSeesOnlyRowsNotDelivered(t *testing.T) {
 		t.Fatalf("Stuck after recording = %d, %v; want 0", rows, err)
 	}
 }
+
+// TestPrepareStreamSkipsDeliveredIDsNotYetWritten: a stream event settled
+// as delivered whose id still waits in the delivered record (written with
+// the next checkpoint, or within recordEvery) is no longer the stream's:
+// when the slot re-streams it after a reconnect, it is skipped, not sent
+// again. Before the fix only the record's table was read, so every event
+// delivered since the last write was repeated after a reconnect.
+func TestPrepareStreamSkipsDeliveredIDsNotYetWritten(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t, row{Key: "sent"}, row{Key: "not-sent"})
+	// Settled as delivered by the stream: the id waits in the record.
+	f.store.WaitInRecord(ids[0])
+	again := []*relay.Work{
+		streamWork(ids[0], "sent", relay.Decision{}, &relay.Pair{Sink: "webhook"}),
+		streamWork(ids[1], "not-sent", relay.Decision{}, &relay.Pair{Sink: "webhook"}),
+	}
+	if err := f.store.PrepareStream(ctx, again, true, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
+	}
+	if !again[0].Skip {
+		t.Errorf("the delivered event (its id not yet written) was not skipped when re-streamed: %s", prepared(again[0]))
+	}
+	if again[1].Skip {
+		t.Errorf("the undelivered event was skipped: %s", prepared(again[1]))
+	}
+}
