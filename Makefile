@@ -173,7 +173,7 @@ run: build
 clean:
 	rm -rf $(BIN) data
 
-## bench: the SPEC §6 benchmark in one run (cmd/outbox-relay-bench): a private
+## bench: the benchmark of docs/performance.md in one run (cmd/outbox-relay-bench): a private
 ## PostgreSQL (with pg_stat_statements preloaded when installed), an external
 ## nats-server process and a webhook receiver; prints a markdown table. Besides
 ## drains and steady load it measures latency from the moment a backlog is
@@ -188,7 +188,8 @@ ARGS ?=
 bench: build
 	$(GO) run ./cmd/outbox-relay-bench --relay $(BIN)/outbox-relay $(ARGS)
 
-## chaos: SPEC §2's guarantees under faults (cmd/outbox-relay-chaos): two
+## chaos: the guarantees of docs/guarantees.md under faults, reported in
+## docs/chaos-report.md (cmd/outbox-relay-chaos): two
 ## relay processes (leader + standby) against a private PostgreSQL, an
 ## external nats-server and a webhook receiver, under continuous load, with
 ## kill -9 of the relays and of the HA leader, PostgreSQL and NATS restarts,

@@ -527,7 +527,8 @@ func TestDocs_CommandLines(t *testing.T) {
 	t.Logf("%d outbox-relay command lines parsed", n)
 }
 
-// goFiles returns the repository's Go files, relative to the root.
+// goFiles returns the repository's Go files and its Makefile (whose comments
+// cite docs pages too), relative to the root.
 func goFiles(t *testing.T) []string {
 	t.Helper()
 	var out []string
@@ -538,7 +539,7 @@ func goFiles(t *testing.T) []string {
 		if d.IsDir() && (d.Name() == "testdata" || strings.HasPrefix(d.Name(), ".") && p != repoRoot) {
 			return filepath.SkipDir
 		}
-		if strings.HasSuffix(p, ".go") {
+		if strings.HasSuffix(p, ".go") || p == filepath.Join(repoRoot, "Makefile") {
 			out = append(out, filepath.ToSlash(strings.TrimPrefix(p, repoRoot+"/")))
 		}
 		return nil
