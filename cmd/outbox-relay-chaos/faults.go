@@ -42,7 +42,7 @@ var faultWhat = map[faultKind]string{
 	webhookOutage:   "receiver answers 503, then holds requests past the relay's timeout, then answers slowly (another fault meanwhile)",
 	slotDrop:        "walsender terminated, pg_drop_replication_slot",
 	leaderKill:      "kill -9 of the HA leader; restarted as standby after the takeover",
-	backpressure:    "receiver answers 2xx just within the timeout (lanes fill, decoding waits), then the walsender is terminated, then the receiver heals",
+	backpressure:    "receiver answers 2xx after 0.6 × the timeout (lanes fill, decoding waits), then the walsender is terminated, then the receiver heals",
 	unstorable:      "receiver refuses a few events for good: 400 with a 700-byte multi-byte UTF-8 body holding a NUL (they must end failed, with a reason)",
 	slotCreateCrash: "slot dropped, then kill -9 of both relays as soon as the slot exists again, restarted",
 	settleLock:      "LOCK TABLE of the ledger and the delivered record IN EXCLUSIVE MODE, held (settlement writes wait), then released",
@@ -241,9 +241,18 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		p := s.o.profile
 		s.hook.setMode(hookCrawl)
 		sleep(ctx, p.crawl)
-		n, err := s.terminateWalsender(ctx)
+		// The walsender may be between two sessions (a reconnect after a
+		// lane timeout, say): wait up to 10 s for one to terminate.
+		var n int
+		var err error
+		for end := time.Now().Add(10 * time.Second); ; {
+			n, err = s.terminateWalsender(ctx)
+			if err != nil || n > 0 || time.Now().After(end) || !sleep(ctx, 50*time.Millisecond) {
+				break
+			}
+		}
 		if err == nil && n == 0 {
-			err = errors.New("no walsender streamed from the slot to terminate")
+			err = errors.New("no walsender streamed from the slot within 10 s to terminate")
 		}
 		sleep(ctx, p.crawl/2)
 		s.hook.setMode(hookHealthy)

@@ -32,7 +32,7 @@
 //	slot-drop         the walsender terminated and the slot dropped
 //	leader-kill       kill -9 of the HA leader; the standby takes over and
 //	                  the killed relay comes back as the standby
-//	backpressure-drop the receiver answers 2xx just within the relay's
+//	backpressure-drop the receiver answers 2xx after 0.6 × the relay's
 //	                  timeout, so the lanes fill and decoding waits; then
 //	                  the walsender is terminated; then the receiver heals
 //	unstorable-reply  the receiver refuses a few events for good: 400 with

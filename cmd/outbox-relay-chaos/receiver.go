@@ -155,6 +155,19 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	if wait := map[hookMode]time.Duration{hookSlow: r.slow, hookCrawl: r.crawl}[mode]; wait > 0 {
 		select {
 		case <-req.Context().Done():
+			// The relay gave up before the answer (its timeout counts
+			// from before the request reached here): for it the outcome
+			// is unknown, as for a held request, so a repeat may follow.
+			r.mu.Lock()
+			r.got[d.Index].Status = 0
+			delete(r.okIDs, d.ID)
+			for _, g := range r.got {
+				if g.ID == d.ID && g.Status >= 200 && g.Status < 300 {
+					r.okIDs[d.ID] = true
+				}
+			}
+			r.mu.Unlock()
+			return
 		case <-time.After(wait):
 		}
 	}

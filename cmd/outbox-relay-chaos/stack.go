@@ -137,8 +137,9 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 
 	// A held request outlives the relay's timeout by far, so the relay's
 	// outcome is always "unknown", never a late answer; a slow answer comes
-	// well within it, a crawling one (backpressure-drop) just within it.
-	if s.hook, err = newReceiver(s.since, 10*o.hookTimeout, o.hookTimeout/2, o.hookTimeout*8/10); err != nil {
+	// well within it, a crawling one (backpressure-drop) within it too (one
+	// the relay gave up on first is recorded as unanswered).
+	if s.hook, err = newReceiver(s.since, 10*o.hookTimeout, o.hookTimeout/2, o.hookTimeout*6/10); err != nil {
 		return nil, err
 	}
 	natsHost := strings.TrimPrefix(s.nats.URL(), "nats://")
