@@ -244,7 +244,7 @@ func TestComputeRecoveries(t *testing.T) {
 		{Arrivals: []delivery{{Key: "old", At: 11 * s, OK: false}, {Key: "old", At: 16 * s, OK: true}, {Key: "new1", At: 12500 * time.Millisecond, OK: true}, {Key: "new2", At: 14 * s, OK: true}}},
 	}
 	faults := []faultRecord{{healed: 10 * s}, {healed: 20 * s}}
-	computeRecoveries(faults, events, sinks)
+	computeRecoveries(faults, events, sinks, nil)
 	if faults[0].firstNew != 4*s || faults[0].drained != 6*s {
 		t.Errorf("fault 1: first new %v, drained %v; want 4s, 6s", faults[0].firstNew, faults[0].drained)
 	}
@@ -252,9 +252,15 @@ func TestComputeRecoveries(t *testing.T) {
 		t.Errorf("fault 2: first new %v, drained %v; want never, 0", faults[1].firstNew, faults[1].drained)
 	}
 	sinks[1].Arrivals = sinks[1].Arrivals[:1] // "old" never delivered to sink 2
-	computeRecoveries(faults, events, sinks)
+	computeRecoveries(faults, events, sinks, nil)
 	if faults[0].drained != -1 {
 		t.Errorf("drained %v with an event never delivered, want never", faults[0].drained)
+	}
+	// An event a sink refused for good is not waited for.
+	sinks[1].Arrivals = append(sinks[1].Arrivals, delivery{Key: "new1", At: 12500 * time.Millisecond, OK: true})
+	computeRecoveries(faults, events, sinks, map[string]bool{"old": true})
+	if faults[0].drained != 0 || faults[0].firstNew != 5*s {
+		t.Errorf("with the undelivered event refused: first new %v, drained %v; want 5s, 0", faults[0].firstNew, faults[0].drained)
 	}
 }
 

@@ -130,7 +130,7 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 		return 0, err
 	}
 	res.invariants = append(check(facts), s.processInvariant(res))
-	computeRecoveries(res.faults, l.events(), facts.Sinks)
+	computeRecoveries(res.faults, l.events(), facts.Sinks, facts.hookRefused())
 	if err := s.writeRecords(res); err != nil {
 		s.say("warning: write the run's records: %v", err)
 	}
@@ -316,8 +316,9 @@ func bodyKey(body string) string {
 }
 
 // computeRecoveries fills in each fault's recovery times from the commit
-// times and the first delivery at each sink.
-func computeRecoveries(faults []faultRecord, events []committedEvent, sinks []sinkRecord) {
+// times and the first delivery at each sink. Events a sink refused for good
+// never reach it and count for neither figure.
+func computeRecoveries(faults []faultRecord, events []committedEvent, sinks []sinkRecord, refused map[string]bool) {
 	first := make([]map[string]time.Duration, len(sinks))
 	for i, s := range sinks {
 		first[i] = map[string]time.Duration{}
@@ -343,6 +344,9 @@ func computeRecoveries(faults []faultRecord, events []committedEvent, sinks []si
 		f := &faults[i]
 		f.firstNew, f.drained = -1, 0
 		for _, e := range events {
+			if refused[e.key] {
+				continue
+			}
 			at, ok := bothAt(e.key)
 			if e.at >= f.healed {
 				if ok && (f.firstNew < 0 || at-f.healed < f.firstNew) {
