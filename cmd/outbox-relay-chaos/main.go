@@ -138,7 +138,7 @@ func main() {
 	fs := flag.NewFlagSet("outbox-relay-chaos", flag.ExitOnError)
 	fs.StringVar(&o.relayBin, "relay", "", "path to the outbox-relay binary (default: bin/outbox-relay)")
 	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
-	fs.StringVar(&profileName, "profile", "full", "ci (about 5 minutes) or full (about 13 minutes): the same faults and invariants")
+	fs.StringVar(&profileName, "profile", "full", "ci (about 5 minutes) or full (about 12 minutes): the same faults and invariants")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the fault schedule and the load")
 	fs.Int64Var(&walBoundMB, "wal-bound", 256, "largest WAL the relay's slot may retain (restart_lsn to the current position), MB")
 	fs.Int64Var(&rssBoundMB, "rss-bound", 512, "largest resident memory of a relay process, MB (sampled every second)")
