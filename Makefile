@@ -188,15 +188,18 @@ ARGS ?=
 bench: build
 	$(GO) run ./cmd/outbox-relay-bench --relay $(BIN)/outbox-relay $(ARGS)
 
-## chaos: the guarantees of docs/guarantees.md under faults, reported in
-## docs/chaos-report.md (cmd/outbox-relay-chaos): two
+## chaos: docs/guarantees.md's guarantees under faults (cmd/outbox-relay-chaos;
+## docs/chaos-report.md: faults, invariants, a full run's figures): two
 ## relay processes (leader + standby) against a private PostgreSQL, an
 ## external nats-server and a webhook receiver, under continuous load, with
 ## kill -9 of the relays and of the HA leader, PostgreSQL and NATS restarts,
-## a webhook outage (503, then timeouts) and a dropped slot; then checks
-## every invariant and prints a table. About 10 minutes; ARGS=-profile=ci
-## runs the same faults and checks in about 4 (what CI runs). Exit 1 lists
-## the violations; ARGS=-h lists the flags (-seed, -keep, ...).
+## a webhook outage (503, then timeouts), a dropped slot, back-pressure
+## with the walsender terminated, unstorable 400 replies, a crash right
+## after slot creation, a lock on the settlement tables, and black-holed or
+## slow connections (netfault proxies); then checks every invariant and
+## prints a table. About 12 minutes; ARGS=-profile=ci runs the same faults
+## and checks in about 5 (what CI runs). Exit 1 lists the violations;
+## ARGS=-h lists the flags (-seed, -keep, ...).
 chaos: build
 	$(GO) run ./cmd/outbox-relay-chaos --relay $(BIN)/outbox-relay $(ARGS)
 

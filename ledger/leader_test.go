@@ -119,3 +119,46 @@ func TestLockAttemptsOutlastASilentServer(t *testing.T) {
 		t.Errorf("owner lock attempt gave up after %s, want about the connect timeout (%s)", took, relay.ConnectTimeout)
 	}
 }
+
+// TestOwnerLockReleasedIntoABlackHoleIsTakenAgain: the claim path stops
+// (its leadership term ended) while its owner lock's connection is
+// black-holed, so Release cannot unlock and its close never reaches the
+// server, whose session keeps the lock. The relay's next term must take
+// the owner lock again — ending the session it abandoned — instead of
+// failing with relay.ErrLockTaken (make chaos, full profile: pg-blackhole
+// then a new term; the relay exited 1 with "claim path: owner …: lock is
+// held by another session").
+func TestOwnerLockReleasedIntoABlackHoleIsTakenAgain(t *testing.T) {
+	url := pgtest.NewDatabase(t)
+	proxy, proxied := netfault.ProxyURL(t, url)
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, proxied)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	store := ledger.New(pool, ledger.DefaultConfig())
+	owner := ledger.NewOwner()
+
+	lock, err := store.LockOwner(ctx, owner)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy.BlackHole(netfault.NewConnsPass)
+	lock.Release() // the unlock and the close are swallowed
+	var held bool
+	direct, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer direct.Close(ctx)
+	if err := direct.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted)`).Scan(&held); err != nil || !held {
+		t.Fatalf("the abandoned session does not hold the owner lock (held %v, %v): the test does not test anything", held, err)
+	}
+
+	again, err := store.LockOwner(ctx, owner)
+	if err != nil {
+		t.Fatalf("owner lock after a release into a black hole: %v", err)
+	}
+	again.Release()
+}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -13,6 +14,10 @@ type event struct {
 	Seq       int64 // within the aggregate, from the payload
 	Status    string
 	LastError string
+	// Streamed: its id is in the delivered record (the stream delivered it
+	// to every sink; such an event has no ledger rows, docs/operations.md,
+	// "what the relay writes back").
+	Streamed bool
 }
 
 // delivery is one arrival at a sink, keyed by the event_key in its body.
@@ -40,6 +45,10 @@ type sinkRecord struct {
 	// saw, duplicates the stream dropped included): they must carry the
 	// same id and body too.
 	Extra []delivery
+	// Refused are the events the sink refused for good (the receiver's
+	// 400s of unstorable-reply): each must end dead-lettered (failed, with a
+	// reason), never delivered to this sink; no other event may.
+	Refused map[string]bool
 }
 
 // ledgerRow is one row of the idempotency ledger.
@@ -56,6 +65,8 @@ type runFacts struct {
 	SideEffects map[string]int
 	MaxRetained int64 // bytes of WAL the slot retained, at most
 	WALBound    int64
+	MaxRSS      int64 // bytes of resident memory of a relay process, at most
+	RSSBound    int64
 	// WantID is the idempotency id the relay must send for a key; nil
 	// checks only that repeats agree with the first copy.
 	WantID func(key string) string
@@ -113,6 +124,7 @@ func check(f runFacts) []invariant {
 		checkRepeatCauses(f),
 		checkOrder(f),
 		checkWAL(f),
+		checkRSS(f),
 		checkFailed(f),
 	}
 }
@@ -151,22 +163,38 @@ func checkMissing(f runFacts) invariant {
 				ok[d.Key] = true
 			}
 		}
-		missing := 0
+		missing, refused := 0, 0
 		for _, e := range f.Events {
+			if s.Refused[e.Key] {
+				refused++
+				switch {
+				case ok[e.Key]:
+					v.add("%s: %s was refused for good, yet delivered", s.Name, e.Key)
+				case e.Status != "failed":
+					v.add("%s: %s was refused for good (400), row status %s, want failed", s.Name, e.Key, e.Status)
+				}
+				continue
+			}
 			if !ok[e.Key] {
 				missing++
 				v.add("%s: %s never delivered (row status %s, last_error %q)", s.Name, e.Key, e.Status, e.LastError)
 			}
 		}
-		counts = append(counts, fmt.Sprintf("%s %d missing", s.Name, missing))
+		c := fmt.Sprintf("%s %d missing", s.Name, missing)
+		if refused > 0 {
+			c += fmt.Sprintf(" (and %d refused for good, to be dead-lettered)", refused)
+		}
+		counts = append(counts, c)
 	}
 	return invariant{Name: "no event missing at any sink",
 		Checked:    fmt.Sprintf("%d events × %d sinks: %s", len(f.Events), len(f.Sinks), strings.Join(counts, ", ")),
 		Violations: v.result()}
 }
 
-// checkLedger: exactly one delivered ledger row per (event_key, action),
-// nothing left sending or unknown, no row for an event that does not exist.
+// checkLedger: every (event_key, action) is settled once: the event is in
+// the delivered record (and has no ledger row for the pair, or one
+// delivered), or it has exactly one delivered ledger row; nothing left
+// sending or unknown, no row for an event that does not exist.
 func checkLedger(f runFacts, byKey map[string]event) invariant {
 	var v violations
 	state := map[string]map[string][]string{} // action → key → states
@@ -181,22 +209,31 @@ func checkLedger(f runFacts, byKey map[string]event) invariant {
 	}
 	var counts []string
 	for _, s := range f.Sinks {
-		delivered := 0
+		delivered, streamed := 0, 0
 		for _, e := range f.Events {
 			states := state[s.Action][e.Key]
+			if s.Refused[e.Key] {
+				if slices.Contains(states, "delivered") || e.Streamed {
+					v.add("(%s, %s): refused for good, yet ledger rows %v, in the delivered record %v", e.Key, s.Action, states, e.Streamed)
+				}
+				continue
+			}
 			switch {
 			case len(states) == 1 && states[0] == "delivered":
 				delivered++
+			case len(states) == 0 && e.Streamed:
+				streamed++
 			case len(states) == 0:
-				v.add("(%s, %s): no ledger row", e.Key, s.Action)
+				v.add("(%s, %s): no ledger row, not in the delivered record", e.Key, s.Action)
 			default:
 				v.add("(%s, %s): ledger rows %v, want one delivered", e.Key, s.Action, states)
 			}
 		}
-		counts = append(counts, fmt.Sprintf("%s %d/%d", s.Action, delivered, len(f.Events)))
+		counts = append(counts, fmt.Sprintf("%s %d/%d (%d by the delivered record, %d by a ledger row)",
+			s.Action, delivered+streamed, len(f.Events)-len(s.Refused), streamed, delivered))
 	}
-	return invariant{Name: "exactly one delivered ledger row per (event_key, action)",
-		Checked: "delivered rows per action: " + strings.Join(counts, ", "), Violations: v.result()}
+	return invariant{Name: "each (event_key, action) settled once (delivered record or one delivered ledger row)",
+		Checked: "settled per action: " + strings.Join(counts, ", "), Violations: v.result()}
 }
 
 // checkIdentity: every copy of an event at a sink carries the same
@@ -295,8 +332,15 @@ func checkRepeatCauses(f runFacts) invariant {
 // twice).
 func checkSideEffects(f runFacts) invariant {
 	var v violations
-	once := 0
+	once, refused := 0, 0
 	for _, e := range f.Events {
+		if f.hookRefused()[e.Key] {
+			refused++
+			if n := f.SideEffects[e.Key]; n != 0 {
+				v.add("%s: refused for good, yet its side effect applied %d times", e.Key, n)
+			}
+			continue
+		}
 		switch n := f.SideEffects[e.Key]; n {
 		case 1:
 			once++
@@ -307,7 +351,7 @@ func checkSideEffects(f runFacts) invariant {
 		}
 	}
 	return invariant{Name: "webhook side effect applied exactly once per event (dedup by webhook-id)",
-		Checked: fmt.Sprintf("%d of %d events applied once", once, len(f.Events)), Violations: v.result()}
+		Checked: fmt.Sprintf("%d of %d events applied once, %d refused for good applied never", once, len(f.Events)-refused, refused), Violations: v.result()}
 }
 
 // checkOrder: per sink and aggregate, no event arrives (in any attempt)
@@ -370,21 +414,59 @@ func checkWAL(f runFacts) invariant {
 		Checked: fmt.Sprintf("max %s ≤ %s", mb(f.MaxRetained), mb(f.WALBound)), Violations: v.result()}
 }
 
-// checkFailed: every dead-lettered row says why.
+// checkRSS: no relay process grew past the memory bound (settle-lock and
+// backpressure-drop stop decoding rather than buffer).
+func checkRSS(f runFacts) invariant {
+	var v violations
+	if f.MaxRSS > f.RSSBound {
+		v.add("a relay process reached %s of resident memory, over the %s bound", mb(f.MaxRSS), mb(f.RSSBound))
+	}
+	return invariant{Name: "relay memory bounded",
+		Checked: fmt.Sprintf("max RSS %s ≤ %s", mb(f.MaxRSS), mb(f.RSSBound)), Violations: v.result()}
+}
+
+// checkFailed: every dead-lettered row says why, and only the events a
+// sink refused for good are dead-lettered (checkMissing sees that each of
+// those is).
 func checkFailed(f runFacts) invariant {
 	var v violations
-	failed := 0
+	failed, example := 0, ""
 	for _, e := range f.Events {
 		if e.Status != "failed" {
 			continue
 		}
 		failed++
+		if example == "" {
+			example = e.LastError
+		}
 		if strings.TrimSpace(e.LastError) == "" {
 			v.add("%s: failed without a last_error", e.Key)
 		}
+		refused := false
+		for _, s := range f.Sinks {
+			refused = refused || s.Refused[e.Key]
+		}
+		if !refused {
+			v.add("%s: failed, but no sink refused it for good (last_error %q)", e.Key, e.LastError)
+		}
 	}
-	return invariant{Name: "every failed row has a reason",
-		Checked: fmt.Sprintf("%d failed rows", failed), Violations: v.result()}
+	checked := fmt.Sprintf("%d failed rows", failed)
+	if example != "" {
+		checked += fmt.Sprintf(", e.g. last_error %.100q", example)
+	}
+	return invariant{Name: "every failed row has a reason; only refused events failed",
+		Checked: checked, Violations: v.result()}
+}
+
+// hookRefused is the webhook's Refused set (side effects are the
+// webhook's).
+func (f runFacts) hookRefused() map[string]bool {
+	for _, s := range f.Sinks {
+		if s.Name == "webhook" {
+			return s.Refused
+		}
+	}
+	return nil
 }
 
 // mb formats bytes as MiB.

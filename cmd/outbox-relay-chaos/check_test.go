@@ -61,6 +61,51 @@ func TestCheck_GoodRunPasses(t *testing.T) {
 	if got := failures(goodRun()); len(got) != 0 {
 		t.Fatalf("a good run fails: %v", got)
 	}
+	// The stream delivered k1 and k3 (no ledger rows), the claim path k2.
+	f := goodRun()
+	f.Events[0].Streamed, f.Events[2].Streamed = true, true
+	var ledger []ledgerRow
+	for _, r := range f.Ledger {
+		if r.Key == "k2" {
+			ledger = append(ledger, r)
+		}
+	}
+	f.Ledger = ledger
+	if got := failures(f); len(got) != 0 {
+		t.Fatalf("a good run with streamed events fails: %v", got)
+	}
+}
+
+// refuseK3 makes k3 an event the webhook refused for good (unstorable-reply)
+// and the relay dead-lettered: every webhook attempt answered 400, no hook
+// ledger row, no side effect, status failed with a reason.
+func refuseK3(f *runFacts) {
+	w := &f.Sinks[1]
+	w.Refused = map[string]bool{"k3": true}
+	for i := range w.Arrivals {
+		if w.Arrivals[i].Key == "k3" {
+			w.Arrivals[i].OK = false
+		}
+	}
+	var ledger []ledgerRow
+	for _, r := range f.Ledger {
+		if r.Key != "k3" || r.Action != "hook" {
+			ledger = append(ledger, r)
+		}
+	}
+	f.Ledger = ledger
+	delete(f.SideEffects, "k3")
+	f.Events[2].Status, f.Events[2].LastError = "failed", "hook: permanent status 400: ..."
+}
+
+// TestCheck_RefusedEventsDeadLetteredPass: events a sink refused for good
+// are expected failed, not missing, and hold nothing back.
+func TestCheck_RefusedEventsDeadLetteredPass(t *testing.T) {
+	f := goodRun()
+	refuseK3(&f)
+	if got := failures(f); len(got) != 0 {
+		t.Fatalf("a run whose refused event was dead-lettered fails: %v", got)
+	}
 }
 
 // TestCheck_ReportsEachViolation: each kind of broken run is reported by
@@ -111,10 +156,14 @@ func TestCheck_ReportsEachViolation(t *testing.T) {
 		}, "a repeat after a 2xx only follows a crash", "k2 arrived again at 4.00 s after its 2xx at 3.00 s"},
 		{"two ledger rows' worth: one unknown", func(f *runFacts) {
 			f.Ledger[3].State = "unknown"
-		}, "exactly one delivered ledger row per (event_key, action)", "(k2, hook): ledger rows [unknown]"},
+		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k2, hook): ledger rows [unknown]"},
 		{"no ledger row", func(f *runFacts) {
 			f.Ledger = f.Ledger[1:]
-		}, "exactly one delivered ledger row per (event_key, action)", "(k1, nats): no ledger row"},
+		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k1, nats): no ledger row, not in the delivered record"},
+		{"streamed, yet a ledger row left unknown", func(f *runFacts) {
+			f.Events[0].Streamed = true
+			f.Ledger[0].State = "unknown"
+		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k1, nats): ledger rows [unknown]"},
 		{"side effect applied twice", func(f *runFacts) {
 			f.SideEffects["k3"] = 2
 		}, "webhook side effect applied exactly once per event (dedup by webhook-id)", "k3: side effect applied 2 times"},
@@ -123,7 +172,26 @@ func TestCheck_ReportsEachViolation(t *testing.T) {
 		}, "retained WAL bounded", "over the 256.0 MB bound"},
 		{"failed without a reason", func(f *runFacts) {
 			f.Events[2].Status = "failed"
-		}, "every failed row has a reason", "k3: failed without a last_error"},
+		}, "every failed row has a reason; only refused events failed", "k3: failed without a last_error"},
+		{"failed without being refused", func(f *runFacts) {
+			f.Events[2].Status, f.Events[2].LastError = "failed", "hook: timeout"
+		}, "every failed row has a reason; only refused events failed", "k3: failed, but no sink refused it for good"},
+		{"refused but not dead-lettered", func(f *runFacts) {
+			refuseK3(f)
+			f.Events[2].Status = "pending"
+		}, "no event missing at any sink", "k3 was refused for good (400), row status pending, want failed"},
+		{"refused, yet in the delivered record", func(f *runFacts) {
+			refuseK3(f)
+			f.Events[2].Streamed = true
+		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k3, hook): refused for good"},
+		{"refused, yet a delivered ledger row", func(f *runFacts) {
+			refuseK3(f)
+			f.Ledger = append(f.Ledger, ledgerRow{"k3", "hook", "delivered"})
+		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k3, hook): refused for good, yet ledger rows [delivered]"},
+		{"refused, yet its side effect applied", func(f *runFacts) {
+			refuseK3(f)
+			f.SideEffects["k3"] = 1
+		}, "webhook side effect applied exactly once per event (dedup by webhook-id)", "k3: refused for good, yet its side effect applied 1 times"},
 		{"a commit the table lost", func(f *runFacts) {
 			f.Written = append(f.Written, "k4")
 		}, "committed events = the writers' record", "k4: the writer saw it committed"},
@@ -176,7 +244,7 @@ func TestComputeRecoveries(t *testing.T) {
 		{Arrivals: []delivery{{Key: "old", At: 11 * s, OK: false}, {Key: "old", At: 16 * s, OK: true}, {Key: "new1", At: 12500 * time.Millisecond, OK: true}, {Key: "new2", At: 14 * s, OK: true}}},
 	}
 	faults := []faultRecord{{healed: 10 * s}, {healed: 20 * s}}
-	computeRecoveries(faults, events, sinks)
+	computeRecoveries(faults, events, sinks, nil)
 	if faults[0].firstNew != 4*s || faults[0].drained != 6*s {
 		t.Errorf("fault 1: first new %v, drained %v; want 4s, 6s", faults[0].firstNew, faults[0].drained)
 	}
@@ -184,9 +252,15 @@ func TestComputeRecoveries(t *testing.T) {
 		t.Errorf("fault 2: first new %v, drained %v; want never, 0", faults[1].firstNew, faults[1].drained)
 	}
 	sinks[1].Arrivals = sinks[1].Arrivals[:1] // "old" never delivered to sink 2
-	computeRecoveries(faults, events, sinks)
+	computeRecoveries(faults, events, sinks, nil)
 	if faults[0].drained != -1 {
 		t.Errorf("drained %v with an event never delivered, want never", faults[0].drained)
+	}
+	// An event a sink refused for good is not waited for.
+	sinks[1].Arrivals = append(sinks[1].Arrivals, delivery{Key: "new1", At: 12500 * time.Millisecond, OK: true})
+	computeRecoveries(faults, events, sinks, map[string]bool{"old": true})
+	if faults[0].drained != 0 || faults[0].firstNew != 5*s {
+		t.Errorf("with the undelivered event refused: first new %v, drained %v; want 5s, 0", faults[0].firstNew, faults[0].drained)
 	}
 }
 

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/relay/netfault"
 )
 
 // faultKind is one kind of fault; faultKinds lists them in report order.
@@ -20,9 +22,17 @@ const (
 	webhookOutage   faultKind = "webhook-outage"
 	slotDrop        faultKind = "slot-drop"
 	leaderKill      faultKind = "leader-kill"
+	backpressure    faultKind = "backpressure-drop"
+	unstorable      faultKind = "unstorable-reply"
+	slotCreateCrash faultKind = "slot-create-crash"
+	settleLock      faultKind = "settle-lock"
+	pgBlackhole     faultKind = "pg-blackhole"
+	natsBlackhole   faultKind = "nats-blackhole"
+	pgSlow          faultKind = "pg-slow"
 )
 
-var faultKinds = []faultKind{relayKill, postgresRestart, natsRestart, webhookOutage, slotDrop, leaderKill}
+var faultKinds = []faultKind{relayKill, postgresRestart, natsRestart, webhookOutage, slotDrop, leaderKill,
+	backpressure, unstorable, slotCreateCrash, settleLock, pgBlackhole, natsBlackhole, pgSlow}
 
 // faultWhat says what each kind does, for the report.
 var faultWhat = map[faultKind]string{
@@ -32,6 +42,13 @@ var faultWhat = map[faultKind]string{
 	webhookOutage:   "receiver answers 503, then holds requests past the relay's timeout, then answers slowly (another fault meanwhile)",
 	slotDrop:        "walsender terminated, pg_drop_replication_slot",
 	leaderKill:      "kill -9 of the HA leader; restarted as standby after the takeover",
+	backpressure:    "receiver answers 2xx after 0.6 × the timeout (lanes fill, decoding waits), then the walsender is terminated, then the receiver heals",
+	unstorable:      "receiver refuses a few events for good: 400 with a 700-byte multi-byte UTF-8 body holding a NUL (they must end failed, with a reason)",
+	slotCreateCrash: "slot dropped, then kill -9 of both relays as soon as the slot exists again, restarted",
+	settleLock:      "LOCK TABLE of the ledger and the delivered record IN EXCLUSIVE MODE, held (settlement writes wait), then released",
+	pgBlackhole:     "the relays' open connections to PostgreSQL black-holed (sockets open, nothing forwarded; new connections pass), then healed",
+	natsBlackhole:   "the relays' open connections to nats-server black-holed likewise, then healed",
+	pgSlow:          "300 ms added to every round trip between the relays and PostgreSQL, then removed",
 }
 
 // step is one fault of the schedule.
@@ -44,6 +61,8 @@ type step struct {
 	// during (webhook-outage) is a fault injected halfway through the
 	// outage's slow phase, while deliveries queue up in the relay.
 	during faultKind
+	// nested: this is that fault; the outage waits for the recovery.
+	nested bool
 }
 
 // duringOutage is what cycle c injects in the middle of its webhook outage:
@@ -165,12 +184,22 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		slowEnds := time.Now().Add(p.outageSlow)
 		if st.during != "" {
 			sleep(ctx, p.outageSlow/2)
-			during = s.inject(ctx, step{kind: st.during, cycle: st.cycle, pause: st.pause})
+			// A slot dropped now is recreated only once the deliveries in
+			// flight have settled, which the slow phase holds back: the
+			// wait for streaming comes after the outage heals.
+			during = s.inject(ctx, step{kind: st.during, cycle: st.cycle, pause: st.pause, nested: true})
 			during[0].note += " (during the webhook outage's slow phase)"
 		}
 		sleep(ctx, time.Until(slowEnds))
 		s.hook.setMode(hookHealthy)
 		rec.healed = s.since()
+		if st.during == slotDrop && during[0].err == nil {
+			if err := s.waitStreaming(ctx, 60*time.Second); err != nil {
+				during[0].err = err
+			} else {
+				during[0].note = fmt.Sprintf("%s; streaming again %.1f s after the outage healed", during[0].note, (s.since() - rec.healed).Seconds())
+			}
+		}
 		rec.note = fmt.Sprintf("503 for %.0f s, held for %.0f s, slow for %.0f s", p.outage503.Seconds(), p.outageHang.Seconds(), p.outageSlow.Seconds())
 		if st.during != "" {
 			rec.note += ", " + string(st.during) + " halfway through"
@@ -180,6 +209,10 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		rec.healed = s.since()
 		if err != nil {
 			rec.err = err
+			break
+		}
+		if st.nested {
+			rec.note = fmt.Sprintf("dropped at attempt %d", attempts)
 			break
 		}
 		if err := s.waitStreaming(ctx, 60*time.Second); err != nil {
@@ -204,8 +237,169 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 			rec.note = fmt.Sprintf("%s killed; the standby led after %.1f s", leader.name, took.Seconds())
 		}
 		rec.err = errors.Join(rec.err, leader.restart())
+	case backpressure:
+		p := s.o.profile
+		s.hook.setMode(hookCrawl)
+		sleep(ctx, p.crawl)
+		// The walsender may be between two sessions (a reconnect after a
+		// lane timeout, say): wait up to 10 s for one to terminate.
+		var n int
+		var err error
+		for end := time.Now().Add(10 * time.Second); ; {
+			n, err = s.terminateWalsender(ctx)
+			if err != nil || n > 0 || time.Now().After(end) || !sleep(ctx, 50*time.Millisecond) {
+				break
+			}
+		}
+		if err == nil && n == 0 {
+			err = errors.New("no walsender streamed from the slot within 10 s to terminate")
+		}
+		sleep(ctx, p.crawl/2)
+		s.hook.setMode(hookHealthy)
+		rec.healed = s.since()
+		if err != nil {
+			rec.err = err
+			break
+		}
+		if err := s.waitStreaming(ctx, 60*time.Second); err != nil {
+			rec.err = err
+			break
+		}
+		rec.note = fmt.Sprintf("crawling answers for %.0f s, walsender terminated, %.0f s more; streaming again %.1f s after the heal",
+			p.crawl.Seconds(), (p.crawl / 2).Seconds(), (s.since() - rec.healed).Seconds())
+	case unstorable:
+		p := s.o.profile
+		s.hook.poison(p.poison)
+		deadline := time.Now().Add(15 * time.Second)
+		for {
+			_, left := s.hook.poisonedKeys()
+			if left == 0 || time.Now().After(deadline) || !sleep(ctx, 50*time.Millisecond) {
+				break
+			}
+		}
+		s.hook.stopPoisoning()
+		keys, _ := s.hook.poisonedKeys()
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("%d events refused for good (%d in the run so far)", p.poison, len(keys))
+	case slotCreateCrash:
+		attempts, err := s.dropSlot(ctx)
+		if err != nil {
+			rec.err = err
+			rec.healed = s.since()
+			break
+		}
+		dropped := s.since()
+		if err := s.waitSlot(ctx, 60*time.Second); err != nil {
+			rec.err = err
+			rec.healed = s.since()
+			break
+		}
+		created := s.since()
+		for _, r := range s.relays {
+			r.kill()
+		}
+		killed := s.since()
+		sleep(ctx, st.pause)
+		for _, r := range s.relays {
+			rec.err = errors.Join(rec.err, r.restart())
+		}
+		rec.healed = s.since()
+		if err := s.waitStreaming(ctx, 60*time.Second); err != nil {
+			rec.err = errors.Join(rec.err, err)
+			break
+		}
+		rec.note = fmt.Sprintf("dropped at attempt %d; the slot was back %.2f s later; both relays killed %.0f ms after that; streaming again %.1f s after the restart",
+			attempts, (created - dropped).Seconds(), float64((killed - created).Milliseconds()), (s.since() - rec.healed).Seconds())
+	case settleLock:
+		hold := s.o.profile.lockHold
+		peak, err := s.holdSettleLock(ctx, hold)
+		rec.healed = s.since()
+		if err != nil {
+			rec.err = err
+			break
+		}
+		rec.note = fmt.Sprintf("held %.0f s; the relays' largest RSS meanwhile %s", hold.Seconds(), mb(peak))
+	case pgBlackhole, natsBlackhole:
+		proxies := s.pgProxies
+		if st.kind == natsBlackhole {
+			proxies = s.natsProxies
+		}
+		open := 0
+		for _, p := range proxies {
+			open += p.Conns()
+			p.BlackHole(netfault.NewConnsPass)
+		}
+		sleep(ctx, s.o.profile.blackhole)
+		for _, p := range proxies {
+			p.Pass()
+		}
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("%d open connections black-holed for %.0f s", open, s.o.profile.blackhole.Seconds())
+	case pgSlow:
+		for _, p := range s.pgProxies {
+			p.SetLatency(netfault.Upstream, 150*time.Millisecond)
+			p.SetLatency(netfault.Downstream, 150*time.Millisecond)
+		}
+		sleep(ctx, s.o.profile.slowFor)
+		for _, p := range s.pgProxies {
+			p.SetLatency(netfault.Upstream, 0)
+			p.SetLatency(netfault.Downstream, 0)
+		}
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("for %.0f s", s.o.profile.slowFor.Seconds())
 	}
 	return append([]faultRecord{rec}, during...)
+}
+
+// terminateWalsender ends the backend streaming from the slot, if any, and
+// returns how many it ended.
+func (s *stack) terminateWalsender(ctx context.Context) (int, error) {
+	var n int
+	err := s.pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE pg_terminate_backend(active_pid)) FROM pg_replication_slots WHERE slot_name = $1 AND active_pid IS NOT NULL`, slotName).Scan(&n)
+	return n, err
+}
+
+// waitSlot polls, every 2 ms, until the slot exists.
+func (s *stack) waitSlot(ctx context.Context, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		var exists bool
+		err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)`, slotName).Scan(&exists)
+		if err == nil && exists {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("slot %s not created again within %s (last error %v)", slotName, timeout, err)
+		}
+		if !sleep(ctx, 2*time.Millisecond) {
+			return ctx.Err()
+		}
+	}
+}
+
+// holdSettleLock locks the ledger and the delivered record in EXCLUSIVE
+// mode (reads pass, every write waits) for hold, and returns the largest
+// RSS of a relay process sampled meanwhile.
+func (s *stack) holdSettleLock(ctx context.Context, hold time.Duration) (int64, error) {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback(context.Background()) }()
+	if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '10s'`); err != nil {
+		return 0, err
+	}
+	if _, err := tx.Exec(ctx, `LOCK TABLE integration_idempotency, integration_outbox_delivered IN EXCLUSIVE MODE`); err != nil {
+		return 0, fmt.Errorf("lock: %w", err)
+	}
+	var peak int64
+	end := time.Now().Add(hold)
+	for time.Now().Before(end) && sleep(ctx, 250*time.Millisecond) {
+		for _, r := range s.relays {
+			peak = max(peak, r.rss())
+		}
+	}
+	return peak, tx.Commit(ctx)
 }
 
 // dropSlot terminates the walsender on the slot and drops it, retrying

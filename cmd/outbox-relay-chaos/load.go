@@ -22,6 +22,16 @@ const (
 	aggregateType = "order"
 	insertSQL     = `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
 VALUES ($1, '` + aggregateType + `', $2, $3, $4::text::jsonb)`
+	// insertAtSQL sets available_at: NULL (due now, docs/guarantees.md) or
+	// $5 seconds from now (scheduled; its aggregate's later events wait).
+	insertAtSQL = `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, available_at)
+VALUES ($1, '` + aggregateType + `', $2, $3, $4::text::jsonb, CASE WHEN $5::float8 > 0 THEN now() + make_interval(secs => $5::float8) END)`
+	// nullAtShare and scheduledShare of the single-row transactions insert
+	// a row with a NULL available_at, or one scheduled scheduledIn (±50%)
+	// ahead.
+	nullAtShare    = 0.004
+	scheduledShare = 0.004
+	scheduledIn    = 3 * time.Second
 	// multiRowShare of the transactions carry 2..maxRowsPerTx events, some
 	// of one aggregate, in id (= sequence) order; bulkShare carry
 	// bulkMin..bulkMax, more than the stream hands the engine at once (256).
@@ -37,6 +47,9 @@ VALUES ($1, '` + aggregateType + `', $2, $3, $4::text::jsonb)`
 type outboxRow struct {
 	key, agg, eventType, payload string
 	seq                          int64
+	// availableAt: 0 leaves available_at to its default (now), <0 writes
+	// NULL, >0 schedules the row that far ahead.
+	availableAt time.Duration
 }
 
 // committedEvent is an event whose transaction committed, and when the
@@ -56,6 +69,7 @@ type loadStats struct {
 	foundCommitted     atomic.Int64 // … whose transaction had committed after all
 	foundNotCommitted  atomic.Int64 // … whose transaction had not (written again)
 	uniqueAfterFailure atomic.Int64 // a retry met the earlier attempt's committed rows
+	nullAt, scheduled  atomic.Int64 // rows with a NULL available_at; scheduled ahead
 }
 
 // load runs the writers.
@@ -131,8 +145,22 @@ func (l *load) writer(ctx context.Context, stop <-chan struct{}, w int) error {
 				payload: fmt.Sprintf(`{"seq": %d, "writer": %d, "pad": %q}`, seq, w, pad)}
 			n++
 		}
+		if k == 1 {
+			switch r := rng.Float64(); {
+			case r < nullAtShare:
+				rows[0].availableAt = -1
+			case r < nullAtShare+scheduledShare:
+				rows[0].availableAt = time.Duration(float64(scheduledIn) * (0.5 + rng.Float64()))
+			}
+		}
 		if err := l.commit(ctx, rows); err != nil {
 			return fmt.Errorf("writer %d: %w", w, err)
+		}
+		switch {
+		case rows[0].availableAt < 0:
+			l.stats.nullAt.Add(1)
+		case rows[0].availableAt > 0:
+			l.stats.scheduled.Add(1)
 		}
 		switch {
 		case k == 1:
@@ -244,6 +272,10 @@ func (l *load) insert(ctx context.Context, rows []outboxRow) error {
 	defer cancel()
 	if len(rows) == 1 {
 		r := rows[0]
+		if r.availableAt != 0 {
+			_, err := l.pool.Exec(ctx, insertAtSQL, r.eventType, r.agg, r.key, r.payload, r.availableAt.Seconds())
+			return err
+		}
 		_, err := l.pool.Exec(ctx, insertSQL, r.eventType, r.agg, r.key, r.payload)
 		return err
 	}

@@ -32,14 +32,37 @@
 //	slot-drop         the walsender terminated and the slot dropped
 //	leader-kill       kill -9 of the HA leader; the standby takes over and
 //	                  the killed relay comes back as the standby
+//	backpressure-drop the receiver answers 2xx after 0.6 × the relay's
+//	                  timeout, so the lanes fill and decoding waits; then
+//	                  the walsender is terminated; then the receiver heals
+//	unstorable-reply  the receiver refuses a few events for good: 400 with
+//	                  a long multi-byte UTF-8 body holding a NUL byte
+//	slot-create-crash the slot dropped, then kill -9 of both relays as soon
+//	                  as it exists again (created by the leader), restarted
+//	settle-lock       LOCK TABLE of the ledger and the delivered record IN
+//	                  EXCLUSIVE MODE held for a few seconds: settlement
+//	                  writes wait while replication goes on
+//	pg-blackhole      each relay reaches PostgreSQL and nats-server through
+//	nats-blackhole    its own netfault proxy: the open connections are
+//	                  black-holed (sockets open, nothing forwarded, new
+//	                  connections pass), then healed
+//	pg-slow           300 ms added to every round trip to PostgreSQL
+//
+// Writers also insert, now and then, a row with a NULL available_at (due
+// now) and one scheduled a few seconds ahead (its aggregate's later events
+// wait for it).
 //
 // Afterwards — writers stopped, everything delivered (or -quiesce passed),
 // the relays stopped with SIGTERM — it checks: no committed event missing at
-// either sink; exactly one delivered ledger row per (event_key, action);
-// every repeat carries the same idempotency id and a byte-identical body,
-// and the receiver applied each event's side effect exactly once
-// (deduplicating by webhook-id); per-aggregate order; the WAL retained by
-// the slot stayed under -wal-bound; every failed row has a reason.
+// either sink, except the events the receiver refused for good, which must
+// be dead-lettered; every (event_key, action) settled once (in the
+// delivered record, or one delivered ledger row); every repeat carries the
+// same idempotency id and a byte-identical body, and the receiver applied
+// each event's side effect exactly once (deduplicating by webhook-id);
+// per-aggregate order; the WAL retained by the slot stayed under
+// -wal-bound and no relay process's memory grew past -rss-bound; every
+// failed row has a reason, and only refused events failed.
+// docs/chaos-report.md has a full run's figures.
 //
 // Recovery times are measured from the moment a fault was healed (the
 // process restarted, the server up again, the receiver answering again) to
@@ -78,13 +101,20 @@ type profile struct {
 	writers     int
 	aggregates  int
 	quiesce     time.Duration // longest wait for the last deliveries
+	crawl       time.Duration // backpressure-drop: crawling answers before the walsender is terminated
+	poison      int           // unstorable-reply: events refused for good per fault
+	lockHold    time.Duration // settle-lock: how long the lock is held
+	blackhole   time.Duration // pg-blackhole, nats-blackhole: how long
+	slowFor     time.Duration // pg-slow: how long
 }
 
 var profiles = map[string]profile{
-	"ci": {name: "ci", warmup: 8 * time.Second, cycles: 2, gap: 14 * time.Second, kills: 3, killSpacing: 3 * time.Second,
-		outage503: 6 * time.Second, outageHang: 5 * time.Second, outageSlow: 4 * time.Second, rate: 150, writers: 4, aggregates: 160, quiesce: 120 * time.Second},
-	"full": {name: "full", warmup: 15 * time.Second, cycles: 3, gap: 32 * time.Second, kills: 3, killSpacing: 4 * time.Second,
-		outage503: 12 * time.Second, outageHang: 8 * time.Second, outageSlow: 6 * time.Second, rate: 200, writers: 6, aggregates: 300, quiesce: 180 * time.Second},
+	"ci": {name: "ci", warmup: 8 * time.Second, cycles: 2, gap: 6 * time.Second, kills: 2, killSpacing: 3 * time.Second,
+		outage503: 6 * time.Second, outageHang: 5 * time.Second, outageSlow: 4 * time.Second, rate: 150, writers: 4, aggregates: 160, quiesce: 120 * time.Second,
+		crawl: 4 * time.Second, poison: 3, lockHold: 5 * time.Second, blackhole: 5 * time.Second, slowFor: 5 * time.Second},
+	"full": {name: "full", warmup: 15 * time.Second, cycles: 3, gap: 15 * time.Second, kills: 3, killSpacing: 4 * time.Second,
+		outage503: 12 * time.Second, outageHang: 8 * time.Second, outageSlow: 6 * time.Second, rate: 200, writers: 6, aggregates: 300, quiesce: 180 * time.Second,
+		crawl: 6 * time.Second, poison: 5, lockHold: 10 * time.Second, blackhole: 10 * time.Second, slowFor: 8 * time.Second},
 }
 
 // options are the command-line flags.
@@ -94,6 +124,7 @@ type options struct {
 	profile     profile
 	seed        uint64
 	walBound    int64 // bytes
+	rssBound    int64 // bytes
 	hookTimeout time.Duration
 	keep        bool
 }
@@ -101,15 +132,16 @@ type options struct {
 func main() {
 	var o options
 	var profileName string
-	var walBoundMB int64
+	var walBoundMB, rssBoundMB int64
 	var rate float64
 	var writers, aggregates int
 	fs := flag.NewFlagSet("outbox-relay-chaos", flag.ExitOnError)
 	fs.StringVar(&o.relayBin, "relay", "", "path to the outbox-relay binary (default: bin/outbox-relay)")
 	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
-	fs.StringVar(&profileName, "profile", "full", "ci (about 4 minutes) or full (about 10 minutes): the same faults and invariants")
+	fs.StringVar(&profileName, "profile", "full", "ci (about 5 minutes) or full (about 12 minutes): the same faults and invariants")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the fault schedule and the load")
 	fs.Int64Var(&walBoundMB, "wal-bound", 256, "largest WAL the relay's slot may retain (restart_lsn to the current position), MB")
+	fs.Int64Var(&rssBoundMB, "rss-bound", 512, "largest resident memory of a relay process, MB (sampled every second)")
 	fs.DurationVar(&o.hookTimeout, "hook-timeout", time.Second, "the relay's webhook timeout (the outage holds requests past it)")
 	fs.Float64Var(&rate, "rate", 0, "events/s from all writers together (0: the profile's)")
 	fs.IntVar(&writers, "writers", 0, "writer connections (0: the profile's)")
@@ -140,6 +172,7 @@ func main() {
 	}
 	o.profile = p
 	o.walBound = walBoundMB << 20
+	o.rssBound = rssBoundMB << 20
 	if err := o.validate(); err != nil {
 		fmt.Fprintf(os.Stderr, "outbox-relay-chaos: %v\n", err)
 		os.Exit(2)
@@ -181,8 +214,8 @@ func (o *options) validate() error {
 		return fmt.Errorf("-rate and -writers must be positive")
 	case p.aggregates < 100 || p.aggregates < p.writers:
 		return fmt.Errorf("-aggregates must be at least 100 and at least -writers")
-	case o.walBound <= 0:
-		return fmt.Errorf("-wal-bound must be positive")
+	case o.walBound <= 0 || o.rssBound <= 0:
+		return fmt.Errorf("-wal-bound and -rss-bound must be positive")
 	case o.hookTimeout < 100*time.Millisecond:
 		return fmt.Errorf("-hook-timeout must be at least 100ms")
 	}

@@ -30,6 +30,10 @@ type walMonitor struct {
 	maxRetained   walSample
 	maxUnacked    walSample
 	maxWALDir     walSample
+	// maxRSS is the largest resident memory of a relay process sampled,
+	// at maxRSSAt.
+	maxRSS   int64
+	maxRSSAt time.Duration
 }
 
 const walSampleSQL = `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint,
@@ -53,6 +57,7 @@ func (m *walMonitor) run(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
+		m.sampleRSS()
 		if conn == nil {
 			cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 			conn, _ = m.s.sqlConn(cctx)
@@ -73,6 +78,18 @@ func (m *walMonitor) run(ctx context.Context) {
 			continue
 		}
 		m.add(w)
+	}
+}
+
+// sampleRSS reads every running relay's resident memory.
+func (m *walMonitor) sampleRSS() {
+	for _, r := range m.s.relays {
+		rss := r.rss()
+		m.mu.Lock()
+		if rss > m.maxRSS {
+			m.maxRSS, m.maxRSSAt = rss, m.s.since()
+		}
+		m.mu.Unlock()
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"hash/fnv"
 	"io"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,6 +20,10 @@ const (
 	hook503                     // 503, nothing applied
 	hookHang                    // hold the request past the relay's timeout
 	hookSlow                    // healthy, but answer after half the relay's timeout
+	// hookCrawl is healthy, but answers after crawl (most of the relay's
+	// timeout): with a few requests in flight, the relay's lanes fill and
+	// decoding waits for them (backpressure-drop).
+	hookCrawl
 )
 
 func (m hookMode) String() string {
@@ -29,6 +34,8 @@ func (m hookMode) String() string {
 		return "hang"
 	case hookSlow:
 		return "slow"
+	case hookCrawl:
+		return "crawl"
 	default:
 		return "healthy"
 	}
@@ -58,16 +65,24 @@ type receiver struct {
 	since   func() time.Duration
 	holdMax time.Duration // a held request is released after this at the latest
 	slow    time.Duration // how long a slow answer takes
+	crawl   time.Duration // how long a crawling answer takes
 	mode    atomic.Int32
 
 	mu      sync.Mutex
 	got     []rawDelivery
 	applied map[string]int  // webhook-id → index of the request that applied it
 	okIDs   map[string]bool // webhook-ids answered with a 2xx
+	seen    map[string]bool // webhook-ids of every request
+	// poisonLeft is how many more events, each on its first request, the
+	// receiver refuses for good (unstorable-reply); poisoned are their
+	// event_keys, answered 400 with poisonBody on every request.
+	poisonLeft int
+	poisoned   map[string]bool
 }
 
-func newReceiver(since func() time.Duration, holdMax, slow time.Duration) (*receiver, error) {
-	r := &receiver{since: since, holdMax: holdMax, slow: slow, applied: map[string]int{}, okIDs: map[string]bool{}}
+func newReceiver(since func() time.Duration, holdMax, slow, crawl time.Duration) (*receiver, error) {
+	r := &receiver{since: since, holdMax: holdMax, slow: slow, crawl: crawl, applied: map[string]int{}, okIDs: map[string]bool{},
+		seen: map[string]bool{}, poisoned: map[string]bool{}}
 	srv, err := harness.ServeHTTP(r, "/hook")
 	if err != nil {
 		return nil, err
@@ -92,14 +107,29 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	d := rawDelivery{At: r.since(), ID: req.Header.Get("webhook-id"), Attempt: req.Header.Get("webhook-attempt"), Body: string(body)}
 	mode := hookMode(r.mode.Load())
 	switch mode {
-	case hookHealthy, hookSlow:
+	case hookHealthy, hookSlow, hookCrawl:
 		d.Status = http.StatusNoContent
 	case hook503:
 		d.Status = http.StatusServiceUnavailable
 	}
 	r.mu.Lock()
 	d.Index = len(r.got)
-	apply := mode == hookHealthy || mode == hookSlow || (mode == hookHang && appliesBeforeHanging(d.ID, d.Attempt))
+	key := bodyKey(d.Body)
+	if key != "" && !r.poisoned[key] && r.poisonLeft > 0 && mode == hookHealthy && !r.seen[d.ID] {
+		r.poisonLeft--
+		r.poisoned[key] = true
+	}
+	r.seen[d.ID] = true
+	if r.poisoned[key] {
+		d.Status = http.StatusBadRequest
+		r.got = append(r.got, d)
+		r.mu.Unlock()
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusBadRequest)
+		_, _ = w.Write(poisonBody)
+		return
+	}
+	apply := mode == hookHealthy || mode == hookSlow || mode == hookCrawl || (mode == hookHang && appliesBeforeHanging(d.ID, d.Attempt))
 	if _, done := r.applied[d.ID]; apply && !done {
 		r.applied[d.ID] = d.Index
 		d.Applied = true
@@ -122,13 +152,60 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		w.WriteHeader(http.StatusServiceUnavailable)
 		return
 	}
-	if mode == hookSlow {
+	if wait := map[hookMode]time.Duration{hookSlow: r.slow, hookCrawl: r.crawl}[mode]; wait > 0 {
 		select {
 		case <-req.Context().Done():
-		case <-time.After(r.slow):
+			// The relay gave up before the answer (its timeout counts
+			// from before the request reached here): for it the outcome
+			// is unknown, as for a held request, so a repeat may follow.
+			r.mu.Lock()
+			r.got[d.Index].Status = 0
+			delete(r.okIDs, d.ID)
+			for _, g := range r.got {
+				if g.ID == d.ID && g.Status >= 200 && g.Status < 300 {
+					r.okIDs[d.ID] = true
+				}
+			}
+			r.mu.Unlock()
+			return
+		case <-time.After(wait):
 		}
 	}
 	w.WriteHeader(d.Status)
+}
+
+// poisonBody is the body of the 400 answer to a poisoned event: over 500
+// bytes of multi-byte UTF-8 with a NUL byte in it, so that a reason cut at a
+// byte count splits a character and the NUL cannot go into a text column as
+// it is (docs/guarantees.md, TestNoStall_UnstorableErrorText).
+var poisonBody = []byte(strings.Repeat("пакет отклонён — ошибка ✗ ", 12) + "\x00" + strings.Repeat("拒否されました 🚫 ", 20))
+
+// poison makes the receiver refuse the next n events it sees for the first
+// time, in healthy mode, for good (400 with poisonBody).
+func (r *receiver) poison(n int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.poisonLeft += n
+}
+
+// stopPoisoning chooses no more events to refuse (those chosen stay
+// refused).
+func (r *receiver) stopPoisoning() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.poisonLeft = 0
+}
+
+// poisonedKeys returns the event_keys refused for good so far, and how
+// many more are still to be chosen.
+func (r *receiver) poisonedKeys() (map[string]bool, int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make(map[string]bool, len(r.poisoned))
+	for k := range r.poisoned {
+		out[k] = true
+	}
+	return out, r.poisonLeft
 }
 
 // appliesBeforeHanging decides, from the request's id and attempt (so the

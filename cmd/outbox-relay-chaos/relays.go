@@ -167,6 +167,30 @@ func (r *relaySlot) countInLog(s string) int {
 	return strings.Count(string(r.logSince(0)), s)
 }
 
+// rss is the resident memory of the running relay process in bytes, 0 when
+// none runs or it cannot be read.
+func (r *relaySlot) rss() int64 {
+	r.mu.Lock()
+	p := r.cur
+	r.mu.Unlock()
+	if p == nil || p.Exited() {
+		return 0
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.Pid()))
+	if err != nil {
+		return 0
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			var kb int64
+			if _, err := fmt.Sscanf(strings.TrimSpace(rest), "%d kB", &kb); err == nil {
+				return kb << 10
+			}
+		}
+	}
+	return 0
+}
+
 // exits returns the unexpected exits so far.
 func (r *relaySlot) exits() []string {
 	r.mu.Lock()

@@ -32,6 +32,8 @@ func (res *result) print(w io.Writer, s *stack, args []string) {
 	fmt.Fprintf(w, "| events published (committed) | %s in %s transactions (%s single-row, %s of 2–%d rows, %s of %d–%d rows), %.0f/s |\n",
 		th(len(res.events)), th(int(single+multi+bulk)), th(int(single)), th(int(multi)), maxRowsPerTx, th(int(bulk)), bulkMin, bulkMax,
 		float64(len(res.events))/res.loadTook.Seconds())
+	fmt.Fprintf(w, "| rows with a NULL available_at / scheduled %.0f s (±50%%) ahead | %s / %s |\n",
+		scheduledIn.Seconds(), th(int(st.nullAt.Load())), th(int(st.scheduled.Load())))
 	fmt.Fprintf(w, "| writer attempts that failed (outcome resolved by looking for the rows) | %s: %s had committed after all, %s had not (written again); %s retries met the earlier attempt's rows |\n",
 		th(int(st.failedAttempts.Load())), th(int(st.foundCommitted.Load())), th(int(st.foundNotCommitted.Load())), th(int(st.uniqueAfterFailure.Load())))
 	fmt.Fprintf(w, "| rows by status at the end | %s |\n", res.statusCounts())

@@ -130,7 +130,7 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 		return 0, err
 	}
 	res.invariants = append(check(facts), s.processInvariant(res))
-	computeRecoveries(res.faults, l.events(), facts.Sinks)
+	computeRecoveries(res.faults, l.events(), facts.Sinks, facts.hookRefused())
 	if err := s.writeRecords(res); err != nil {
 		s.say("warning: write the run's records: %v", err)
 	}
@@ -193,33 +193,36 @@ func (s *stack) progress(ctx context.Context, l *load, mon *walMonitor) {
 }
 
 // quiesce waits until every committed event is delivered to both sinks and
-// recorded in the ledger, and no row is left pending or processing; it
-// returns how long that took, or -1 after timeout and what was still open.
+// settled (in the delivered record, or no longer pending or processing);
+// it returns how long that took, or -1 after timeout and what was still
+// open.
 func (s *stack) quiesce(ctx context.Context, events int, timeout time.Duration) (time.Duration, string) {
 	start := time.Now()
 	last := time.Now()
 	for {
-		var natsDone, hookDone, open int
+		var streamed, open int
 		err := s.pool.QueryRow(ctx, `SELECT
-			(SELECT count(*) FROM integration_idempotency WHERE action = $1 AND state = 'delivered'),
-			(SELECT count(*) FROM integration_idempotency WHERE action = $2 AND state = 'delivered'),
-			(SELECT count(*) FROM integration_outbox WHERE status IN ('pending', 'processing'))`, natsAction, hookAction).Scan(&natsDone, &hookDone, &open)
+			(SELECT count(*) FROM integration_outbox_delivered),
+			(SELECT count(*) FROM integration_outbox o WHERE status IN ('pending', 'processing')
+				AND NOT EXISTS (SELECT FROM integration_outbox_delivered d WHERE d.id = o.id))`).Scan(&streamed, &open)
 		_, okIDs := s.hook.counts()
+		refused, _ := s.hook.poisonedKeys()
+		hookWant := events - len(refused)
 		stored, serr := streamCount(ctx, s.js, streamName)
-		if err == nil && serr == nil && natsDone == events && hookDone == events && open == 0 && okIDs >= events && stored >= uint64(events) {
+		if err == nil && serr == nil && open == 0 && okIDs >= hookWant && stored >= uint64(events) {
 			d := time.Since(start)
 			s.say("quiescent after %.1f s", d.Seconds())
 			return d, ""
 		}
 		if time.Since(start) > timeout || ctx.Err() != nil {
-			open := fmt.Sprintf("ledger: nats %d, hook %d delivered of %d events; %d rows pending or processing; the webhook has %d events, the stream %d (errors: %v, %v)",
-				natsDone, hookDone, events, open, okIDs, stored, err, serr)
+			open := fmt.Sprintf("%d events (%d refused by the webhook for good): %d rows pending or processing and not in the delivered record (%d are); the webhook has %d events, the stream %d (errors: %v, %v)",
+				events, len(refused), open, streamed, okIDs, stored, err, serr)
 			s.say("not quiescent after %s: %s", timeout, open)
 			return -1, open
 		}
 		if time.Since(last) >= 5*time.Second {
 			last = time.Now()
-			s.say("waiting: ledger nats %d, hook %d of %d; %d rows pending or processing", natsDone, hookDone, events, open)
+			s.say("waiting: %d of %d events open (pending or processing, not in the delivered record); the webhook has %d, the stream %d", open, events, okIDs, stored)
 		}
 		sleep(ctx, 250*time.Millisecond)
 	}
@@ -227,15 +230,16 @@ func (s *stack) quiesce(ctx context.Context, events int, timeout time.Duration) 
 
 // collect reads the table, the ledger, the stream and the receiver's record.
 func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
-	f := runFacts{WALBound: s.o.walBound, WantID: func(key string) string { return key }}
+	f := runFacts{WALBound: s.o.walBound, RSSBound: s.o.rssBound, WantID: func(key string) string { return key }}
 	rows, err := s.pool.Query(ctx, `SELECT event_key, coalesce(aggregate_id, ''), coalesce((payload->>'seq')::bigint, 0),
-		coalesce(status, ''), coalesce(last_error, '') FROM integration_outbox ORDER BY id`)
+		coalesce(status, ''), coalesce(last_error, ''), EXISTS (SELECT FROM integration_outbox_delivered d WHERE d.id = o.id)
+		FROM integration_outbox o ORDER BY id`)
 	if err != nil {
 		return f, err
 	}
 	f.Events, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (event, error) {
 		var e event
-		return e, r.Scan(&e.Key, &e.Agg, &e.Seq, &e.Status, &e.LastError)
+		return e, r.Scan(&e.Key, &e.Agg, &e.Seq, &e.Status, &e.LastError, &e.Streamed)
 	})
 	if err != nil {
 		return f, fmt.Errorf("read the outbox: %w", err)
@@ -257,11 +261,17 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	}
 
 	res.hook = s.hook.deliveries()
-	hook := sinkRecord{Name: "webhook", Action: hookAction, AckedRepeatsNeedCrash: true}
+	refused, _ := s.hook.poisonedKeys()
+	hook := sinkRecord{Name: "webhook", Action: hookAction, AckedRepeatsNeedCrash: true, Refused: refused}
 	for _, fr := range res.faults {
 		switch fr.kind {
-		case relayKill, leaderKill, postgresRestart:
+		case relayKill, leaderKill, postgresRestart, slotCreateCrash:
 			f.Crashes = append(f.Crashes, fr.at)
+		case pgBlackhole:
+			// PostgreSQL out of reach, as if gone, for the whole fault: a
+			// leader that cannot renew its lease or write an outcome
+			// loses the slot to one that does not know the outcome.
+			f.Crashes = append(f.Crashes, fr.at, fr.healed)
 		}
 	}
 	f.SideEffects = map[string]int{}
@@ -290,6 +300,7 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	}
 	f.Sinks = []sinkRecord{nats, hook}
 	f.MaxRetained = res.mon.maxRetained.retained
+	f.MaxRSS, f.RSSBound = res.mon.maxRSS, s.o.rssBound
 	return f, nil
 }
 
@@ -305,8 +316,9 @@ func bodyKey(body string) string {
 }
 
 // computeRecoveries fills in each fault's recovery times from the commit
-// times and the first delivery at each sink.
-func computeRecoveries(faults []faultRecord, events []committedEvent, sinks []sinkRecord) {
+// times and the first delivery at each sink. Events a sink refused for good
+// never reach it and count for neither figure.
+func computeRecoveries(faults []faultRecord, events []committedEvent, sinks []sinkRecord, refused map[string]bool) {
 	first := make([]map[string]time.Duration, len(sinks))
 	for i, s := range sinks {
 		first[i] = map[string]time.Duration{}
@@ -332,6 +344,9 @@ func computeRecoveries(faults []faultRecord, events []committedEvent, sinks []si
 		f := &faults[i]
 		f.firstNew, f.drained = -1, 0
 		for _, e := range events {
+			if refused[e.key] {
+				continue
+			}
 			at, ok := bothAt(e.key)
 			if e.at >= f.healed {
 				if ok && (f.firstNew < 0 || at-f.healed < f.firstNew) {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
+	"github.com/outbox-relay/outbox-relay/relay/netfault"
 )
 
 // The names the run uses: database, slot, sinks (= ledger actions), stream.
@@ -50,8 +51,11 @@ type stack struct {
 
 	hook   *receiver
 	tap    *tap
-	cfg    string
 	relays []*relaySlot
+	// pgProxies and natsProxies hold, per relay (same index as relays), the
+	// netfault proxy its connections to PostgreSQL and to nats-server go
+	// through; the harness's own connections do not.
+	pgProxies, natsProxies []*netfault.Proxy
 }
 
 // say prints a progress line with the time since the start.
@@ -133,38 +137,57 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 
 	// A held request outlives the relay's timeout by far, so the relay's
 	// outcome is always "unknown", never a late answer; a slow answer comes
-	// well within it.
-	if s.hook, err = newReceiver(s.since, 10*o.hookTimeout, o.hookTimeout/2); err != nil {
+	// well within it, a crawling one (backpressure-drop) within it too (one
+	// the relay gave up on first is recorded as unanswered).
+	if s.hook, err = newReceiver(s.since, 10*o.hookTimeout, o.hookTimeout/2, o.hookTimeout*6/10); err != nil {
 		return nil, err
 	}
-	if s.cfg, err = s.writeConfig(); err != nil {
-		return nil, err
-	}
+	natsHost := strings.TrimPrefix(s.nats.URL(), "nats://")
 	for _, name := range []string{"relay-a", "relay-b"} {
-		s.relays = append(s.relays, newRelaySlot(name, o.relayBin, s.cfg, filepath.Join(s.work, name+".log")))
+		pg, err := netfault.Listen(fmt.Sprintf("127.0.0.1:%d", s.cluster.Port()))
+		if err != nil {
+			return nil, err
+		}
+		s.pgProxies = append(s.pgProxies, pg)
+		np, err := netfault.Listen(natsHost)
+		if err != nil {
+			return nil, err
+		}
+		s.natsProxies = append(s.natsProxies, np)
+		dbURL := strings.Replace(s.dbURL, fmt.Sprintf("@127.0.0.1:%d/", s.cluster.Port()), "@"+pg.Addr()+"/", 1)
+		if dbURL == s.dbURL {
+			return nil, fmt.Errorf("cannot point %s at the proxy", s.dbURL)
+		}
+		cfg, err := s.writeConfig(name, dbURL, "nats://"+np.Addr())
+		if err != nil {
+			return nil, err
+		}
+		s.relays = append(s.relays, newRelaySlot(name, o.relayBin, cfg, filepath.Join(s.work, name+".log")))
 	}
 	ok = true
 	return s, nil
 }
 
-// writeConfig writes the configuration both relays run with. Backoff is
-// short and max_attempts high, so that the outage's backlog drains within
-// the run and no event is dead-lettered for being retried during it.
-func (s *stack) writeConfig() (string, error) {
+// writeConfig writes relay name's configuration: the same for both relays
+// but for the addresses of PostgreSQL and nats-server, which are the
+// relay's own proxies. Backoff is short and max_attempts high, so that the
+// outage's backlog drains within the run and no event is dead-lettered for
+// being retried during it.
+func (s *stack) writeConfig(name, dbURL, natsURL string) (string, error) {
 	var b strings.Builder
-	fmt.Fprintf(&b, "database_url: %q\n", s.dbURL)
+	fmt.Fprintf(&b, "database_url: %q\n", dbURL)
 	fmt.Fprintf(&b, "data_dir: %q\n", filepath.Join(s.work, "relay-data"))
 	fmt.Fprintf(&b, "source:\n  slot: %s\n  poll_interval: 500ms\n", slotName)
 	b.WriteString("delivery:\n  backoff: [500ms, 1s, 2s, 3s]\n  max_attempts: 1000\n")
 	b.WriteString("sinks:\n")
-	fmt.Fprintf(&b, "  - name: %s\n    type: nats\n    url: %q\n", natsAction, s.nats.URL())
+	fmt.Fprintf(&b, "  - name: %s\n    type: nats\n    url: %q\n", natsAction, natsURL)
 	fmt.Fprintf(&b, "    subject: %q\n", "chaos.{{.AggregateType}}.{{.EventType}}")
 	fmt.Fprintf(&b, "    stream: {name: %s, subjects: [%q], create: true}\n", streamName, subjects)
 	fmt.Fprintf(&b, "  - name: %s\n    type: webhook\n    url: %q\n    timeout: %s\n", hookAction, s.hook.url(), s.o.hookTimeout)
 	b.WriteString("http: {listen: \"127.0.0.1:0\"}\n")
 	b.WriteString("shutdown_timeout: 20s\n")
 	b.WriteString("log: {level: info, format: json}\n")
-	path := filepath.Join(s.work, "relay.yaml")
+	path := filepath.Join(s.work, name+".yaml")
 	return path, os.WriteFile(path, []byte(b.String()), 0o600)
 }
 
@@ -220,6 +243,9 @@ func (s *stack) close() {
 		r.stopping = true
 		r.mu.Unlock()
 		r.kill()
+	}
+	for _, p := range append(s.pgProxies, s.natsProxies...) {
+		_ = p.Close()
 	}
 	if s.hook != nil {
 		s.hook.close()

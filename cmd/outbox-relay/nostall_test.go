@@ -16,6 +16,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"sort"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -130,6 +131,19 @@ func TestNoStall_ConnectionDropUnderBackPressure(t *testing.T) {
 	time.Sleep(time.Second)
 	slow.Store(false)
 	s.waitDelivered(t, "bp", n, 90*time.Second)
+	// Every request was answered 204, well within the timeout, and the relay
+	// did not crash: no outcome was unknown, so no event may be sent twice
+	// (docs/guarantees.md, "at most one delivery recorded").
+	var repeated []string
+	for key, ds := range byKey(s.hook.deliveries()) {
+		if len(ds) > 1 {
+			repeated = append(repeated, fmt.Sprintf("%s×%d", key, len(ds)))
+		}
+	}
+	if len(repeated) > 0 {
+		sort.Strings(repeated)
+		t.Errorf("%d events sent again after a 2xx across the walsender's termination: %v", len(repeated), repeated[:min(len(repeated), 10)])
+	}
 }
 
 // TestNoStall_UnstorableErrorText: a webhook answers 400 with a long
