@@ -146,13 +146,12 @@ func (s *Source) endOwnWalsender(ctx context.Context, conn *pgx.Conn, pid uint32
 		return fmt.Errorf("the slot is held by walsender %d, an earlier connection of this relay; ending it failed (%v)", pid, err)
 	}
 	deadline := time.Now().Add(closeTimeout)
-	for time.Now().Before(deadline) && ctx.Err() == nil {
+	for time.Now().Before(deadline) {
 		var active bool
 		if err := conn.QueryRow(ctx, "SELECT coalesce(bool_or(active_pid = $2), false) FROM pg_replication_slots WHERE slot_name = $1",
-			s.cfg.Slot, int32(pid)).Scan(&active); err != nil || !active {
+			s.cfg.Slot, int32(pid)).Scan(&active); err != nil || !active || !relay.Sleep(ctx, 20*time.Millisecond) {
 			break
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
 	s.log.Warn().Uint32("pid", pid).Msg("ended the walsender of an earlier replication connection of this relay, which still held the slot (its connection was given up as dead)")
 	return nil
