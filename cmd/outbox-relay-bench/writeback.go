@@ -24,6 +24,7 @@ var relayTables = []struct {
 	{"integration_idempotency", relLedger},
 	{"relay_checkpoint", relCheckpoint},
 	{"integration_outbox_conflicts", relConflicts},
+	{"integration_outbox_delivered", relRecord},
 }
 
 // relayRelations maps the relfilenodes of the relay's tables, their
@@ -329,10 +330,10 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 // fall short.
 const writeBackMethod = "Write-back: each window runs from its WAL insert position at the start to the position once every event has arrived at both sinks, " +
 	"no row is pending and the relay's slot has confirmed past the window's last insert. pg_waldump reads that WAL (a physical slot keeps it); each record is " +
-	"charged by the relation of its first block reference (the relfilenodes of the outbox, the ledger, relay_checkpoint and the conflicts table, with their indexes " +
+	"charged by the relation of its first block reference (the relfilenodes of the outbox, the ledger, relay_checkpoint, the delivered record and the conflicts table, with their indexes " +
 	"and TOAST) and its transaction: a transaction that inserts into the outbox heap is the application's, and its inserts, index entries, commit and their page " +
 	"images are not counted. Of the rest: outbox UPDATE = heap updates/locks and index entries on the outbox by other transactions (mark done, settle); ledger, " +
-	"checkpoint = everything on those tables; commits = commit records of transactions that wrote the relay's tables or updated the outbox; full-page images = " +
+	"checkpoint, delivered record = everything on those tables; commits = commit records of transactions that wrote the relay's tables or updated the outbox; full-page images = " +
 	"the images in those records and FPI records on those tables; outbox prune/vacuum = removing the dead tuples the UPDATEs leave (prune, vacuum, index " +
 	"deletion); other = everything else in the window (the server's own records, catalog, vacuum's visibility map, the conflicts table). Sizes are 8-byte aligned " +
 	"as in the WAL; page headers are the rest of the position delta. Limits: WAL the relay writes after the window (a late checkpoint row) is missed; full-page " +
