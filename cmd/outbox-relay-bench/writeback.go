@@ -128,14 +128,18 @@ func (e *env) beginWriteBack(ctx context.Context, c writeBackConns, db, label st
 }
 
 // endWriteBack waits until the relay has written back the window's events
-// (no pending row, the slot confirmed past lastLSN; at most a minute), ends
+// (no row pending and not in the delivered record, the slot confirmed past
+// lastLSN; at most a minute), ends
 // the window and attributes its WAL with pg_waldump.
 func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWindow, db, slot, lastLSN string, events int) (writeBackResult, error) {
 	res := writeBackResult{events: events}
 	deadline := time.Now().Add(time.Minute)
 	for {
 		var pending, confirmed bool
-		if err := c.db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM integration_outbox WHERE status = 'pending')`).Scan(&pending); err != nil {
+		// A row the stream delivered stays 'pending' with its id in the
+		// delivered record (status is derived: docs/operations.md).
+		if err := c.db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM integration_outbox o WHERE o.status = 'pending'
+   AND NOT EXISTS (SELECT FROM integration_outbox_delivered d WHERE d.id = o.id))`).Scan(&pending); err != nil {
 			return res, err
 		}
 		if err := c.mon.QueryRow(ctx, `SELECT coalesce(confirmed_flush_lsn >= $2::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1`,
