@@ -218,3 +218,22 @@ func streamWork(id int64, key string, d relay.Decision, pairs ...*relay.Pair) *r
 func outcomePair(sink string, kind relay.OutcomeKind) *relay.Pair {
 	return &relay.Pair{Sink: sink, Outcome: relay.Outcome{Kind: kind}}
 }
+
+// mustPrimaryAndStandby returns a cluster with database "app" migrated and
+// a physical standby of it.
+func mustPrimaryAndStandby(ctx context.Context, t *testing.T) (primary, standby *pgtest.Cluster) {
+	t.Helper()
+	primary = pgtest.NewCluster(t, pgtest.Options{})
+	if err := primary.CreateDatabase(ctx, "app"); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := pgx.Connect(ctx, primary.URL("app"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()}); err != nil {
+		t.Fatal(err)
+	}
+	return primary, pgtest.NewStandby(t, primary, pgtest.StandbyOptions{})
+}

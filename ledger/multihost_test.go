@@ -12,7 +12,6 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
-	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
@@ -24,19 +23,7 @@ import (
 func TestConnectionsFollowTheWritableHost(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	primary := pgtest.NewCluster(t, pgtest.Options{})
-	if err := primary.CreateDatabase(ctx, "app"); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := pgx.Connect(ctx, primary.URL("app"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()}); err != nil {
-		t.Fatal(err)
-	}
-	conn.Close(ctx)
-	standby := pgtest.NewStandby(t, primary, pgtest.StandbyOptions{})
+	primary, standby := mustPrimaryAndStandby(ctx, t)
 	url := pgtest.MultiHostURL("app", standby, primary)
 	onPrimary, err := pgx.Connect(ctx, primary.URL("app"))
 	if err != nil {

@@ -116,19 +116,7 @@ func TestStreamFromOneServerPerTerm(t *testing.T) {
 func TestStreamWritesRefusedAfterPromotion(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	primary := pgtest.NewCluster(t, pgtest.Options{})
-	if err := primary.CreateDatabase(ctx, "app"); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := pgx.Connect(ctx, primary.URL("app"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()}); err != nil {
-		t.Fatal(err)
-	}
-	conn.Close(ctx)
-	standby := pgtest.NewStandby(t, primary, pgtest.StandbyOptions{})
+	primary, standby := mustPrimaryAndStandby(ctx, t)
 	pool, err := pgxpool.New(ctx, pgtest.MultiHostURL("app", primary, standby))
 	if err != nil {
 		t.Fatal(err)
