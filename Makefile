@@ -190,9 +190,10 @@ bench: build
 
 ## chaos: docs/guarantees.md's guarantees under faults (cmd/outbox-relay-chaos;
 ## docs/chaos-report.md: faults, invariants, a full run's figures): two
-## relay processes (leader + standby) against a private PostgreSQL, an
-## external nats-server and a webhook receiver, under continuous load, with
-## kill -9 of the relays and of the HA leader, PostgreSQL and NATS restarts,
+## relay processes (leader + standby) against a private PostgreSQL with a
+## synchronous standby, an external nats-server and a webhook receiver,
+## under continuous load, with kill -9 of the relays and of the HA leader,
+## PostgreSQL and NATS restarts, a primary failover (kill -9, promote),
 ## a webhook outage (503, then timeouts), a dropped slot, back-pressure
 ## with the walsender terminated, unstorable 400 replies, a crash right
 ## after slot creation, a lock on the settlement tables, and black-holed or

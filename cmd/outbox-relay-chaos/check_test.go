@@ -303,3 +303,54 @@ func TestSchedule_DeterministicEveryKindEachCycle(t *testing.T) {
 		}
 	}
 }
+
+// TestCheck_EventLostInFailover: k2's first commit reached the sinks from
+// the old primary (id 1), was lost with it, and its writer wrote it again
+// (id 7); the sinks saw both rows under one key and id. After a failover
+// that is a rewritten event, counted, not a violation; without a failover,
+// or for a key no writer wrote again, or with another payload, it is.
+func TestCheck_EventLostInFailover(t *testing.T) {
+	lostRun := func() runFacts {
+		f := goodRun()
+		f.Events[1].ID = "7"
+		rewritten := `{"id":7,"event_key":"k2","created_at":"2026-12-03T20:00:01.000000Z"}`
+		for i := range f.Sinks {
+			s := &f.Sinks[i]
+			for j := range s.Arrivals {
+				if s.Arrivals[j].Key == "k2" {
+					s.Arrivals[j].Body = `{"id":1,"event_key":"k2","created_at":"2026-12-03T20:00:00.000000Z"}`
+				}
+			}
+			s.Arrivals = append(s.Arrivals, delivery{Index: len(s.Arrivals), At: 5 * time.Second, Key: "k2", ID: "k2", Body: rewritten, OK: true})
+			s.Extra = nil
+		}
+		f.Crashes = append(f.Crashes, 4500*time.Millisecond)
+		f.Rewritten = map[string]bool{"k2": true}
+		f.Failovers = 1
+		return f
+	}
+	f := lostRun()
+	if got := failures(f); len(got) != 0 {
+		t.Fatalf("an event lost in a failover and written again fails the run: %v", got)
+	}
+	if n := f.lostInFailover(); n != 1 {
+		t.Errorf("lostInFailover = %d, want 1", n)
+	}
+
+	noFailover := lostRun()
+	noFailover.Failovers = 0
+	if got := failures(noFailover)["every repeat carries the same idempotency id and body"]; len(got) == 0 {
+		t.Error("two bodies for k2 without a failover pass")
+	}
+	notRewritten := lostRun()
+	notRewritten.Rewritten = nil
+	if got := failures(notRewritten)["every repeat carries the same idempotency id and body"]; len(got) == 0 {
+		t.Error("two bodies for a key no writer wrote again pass")
+	}
+	otherPayload := lostRun()
+	last := &otherPayload.Sinks[1].Arrivals[len(otherPayload.Sinks[1].Arrivals)-1]
+	last.Body = `{"id":7,"event_key":"k2","payload":{"seq":9},"created_at":"2026-12-03T20:00:01.000000Z"}`
+	if got := failures(otherPayload)["every repeat carries the same idempotency id and body"]; len(got) == 0 {
+		t.Error("a rewritten event with another payload passes")
+	}
+}

@@ -29,10 +29,11 @@ const (
 	pgBlackhole     faultKind = "pg-blackhole"
 	natsBlackhole   faultKind = "nats-blackhole"
 	pgSlow          faultKind = "pg-slow"
+	failover        faultKind = "failover"
 )
 
 var faultKinds = []faultKind{relayKill, postgresRestart, natsRestart, webhookOutage, slotDrop, leaderKill,
-	backpressure, unstorable, slotCreateCrash, settleLock, pgBlackhole, natsBlackhole, pgSlow}
+	backpressure, unstorable, slotCreateCrash, settleLock, pgBlackhole, natsBlackhole, pgSlow, failover}
 
 // faultWhat says what each kind does, for the report.
 var faultWhat = map[faultKind]string{
@@ -49,6 +50,7 @@ var faultWhat = map[faultKind]string{
 	pgBlackhole:     "the relays' open connections to PostgreSQL black-holed (sockets open, nothing forwarded; new connections pass), then healed",
 	natsBlackhole:   "the relays' open connections to nats-server black-holed likewise, then healed",
 	pgSlow:          "300 ms added to every round trip between the relays and PostgreSQL, then removed",
+	failover:        "kill -9 of the primary, pg_promote of its synchronous standby; everyone follows the multi-host URL; a new standby is built on the old primary's port",
 }
 
 // step is one fault of the schedule.
@@ -335,6 +337,8 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		}
 		rec.healed = s.since()
 		rec.note = fmt.Sprintf("%d open connections black-holed for %.0f s", open, s.o.profile.blackhole.Seconds())
+	case failover:
+		rec.note, rec.err = s.failover(ctx, &rec)
 	case pgSlow:
 		for _, p := range s.pgProxies {
 			p.SetLatency(netfault.Upstream, 150*time.Millisecond)
@@ -349,6 +353,59 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		rec.note = fmt.Sprintf("for %.0f s", s.o.profile.slowFor.Seconds())
 	}
 	return append([]faultRecord{rec}, during...)
+}
+
+// failover kills the primary, promotes its standby after st.pause (a
+// failover manager's detection time) and releases the synchronous commits
+// waiting for a standby that is no more; that is the heal. Then it waits for
+// a relay to stream again and builds a new synchronous standby of the new
+// primary on the old one's port (pg_basebackup when the bin dir has it,
+// else a cold copy, which restarts the new primary).
+func (s *stack) failover(ctx context.Context, rec *faultRecord) (string, error) {
+	if s.standby == nil {
+		rec.healed = s.since()
+		return "", errors.New("no standby to promote (an earlier failover could not build one)")
+	}
+	old, next := s.cluster, s.standby
+	port := old.Port()
+	err := old.Kill()
+	sleep(ctx, rec.pause)
+	if perr := next.Promote(ctx); perr != nil {
+		rec.healed = s.since()
+		return "", errors.Join(err, perr)
+	}
+	err = errors.Join(err, setSyncStandby(ctx, next, ""))
+	rec.healed = s.since()
+	s.cluster, s.standby = next, nil
+	err = errors.Join(err, old.Close())
+
+	var synced bool
+	if qerr := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)`, slotName).Scan(&synced); qerr != nil {
+		err = errors.Join(err, qerr)
+	}
+	slot := "no copy of the slot on the promoted standby (the relay creates it and hands the rows pending to the claim path)"
+	if synced {
+		slot = "the slot was synced to the promoted standby"
+	}
+	if werr := s.waitStreaming(ctx, 60*time.Second); werr != nil {
+		return slot, errors.Join(err, werr)
+	}
+	streaming := s.since() - rec.healed
+
+	online := next.CanCopyOnline()
+	how := "a cold copy (a restart of the new primary)"
+	if online {
+		how = "pg_basebackup"
+	}
+	start := time.Now()
+	standby, serr := next.StartStandby(ctx, standbyOptions(port, online, s.pgLog))
+	if serr != nil {
+		return slot, errors.Join(err, fmt.Errorf("build a new standby: %w", serr))
+	}
+	s.standby = standby
+	err = errors.Join(err, setSyncStandby(ctx, next, standbyAppName))
+	return fmt.Sprintf("primary killed, standby promoted after %.1f s; %s; streaming again %.1f s after the promotion; a new synchronous standby built with %s in %.1f s",
+		(rec.healed - rec.at).Seconds(), slot, streaming.Seconds(), how, time.Since(start).Seconds()), err
 }
 
 // terminateWalsender ends the backend streaming from the slot, if any, and

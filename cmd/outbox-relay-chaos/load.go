@@ -84,6 +84,10 @@ type load struct {
 	stats     loadStats
 	mu        sync.Mutex
 	committed []committedEvent
+	// rewritten are the keys of failed attempts found not committed and
+	// written again: after a failover, a commit the old primary made (and a
+	// relay may have delivered) that its standby never received.
+	rewritten map[string]bool
 }
 
 // run writes until stop is closed, then returns once every writer has
@@ -222,6 +226,14 @@ func (l *load) commit(ctx context.Context, rows []outboxRow) error {
 			return nil
 		case 0:
 			l.stats.foundNotCommitted.Add(1)
+			l.mu.Lock()
+			if l.rewritten == nil {
+				l.rewritten = map[string]bool{}
+			}
+			for _, k := range keys {
+				l.rewritten[k] = true
+			}
+			l.mu.Unlock()
 		default:
 			return fmt.Errorf("a transaction of %d rows is partially visible (%d rows): keys %v", len(keys), found, keys)
 		}
@@ -302,6 +314,18 @@ func (l *load) events() []committedEvent {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]committedEvent(nil), l.committed...)
+}
+
+// rewrittenKeys returns a copy of the keys written again after an attempt
+// found not committed.
+func (l *load) rewrittenKeys() map[string]bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := make(map[string]bool, len(l.rewritten))
+	for k := range l.rewritten {
+		m[k] = true
+	}
+	return m
 }
 
 // count is the number of committed events.

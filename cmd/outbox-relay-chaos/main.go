@@ -4,7 +4,9 @@
 // invariant was violated (the violations are listed), 2 a usage error.
 //
 // It starts everything it needs under a fresh work directory: a private
-// PostgreSQL cluster (migrations/pgtest, fsync on), an external nats-server with
+// PostgreSQL cluster (migrations/pgtest, fsync on) with a synchronous
+// physical standby, reached by everyone through a multi-host URL with
+// target_session_attrs=read-write, an external nats-server with
 // JetStream and a file store (built from the module in go.mod), a webhook
 // receiver, and two `outbox-relay run` processes on one configuration — a
 // leader and a standby. Writers insert continuously (single-row, multi-row
@@ -47,6 +49,11 @@
 //	                  black-holed (sockets open, nothing forwarded, new
 //	                  connections pass), then healed
 //	pg-slow           300 ms added to every round trip to PostgreSQL
+//	failover          kill -9 of the primary, pg_promote of its synchronous
+//	                  standby; relays and writers follow the multi-host
+//	                  URL; a new synchronous standby is built on the old
+//	                  primary's port (pg_basebackup, or a cold copy where
+//	                  the bin dir has none)
 //
 // Writers also insert, now and then, a row with a NULL available_at (due
 // now) and one scheduled a few seconds ahead (its aggregate's later events
@@ -61,7 +68,13 @@
 // each event's side effect exactly once (deduplicating by webhook-id);
 // per-aggregate order; the WAL retained by the slot stayed under
 // -wal-bound and no relay process's memory grew past -rss-bound; every
-// failed row has a reason, and only refused events failed.
+// failed row has a reason, and only refused events failed. Synchronous
+// replication keeps every acknowledged commit across a failover; a commit
+// in flight when the primary died is resolved by looking for its rows on
+// the new one, and written again when they are not there. Before
+// PostgreSQL 17 the relay may have delivered such a row already: a copy
+// with the same key whose body differs only in id and created_at is
+// counted (the report's failover row), not a violation.
 // docs/chaos-report.md has a full run's figures.
 //
 // Recovery times are measured from the moment a fault was healed (the

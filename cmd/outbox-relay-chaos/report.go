@@ -40,6 +40,10 @@ func (res *result) print(w io.Writer, s *stack, args []string) {
 	fmt.Fprintf(w, "| faults injected | %s |\n", res.faultCounts())
 	fmt.Fprintf(w, "| relay processes | %d starts, %d leadership terms, %d unexpected exits, %d fallbacks to polling |\n",
 		res.relayStarts, res.leaderTerms, len(res.unexpected), res.fallbacks)
+	if res.failovers > 0 {
+		fmt.Fprintf(w, "| failovers: events delivered as a row of the old primary that the new one lacks (written again by their writer: same key and id, another row id) | %d in %d failovers |\n",
+			res.lostInFailover, res.failovers)
+	}
 	fmt.Fprintf(w, "| webhook | %s |\n", res.hookFigures())
 	fmt.Fprintf(w, "| NATS | %s |\n", res.natsFigures())
 	m := res.mon

@@ -27,8 +27,11 @@ type result struct {
 	relayStarts    int
 	leaderTerms    int
 	fallbacks      int
-	unexpected     []string
-	stopErrors     []string
+	// lostInFailover: events delivered as a row of the old primary that a
+	// failover lost (runFacts.lostInFailover); failovers: how many.
+	lostInFailover, failovers int
+	unexpected                []string
+	stopErrors                []string
 }
 
 // run sets everything up, runs the load and the faults, checks the
@@ -130,6 +133,7 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 		return 0, err
 	}
 	res.invariants = append(check(facts), s.processInvariant(res))
+	res.lostInFailover, res.failovers = facts.lostInFailover(), facts.Failovers
 	computeRecoveries(res.faults, l.events(), facts.Sinks, facts.hookRefused())
 	if err := s.writeRecords(res); err != nil {
 		s.say("warning: write the run's records: %v", err)
@@ -231,7 +235,7 @@ func (s *stack) quiesce(ctx context.Context, events int, timeout time.Duration) 
 // collect reads the table, the ledger, the stream and the receiver's record.
 func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	f := runFacts{WALBound: s.o.walBound, RSSBound: s.o.rssBound, WantID: func(key string) string { return key }}
-	rows, err := s.pool.Query(ctx, `SELECT event_key, coalesce(aggregate_id, ''), coalesce((payload->>'seq')::bigint, 0),
+	rows, err := s.pool.Query(ctx, `SELECT id::text, event_key, coalesce(aggregate_id, ''), coalesce((payload->>'seq')::bigint, 0),
 		coalesce(status, ''), coalesce(last_error, ''), EXISTS (SELECT FROM integration_outbox_delivered d WHERE d.id = o.id)
 		FROM integration_outbox o ORDER BY id`)
 	if err != nil {
@@ -239,7 +243,7 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	}
 	f.Events, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (event, error) {
 		var e event
-		return e, r.Scan(&e.Key, &e.Agg, &e.Seq, &e.Status, &e.LastError, &e.Streamed)
+		return e, r.Scan(&e.ID, &e.Key, &e.Agg, &e.Seq, &e.Status, &e.LastError, &e.Streamed)
 	})
 	if err != nil {
 		return f, fmt.Errorf("read the outbox: %w", err)
@@ -259,6 +263,7 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	for _, e := range res.load.events() {
 		f.Written = append(f.Written, e.key)
 	}
+	f.Rewritten = res.load.rewrittenKeys()
 
 	res.hook = s.hook.deliveries()
 	refused, _ := s.hook.poisonedKeys()
@@ -272,6 +277,12 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 			// leader that cannot renew its lease or write an outcome
 			// loses the slot to one that does not know the outcome.
 			f.Crashes = append(f.Crashes, fr.at, fr.healed)
+		case failover:
+			// The primary gone with the outcomes it had not yet written
+			// (and, before PostgreSQL 17, with the slot): until the
+			// promotion, deliveries of the old term may still end.
+			f.Crashes = append(f.Crashes, fr.at, fr.healed)
+			f.Failovers++
 		}
 	}
 	f.SideEffects = map[string]int{}

@@ -38,10 +38,13 @@ type stack struct {
 	out   io.Writer
 	pgVer string
 
-	cluster *pgtest.Cluster
-	pgLog   *os.File
-	dbURL   string
-	pool    *pgxpool.Pool // the harness's own queries
+	// cluster is the primary, standby its synchronous physical standby
+	// (nil while a failover rebuilds it); a failover swaps them, keeping
+	// the two ports, so every multi-host URL stays right.
+	cluster, standby *pgtest.Cluster
+	pgLog            *os.File
+	dbURL            string        // both servers, target_session_attrs=read-write
+	pool             *pgxpool.Pool // the harness's own queries
 
 	nats    *harness.NATSServer
 	natsBin string
@@ -52,9 +55,10 @@ type stack struct {
 	hook   *receiver
 	tap    *tap
 	relays []*relaySlot
-	// pgProxies and natsProxies hold, per relay (same index as relays), the
-	// netfault proxy its connections to PostgreSQL and to nats-server go
-	// through; the harness's own connections do not.
+	// pgProxies and natsProxies hold the netfault proxies the relays'
+	// connections to PostgreSQL (one per relay and server) and to
+	// nats-server (one per relay) go through; the harness's own
+	// connections do not.
 	pgProxies, natsProxies []*netfault.Proxy
 }
 
@@ -81,7 +85,7 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 		}
 	}()
 
-	s.say("starting a private PostgreSQL cluster (wal_level=logical, fsync=on)")
+	s.say("starting a private PostgreSQL cluster (wal_level=logical, fsync=on) and a synchronous physical standby")
 	if s.pgLog, err = os.Create(filepath.Join(s.work, "postgres.log")); err != nil {
 		return nil, err
 	}
@@ -91,10 +95,16 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 	if err := s.cluster.CreateDatabase(ctx, dbName); err != nil {
 		return nil, err
 	}
-	s.dbURL = s.cluster.URL(dbName)
-	if err := harness.Migrate(ctx, o.relayBin, s.dbURL); err != nil {
+	if err := harness.Migrate(ctx, o.relayBin, s.cluster.URL(dbName)); err != nil {
 		return nil, err
 	}
+	if s.standby, err = s.cluster.StartStandby(ctx, standbyOptions(0, false, s.pgLog)); err != nil {
+		return nil, err
+	}
+	if err := setSyncStandby(ctx, s.cluster, standbyAppName); err != nil {
+		return nil, err
+	}
+	s.dbURL = pgtest.MultiHostURL(dbName, s.cluster, s.standby)
 	pcfg, err := pgxpool.ParseConfig(s.dbURL)
 	if err != nil {
 		return nil, err
@@ -144,20 +154,21 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 	}
 	natsHost := strings.TrimPrefix(s.nats.URL(), "nats://")
 	for _, name := range []string{"relay-a", "relay-b"} {
-		pg, err := netfault.Listen(fmt.Sprintf("127.0.0.1:%d", s.cluster.Port()))
-		if err != nil {
-			return nil, err
+		var hosts []string
+		for _, c := range []*pgtest.Cluster{s.cluster, s.standby} {
+			pg, err := netfault.Listen(fmt.Sprintf("127.0.0.1:%d", c.Port()))
+			if err != nil {
+				return nil, err
+			}
+			s.pgProxies = append(s.pgProxies, pg)
+			hosts = append(hosts, pg.Addr())
 		}
-		s.pgProxies = append(s.pgProxies, pg)
 		np, err := netfault.Listen(natsHost)
 		if err != nil {
 			return nil, err
 		}
 		s.natsProxies = append(s.natsProxies, np)
-		dbURL := strings.Replace(s.dbURL, fmt.Sprintf("@127.0.0.1:%d/", s.cluster.Port()), "@"+pg.Addr()+"/", 1)
-		if dbURL == s.dbURL {
-			return nil, fmt.Errorf("cannot point %s at the proxy", s.dbURL)
-		}
+		dbURL := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&target_session_attrs=read-write", strings.Join(hosts, ","), dbName)
 		cfg, err := s.writeConfig(name, dbURL, "nats://"+np.Addr())
 		if err != nil {
 			return nil, err
@@ -262,8 +273,10 @@ func (s *stack) close() {
 	if s.pool != nil {
 		s.pool.Close()
 	}
-	if s.cluster != nil {
-		_ = s.cluster.Close()
+	for _, c := range []*pgtest.Cluster{s.cluster, s.standby} {
+		if c != nil {
+			_ = c.Close()
+		}
 	}
 	if s.pgLog != nil {
 		s.pgLog.Close()
@@ -273,6 +286,36 @@ func (s *stack) close() {
 		return
 	}
 	_ = os.RemoveAll(s.work)
+}
+
+// standbyAppName is the standby's application_name (pgtest's), which the
+// primary's synchronous_standby_names names.
+const standbyAppName = "pgtest_standby"
+
+// standbyOptions are the standby's: on port (0: a free one), copied online
+// or cold, retrying its connection to the primary every 200 ms (not 5 s),
+// so that synchronous commits resume soon after a primary restart.
+func standbyOptions(port int, online bool, log io.Writer) pgtest.StandbyOptions {
+	return pgtest.StandbyOptions{Port: port, Online: online, Log: log,
+		Settings: map[string]string{"wal_retrieve_retry_interval": "200ms"}}
+}
+
+// setSyncStandby sets c's synchronous_standby_names to name ("" for none)
+// and reloads: with a name, a commit returns once the standby has flushed
+// it, so a failover loses no acknowledged commit.
+func setSyncStandby(ctx context.Context, c *pgtest.Cluster, name string) error {
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		return fmt.Errorf("set synchronous_standby_names: %w", err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, "ALTER SYSTEM SET synchronous_standby_names = '"+name+"'"); err != nil {
+		return fmt.Errorf("set synchronous_standby_names: %w", err)
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+		return fmt.Errorf("reload after setting synchronous_standby_names: %w", err)
+	}
+	return nil
 }
 
 // sqlConn opens a single connection (the WAL monitor's).

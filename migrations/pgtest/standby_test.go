@@ -139,3 +139,49 @@ func TestStandbyThroughProxy(t *testing.T) {
 		t.Errorf("after the failover the new primary has %s rows, want the acknowledged one lost", got)
 	}
 }
+
+// TestStandbyRebuiltAfterFailover: a standby starts without the primary's
+// slots (a copied slot would hold WAL from the copy on); after a failover a
+// new standby of the promoted server is built on the old primary's port
+// (online with pg_basebackup where the bin dir has it, else from a cold
+// copy), replays its writes, and a multi-host URL naming the old primary's
+// port first still reaches the writable server.
+func TestStandbyRebuiltAfterFailover(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	primary := pgtest.NewCluster(t, pgtest.Options{})
+	pconn := connect(t, primary.URL("postgres"))
+	exec(t, pconn, "CREATE TABLE events (id int PRIMARY KEY)")
+	exec(t, pconn, "SELECT pg_create_logical_replication_slot('copied', 'pgoutput')")
+	first := pgtest.NewStandby(t, primary, pgtest.StandbyOptions{})
+	sconn := connect(t, first.URL("postgres"))
+	if got := queryString(t, sconn, "SELECT count(*)::text FROM pg_replication_slots"); got != "0" {
+		t.Errorf("the standby holds %s replication slots copied from the primary, want 0", got)
+	}
+
+	if err := primary.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Promote(ctx); err != nil {
+		t.Fatal(err)
+	}
+	online := first.CanCopyOnline()
+	t.Logf("rebuilding the standby online (pg_basebackup): %v", online)
+	oldPort := primary.Port()
+	if err := primary.Close(); err != nil {
+		t.Fatal(err)
+	}
+	second := pgtest.NewStandby(t, first, pgtest.StandbyOptions{Port: oldPort, Online: online})
+	if second.Port() != oldPort {
+		t.Errorf("the new standby listens on %d, want the old primary's %d", second.Port(), oldPort)
+	}
+	multi := connect(t, pgtest.MultiHostURL("postgres", second, first))
+	exec(t, multi, "INSERT INTO events VALUES (1)")
+	nconn := connect(t, second.URL("postgres"))
+	waitFor(t, ctx, "the new standby to replay the row written after the failover", func() bool {
+		return queryString(t, nconn, "SELECT count(*)::text FROM events") == "1"
+	})
+	if got := queryString(t, nconn, "SELECT pg_is_in_recovery()::text"); got != "true" {
+		t.Errorf("the rebuilt server is not in recovery")
+	}
+}
