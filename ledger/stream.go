@@ -88,20 +88,23 @@ SELECT t.k, t.a, 'unknown', 1, t.d
 
 		release: releaseSQL(ledger),
 
-		// The lateral subquery is a prefix scan of the ledger's primary key
-		// (event_key, action) per row.
 		// A row is still the stream's while it is pending, not handed off
-		// and not in the delivered record.
+		// and not in the delivered record. Both lateral subqueries probe a
+		// primary key per row: the delivered record's by id (a LIMIT keeps
+		// the planner from hashing the whole record for a hundred ids, which
+		// it costs as cheap and which took 5-25 ms a call in a drain), the
+		// ledger's by its prefix event_key.
 		restreamed: fmt.Sprintf(`
 SELECT o.id,
-       (COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL AND NOT %s) IS TRUE,
+       (COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL AND r.id IS NULL) IS TRUE,
        d.actions
   FROM %s AS o
+  LEFT JOIN LATERAL (SELECT r.id FROM %s AS r WHERE r.id = o.id LIMIT 1) AS r ON true
   LEFT JOIN LATERAL (
        SELECT array_agg(l.action ORDER BY l.action) AS actions
          FROM %s AS l
         WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true
- WHERE o.id = ANY($1::bigint[])`, t.recorded("o"), outbox, ledger),
+ WHERE o.id = ANY($1::bigint[])`, outbox, t.delivered, ledger),
 
 		ledgerOf: ledgerPairsSQL(ledger),
 
@@ -311,7 +314,11 @@ func (s *Store) restreamed(ctx context.Context, works []*relay.Work) error {
 		byID[w.Event.ID] = w
 	}
 	for chunk := range chunks(ids) {
-		rows, err := s.pool.Query(ctx, s.sql.stream.restreamed, chunk)
+		// Planned at each call (pgx's unnamed statement), never from a
+		// cached plan: the delivered record grows fast in a drain, and a
+		// plan made while it was small reads all of it for every call
+		// (docs/performance.md, "what the relay costs PostgreSQL").
+		rows, err := s.pool.Query(ctx, s.sql.stream.restreamed, pgx.QueryExecModeExec, chunk)
 		if err != nil {
 			return fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)
 		}
