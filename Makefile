@@ -198,7 +198,7 @@ bench: build
 ## with the walsender terminated, unstorable 400 replies, a crash right
 ## after slot creation, a lock on the settlement tables, and black-holed or
 ## slow connections (netfault proxies); then checks every invariant and
-## prints a table. About 12 minutes; ARGS=-profile=ci runs the same faults
+## prints a table. About 13 minutes; ARGS=-profile=ci runs the same faults
 ## and checks in about 5 (what CI runs). Exit 1 lists the violations;
 ## ARGS=-h lists the flags (-seed, -keep, ...).
 chaos: build
