@@ -36,11 +36,13 @@ func TestTail(t *testing.T) {
 }
 
 // fakeRelay writes a script that stands in for the relay binary: it logs
-// its arguments and exits with code on SIGTERM.
+// its arguments and exits with code on SIGTERM. The trap is set before the
+// arguments are logged: the tests send SIGTERM as soon as they see that
+// line, and a signal before the trap would kill the shell (exit code -1).
 func fakeRelay(t *testing.T, code string) string {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "fake-relay")
-	script := "#!/bin/sh\necho \"args: $*\"\ntrap 'echo stopping; exit " + code + "' TERM\nwhile :; do sleep 0.05; done\n"
+	script := "#!/bin/sh\ntrap 'echo stopping; exit " + code + "' TERM\necho \"args: $*\"\nwhile :; do sleep 0.05; done\n"
 	if err := os.WriteFile(path, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
