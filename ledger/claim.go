@@ -57,7 +57,6 @@ type claimStatements struct {
 	releaseOwned string
 	extendClaims string
 	expireLeases string
-	stuck        string
 	repairDue    string
 	lockOwner    string
 	unlockOwner  string
@@ -278,16 +277,6 @@ UPDATE %[1]s AS o
   FROM stale
  WHERE o.id = stale.id AND o.status = 'processing'
 RETURNING o.id, stale.locked_by`, outbox, ownerAlive("o.locked_by")),
-
-		// The alarm: rows nobody has claimed for $1 ms since they were due,
-		// other than the claim path's own. Age counts from the later of
-		// created_at and available_at (a NULL available_at counts as
-		// created_at), so a scheduled row is not stuck before it is due.
-		stuck: fmt.Sprintf(`
-SELECT count(*), COALESCE(EXTRACT(EPOCH FROM max(now() - GREATEST(o.created_at, COALESCE(o.available_at, o.created_at)))), 0)::float8
-  FROM %s AS o
- WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s
-   AND GREATEST(o.created_at, COALESCE(o.available_at, o.created_at)) < now() - $1::bigint * interval '1 millisecond'`, outbox, t.recorded("o")),
 
 		// A row with a NULL status is pending, and a pending row with a
 		// NULL available_at is due (both columns are nullable): the claim
