@@ -2,7 +2,9 @@ package ledger_test
 
 import (
 	"context"
+	"slices"
 	"testing"
+	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -72,5 +74,61 @@ func TestSaveCheckpointSynchronous(t *testing.T) {
 	var mode string
 	if err := f.pool.QueryRow(ctx, "SELECT mode FROM commit_modes").Scan(&mode); err != nil || mode != "on" {
 		t.Errorf("SaveCheckpoint ran with synchronous_commit = %q, %v; want on", mode, err)
+	}
+}
+
+// TestRecordWriteMeetsAConcurrentWriterOfTheSameIDs: the delivered record
+// is written with a plain INSERT of the ids it lacks (a speculative
+// insertion, ON CONFLICT, costs about twice as much per id); an id another
+// session inserts at the same moment — two relays around a takeover — is
+// then a unique violation when that session commits. SaveCheckpoint and the
+// record's own writes must still succeed, each id recorded once: the
+// write is made again the careful way. Ids already recorded and repeats in
+// one write are left out by the plain INSERT itself.
+func TestRecordWriteMeetsAConcurrentWriterOfTheSameIDs(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustExec(t, `INSERT INTO integration_outbox_delivered (id) VALUES (1)`)
+
+	other, err := f.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Rollback(ctx) //nolint:errcheck // committed below
+	if _, err := other.Exec(ctx, `INSERT INTO integration_outbox_delivered (id) VALUES (3)`); err != nil {
+		t.Fatal(err)
+	}
+	f.store.WaitInRecord(1, 2, 2, 3, 4) // 1 recorded, 2 twice, 3 being inserted by the other session
+	saved := make(chan error, 1)
+	go func() { saved <- f.store.SaveCheckpoint(ctx, "slot_a", 0x1_00000000) }()
+	// The record's INSERT waits for the other session's id 3.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		var waiting bool
+		if err := f.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%delivered%' AND pid <> pg_backend_pid())`).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the record's INSERT never waited for the other session's id")
+		}
+	}
+	if err := other.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-saved; err != nil {
+		t.Fatalf("SaveCheckpoint after another session recorded one of its ids: %v", err)
+	}
+	var ids []int64
+	if err := f.pool.QueryRow(ctx, `SELECT array_agg(id ORDER BY id) FROM integration_outbox_delivered`).Scan(&ids); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(ids, []int64{1, 2, 3, 4}) {
+		t.Errorf("delivered record = %v, want [1 2 3 4]", ids)
+	}
+	if lsn, err := f.store.LoadCheckpoint(ctx, "slot_a"); err != nil || lsn != 0x1_00000000 {
+		t.Errorf("LoadCheckpoint = %v, %v; want 1/0", lsn, err)
 	}
 }

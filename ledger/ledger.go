@@ -101,7 +101,10 @@ type statements struct {
 	stream streamStatements
 	claim  claimStatements
 
-	recordDelivered string
+	// recordDelivered writes the delivered record's ids it lacks with a
+	// plain INSERT; recordDeliveredAgain, made when another session
+	// inserted one of them meanwhile, with ON CONFLICT (record.go).
+	recordDelivered, recordDeliveredAgain string
 
 	scanStart, scanTop, scanRange, scanRecheck string
 	statsHanded, statsStatuses                 string
@@ -181,6 +184,9 @@ SELECT (SELECT count(*) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NO
 SELECT status, count(*) FROM %s WHERE status IN ('processing', 'failed', 'held') GROUP BY status`, outbox),
 
 		recordDelivered: fmt.Sprintf(`
+INSERT INTO %[1]s (id) SELECT DISTINCT u.id FROM unnest($1::bigint[]) AS u(id)
+ WHERE NOT EXISTS (SELECT FROM %[1]s AS r WHERE r.id = u.id)`, t.delivered),
+		recordDeliveredAgain: fmt.Sprintf(`
 INSERT INTO %s (id) SELECT DISTINCT unnest($1::bigint[]) ON CONFLICT (id) DO NOTHING`, t.delivered),
 
 		loadCheckpoint: fmt.Sprintf(`SELECT confirmed_lsn::text FROM %s WHERE slot_name = $1`, checkpoint),
