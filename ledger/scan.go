@@ -148,7 +148,8 @@ func scanStatements(t tables) (start, top, rng, recheck string) {
 	// (TestPendingScanReadsTheRecordByRange).
 	rng = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND %s
    AND NOT EXISTS (SELECT FROM %s AS r WHERE r.id = o.id AND r.id > $1 AND r.id <= $2)`, due, t.outbox, pending, t.delivered)
-	// The watch list is short and its ids may lie far apart: a probe each.
+	// The watch list's ids may lie far apart (a row stuck for hours among
+	// the last second's): a probe each.
 	recheck = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[]) AND %s AND NOT %s`, due, t.outbox, pending, t.recorded("o"))
 	return start, top, rng, recheck
 }
