@@ -162,7 +162,7 @@ func (s *Store) saveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) 
 
 // writeRecord writes ids into the delivered record, then the other steps,
 // in one transaction. The INSERT is a plain one of the ids the record lacks
-// (ON CONFLICT's speculative insertion costs about twice as much per id,
+// (ON CONFLICT's speculative insertion costs about 1.7 times as much per id,
 // docs/performance.md); when another session inserted one of them between
 // its check and its insert (two relays around a takeover), the unique
 // violation is not a row's fault: the transaction is made again with ON
