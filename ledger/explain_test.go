@@ -308,11 +308,11 @@ func testPendingScanReadsTheRecordByRange(t *testing.T, planCacheMode string) {
 			t.Fatalf("Stuck = %d, %v; want 0 (every row is recorded)", n, err)
 		}
 	}
-	indexScans := func() int64 {
+	recordScanCount := func() int64 {
 		seq, idx := recordScans(t, f)
 		return seq + idx
 	}
-	before := indexScans()
+	before := recordScanCount()
 	stuck() // the first walk
 	const added = 2000
 	for range steps {
@@ -322,7 +322,7 @@ func testPendingScanReadsTheRecordByRange(t *testing.T, planCacheMode string) {
 	pool.Close() // the backend's exit reports its scans
 	var after int64
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
-		if after = indexScans(); after >= before+steps+1 {
+		if after = recordScanCount(); after >= before+steps+1 {
 			break
 		}
 	}

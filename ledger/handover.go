@@ -7,7 +7,6 @@ import (
 	"slices"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -63,7 +62,7 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 	if err == nil {
 		return marked, nil
 	}
-	if !isSerializationFailure(err) {
+	if !hasSQLState(err, "40001") { // serialization_failure
 		return 0, fmt.Errorf("mark rows for the claim path in snapshot %s: %w", snapshot, err)
 	}
 
@@ -99,12 +98,6 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 		return 0, fmt.Errorf("mark %d rows of snapshot %s for the claim path: %w", len(ids), snapshot, err)
 	}
 	return marked, nil
-}
-
-// isSerializationFailure reports SQLSTATE 40001.
-func isSerializationFailure(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "40001"
 }
 
 // deliveredDoneChunk is the id range one MarkDeliveredDone statement covers.

@@ -347,6 +347,12 @@ func (s *Store) runSteps(ctx context.Context, setCommit string, steps []step) ([
 	return out, nil
 }
 
+// hasSQLState reports whether PostgreSQL refused with SQLSTATE code.
+func hasSQLState(err error, code string) bool {
+	pgErr, ok := errors.AsType[*pgconn.PgError](err)
+	return ok && pgErr.Code == code
+}
+
 // rowDataError marks err with relay.ErrRowData when PostgreSQL refused a
 // row's data (SQLSTATE class 22, data exception, or 23, integrity
 // constraint violation), as opposed to a connection or server failure.

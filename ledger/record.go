@@ -10,7 +10,6 @@ import (
 	"golang.org/x/sync/semaphore"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -177,7 +176,7 @@ func (s *Store) writeRecord(ctx context.Context, setCommit string, ids []int64, 
 		return err
 	}
 	err := write(s.sql.recordDelivered)
-	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && len(ids) > 0 && pgErr.Code == "23505" { // unique_violation
+	if len(ids) > 0 && hasSQLState(err, "23505") { // unique_violation
 		err = write(s.sql.recordDeliveredAgain)
 	}
 	return err
