@@ -584,3 +584,38 @@ func TestEngine_TrickleSettlesInBatches(t *testing.T) {
 	}
 	t.Logf("%d events in %d SettleStream calls", n, store.settles)
 }
+
+// TestEngine_RestreamedSkipsStillNeedACheckpoint: a transaction the slot
+// sends again after a reconnect, whose every event the database shows
+// settled, passes events: what settled them may have been written with an
+// asynchronous commit that a crash of PostgreSQL loses, so the
+// acknowledgement past it must wait for the synchronous checkpoint like any
+// other (docs/guarantees.md, "acknowledged only when settled"). Without it
+// the slot passed such a transaction with no checkpoint, and a crash left
+// its rows pending and never streamed again.
+func TestEngine_RestreamedSkipsStillNeedACheckpoint(t *testing.T) {
+	store := newFakeStore()
+	store.notOwned[1], store.notOwned[2] = true, true
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
+	c := e.Stream()
+	if err := c.Restart(context.Background(), 1000); err != nil {
+		t.Fatal(err)
+	}
+	one, two := event(1, "x"), event(2, "y")
+	one.CommitLSN, two.CommitLSN = 500, 500
+	submit(t, c, one, two)
+	c.Commit(600)
+	passed := false
+	waitFor(t, "settled past the re-streamed transaction", func() bool {
+		lsn, p := c.Settled()
+		passed = passed || p
+		return lsn == 600
+	})
+	if !passed {
+		t.Fatal("the re-streamed transaction's events were all skipped and its end was reported as passing no events: the slot would be acknowledged past it without a synchronous checkpoint")
+	}
+	if n := len(sink.sent()); n != 0 {
+		t.Fatalf("%d sends of events the database shows settled", n)
+	}
+}

@@ -42,6 +42,13 @@ func (f *streamFeed) Submit(ctx context.Context, events []*Event) error {
 		restreamed = true
 	}
 	ticket := f.tracker.open()
+	if restreamed {
+		// Whatever settled these events before may have been written with
+		// an asynchronous commit: passing them needs the synchronous
+		// checkpoint even when every one is skipped or joined below
+		// (TestEngine_RestreamedSkipsStillNeedACheckpoint).
+		f.tracker.markEvents(ticket)
+	}
 	now := time.Now()
 	if ct := events[0].CommitTime; !ct.IsZero() {
 		// One transaction's events share their commit time.

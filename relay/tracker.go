@@ -45,6 +45,15 @@ func (t *tracker) count(e *txnEntry) {
 	e.hasEvents = true
 }
 
+// markEvents makes e count as a transaction with events, so that the
+// acknowledgement past it waits for a synchronous checkpoint, without an
+// event to settle.
+func (t *tracker) markEvents(e *txnEntry) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	e.hasEvents = true
+}
+
 // commit closes the open transaction at end (TransactionEndLSN).
 func (t *tracker) commit(end LSN) {
 	t.mu.Lock()
