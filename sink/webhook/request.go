@@ -1,0 +1,146 @@
+package webhook
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptrace"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/golang-jwt/jwt/v5"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// post makes one request for d with body and, with format cloudevents, the
+// attribute headers ce, and returns its classified outcome.
+func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
+	key := d.Event.EventKey
+	id := IdempotencyKey(key, d.Replay)
+	now := time.Now()
+	ts := strconv.FormatInt(now.Unix(), 10)
+
+	trace := &writeTrace{}
+	ctx := httptrace.WithClientTrace(s.reqCtx, &httptrace.ClientTrace{
+		ConnectStart: trace.connectStart,
+		ConnectDone:  trace.connectDone,
+		GotConn:      trace.gotConnection,
+		WroteRequest: trace.wroteRequest,
+	})
+	// A *bytes.Reader: net/http knows it is in memory and writes the
+	// headers and the body in one write (another reader type costs a
+	// second write system call per request).
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, bytes.NewReader(body))
+	if err != nil {
+		return relay.SinkDownError(fmt.Errorf("webhook %s: build request: %w", s.name, err), 0)
+	}
+	req.ContentLength = int64(len(body))
+	// With GetBody nil net/http treats the POST as not replayable, despite
+	// its Idempotency-Key, and never re-sends it on a reused connection
+	// that closed after the write: a written request with no answer must
+	// reach the engine as Unknown, not be repeated behind its back.
+	req.GetBody = nil
+
+	h := req.Header
+	for name, values := range s.headers {
+		h[name] = values
+	}
+	if h.Get("User-Agent") == "" {
+		h.Set("User-Agent", userAgent)
+	}
+	h.Set("Content-Type", "application/json")
+	h.Set("Idempotency-Key", id)
+	h.Set("Webhook-Id", id)
+	h.Set("Webhook-Timestamp", ts)
+	h.Set("Webhook-Attempt", strconv.Itoa(d.Attempt))
+	if headerSafe(key) {
+		h.Set("Outbox-Event-Key", key)
+	}
+	// The producer's trace context, as stored: the same on every attempt.
+	if tc := d.Event.Trace; tc.Traceparent != "" {
+		h.Set("Traceparent", tc.Traceparent)
+		if tc.Tracestate != "" {
+			h.Set("Tracestate", tc.Tracestate)
+		}
+	}
+	for _, a := range ce {
+		h.Set(a.Name, a.Value)
+	}
+	switch s.auth.Type {
+	case AuthStandardWebhooks:
+		sigs := make([]string, len(s.signKeys))
+		for i, key := range s.signKeys {
+			sigs[i] = sign(key, id, ts, body)
+		}
+		h.Set("Webhook-Signature", strings.Join(sigs, " "))
+	case AuthJWT:
+		token, err := jwt.NewWithClaims(jwt.SigningMethodHS256, jwt.MapClaims{
+			"event_key": key,
+			"iat":       now.Unix(),
+			"exp":       now.Add(jwtLifetime).Unix(),
+		}).SignedString([]byte(s.auth.Secret))
+		if err != nil {
+			return relay.SinkDownError(fmt.Errorf("webhook %s: sign JWT: %w", s.name, err), 0)
+		}
+		h.Set("Authorization", "Bearer "+token)
+	case AuthHeader:
+		h.Set(s.auth.Header, s.auth.Value)
+	case AuthBasic:
+		req.SetBasicAuth(s.auth.Username, s.auth.Password)
+	}
+
+	resp, err := s.client.Do(req)
+	took := time.Since(now)
+	if err != nil {
+		if errors.As(err, new(*url.Error)) {
+			// url.Error repeats the URL, whose query may hold a token.
+			err = errors.Unwrap(err)
+		}
+		wrote, writeErr := trace.result()
+		event := s.log.Debug().Str("event_key", key).Int("attempt", d.Attempt).Dur("took", took).Err(err)
+		if tlsRefused(err) {
+			// The handshake failed, so no request reached the receiver,
+			// even when (TLS 1.3) the client had already sent it before
+			// the server refused its certificate. Every event would fail
+			// alike: a sink-level failure.
+			event.Msg("webhook TLS handshake failed")
+			return relay.SinkDownError(fmt.Errorf("webhook %s: TLS handshake failed: %w: check the sink's tls settings (ca_file, cert_file, key_file) and the receiver's certificate", s.name, err), 0)
+		}
+		// The client's timeout, equal to the dialer's, usually ends a
+		// dial that never completes before the dialer does, so the error
+		// is the client's, not the dial's: the trace tells.
+		if unreachable(err) || trace.dialTimedOut(err) {
+			// No connection, so nothing was sent; and the host does not
+			// resolve, refuses or does not answer for every event alike:
+			// a sink-level failure, which must not use up the events'
+			// max_attempts while the receiver or its DNS is down.
+			event.Msg("webhook receiver unreachable")
+			return relay.SinkDownError(fmt.Errorf("webhook %s: event %q: cannot connect to the receiver: %w: check the sink's url and that the receiver is up", s.name, key, err), 0)
+		}
+		switch {
+		case writeErr != nil:
+			event.Msg("webhook request not completely written")
+			return relay.TransientError(fmt.Errorf("webhook %s: event %q: request not completely written: %w", s.name, key, err), 0)
+		case !wrote:
+			// WroteRequest fires once the whole request (Content-Length
+			// bytes) is written: before that the receiver cannot have a
+			// complete request, so the event is safe to send again.
+			event.Msg("webhook request not written")
+			return relay.TransientError(fmt.Errorf("webhook %s: event %q: request not written: %w", s.name, key, err), 0)
+		default:
+			event.Bool("wrote", wrote).Msg("webhook request written, no response")
+			return relay.UnknownError(fmt.Errorf("webhook %s: event %q: request written, no response: %w", s.name, key, err))
+		}
+	}
+	defer func() {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, drainLimit))
+		_ = resp.Body.Close()
+	}()
+	s.log.Debug().Str("event_key", key).Int("attempt", d.Attempt).Int("status", resp.StatusCode).Dur("took", took).Msg("webhook response")
+	return s.outcome(key, resp, now)
+}
