@@ -77,58 +77,66 @@ func TestSaveCheckpointSynchronous(t *testing.T) {
 	}
 }
 
-// TestRecordWriteMeetsAConcurrentWriterOfTheSameIDs: the delivered record
-// is written with a plain INSERT of the ids it lacks (a speculative
-// insertion, ON CONFLICT, costs about twice as much per id); an id another
-// session inserts at the same moment — two relays around a takeover — is
-// then a unique violation when that session commits. SaveCheckpoint and the
-// record's own writes must still succeed, each id recorded once: the
-// write is made again the careful way. Ids already recorded and repeats in
-// one write are left out by the plain INSERT itself.
-func TestRecordWriteMeetsAConcurrentWriterOfTheSameIDs(t *testing.T) {
+// TestDeliveredRowsMeetAConcurrentWriterOfTheSamePairs: the stream writes
+// the delivered ledger rows of pairs it did not claim with a plain INSERT
+// of the pairs the ledger lacks (a speculative insertion, ON CONFLICT,
+// costs more per row and doubles the WAL records the walsender decodes);
+// a pair another session inserts at the same moment — two relays around a
+// takeover — is then a unique violation when that session commits.
+// SettleStream must still succeed, each pair recorded once: the write is
+// made again the careful way. Pairs already delivered and repeats in one
+// batch are left out by the plain INSERT itself.
+func TestDeliveredRowsMeetAConcurrentWriterOfTheSamePairs(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	f.MustExec(t, `INSERT INTO integration_outbox_delivered (id) VALUES (1)`)
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at) VALUES ('e1', 's', 'delivered', 1, now())`)
 
 	other, err := f.pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer other.Rollback(ctx) //nolint:errcheck // committed below
-	if _, err := other.Exec(ctx, `INSERT INTO integration_outbox_delivered (id) VALUES (3)`); err != nil {
+	if _, err := other.Exec(ctx, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at) VALUES ('e3', 's', 'delivered', 1, now())`); err != nil {
 		t.Fatal(err)
 	}
-	f.store.WaitInRecord(1, 2, 2, 3, 4) // 1 recorded, 2 twice, 3 being inserted by the other session
-	saved := make(chan error, 1)
-	go func() { saved <- f.store.SaveCheckpoint(ctx, "slot_a", 0x1_00000000) }()
-	// The record's INSERT waits for the other session's id 3.
+	done := relay.Decision{Kind: relay.Done}
+	works := []*relay.Work{ // e1 recorded, e2 twice, e3 being inserted by the other session
+		streamWork(1, "e1", done, outcomePair("s", relay.Delivered)),
+		streamWork(2, "e2", done, outcomePair("s", relay.Delivered)),
+		streamWork(2, "e2", done, outcomePair("s", relay.Delivered)),
+		streamWork(3, "e3", done, outcomePair("s", relay.Delivered)),
+		streamWork(4, "e4", done, outcomePair("s", relay.Delivered)),
+	}
+	settled := make(chan error, 1)
+	go func() {
+		_, err := f.store.SettleStream(ctx, works, "relay-a")
+		settled <- err
+	}()
+	// The INSERT waits for the other session's e3.
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		var waiting bool
 		if err := f.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
-			WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%delivered%' AND pid <> pg_backend_pid())`).Scan(&waiting); err != nil {
+			WHERE wait_event_type = 'Lock' AND query LIKE '%INSERT INTO%integration_idempotency%' AND pid <> pg_backend_pid())`).Scan(&waiting); err != nil {
 			t.Fatal(err)
 		}
 		if waiting {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the record's INSERT never waited for the other session's id")
+			t.Fatal("the ledger INSERT never waited for the other session's pair")
 		}
 	}
 	if err := other.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := <-saved; err != nil {
-		t.Fatalf("SaveCheckpoint after another session recorded one of its ids: %v", err)
+	if err := <-settled; err != nil {
+		t.Fatalf("SettleStream after another session recorded one of its pairs: %v", err)
 	}
-	var ids []int64
-	if err := f.pool.QueryRow(ctx, `SELECT array_agg(id ORDER BY id) FROM integration_outbox_delivered`).Scan(&ids); err != nil {
+	var keys []string
+	if err := f.pool.QueryRow(ctx, `SELECT array_agg(event_key ORDER BY event_key) FROM integration_idempotency WHERE state = 'delivered'`).Scan(&keys); err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(ids, []int64{1, 2, 3, 4}) {
-		t.Errorf("delivered record = %v, want [1 2 3 4]", ids)
-	}
-	if lsn, err := f.store.LoadCheckpoint(ctx, "slot_a"); err != nil || lsn != 0x1_00000000 {
-		t.Errorf("LoadCheckpoint = %v, %v; want 1/0", lsn, err)
+	if !slices.Equal(keys, []string{"e1", "e2", "e3", "e4"}) {
+		t.Errorf("delivered ledger rows = %v, want e1 e2 e3 e4 once each", keys)
 	}
 }

@@ -76,9 +76,9 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	outbox, ledger := t.outbox, t.ledger
 	// The ordering check: a row waits while a lower id of its aggregate is
 	// unsettled (pending, processing or held — failed and done rows never
-	// block, nor do rows the stream delivered, in the delivered record),
-	// unless the ledger shows that row delivered to every sink it is routed
-	// to. Routing in SQL mirrors the engine's: $4 sink names, $5 "takes
+	// block), unless the ledger shows that row delivered to every sink it is
+	// routed to (a row the stream delivered whose status is not marked
+	// yet). Routing in SQL mirrors the engine's: $4 sink names, $5 "takes
 	// every type", $6 the sink's globs as one regex (see globToRegex). The
 	// status list repeats the order index's predicate so the planner can
 	// use it.
@@ -88,8 +88,10 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// EXISTS would drop the ORDER BY and walk up from the aggregate's
 	// first row; NOT COALESCE(…, false) rather than IS NULL keeps the
 	// planner's estimate of the filter that of NOT EXISTS, so it still
-	// scans the claim index in order). Rows the stream delivered stay pending, and so in the
-	// order index, until retention prunes them; a handed-off row is mostly
+	// scans the claim index in order). Rows the stream delivered stay
+	// pending, and so in the order index, until their status is marked
+	// (with mark_done: off, until retention prunes them); a handed-off row
+	// is mostly
 	// held back by the row just before it, so the walk ends at once
 	// instead of passing the aggregate's whole streamed history for every
 	// row (TestClaimCostIndependentOfStreamedHistory).
@@ -100,7 +102,6 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
                AND p.aggregate_id = o.aggregate_id
                AND p.id < o.id
                AND p.status IN ('pending', 'processing', 'held')
-               AND NOT (p.status = 'pending' AND p.handoff_at IS NULL AND %[3]s)
                AND EXISTS (
                    SELECT FROM unnest($4::text[], $5::bool[], $6::text[]) AS s(sink, every_type, re)
                     WHERE (s.every_type OR p.event_type ~ s.re)
@@ -109,7 +110,7 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
                            WHERE l.event_key = p.event_key AND l.action = s.sink
                              AND l.state = 'delivered'))
              ORDER BY p.id DESC
-             LIMIT 1), false))`, outbox, ledger, t.recorded("p"))
+             LIMIT 1), false))`, outbox, ledger)
 	if opts.unordered {
 		ordering = "\n       AND $4::text[] IS NOT NULL AND $5::bool[] IS NOT NULL AND $6::text[] IS NOT NULL"
 	}
@@ -118,15 +119,15 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// another claimer (or a legacy poller) has locked, then mark them ours.
 	// In replication mode only rows handed to the claim path, through their
 	// own partial index (available_at, id) WHERE status = 'pending' AND
-	// handoff_at IS NOT NULL; in poll mode every due row not in the
-	// delivered record, through (available_at, id) WHERE status =
-	// 'pending'. payload::text is jsonb's text, byte for byte what the
+	// handoff_at IS NOT NULL; in poll mode every due row, through
+	// (available_at, id) WHERE status = 'pending' (a row the ledger shows
+	// delivered everywhere is settled done without sending). payload::text is jsonb's text, byte for byte what the
 	// stream decodes. replays and trace are the replays and trace_context
 	// columns where they exist.
 	claim := func(all bool, replays, trace string) string {
 		which := "\n       AND o.handoff_at IS NOT NULL"
 		if all {
-			which = "\n       AND NOT " + t.recorded("o")
+			which = ""
 		}
 		return fmt.Sprintf(`
 WITH locked AS (
@@ -455,7 +456,7 @@ func (s *Store) PrepareClaim(ctx context.Context, works []*relay.Work, owner str
 // SettleClaim implements relay.ClaimStore: one synchronous transaction and
 // one round trip, at most one statement per kind.
 func (s *Store) SettleClaim(ctx context.Context, works []*relay.Work, owner string) error {
-	r := split(works, true)
+	r := split(works)
 	st := s.sql.claim
 	var steps []step
 	if len(r.deliveredKeys) > 0 {

@@ -40,7 +40,7 @@ func mustClaimDB(tb testing.TB, sinks ...ledger.Sink) *claimDB {
 	tb.Cleanup(pool.Close)
 	cfg := ledger.DefaultConfig()
 	cfg.Sinks = sinks
-	return &claimDB{pool: pool, store: ledger.New(pool, cfg)}
+	return &claimDB{pool: pool, store: mustStore(tb, pool, cfg)}
 }
 
 // exec runs sql and returns the rows it affected.

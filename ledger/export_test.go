@@ -19,11 +19,3 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 	}
 	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex}, err
 }
-
-// WaitInRecord adds ids to the delivered record without writing it, as
-// SettleStream does between writes.
-func (s *Store) WaitInRecord(ids ...int64) {
-	if _, err := s.record.add(ids); err != nil {
-		panic(err)
-	}
-}

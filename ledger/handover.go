@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -104,29 +103,32 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 const deliveredDoneChunk = 10_000
 
 // MarkDeliveredDone sets status 'done' on the rows still pending and not
-// handed off whose ledger shows 'delivered' for every one of sinks, and
-// returns how many. The relay runs it at start (docs/operations.md, "what the relay writes back"), beside the stream:
-// a row whose MarkDone was lost in a crash is otherwise never settled,
-// because the slot does not stream it again. It walks the pending ids in
-// ranges of deliveredDoneChunk, one short transaction each, skipping rows
-// another transaction has locked (they are being settled), so a backlog of a
-// million rows neither delays streaming nor holds locks for long. A row
-// routed to only some of sinks is not marked. With no sinks it marks
-// nothing. Safe to repeat and to cancel between chunks.
-func (s *Store) MarkDeliveredDone(ctx context.Context, sinks []string) (int64, error) {
-	distinct := slices.Compact(slices.Sorted(slices.Values(sinks)))
-	if len(distinct) == 0 {
+// handed off that the ledger shows delivered to every sink they are routed
+// to (DeliveredEverywhere), and returns how many. It repairs what the
+// engine's own marking (mark_done: async) leaves behind: ids it held in
+// memory when the relay crashed, rows it could not see yet. The relay runs
+// it at the start of each phase beside the sources, and poll mode whatever
+// mark_done says, so that the claim path and a legacy poller read the status
+// they expect (docs/operations.md, "what the relay writes back"). It walks
+// the pending ids in ranges of deliveredDoneChunk, one short transaction
+// each, skipping rows another transaction has locked (they are being
+// settled), so a backlog of a million rows neither delays streaming nor
+// holds locks for long. With no sinks configured it marks nothing. Safe to
+// repeat and to cancel between chunks.
+func (s *Store) MarkDeliveredDone(ctx context.Context) (int64, error) {
+	if len(s.routes) == 0 {
 		return 0, nil
 	}
 	var lo, hi pgtype.Int8
 	if err := s.pool.QueryRow(ctx, s.sql.pendingRange).Scan(&lo, &hi); err != nil {
-		return 0, fmt.Errorf("mark rows delivered to %v done: find the pending rows: %w", distinct, err)
+		return 0, fmt.Errorf("mark delivered rows done: find the pending rows: %w", err)
 	}
 	var marked int64
 	for from := lo.Int64 - 1; lo.Valid && from < hi.Int64; from += deliveredDoneChunk {
-		tag, err := s.pool.Exec(ctx, s.sql.markDeliveredDone, distinct, from, min(from+deliveredDoneChunk, hi.Int64))
+		to := min(from+deliveredDoneChunk, hi.Int64)
+		tag, err := s.pool.Exec(ctx, s.sql.markDeliveredDone, from, to)
 		if err != nil {
-			return marked, fmt.Errorf("mark rows delivered to %v done (ids %d to %d): %w", distinct, from+1, min(from+deliveredDoneChunk, hi.Int64), err)
+			return marked, fmt.Errorf("mark delivered rows done (ids %d to %d): %w", from+1, to, err)
 		}
 		marked += tag.RowsAffected()
 	}
@@ -136,14 +138,7 @@ func (s *Store) MarkDeliveredDone(ctx context.Context, sinks []string) (int64, e
 // BeginSlot records, before a slot named slot is created, that its
 // hand-over has not happened yet: until MarkForClaim records it, HandedOver
 // reports false for whatever slot of that name exists. Safe to repeat.
-//
-// It also writes the delivered ids waiting for a checkpoint: the new slot's
-// snapshot, taken after it, must see those rows as done, or the hand-over
-// would give them to the claim path and they would be sent twice.
 func (s *Store) BeginSlot(ctx context.Context, slot string) error {
-	if err := s.flushRecord(ctx, true); err != nil {
-		return fmt.Errorf("record the delivered events before slot %s is created: %w", slot, err)
-	}
 	_, err := s.runSteps(ctx, s.sql.setSynchronousCommit, []step{exec("record the slot's creation", s.sql.beginSlot, slot)})
 	if err != nil {
 		return fmt.Errorf("record the creation of slot %s: %w", slot, err)

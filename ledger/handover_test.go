@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -179,6 +180,9 @@ func TestMarkForClaimBadSnapshot(t *testing.T) {
 	}
 }
 
+// TestMarkDeliveredDone: the start-up repair marks done the pending rows
+// the ledger shows delivered to every sink they are routed to, and only
+// those, routing by event type as the engine does.
 func TestMarkDeliveredDone(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
@@ -189,31 +193,34 @@ func TestMarkDeliveredDone(t *testing.T) {
 		row{Key: "handed-off", HandedOff: true},
 		row{Key: "held", Status: "held"},
 		row{Key: "none"},
+		row{Key: "order-webhook-only", Type: "order.placed"},
 	)
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES
 		('both', 'webhook', 'delivered', 1), ('both', 'nats', 'delivered', 1),
 		('one', 'webhook', 'delivered', 1),
 		('sending', 'webhook', 'delivered', 1), ('sending', 'nats', 'sending', 1),
 		('handed-off', 'webhook', 'delivered', 1), ('handed-off', 'nats', 'delivered', 1),
-		('held', 'webhook', 'delivered', 1), ('held', 'nats', 'delivered', 1)`)
+		('held', 'webhook', 'delivered', 1), ('held', 'nats', 'delivered', 1),
+		('order-webhook-only', 'webhook', 'delivered', 1)`)
 
-	if n, err := f.store.MarkDeliveredDone(ctx, nil); err != nil || n != 0 {
+	if n, err := f.storeFor(t).MarkDeliveredDone(ctx); err != nil || n != 0 {
 		t.Fatalf("MarkDeliveredDone(no sinks) = %d, %v; want 0, nil", n, err)
 	}
-	n, err := f.store.MarkDeliveredDone(ctx, []string{"webhook", "nats", "webhook"})
+	// nats takes only test.* events: order-webhook-only needs webhook alone.
+	n, err := f.storeFor(t, ledger.Sink{Name: "webhook"}, ledger.Sink{Name: "nats", Events: []string{"test.*"}}).MarkDeliveredDone(ctx)
 	if err != nil {
 		t.Fatalf("MarkDeliveredDone: %v", err)
 	}
-	if n != 1 {
-		t.Errorf("MarkDeliveredDone marked %d rows, want 1", n)
+	if n != 2 {
+		t.Errorf("MarkDeliveredDone marked %d rows, want 2", n)
 	}
-	for i, want := range []string{"done", "pending", "pending", "pending", "held", "pending"} {
+	for i, want := range []string{"done", "pending", "pending", "pending", "held", "pending", "done"} {
 		if got := f.MustRow(t, ids[i]); got.Status != want {
 			t.Errorf("row %d status = %s, want %s", i, got.Status, want)
 		}
 	}
 	// With one sink, "one" and "sending" qualify too.
-	if n, err := f.store.MarkDeliveredDone(ctx, []string{"webhook"}); err != nil || n != 2 {
+	if n, err := f.storeFor(t, ledger.Sink{Name: "webhook"}).MarkDeliveredDone(ctx); err != nil || n != 2 {
 		t.Errorf("MarkDeliveredDone(webhook) = %d, %v; want 2", n, err)
 	}
 }
@@ -241,7 +248,7 @@ func TestMarkDeliveredDoneChunksAndSkipsLocked(t *testing.T) {
 	}
 	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	n, err := f.store.MarkDeliveredDone(cctx, []string{"nats"})
+	n, err := f.storeFor(t, ledger.Sink{Name: "nats"}).MarkDeliveredDone(cctx)
 	if err != nil {
 		t.Fatalf("MarkDeliveredDone beside a locked row: %v", err)
 	}
@@ -256,7 +263,7 @@ func TestMarkDeliveredDoneChunksAndSkipsLocked(t *testing.T) {
 	if err := tx.Rollback(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := f.store.MarkDeliveredDone(ctx, []string{"nats"}); err != nil || n != 1 {
+	if n, err := f.storeFor(t, ledger.Sink{Name: "nats"}).MarkDeliveredDone(ctx); err != nil || n != 1 {
 		t.Errorf("after the lock is gone: marked %d, %v; want 1", n, err)
 	}
 }

@@ -58,7 +58,20 @@ func MustFixtureNames(tb testing.TB, names migrations.Names, setup string) *fixt
 	tb.Cleanup(pool.Close)
 	cfg := ledger.DefaultConfig()
 	cfg.Outbox, cfg.Ledger, cfg.Checkpoint = names.Outbox, names.Ledger, names.Checkpoint
-	return &fixture{url: url, pool: pool, store: ledger.New(pool, cfg), names: names}
+	// The routes of the record of delivery (ledger.DeliveredEverywhere):
+	// two sinks that take every event.
+	cfg.Sinks = []ledger.Sink{{Name: "webhook"}, {Name: "nats"}}
+	return &fixture{url: url, pool: pool, store: mustStore(tb, pool, cfg), names: names}
+}
+
+// storeFor returns a store on f's tables whose record of delivery is routed
+// to sinks instead of the fixture's two.
+func (f *fixture) storeFor(tb testing.TB, sinks ...ledger.Sink) *ledger.Store {
+	tb.Helper()
+	cfg := ledger.DefaultConfig()
+	cfg.Outbox, cfg.Ledger, cfg.Checkpoint = f.names.Outbox, f.names.Ledger, f.names.Checkpoint
+	cfg.Sinks = sinks
+	return mustStore(tb, f.pool, cfg)
 }
 
 // row is an outbox row to insert; empty fields take the table's defaults,
@@ -74,6 +87,8 @@ type row struct {
 	// NoAvailableAt inserts the row with a NULL available_at (an
 	// application that sets the column itself), which means due now.
 	NoAvailableAt bool
+	// Type is the event_type; empty: test.event.
+	Type string
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -93,8 +108,8 @@ func (f *fixture) MustInsert(tb testing.TB, rows ...row) []int64 {
 		}
 		err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
 			INSERT INTO %s (event_type, aggregate_type, aggregate_id, event_key, payload, status, handoff_at, last_error, attempts, available_at)
-			VALUES ('test.event', $1, $2, $3, '{}', $4, $5, $6, $7, CASE WHEN $8 THEN NULL ELSE now() END) RETURNING id`, f.names.Outbox.Quoted()),
-			r.AggType, r.AggID, r.Key, status, handoff, r.LastError, r.Attempts, r.NoAvailableAt).Scan(&ids[i])
+			VALUES (coalesce(nullif($9, ''), 'test.event'), $1, $2, $3, '{}', $4, $5, $6, $7, CASE WHEN $8 THEN NULL ELSE now() END) RETURNING id`, f.names.Outbox.Quoted()),
+			r.AggType, r.AggID, r.Key, status, handoff, r.LastError, r.Attempts, r.NoAvailableAt, r.Type).Scan(&ids[i])
 		if err != nil {
 			tb.Fatalf("insert %s: %v", r.Key, err)
 		}
@@ -236,4 +251,14 @@ func mustPrimaryAndStandby(ctx context.Context, t *testing.T) (primary, standby 
 		t.Fatal(err)
 	}
 	return primary, pgtest.NewStandby(t, primary, pgtest.StandbyOptions{})
+}
+
+// mustStore is ledger.New, failing the test on an error.
+func mustStore(tb testing.TB, pool *pgxpool.Pool, cfg ledger.Config) *ledger.Store {
+	tb.Helper()
+	s, err := ledger.New(pool, cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return s
 }

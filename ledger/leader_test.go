@@ -111,7 +111,7 @@ func TestLockAttemptsOutlastASilentServer(t *testing.T) {
 	}
 	defer pool.Close()
 	start = time.Now()
-	if lock, err := ledger.New(pool, ledger.DefaultConfig()).LockOwner(ctx, ledger.NewOwner()); err == nil {
+	if lock, err := mustStore(t, pool, ledger.DefaultConfig()).LockOwner(ctx, ledger.NewOwner()); err == nil {
 		lock.Release()
 		t.Fatal("owner lock taken through a black hole")
 	}
@@ -137,7 +137,7 @@ func TestOwnerLockReleasedIntoABlackHoleIsTakenAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	store := ledger.New(pool, ledger.DefaultConfig())
+	store := mustStore(t, pool, ledger.DefaultConfig())
 	owner := ledger.NewOwner()
 
 	lock, err := store.LockOwner(ctx, owner)

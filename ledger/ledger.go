@@ -39,9 +39,6 @@ const maxIDsPerQuery = 10_000
 
 // Config names the tables and chooses the commit mode of the stream's writes.
 type Config struct {
-	// Delivered is the stream's record of delivery; empty: derived from
-	// Outbox (migrations.DeliveredTable).
-	Delivered relay.QualifiedName
 	// Outbox, Ledger and Checkpoint are the tables migrate created or
 	// adopted. A name left empty takes its default (docs/configuration.md)
 	// (integration_outbox, integration_idempotency, relay_checkpoint).
@@ -54,9 +51,11 @@ type Config struct {
 	// DefaultConfig sets it.
 	AsyncCommit bool
 
-	// Sinks route the claim query's ordering check: a row waits for an
-	// earlier row of its aggregate only while that row is undelivered to a
-	// sink both are routed to.
+	// Sinks route the readers of the record of delivery: a row is
+	// delivered once the ledger shows it delivered to every sink it is
+	// routed to (DeliveredEverywhere), and the claim query's ordering
+	// check waits for an earlier row of an aggregate only while it is
+	// undelivered to a sink both are routed to.
 	Sinks []Sink
 	// Unordered drops the ordering check (ordering: none).
 	Unordered bool
@@ -84,7 +83,6 @@ type Store struct {
 	sql         statements
 	outbox      string // quoted, for the few statements built elsewhere
 	routes      []Sink
-	record      *record
 	origin      originState
 	scan        scanState
 	tables      tables
@@ -100,11 +98,6 @@ type Store struct {
 type statements struct {
 	stream streamStatements
 	claim  claimStatements
-
-	// recordDelivered writes the delivered record's ids it lacks with a
-	// plain INSERT; recordDeliveredAgain, made when another session
-	// inserted one of them meanwhile, with ON CONFLICT (record.go).
-	recordDelivered, recordDeliveredAgain string
 
 	scanStart, scanTop, scanRange, scanRecheck string
 	statsHanded, statsStatuses                 string
@@ -125,16 +118,10 @@ type statements struct {
 }
 
 // New returns a Store on pool. Empty names in cfg take the defaults; the
-// names are quoted here, once, so no name is ever read as SQL.
-func New(pool *pgxpool.Pool, cfg Config) *Store {
+// names are quoted here, once, so no name is ever read as SQL. It returns
+// an error for a sink's event glob the engine would refuse.
+func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	def := DefaultConfig()
-	if cfg.Delivered.Name == "" {
-		outbox := cfg.Outbox
-		if outbox.Name == "" {
-			outbox = def.Outbox
-		}
-		cfg.Delivered = migrations.DeliveredTable(outbox)
-	}
 	if cfg.Outbox.Name == "" {
 		cfg.Outbox = def.Outbox
 	}
@@ -144,32 +131,41 @@ func New(pool *pgxpool.Pool, cfg Config) *Store {
 	if cfg.Checkpoint.Name == "" {
 		cfg.Checkpoint = def.Checkpoint
 	}
+	t := tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted(), sinks: cfg.Sinks}
+	for _, alias := range []string{"o", "p"} {
+		if _, err := DeliveredEverywhere(t.ledger, cfg.Sinks, alias); err != nil {
+			return nil, err
+		}
+	}
 	return &Store{
 		outbox:      cfg.Outbox.Quoted(),
 		pool:        pool,
 		asyncCommit: cfg.AsyncCommit,
-		sql: render(tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted(),
-			delivered: cfg.Delivered.Quoted()}, claimOptions{unordered: cfg.Unordered}),
-		record: newRecord(),
-		tables: tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted(),
-			delivered: cfg.Delivered.Quoted()},
-		routes: cfg.Sinks,
-	}
+		sql:         render(t, claimOptions{unordered: cfg.Unordered}),
+		tables:      t,
+		routes:      cfg.Sinks,
+	}, nil
 }
 
-// tables are the relay's tables, quoted.
+// tables are the relay's tables, quoted, and the sinks that route the record
+// of delivery.
 type tables struct {
-	outbox, ledger, checkpoint, delivered string
+	outbox, ledger, checkpoint string
+	sinks                      []Sink
 }
 
-// recorded is the SQL condition "the row aliased o was delivered by the
-// stream": its id is in the delivered record.
-func (t tables) recorded(o string) string {
-	return fmt.Sprintf("EXISTS (SELECT FROM %s AS r WHERE r.id = %s.id)", t.delivered, o)
+// deliveredEverywhere is DeliveredEverywhere for the row aliased o (New has
+// checked the globs).
+func (t tables) deliveredEverywhere(o string) string {
+	cond, err := DeliveredEverywhere(t.ledger, t.sinks, o)
+	if err != nil {
+		panic(err)
+	}
+	return cond
 }
 
 func render(t tables, claim claimOptions) statements {
-	outbox, ledger, checkpoint := t.outbox, t.ledger, t.checkpoint
+	outbox, checkpoint := t.outbox, t.checkpoint
 	scanStart, scanTop, scanRange, scanRecheck := scanStatements(t)
 	return statements{
 		scanStart: scanStart, scanTop: scanTop, scanRange: scanRange, scanRecheck: scanRecheck,
@@ -182,12 +178,6 @@ SELECT (SELECT count(*) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NO
        greatest((SELECT reltuples FROM pg_class WHERE oid = to_regclass(%[2]s)), 0)::float8`, outbox, relay.QuoteLiteral(outbox)),
 		statsStatuses: fmt.Sprintf(`
 SELECT status, count(*) FROM %s WHERE status IN ('processing', 'failed', 'held') GROUP BY status`, outbox),
-
-		recordDelivered: fmt.Sprintf(`
-INSERT INTO %[1]s (id) SELECT DISTINCT u.id FROM unnest($1::bigint[]) AS u(id)
- WHERE NOT EXISTS (SELECT FROM %[1]s AS r WHERE r.id = u.id)`, t.delivered),
-		recordDeliveredAgain: fmt.Sprintf(`
-INSERT INTO %s (id) SELECT DISTINCT unnest($1::bigint[]) ON CONFLICT (id) DO NOTHING`, t.delivered),
 
 		loadCheckpoint: fmt.Sprintf(`SELECT confirmed_lsn::text FROM %s WHERE slot_name = $1`, checkpoint),
 
@@ -211,34 +201,30 @@ UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirme
 		handoverDone: fmt.Sprintf(`SELECT handover_lsn IS NOT NULL FROM %s WHERE slot_name = $1`, checkpoint),
 
 		// The rows pending in the new slot's snapshot: they become the
-		// claim path's, due now when they had no available_at.
-		// Rows the stream delivered (in the record) are done, not pending.
+		// claim path's, due now when they had no available_at. Rows the
+		// ledger shows delivered everywhere are done, their status not
+		// marked yet (mark_done: off, or the marking trails).
 		markForClaim: fmt.Sprintf(`
 UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
- WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.recorded("o")),
+ WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
 		pendingUnmarked: fmt.Sprintf(`
-SELECT o.id FROM %s AS o WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.recorded("o")),
+SELECT o.id FROM %s AS o WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
 		markForClaimByID: fmt.Sprintf(`
 UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
- WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.recorded("o")),
+ WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
 
-		// $1 holds distinct sink names, so the count equals its cardinality
-		// exactly when every one of them is delivered. One id range at a
-		// time ($2, $3], in id order, skipping rows another statement has
-		// locked (the engine's own MarkDone): it runs beside the stream and
-		// never waits for, or deadlocks with, it.
+		// One id range at a time ($1, $2], in id order, skipping rows
+		// another statement has locked (the engine's own MarkDone): it runs
+		// beside the stream and never waits for, or deadlocks with, it.
 		pendingRange: fmt.Sprintf(`
 SELECT min(id), max(id) FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
 		markDeliveredDone: fmt.Sprintf(`
 WITH c AS (
 SELECT o.id FROM %s AS o
- WHERE o.id > $2 AND o.id <= $3 AND o.status = 'pending' AND o.handoff_at IS NULL
-   AND (%s
-        OR (SELECT count(*) FROM %s AS l
-             WHERE l.event_key = o.event_key AND l.action = ANY($1::text[]) AND l.state = 'delivered')
-           = cardinality($1::text[]))
+ WHERE o.id > $1 AND o.id <= $2 AND o.status = 'pending' AND o.handoff_at IS NULL
+   AND %s
    FOR UPDATE SKIP LOCKED)
-UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.recorded("o"), ledger, outbox),
+UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.deliveredEverywhere("o"), outbox),
 
 		setAsyncCommit: `SET LOCAL synchronous_commit = off`,
 		// Explicitly synchronous even where the role or database default is

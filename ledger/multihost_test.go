@@ -54,7 +54,7 @@ func TestConnectionsFollowTheWritableHost(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	store := ledger.New(pool, ledger.DefaultConfig())
+	store := mustStore(t, pool, ledger.DefaultConfig())
 	lock, err := store.LockOwner(ctx, "outbox-relay:test:1")
 	if err != nil {
 		t.Fatal(err)

@@ -55,42 +55,21 @@ func (s *Store) BeginTerm() {
 // StreamFrom binds the stream's writes to the server a replication session
 // streams from, named by IDENTIFY_SYSTEM's system identifier and timeline;
 // the stream calls it at the start of every session, before it writes
-// anything. From then on SettleStream, MarkDone, the delivered record and
-// SaveCheckpoint check in their own transaction that the server is on that
-// timeline and roll back otherwise.
-//
-// Binding to another server than the last one (a failover) drops the
-// delivered ids not yet written: they belong to the old server. It returns
-// how many it dropped. Within a term (see BeginTerm) only the first session
-// may change the server: a later change returns relay.ErrServerChanged.
-// Safe to repeat for the same server.
-func (s *Store) StreamFrom(ctx context.Context, systemID string, timeline int32) (dropped int, err error) {
+// anything. From then on SettleStream, MarkDone and SaveCheckpoint check in
+// their own transaction that the server is on that timeline and roll back
+// otherwise. Within a term (see BeginTerm) only the first session may change
+// the server: a later change returns relay.ErrServerChanged. Safe to repeat
+// for the same server.
+func (s *Store) StreamFrom(_ context.Context, systemID string, timeline int32) error {
 	o := &s.origin
 	o.mu.Lock()
-	same := o.set && o.systemID == systemID && o.timeline == timeline
-	switch {
-	case same:
-		o.termBound = true
-		o.mu.Unlock()
-		return 0, nil
-	case o.set && o.termBound:
-		from := fmt.Sprintf("system %s timeline %d", o.systemID, o.timeline)
-		o.mu.Unlock()
-		return 0, fmt.Errorf("%w: the stream moved from %s to system %s timeline %d", relay.ErrServerChanged, from, systemID, timeline)
-	}
-	o.mu.Unlock()
-	// No write of the record may be under way while its ids are dropped.
-	if err := s.record.writing.Acquire(ctx, 1); err != nil {
-		return 0, fmt.Errorf("bind the stream to system %s timeline %d: %w", systemID, timeline, err)
-	}
-	defer s.record.writing.Release(1)
-	o.mu.Lock()
 	defer o.mu.Unlock()
-	if o.set {
-		dropped = len(s.record.take())
+	if o.set && o.termBound && (o.systemID != systemID || o.timeline != timeline) {
+		return fmt.Errorf("%w: the stream moved from system %s timeline %d to system %s timeline %d",
+			relay.ErrServerChanged, o.systemID, o.timeline, systemID, timeline)
 	}
 	o.set, o.systemID, o.timeline, o.termBound = true, systemID, timeline, true
-	return dropped, nil
+	return nil
 }
 
 // originGuard returns the step that checks the server's timeline against

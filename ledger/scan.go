@@ -11,15 +11,17 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// The pending scan. Rows the stream delivered keep status pending (the
-// delivered record says they are done), so "which rows are still the
-// stream's and not delivered" cannot be answered by an index: counting them
-// every few seconds would read the whole table each time. The scan instead
-// walks the outbox once by id, in chunks, and keeps the rows it finds
-// pending, not handed off and not recorded in a watch list that it checks
-// again on each step: rows the stream is still delivering leave it within
-// a checkpoint, rows nobody delivers (a slot made by someone else while the
-// relay was down) stay and raise the stuck-rows alarm. Each step reads the
+// The pending scan. Rows the stream delivered keep status pending until
+// their status is marked (mark_done: async trails the deliveries; with
+// mark_done: off they stay pending and the ledger says they are done), so
+// "which rows are still the stream's and not delivered" cannot be answered
+// by an index: counting them every few seconds would read the whole table
+// each time. The scan instead walks the outbox once by id, in chunks, and
+// keeps the rows it finds pending, not handed off and not delivered
+// everywhere (DeliveredEverywhere) in a watch list that it checks again on
+// each step: rows the stream is still delivering leave it within moments,
+// rows nobody delivers (a slot made by someone else while the relay was
+// down) stay and raise the stuck-rows alarm. Each step reads the
 // ids added since the last one and the watch list: its cost follows the
 // write rate, not the table's size.
 //
@@ -54,7 +56,7 @@ type watched struct {
 }
 
 // scanPending advances the scan and returns the watch list: the rows
-// pending, not handed off and not in the delivered record.
+// pending, not handed off and not delivered everywhere.
 func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
 	sc := &s.scan
 	sc.mu.Lock()
@@ -83,7 +85,7 @@ func (s *Store) scanStep(ctx context.Context) error {
 		sc.floor = low.Int64 - 1
 		sc.started = true
 	}
-	// The rows on the watch list that are still pending and not recorded.
+	// The rows on the watch list that are still pending and not delivered.
 	if len(sc.watch) > 0 {
 		ids := make([]int64, 0, len(sc.watch))
 		for id := range sc.watch {
@@ -140,16 +142,14 @@ func scanStatements(t tables) (start, top, rng, recheck string) {
 	const pending = "(o.status = 'pending' OR o.status IS NULL) AND o.handoff_at IS NULL"
 	start = fmt.Sprintf(`SELECT min(o.id) FROM %s AS o WHERE %s`, t.outbox, pending)
 	top = fmt.Sprintf(`SELECT max(id) FROM %s`, t.outbox)
-	// On the stream path every row stays pending, so every id of a step
-	// meets the record. The record's side is bounded by the step's range
-	// too (the planner does not carry a range across r.id = o.id): both
-	// sides are then read in id order once, a merge anti join, instead of
-	// one probe of the record's index per row
-	// (TestPendingScanReadsTheRecordByRange).
-	rng = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND %s
-   AND NOT EXISTS (SELECT FROM %s AS r WHERE r.id = o.id AND r.id > $1 AND r.id <= $2)`, due, t.outbox, pending, t.delivered)
+	// A row pending in the step's range is probed in the ledger, one
+	// primary-key prefix per routed sink; rows whose status is marked are
+	// filtered out before.
+	rng = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND %s AND NOT %s`,
+		due, t.outbox, pending, t.deliveredEverywhere("o"))
 	// The watch list's ids may lie far apart (a row stuck for hours among
 	// the last second's): a probe each.
-	recheck = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[]) AND %s AND NOT %s`, due, t.outbox, pending, t.recorded("o"))
+	recheck = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[]) AND %s AND NOT %s`,
+		due, t.outbox, pending, t.deliveredEverywhere("o"))
 	return start, top, rng, recheck
 }

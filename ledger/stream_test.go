@@ -246,12 +246,12 @@ func TestSettleCommitSettingIsLocal(t *testing.T) {
 		t.Fatalf("pool: %v", err)
 	}
 	defer pool.Close()
-	store := ledger.New(pool, ledger.DefaultConfig())
+	store := mustStore(t, pool, ledger.DefaultConfig())
 	w := streamWork(0, "e", relay.Decision{Kind: relay.Done}, outcomePair("a", relay.Delivered))
 	if _, err := store.SettleStream(ctx, []*relay.Work{w}, "relay-a"); err != nil {
 		t.Fatalf("SettleStream: %v", err)
 	}
-	if _, err := store.MarkDone(ctx, []int64{1}); err != nil {
+	if _, _, err := store.MarkDone(ctx, []int64{1}); err != nil {
 		t.Fatalf("MarkDone: %v", err)
 	}
 	var setting string
@@ -378,7 +378,7 @@ func TestMarkDone(t *testing.T) {
 		row{Key: "held", Status: "held"},
 	)
 	for range 2 { // safe to repeat
-		if _, err := f.store.MarkDone(ctx, append(ids, 999_999)); err != nil {
+		if _, _, err := f.store.MarkDone(ctx, append(ids, 999_999)); err != nil {
 			t.Fatalf("MarkDone: %v", err)
 		}
 	}
@@ -391,7 +391,7 @@ func TestMarkDone(t *testing.T) {
 			t.Errorf("row %d processed_at not set", i)
 		}
 	}
-	if _, err := f.store.MarkDone(ctx, nil); err != nil {
+	if _, _, err := f.store.MarkDone(ctx, nil); err != nil {
 		t.Errorf("MarkDone(nil) = %v", err)
 	}
 }
@@ -449,7 +449,7 @@ func TestQuotedNames(t *testing.T) {
 	if err != nil {
 		t.Fatalf("SettleStream: %v", err)
 	}
-	if _, err := f.store.MarkDone(ctx, ids); err != nil {
+	if _, _, err := f.store.MarkDone(ctx, ids); err != nil {
 		t.Fatalf("MarkDone: %v", err)
 	}
 	restreamed := []*relay.Work{streamWork(ids[0], "k1", relay.Decision{}, &relay.Pair{Sink: "webhook"})}
@@ -471,7 +471,7 @@ func TestQuotedNames(t *testing.T) {
 	if done, err := f.store.HandedOver(ctx, "s"); err != nil || done {
 		t.Fatalf("HandedOver after BeginSlot = %v, %v", done, err)
 	}
-	if _, err := f.store.MarkDeliveredDone(ctx, []string{"webhook"}); err != nil {
+	if _, err := f.storeFor(t, ledger.Sink{Name: "webhook"}).MarkDeliveredDone(ctx); err != nil {
 		t.Fatalf("MarkDeliveredDone: %v", err)
 	}
 	claims := []*relay.Work{streamWork(0, "k9", relay.Decision{}, &relay.Pair{Sink: "hold", Hold: true})}
@@ -529,7 +529,7 @@ func TestSettleReportsInvisibleRows(t *testing.T) {
 	if err != nil || len(invisible) != 1 || invisible[0] != id {
 		t.Fatalf("SettleStream reported %v (%v), want [%d]", invisible, err, id)
 	}
-	if invisible, err = f.store.MarkDone(ctx, []int64{id}); err != nil || len(invisible) != 1 {
+	if invisible, _, err = f.store.MarkDone(ctx, []int64{id}); err != nil || len(invisible) != 1 {
 		t.Fatalf("MarkDone reported %v (%v), want [%d]", invisible, err, id)
 	}
 	if err := tx.Commit(ctx); err != nil {
@@ -862,12 +862,14 @@ func TestSettleStreamStoresAnyReason(t *testing.T) {
 }
 
 // TestPendingScanSeesOnlyRowsNotDelivered: the pending scan (Stuck, Stats)
-// finds the rows pending, not handed off and not in the delivered record —
-// and only those — however many the stream delivered before, and stops
-// watching a row once it is recorded.
+// finds the rows pending, not handed off and not delivered everywhere in
+// the ledger — and only those — however many the stream delivered before
+// without their status marked (mark_done: off), and stops watching a row
+// once its ledger rows are written.
 func TestPendingScanSeesOnlyRowsNotDelivered(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
+	store := f.storeFor(t, ledger.Sink{Name: "nats"})
 	exec := func(sql string, args ...any) {
 		t.Helper()
 		if _, err := f.pool.Exec(ctx, sql, args...); err != nil {
@@ -878,58 +880,77 @@ func TestPendingScanSeesOnlyRowsNotDelivered(t *testing.T) {
 	// off; a young one.
 	exec(`INSERT INTO integration_outbox (event_key, payload, created_at, available_at)
 		SELECT 'k' || g, '{}', now() - interval '1 hour', now() - interval '1 hour' FROM generate_series(1, 120000) g`)
-	exec(`INSERT INTO integration_outbox_delivered (id) SELECT id FROM integration_outbox WHERE id NOT IN (7, 60001, 119999)`)
+	exec(`INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
+		SELECT event_key, 'nats', 'delivered', 1, now() FROM integration_outbox WHERE id NOT IN (7, 8, 9, 60001, 119999)`)
 	exec(`UPDATE integration_outbox SET handoff_at = now() WHERE id IN (8, 9)`)
-	exec(`DELETE FROM integration_outbox_delivered WHERE id IN (8, 9)`)
 	exec(`INSERT INTO integration_outbox (event_key, payload) VALUES ('young', '{}')`)
 
 	var rows int64
 	var err error
 	for step := 0; step < 3; step++ { // a first walk of 120,000 ids takes a step
-		if rows, _, err = f.store.Stuck(ctx, time.Minute); err != nil {
+		if rows, _, err = store.Stuck(ctx, time.Minute); err != nil {
 			t.Fatal(err)
 		}
 	}
 	if rows != 3 {
 		t.Fatalf("Stuck = %d rows, want 3 (ids 7, 60001, 119999)", rows)
 	}
-	st, err := f.store.Stats(ctx, "outbox_relay", time.Minute)
+	st, err := store.Stats(ctx, "outbox_relay", time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if st.Rows["pending"] != 6 || st.Stuck != 3 {
 		t.Fatalf("Stats: pending %d, stuck %d; want 6 (3 stuck, 2 handed off, 1 young) and 3", st.Rows["pending"], st.Stuck)
 	}
-	// Recorded at last: no longer watched.
-	exec(`INSERT INTO integration_outbox_delivered (id) VALUES (7), (60001), (119999)`)
-	if rows, _, err = f.store.Stuck(ctx, time.Minute); err != nil || rows != 0 {
+	// Delivered at last: no longer watched.
+	exec(`INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
+		SELECT event_key, 'nats', 'delivered', 1, now() FROM integration_outbox WHERE id IN (7, 60001, 119999)`)
+	if rows, _, err = store.Stuck(ctx, time.Minute); err != nil || rows != 0 {
 		t.Fatalf("Stuck after recording = %d, %v; want 0", rows, err)
 	}
 }
 
-// TestPrepareStreamSkipsDeliveredIDsNotYetWritten: a stream event settled
-// as delivered whose id still waits in the delivered record (written with
-// the next checkpoint, or within recordEvery) is no longer the stream's:
-// when the slot re-streams it after a reconnect, it is skipped, not sent
-// again. Before the fix only the record's table was read, so every event
-// delivered since the last write was repeated after a reconnect.
-func TestPrepareStreamSkipsDeliveredIDsNotYetWritten(t *testing.T) {
+// TestRestreamSeesDeliveriesSettledAsynchronously: a stream event settled
+// as delivered has its ledger rows as soon as SettleStream returns (an
+// asynchronous commit is visible at once, before the checkpoint makes it
+// durable): when the slot sends it again after a reconnect, every pair is
+// found delivered and nothing is sent again. Before, the stream's
+// deliveries waited in memory (the delivered record) and a re-stream that
+// met such an id skipped it without counting it, so the slot was
+// acknowledged past it with no synchronous write (issue: one record of
+// delivery).
+func TestRestreamSeesDeliveriesSettledAsynchronously(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	ids := f.MustInsert(t, row{Key: "sent"}, row{Key: "not-sent"})
-	// Settled as delivered by the stream: the id waits in the record.
-	f.store.WaitInRecord(ids[0])
+	done := relay.Decision{Kind: relay.Done}
+	if _, err := f.store.SettleStream(ctx, []*relay.Work{
+		streamWork(ids[0], "sent", done, outcomePair("webhook", relay.Delivered), outcomePair("nats", relay.Delivered)),
+	}, "relay-a"); err != nil {
+		t.Fatal(err)
+	}
 	again := []*relay.Work{
-		streamWork(ids[0], "sent", relay.Decision{}, &relay.Pair{Sink: "webhook"}),
-		streamWork(ids[1], "not-sent", relay.Decision{}, &relay.Pair{Sink: "webhook"}),
+		streamWork(ids[0], "sent", relay.Decision{}, &relay.Pair{Sink: "webhook"}, &relay.Pair{Sink: "nats"}),
+		streamWork(ids[1], "not-sent", relay.Decision{}, &relay.Pair{Sink: "webhook"}, &relay.Pair{Sink: "nats"}),
 	}
 	if err := f.store.PrepareStream(ctx, again, true, "relay-a"); err != nil {
 		t.Fatalf("PrepareStream: %v", err)
 	}
-	if !again[0].Skip {
-		t.Errorf("the delivered event (its id not yet written) was not skipped when re-streamed: %s", prepared(again[0]))
+	for _, p := range again[0].Pairs {
+		if p.State != relay.PairDelivered {
+			t.Errorf("the delivered event, re-streamed: %s; want every pair delivered", prepared(again[0]))
+		}
 	}
-	if again[1].Skip {
-		t.Errorf("the undelivered event was skipped: %s", prepared(again[1]))
+	for _, p := range again[1].Pairs {
+		if again[1].Skip || p.State != relay.PairSend {
+			t.Errorf("the undelivered event, re-streamed: %s; want it sent", prepared(again[1]))
+		}
+	}
+	for _, key := range []string{"sent"} {
+		for sink, l := range f.MustLedger(t, key) {
+			if l.State != "delivered" {
+				t.Errorf("%s/%s = %+v, want delivered", key, sink, l)
+			}
+		}
 	}
 }

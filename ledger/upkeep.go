@@ -230,7 +230,7 @@ WITH batch AS (
        FOR UPDATE)
 UPDATE %[1]s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
   FROM batch
- WHERE o.id = batch.id AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %[2]s`, s.outbox, s.tables.recorded("o"))
+ WHERE o.id = batch.id AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %[2]s`, s.outbox, s.tables.deliveredEverywhere("o"))
 	var marked int64
 	for {
 		tag, err := s.pool.Exec(ctx, sql, olderThan.Milliseconds(), reconcileBatch)

@@ -282,6 +282,7 @@ var sqlMigrations = []string{
 	"008_trace_context.sql",
 	"009_delivered_record.sql",
 	"010_handoff_index.sql",
+	"011_fold_delivered_record.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -289,18 +290,19 @@ var sqlMigrations = []string{
 func Latest() int32 { return int32(1 + len(sqlMigrations)) }
 
 // CheckSchema returns an error saying to run migrate when the relay's
-// tables lack what this build needs (the checkpoint's hand-over record, the
-// delivered record). It reads only the catalogs, which every role may, so
-// the run role needs no grant on the version table.
+// tables are not what this build needs: the checkpoint's hand-over record
+// (007), and the stream's old record of delivery folded into the ledger's
+// rows' status and gone (011). It reads only the catalogs, which every role
+// may, so the run role needs no grant on the version table.
 func CheckSchema(ctx context.Context, db querier, n Names) error {
-	var handover, delivered bool
+	var handover, oldRecord bool
 	err := db.QueryRow(ctx, `SELECT
 		EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'handover_lsn' AND NOT attisdropped),
-		to_regclass($2) IS NOT NULL`, n.Checkpoint.Quoted(), DeliveredTable(n.Outbox).Quoted()).Scan(&handover, &delivered)
+		to_regclass($2) IS NOT NULL`, n.Checkpoint.Quoted(), DeliveredTable(n.Outbox).Quoted()).Scan(&handover, &oldRecord)
 	if err != nil {
 		return fmt.Errorf("inspect the relay's tables: %w", err)
 	}
-	if !handover || !delivered {
+	if !handover || oldRecord {
 		return fmt.Errorf("the relay's tables for %s are older than this relay (schema version %d): run outbox-relay migrate", n.Outbox, Latest())
 	}
 	return nil
@@ -410,9 +412,10 @@ func handOffIndex(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_relay_handoff_idx"))
 }
 
-// DeliveredTable is the stream's record of delivery for outbox: the ids of
-// the rows the stream delivered to every routed sink, beside the outbox in
-// its schema.
+// DeliveredTable is the stream's old record of delivery for outbox (009): the
+// ids of the rows the stream delivered to every routed sink, beside the
+// outbox in its schema. Migration 011 folds it into the rows' status and
+// drops it.
 func DeliveredTable(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_delivered"))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -708,5 +709,55 @@ func TestMigrate_TraceContextOfAnotherType(t *testing.T) {
 	_, err := migrations.Migrate(context.Background(), conn, migrations.Options{Names: migrations.DefaultNames()})
 	if err == nil || !strings.Contains(err.Error(), "trace_context") || !strings.Contains(err.Error(), "jsonb") {
 		t.Fatalf("err = %v, want one naming trace_context and jsonb", err)
+	}
+}
+
+// TestMigrate_FoldsTheOldDeliveredRecord: a database migrated by the
+// version that kept the stream's deliveries in <outbox>_delivered (009)
+// has rows the stream delivered still pending. Migration 011 marks exactly
+// those rows done (pending, not handed off, their id in the record), drops
+// the record, and CheckSchema refuses to run against a database that still
+// has it.
+func TestMigrate_FoldsTheOldDeliveredRecord(t *testing.T) {
+	ctx := context.Background()
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustMigrate(t, conn, migrations.Options{})
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := conn.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	// The state migration 010 left: the record, and rows of every kind.
+	exec(`CREATE TABLE integration_outbox_delivered (id bigint PRIMARY KEY)`)
+	exec(`UPDATE integration_outbox_relay_version SET version = 10`)
+	exec(`INSERT INTO integration_outbox (id, event_key, status, handoff_at) VALUES
+		(1, 'delivered', 'pending', NULL), (2, 'handed-off', 'pending', now()), (3, 'failed', 'failed', NULL),
+		(4, 'waiting', 'pending', NULL)`)
+	exec(`INSERT INTO integration_outbox_delivered (id) VALUES (1), (2), (3), (99)`)
+	if err := migrations.CheckSchema(ctx, conn, migrations.DefaultNames()); err == nil || !strings.Contains(err.Error(), "run outbox-relay migrate") {
+		t.Fatalf("CheckSchema with the old record = %v, want: run migrate", err)
+	}
+
+	res := mustMigrate(t, conn, migrations.Options{})
+	if res.From != 10 || res.To != migrations.Latest() || !slices.Contains(res.Applied, "011_fold_delivered_record") {
+		t.Fatalf("migrate from 10: %+v", res)
+	}
+	for id, want := range map[int]string{1: "done", 2: "pending", 3: "failed", 4: "pending"} {
+		var status string
+		var processed bool
+		if err := conn.QueryRow(ctx, `SELECT status, processed_at IS NOT NULL FROM integration_outbox WHERE id = $1`, id).Scan(&status, &processed); err != nil {
+			t.Fatal(err)
+		}
+		if status != want || (want == "done") != processed {
+			t.Errorf("row %d: %s (processed_at set: %v), want %s", id, status, processed, want)
+		}
+	}
+	var gone bool
+	if err := conn.QueryRow(ctx, `SELECT to_regclass('integration_outbox_delivered') IS NULL`).Scan(&gone); err != nil || !gone {
+		t.Errorf("the old record is still there (err %v)", err)
+	}
+	if err := migrations.CheckSchema(ctx, conn, migrations.DefaultNames()); err != nil {
+		t.Errorf("CheckSchema after migrate: %v", err)
 	}
 }

@@ -760,3 +760,39 @@ func TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder(t *testing.T) {
 	close(release)
 	waitFor(t, "row 11 settled", func() bool { _, ok := rec.decision(11); return ok })
 }
+
+// TestEngine_MarkDoneWaitsForTheWalsender: marking rows done is WAL the
+// walsender decodes before any event committed after it. A batch of marks
+// goes out only once the stream has decoded past the previous one (a
+// commit or keepalive position at or beyond where it ended), so a backlog
+// of marks never queues in front of fresh events: after a drain, the marks
+// trail the walsender instead of writing seconds of WAL at once.
+func TestEngine_MarkDoneWaitsForTheWalsender(t *testing.T) {
+	store := newFakeStore()
+	store.markAt = 5000 // where each batch of marks ends in the WAL
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
+	c := e.Stream()
+	marks := func() int {
+		store.mu.Lock()
+		defer store.mu.Unlock()
+		return len(store.marks)
+	}
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	waitFor(t, "the first batch of marks", func() bool { return marks() == 1 })
+
+	submit(t, c, event(2, "b"))
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	time.Sleep(time.Second) // five mark intervals
+	if n := marks(); n != 1 {
+		t.Fatalf("%d batches of marks while the stream had decoded only to 0/C8, short of the previous batch's end (0/1388): want the second to wait", n)
+	}
+	c.Keepalive(5000) // the walsender has decoded the first batch
+	waitFor(t, "the second batch once the walsender passed the first", func() bool { return marks() == 2 })
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	if !store.done[1] || !store.done[2] {
+		t.Fatalf("done %v, want rows 1 and 2", store.done)
+	}
+}

@@ -21,7 +21,7 @@ import (
 type fakeStore struct {
 	prepareStream func(ctx context.Context, works []*relay.Work, restreamed bool, owner string) error
 	settleStream  func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error)
-	markDone      func(ctx context.Context, ids []int64) ([]int64, error)
+	markDone      func(ctx context.Context, ids []int64) ([]int64, relay.LSN, error)
 	diverted      func(ctx context.Context) ([]relay.AggregateKey, error)
 
 	mu          sync.Mutex
@@ -41,6 +41,8 @@ type fakeStore struct {
 	// the row invisible this many more times.
 	invisibleFor map[int64]int
 	settles      int       // SettleStream calls that wrote something
+	marks        [][]int64 // the ids of each MarkDone call
+	markAt       relay.LSN // the WAL position MarkDone reports
 	prepares     [][]int64 // the ids of each PrepareStream call
 }
 
@@ -67,7 +69,7 @@ func (s *fakeStore) SettleStream(ctx context.Context, works []*relay.Work, owner
 // Gone reports none of the invisible rows as deleted.
 func (s *fakeStore) Gone(context.Context, []*relay.Work) ([]int64, error) { return nil, nil }
 
-func (s *fakeStore) MarkDone(ctx context.Context, ids []int64) ([]int64, error) {
+func (s *fakeStore) MarkDone(ctx context.Context, ids []int64) ([]int64, relay.LSN, error) {
 	return s.markDone(ctx, ids)
 }
 
@@ -168,9 +170,10 @@ func (s *fakeStore) settle(_ context.Context, works []*relay.Work, owner string)
 	return invisible, nil
 }
 
-func (s *fakeStore) markRowsDone(_ context.Context, ids []int64) ([]int64, error) {
+func (s *fakeStore) markRowsDone(_ context.Context, ids []int64) ([]int64, relay.LSN, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	s.marks = append(s.marks, slices.Clone(ids))
 	var invisible []int64
 	for _, id := range ids {
 		if s.invisibleFor[id] > 0 {
@@ -180,7 +183,7 @@ func (s *fakeStore) markRowsDone(_ context.Context, ids []int64) ([]int64, error
 		}
 		s.done[id] = true
 	}
-	return invisible, nil
+	return invisible, s.markAt, nil
 }
 
 func (s *fakeStore) divertedRows(context.Context) ([]relay.AggregateKey, error) {

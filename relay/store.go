@@ -113,8 +113,9 @@ type StreamStore interface {
 	// repeat.
 	PrepareStream(ctx context.Context, works []*Work, restreamed bool, owner string) error
 
-	// SettleStream writes the works' decisions in one transaction: ledger
-	// rows of delivered pairs (insert-only), Later as a hand-off to the
+	// SettleStream writes the works' decisions in one transaction: a
+	// delivered ledger row for each delivered pair (insert-only; the record
+	// of delivery), Later as a hand-off to the
 	// claim path (handoff_at, available_at, attempts, last_error), DeadLetter
 	// as status failed, Hold as status held with the pair 'unknown'; claims
 	// of pairs not sent are withdrawn. Every row change is conditional on
@@ -134,8 +135,11 @@ type StreamStore interface {
 
 	// MarkDone sets status done on rows still pending and not handed off,
 	// off the acknowledgement path (mark_done: async). It returns the ids
-	// it could not see yet. Safe to repeat.
-	MarkDone(ctx context.Context, ids []int64) (invisible []int64, err error)
+	// it could not see yet, and the WAL position its write ended at: the
+	// engine writes the next batch once the stream has decoded past it, so
+	// that status marks never queue in front of fresh events. Safe to
+	// repeat.
+	MarkDone(ctx context.Context, ids []int64) (invisible []int64, at LSN, err error)
 
 	// Diverted returns the aggregates with a row at the claim path (handed
 	// off and not settled) or held: the stream hands their later events off
@@ -225,6 +229,11 @@ type Consumer interface {
 	// does not wait for events still in flight: an event the slot sends
 	// again while it is in flight joins it instead of being sent twice.
 	Restart(ctx context.Context, horizon LSN) error
+	// PositionWanted reports whether the consumer waits to learn how far
+	// the walsender has decoded (its write-back is paced by it): the source
+	// then asks the server for its position (a keepalive) more often than
+	// every status interval while the stream is idle.
+	PositionWanted() bool
 }
 
 // Lock is a held session lock on a dedicated connection (an owner or leader

@@ -16,6 +16,24 @@ type streamFeed struct {
 	// horizon: events committed before it may have been streamed (and
 	// delivered) before the last restart.
 	horizon atomic.Uint64
+	// decoded is the highest position the stream has reported (a
+	// transaction's end, a keepalive): the walsender has decoded the WAL
+	// up to it. The mark-done loop paces itself by it.
+	decoded atomic.Uint64
+}
+
+// decodedPast reports whether the stream has reported a position at or past
+// at.
+func (f *streamFeed) decodedPast(at LSN) bool { return LSN(f.decoded.Load()) >= at }
+
+// raiseDecoded records pos as decoded.
+func (f *streamFeed) raiseDecoded(pos LSN) {
+	for {
+		old := f.decoded.Load()
+		if uint64(pos) <= old || f.decoded.CompareAndSwap(old, uint64(pos)) {
+			return
+		}
+	}
 }
 
 var _ Consumer = (*streamFeed)(nil)
@@ -108,13 +126,27 @@ func (f *streamFeed) Submit(ctx context.Context, events []*Event) error {
 }
 
 // Commit implements Consumer.
-func (f *streamFeed) Commit(endLSN LSN) { f.tracker.commit(endLSN) }
+func (f *streamFeed) Commit(endLSN LSN) {
+	f.raiseDecoded(endLSN)
+	f.tracker.commit(endLSN)
+}
 
 // Keepalive implements Consumer.
-func (f *streamFeed) Keepalive(walEnd LSN) { f.tracker.keepalive(walEnd) }
+func (f *streamFeed) Keepalive(walEnd LSN) {
+	f.raiseDecoded(walEnd)
+	f.tracker.keepalive(walEnd)
+}
 
 // Settled implements Consumer.
 func (f *streamFeed) Settled() (LSN, bool) { return f.tracker.position() }
+
+// PositionWanted implements Consumer: rows wait to be marked done, and the
+// mark-done loop writes each batch once the walsender has passed the
+// previous one. Asked from the moment rows wait, not only while the loop
+// waits: the stream schedules its next request when it sends one.
+func (f *streamFeed) PositionWanted() bool {
+	return f.e.marks.waitingForWalsender.Load() || f.e.marks.waiting() > 0
+}
 
 // Restart implements Consumer. It also reloads the diverted aggregates: a
 // new slot's hand-over has just given the claim path every row pending

@@ -22,7 +22,7 @@ type relaySetup struct {
 	url     string // database
 	webhook bool   // deliver to the receiver as well as JetStream
 	mode    string // source.mode; empty: the default (auto)
-	// markDone is delivery.mark_done; empty: the default (off).
+	// markDone is delivery.mark_done; empty: the default (async).
 	markDone string
 	// httpPort is where the relay serves /metrics; 0: any free port.
 	httpPort int

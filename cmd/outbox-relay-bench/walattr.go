@@ -103,7 +103,6 @@ const (
 	relLedger                     // the idempotency ledger
 	relCheckpoint                 // relay_checkpoint
 	relConflicts                  // the outbox's conflicts table
-	relRecord                     // the stream's delivered record (<outbox>_delivered)
 )
 
 // walKind is where attributed WAL goes in the report.
@@ -113,7 +112,6 @@ const (
 	walMarkDone   walKind = iota // outbox UPDATE (mark done, settle) and its index entries
 	walLedger                    // idempotency ledger inserts and updates
 	walCheckpoint                // relay_checkpoint
-	walDelivered                 // the delivered record's inserts and index entries
 	walCommit                    // commit records of the relay's transactions
 	walFPI                       // full-page images in the relay's records, FPI records on its tables
 	walCleanup                   // pruning and vacuuming the dead outbox tuples the UPDATEs leave
@@ -126,7 +124,6 @@ var walKindNames = [walKinds]string{
 	walMarkDone:   "outbox UPDATE",
 	walLedger:     "ledger",
 	walCheckpoint: "checkpoint",
-	walDelivered:  "delivered record",
 	walCommit:     "commits",
 	walFPI:        "full-page images",
 	walCleanup:    "outbox prune/vacuum",
@@ -217,7 +214,7 @@ func attributeWAL(records []walRecord, db uint32, rels map[uint32]relGroup) walA
 		switch {
 		case g == relOutbox && (r.rmgr == "Heap" && strings.HasPrefix(r.kind, "INSERT") || r.rmgr == "Heap2" && strings.HasPrefix(r.kind, "MULTI_INSERT")):
 			appXids[r.xid] = true
-		case g == relLedger || g == relCheckpoint || g == relConflicts || g == relRecord,
+		case g == relLedger || g == relCheckpoint || g == relConflicts,
 			g == relOutbox && r.rmgr == "Heap" && (strings.HasPrefix(r.kind, "UPDATE") || strings.HasPrefix(r.kind, "HOT_UPDATE") || r.kind == "LOCK" || r.kind == "DELETE"):
 			relayXids[r.xid] = true
 		}
@@ -254,8 +251,6 @@ func attributeWAL(records []walRecord, db uint32, rels map[uint32]relGroup) walA
 			kind = walLedger
 		case g == relCheckpoint:
 			kind = walCheckpoint
-		case g == relRecord:
-			kind = walDelivered
 		}
 		if kind == walOther {
 			a.kinds[walOther] += size // a server record's images are the server's

@@ -134,18 +134,18 @@ func TestParseWaldumpLine(t *testing.T) {
 	}
 }
 
-// TestAttributeWAL_DeliveredRecord: the stream's delivered record (an id
-// per event, its primary key) is the relay's own kind, and its
-// transaction's commit is the relay's; it is not "other".
-func TestAttributeWAL_DeliveredRecord(t *testing.T) {
+// TestAttributeWAL_LedgerRows: the stream's delivered ledger rows (a row per
+// event and sink, and its primary key entry) are the ledger's kind, and
+// their transaction's commit is the relay's; they are not "other".
+func TestAttributeWAL_LedgerRows(t *testing.T) {
 	records := []walRecord{
-		{rmgr: "Heap", kind: "INSERT", rec: 59, tot: 59, xid: 800, db: 16384, rel: 16470},       // a record row
+		{rmgr: "Heap", kind: "INSERT", rec: 59, tot: 59, xid: 800, db: 16384, rel: 16470},       // a ledger row
 		{rmgr: "Btree", kind: "INSERT_LEAF", rec: 64, tot: 64, xid: 800, db: 16384, rel: 16473}, // its primary key entry
 		{rmgr: "Transaction", kind: "COMMIT", rec: 34, tot: 34, xid: 800},
 	}
-	a := attributeWAL(records, 16384, map[uint32]relGroup{16470: relRecord, 16473: relRecord})
-	if got, want := a.kinds[walDelivered], int64(64+64); got != want {
-		t.Errorf("delivered record %d, want %d", got, want)
+	a := attributeWAL(records, 16384, map[uint32]relGroup{16470: relLedger, 16473: relLedger})
+	if got, want := a.kinds[walLedger], int64(64+64); got != want {
+		t.Errorf("ledger %d, want %d", got, want)
 	}
 	if a.kinds[walCommit] != 40 || a.kinds[walOther] != 0 {
 		t.Errorf("commits %d (want 40), other %d (want 0)", a.kinds[walCommit], a.kinds[walOther])

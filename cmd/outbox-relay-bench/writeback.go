@@ -24,7 +24,6 @@ var relayTables = []struct {
 	{"integration_idempotency", relLedger},
 	{"relay_checkpoint", relCheckpoint},
 	{"integration_outbox_conflicts", relConflicts},
-	{"integration_outbox_delivered", relRecord},
 }
 
 // relayRelations maps the relfilenodes of the relay's tables, their
@@ -128,7 +127,7 @@ func (e *env) beginWriteBack(ctx context.Context, c writeBackConns, db, label st
 }
 
 // endWriteBack waits until the relay has written back the window's events
-// (no row pending and not in the delivered record, the slot confirmed past
+// (no row pending without a delivered ledger row, the slot confirmed past
 // lastLSN; at most a minute), ends
 // the window and attributes its WAL with pg_waldump.
 func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWindow, db, slot, lastLSN string, events int) (writeBackResult, error) {
@@ -136,10 +135,10 @@ func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWi
 	deadline := time.Now().Add(time.Minute)
 	for {
 		var pending, confirmed bool
-		// A row the stream delivered stays 'pending' with its id in the
-		// delivered record (status is derived: docs/operations.md).
+		// With mark_done: off a row the stream delivered stays 'pending'
+		// with its delivered ledger rows (docs/operations.md).
 		if err := c.db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM integration_outbox o WHERE o.status = 'pending'
-   AND NOT EXISTS (SELECT FROM integration_outbox_delivered d WHERE d.id = o.id))`).Scan(&pending); err != nil {
+   AND NOT EXISTS (SELECT FROM integration_idempotency l WHERE l.event_key = o.event_key AND l.state = 'delivered'))`).Scan(&pending); err != nil {
 			return res, err
 		}
 		if err := c.mon.QueryRow(ctx, `SELECT coalesce(confirmed_flush_lsn >= $2::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1`,
@@ -334,10 +333,10 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 // fall short.
 const writeBackMethod = "Write-back: each window runs from its WAL insert position at the start to the position once every event has arrived at both sinks, " +
 	"no row is pending and the relay's slot has confirmed past the window's last insert. pg_waldump reads that WAL (a physical slot keeps it); each record is " +
-	"charged by the relation of its first block reference (the relfilenodes of the outbox, the ledger, relay_checkpoint, the delivered record and the conflicts table, with their indexes " +
+	"charged by the relation of its first block reference (the relfilenodes of the outbox, the ledger, relay_checkpoint and the conflicts table, with their indexes " +
 	"and TOAST) and its transaction: a transaction that inserts into the outbox heap is the application's, and its inserts, index entries, commit and their page " +
 	"images are not counted. Of the rest: outbox UPDATE = heap updates/locks and index entries on the outbox by other transactions (mark done, settle); ledger, " +
-	"checkpoint, delivered record = everything on those tables; commits = commit records of transactions that wrote the relay's tables or updated the outbox; full-page images = " +
+	"checkpoint = everything on those tables; commits = commit records of transactions that wrote the relay's tables or updated the outbox; full-page images = " +
 	"the images in those records and FPI records on those tables; outbox prune/vacuum = removing the dead tuples the UPDATEs leave (prune, vacuum, index " +
 	"deletion); other = everything else in the window (the server's own records, catalog, vacuum's visibility map, the conflicts table). Sizes are 8-byte aligned " +
 	"as in the WAL; page headers are the rest of the position delta. Limits: WAL the relay writes after the window (a late checkpoint row) is missed; full-page " +

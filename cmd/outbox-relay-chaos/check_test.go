@@ -61,19 +61,6 @@ func TestCheck_GoodRunPasses(t *testing.T) {
 	if got := failures(goodRun()); len(got) != 0 {
 		t.Fatalf("a good run fails: %v", got)
 	}
-	// The stream delivered k1 and k3 (no ledger rows), the claim path k2.
-	f := goodRun()
-	f.Events[0].Streamed, f.Events[2].Streamed = true, true
-	var ledger []ledgerRow
-	for _, r := range f.Ledger {
-		if r.Key == "k2" {
-			ledger = append(ledger, r)
-		}
-	}
-	f.Ledger = ledger
-	if got := failures(f); len(got) != 0 {
-		t.Fatalf("a good run with streamed events fails: %v", got)
-	}
 }
 
 // refuseK3 makes k3 an event the webhook refused for good (unstorable-reply)
@@ -156,14 +143,13 @@ func TestCheck_ReportsEachViolation(t *testing.T) {
 		}, "a repeat after a 2xx only follows a crash", "k2 arrived again at 4.00 s after its 2xx at 3.00 s"},
 		{"two ledger rows' worth: one unknown", func(f *runFacts) {
 			f.Ledger[3].State = "unknown"
-		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k2, hook): ledger rows [unknown]"},
+		}, "each (event_key, action) has one delivered ledger row; delivered rows are done", "(k2, hook): ledger rows [unknown]"},
 		{"no ledger row", func(f *runFacts) {
 			f.Ledger = f.Ledger[1:]
-		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k1, nats): no ledger row, not in the delivered record"},
-		{"streamed, yet a ledger row left unknown", func(f *runFacts) {
-			f.Events[0].Streamed = true
-			f.Ledger[0].State = "unknown"
-		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k1, nats): ledger rows [unknown]"},
+		}, "each (event_key, action) has one delivered ledger row; delivered rows are done", "(k1, nats): no ledger row"},
+		{"delivered, row left pending", func(f *runFacts) {
+			f.Events[1].Status = "pending"
+		}, "each (event_key, action) has one delivered ledger row; delivered rows are done", "k2: delivered to every sink, row status pending, want done"},
 		{"side effect applied twice", func(f *runFacts) {
 			f.SideEffects["k3"] = 2
 		}, "webhook side effect applied exactly once per event (dedup by webhook-id)", "k3: side effect applied 2 times"},
@@ -180,14 +166,10 @@ func TestCheck_ReportsEachViolation(t *testing.T) {
 			refuseK3(f)
 			f.Events[2].Status = "pending"
 		}, "no event missing at any sink", "k3 was refused for good (400), row status pending, want failed"},
-		{"refused, yet in the delivered record", func(f *runFacts) {
-			refuseK3(f)
-			f.Events[2].Streamed = true
-		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k3, hook): refused for good"},
 		{"refused, yet a delivered ledger row", func(f *runFacts) {
 			refuseK3(f)
 			f.Ledger = append(f.Ledger, ledgerRow{"k3", "hook", "delivered"})
-		}, "each (event_key, action) settled once (delivered record or one delivered ledger row)", "(k3, hook): refused for good, yet ledger rows [delivered]"},
+		}, "each (event_key, action) has one delivered ledger row; delivered rows are done", "(k3, hook): refused for good, yet ledger rows [delivered]"},
 		{"refused, yet its side effect applied", func(f *runFacts) {
 			refuseK3(f)
 			f.SideEffects["k3"] = 1

@@ -30,10 +30,13 @@ const (
 	natsBlackhole   faultKind = "nats-blackhole"
 	pgSlow          faultKind = "pg-slow"
 	failover        faultKind = "failover"
+	gracefulStop    faultKind = "graceful-stop"
+	pollFallback    faultKind = "poll-fallback"
 )
 
 var faultKinds = []faultKind{relayKill, postgresRestart, natsRestart, webhookOutage, slotDrop, leaderKill,
-	backpressure, unstorable, slotCreateCrash, settleLock, pgBlackhole, natsBlackhole, pgSlow, failover}
+	backpressure, unstorable, slotCreateCrash, settleLock, pgBlackhole, natsBlackhole, pgSlow, failover,
+	gracefulStop, pollFallback}
 
 // faultWhat says what each kind does, for the report.
 var faultWhat = map[faultKind]string{
@@ -46,11 +49,13 @@ var faultWhat = map[faultKind]string{
 	backpressure:    "receiver answers 2xx after 0.6 × the timeout (lanes fill, decoding waits), then the walsender is terminated, then the receiver heals",
 	unstorable:      "receiver refuses a few events for good: 400 with a 700-byte multi-byte UTF-8 body holding a NUL (they must end failed, with a reason)",
 	slotCreateCrash: "slot dropped, then kill -9 of both relays as soon as the slot exists again, restarted",
-	settleLock:      "LOCK TABLE of the ledger and the delivered record IN EXCLUSIVE MODE, held (settlement writes wait), then released",
+	settleLock:      "LOCK TABLE of the ledger IN EXCLUSIVE MODE, held (settlement writes wait), then released",
 	pgBlackhole:     "the relays' open connections to PostgreSQL black-holed (sockets open, nothing forwarded; new connections pass), then healed",
 	natsBlackhole:   "the relays' open connections to nats-server black-holed likewise, then healed",
 	pgSlow:          "300 ms added to every round trip between the relays and PostgreSQL, then removed",
 	failover:        "kill -9 of the primary, pg_promote of its synchronous standby; everyone follows the multi-host URL; a new standby is built on the old primary's port",
+	gracefulStop:    "SIGTERM of the HA leader while it delivers (it must record what is in flight and exit 0 within shutdown_timeout), restarted at once",
+	pollFallback:    "the publication dropped and the walsender terminated: auto mode falls back to the claim path over every row; the publication restored, it streams again after replication_retry",
 }
 
 // step is one fault of the schedule.
@@ -339,6 +344,22 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		rec.note = fmt.Sprintf("%d open connections black-holed for %.0f s", open, s.o.profile.blackhole.Seconds())
 	case failover:
 		rec.note, rec.err = s.failover(ctx, &rec)
+	case gracefulStop:
+		leader, err := s.leader(ctx, 30*time.Second)
+		if err != nil {
+			rec.err = err
+			rec.healed = s.since()
+			break
+		}
+		rec.at = s.since()
+		stopErr := leader.terminate(25 * time.Second)
+		stopped := s.since()
+		rec.err = errors.Join(stopErr, leader.restart())
+		rec.healed = s.since()
+		rec.note = fmt.Sprintf("%s stopped in %.1f s", leader.name, (stopped - rec.at).Seconds())
+	case pollFallback:
+		rec.note, rec.err = s.pollFallback(ctx)
+		rec.healed = s.since()
 	case pgSlow:
 		for _, p := range s.pgProxies {
 			p.SetLatency(netfault.Upstream, 150*time.Millisecond)
@@ -353,6 +374,54 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		rec.note = fmt.Sprintf("for %.0f s", s.o.profile.slowFor.Seconds())
 	}
 	return append([]faultRecord{rec}, during...)
+}
+
+// pollFallback drops the publication and ends the walsender: the leader's
+// next session finds replication unavailable and auto mode falls back to
+// the claim path over every row, on a fresh engine once the stream's last
+// deliveries are written. Then it restores the publication and waits for a
+// relay to stream again (after replication_retry, through a new slot's
+// hand-over).
+func (s *stack) pollFallback(ctx context.Context) (string, error) {
+	before := 0
+	for _, r := range s.relays {
+		before += r.countInLog(msgFallback)
+	}
+	if _, err := s.pool.Exec(ctx, `DROP PUBLICATION outbox_relay`); err != nil {
+		return "", fmt.Errorf("drop the publication: %w", err)
+	}
+	restore := func() error {
+		_, err := s.pool.Exec(context.WithoutCancel(ctx), `CREATE PUBLICATION outbox_relay FOR TABLE integration_outbox WITH (publish = 'insert')`)
+		return err
+	}
+	if _, err := s.terminateWalsender(ctx); err != nil {
+		return "", errors.Join(err, restore())
+	}
+	start := time.Now()
+	fellBack := false
+	for time.Since(start) < 30*time.Second && sleep(ctx, 100*time.Millisecond) {
+		n := 0
+		for _, r := range s.relays {
+			n += r.countInLog(msgFallback)
+		}
+		if n > before {
+			fellBack = true
+			break
+		}
+	}
+	took := time.Since(start)
+	sleep(ctx, s.o.profile.replicationRetry/2) // polling
+	if err := restore(); err != nil {
+		return "", fmt.Errorf("restore the publication: %w", err)
+	}
+	if !fellBack {
+		return "", fmt.Errorf("no relay fell back to polling within 30 s of the publication's drop")
+	}
+	restored := time.Now()
+	if err := s.waitStreaming(ctx, 60*time.Second); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("polling %.1f s after the drop; streaming again %.1f s after the publication was restored", took.Seconds(), time.Since(restored).Seconds()), nil
 }
 
 // failover kills the primary, promotes its standby after st.pause (a
@@ -446,7 +515,7 @@ func (s *stack) holdSettleLock(ctx context.Context, hold time.Duration) (int64, 
 	if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '10s'`); err != nil {
 		return 0, err
 	}
-	if _, err := tx.Exec(ctx, `LOCK TABLE integration_idempotency, integration_outbox_delivered IN EXCLUSIVE MODE`); err != nil {
+	if _, err := tx.Exec(ctx, `LOCK TABLE integration_idempotency IN EXCLUSIVE MODE`); err != nil {
 		return 0, fmt.Errorf("lock: %w", err)
 	}
 	var peak int64

@@ -264,7 +264,8 @@ func (l *load) resolveCount(ctx context.Context, keys []string) (int, error) {
 	for attempt := 0; ; attempt++ {
 		qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 		var n int
-		err := l.pool.QueryRow(qctx, `SELECT count(*) FROM integration_outbox WHERE event_key = ANY($1)`, keys).Scan(&n)
+		// Retention may have pruned a committed row by now.
+		err := l.pool.QueryRow(qctx, `SELECT count(*) FROM `+allOutbox+` AS o WHERE event_key = ANY($1)`, keys).Scan(&n)
 		cancel()
 		if err == nil {
 			return n, nil

@@ -119,15 +119,20 @@ type profile struct {
 	lockHold    time.Duration // settle-lock: how long the lock is held
 	blackhole   time.Duration // pg-blackhole, nats-blackhole: how long
 	slowFor     time.Duration // pg-slow: how long
+	// replicationRetry is the relays' source.replication_retry: how long
+	// auto mode polls before it tries to stream again (poll-fallback).
+	replicationRetry time.Duration
 }
 
 var profiles = map[string]profile{
 	"ci": {name: "ci", warmup: 8 * time.Second, cycles: 2, gap: 6 * time.Second, kills: 2, killSpacing: 3 * time.Second,
 		outage503: 6 * time.Second, outageHang: 5 * time.Second, outageSlow: 4 * time.Second, rate: 150, writers: 4, aggregates: 160, quiesce: 120 * time.Second,
-		crawl: 4 * time.Second, poison: 3, lockHold: 5 * time.Second, blackhole: 5 * time.Second, slowFor: 5 * time.Second},
+		crawl: 4 * time.Second, poison: 3, lockHold: 5 * time.Second, blackhole: 5 * time.Second, slowFor: 5 * time.Second,
+		replicationRetry: 4 * time.Second},
 	"full": {name: "full", warmup: 15 * time.Second, cycles: 3, gap: 15 * time.Second, kills: 3, killSpacing: 4 * time.Second,
 		outage503: 12 * time.Second, outageHang: 8 * time.Second, outageSlow: 6 * time.Second, rate: 200, writers: 6, aggregates: 300, quiesce: 180 * time.Second,
-		crawl: 6 * time.Second, poison: 5, lockHold: 10 * time.Second, blackhole: 10 * time.Second, slowFor: 8 * time.Second},
+		crawl: 6 * time.Second, poison: 5, lockHold: 10 * time.Second, blackhole: 10 * time.Second, slowFor: 8 * time.Second,
+		replicationRetry: 6 * time.Second},
 }
 
 // options are the command-line flags.

@@ -103,6 +103,24 @@ func (r *relaySlot) kill() {
 	}
 }
 
+// terminate stops the relay with SIGTERM, expecting an orderly exit (code
+// 0) within timeout; restart starts it again.
+func (r *relaySlot) terminate(timeout time.Duration) error {
+	r.mu.Lock()
+	p := r.cur
+	if p != nil {
+		r.expected[p.Pid()] = true
+	}
+	r.mu.Unlock()
+	if p == nil {
+		return nil
+	}
+	if err := p.Stop(timeout); err != nil {
+		return fmt.Errorf("%s: %w", r.name, err)
+	}
+	return nil
+}
+
 // restart starts the relay again after kill.
 func (r *relaySlot) restart() error {
 	r.mu.Lock()

@@ -197,18 +197,14 @@ func (s *stack) progress(ctx context.Context, l *load, mon *walMonitor) {
 }
 
 // quiesce waits until every committed event is delivered to both sinks and
-// settled (in the delivered record, or no longer pending or processing);
-// it returns how long that took, or -1 after timeout and what was still
-// open.
+// settled (no longer pending or processing, its status marked); it returns
+// how long that took, or -1 after timeout and what was still open.
 func (s *stack) quiesce(ctx context.Context, events int, timeout time.Duration) (time.Duration, string) {
 	start := time.Now()
 	last := time.Now()
 	for {
-		var streamed, open int
-		err := s.pool.QueryRow(ctx, `SELECT
-			(SELECT count(*) FROM integration_outbox_delivered),
-			(SELECT count(*) FROM integration_outbox o WHERE status IN ('pending', 'processing')
-				AND NOT EXISTS (SELECT FROM integration_outbox_delivered d WHERE d.id = o.id))`).Scan(&streamed, &open)
+		var open int
+		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox o WHERE status IN ('pending', 'processing')`).Scan(&open)
 		_, okIDs := s.hook.counts()
 		refused, _ := s.hook.poisonedKeys()
 		hookWant := events - len(refused)
@@ -219,14 +215,14 @@ func (s *stack) quiesce(ctx context.Context, events int, timeout time.Duration) 
 			return d, ""
 		}
 		if time.Since(start) > timeout || ctx.Err() != nil {
-			open := fmt.Sprintf("%d events (%d refused by the webhook for good): %d rows pending or processing and not in the delivered record (%d are); the webhook has %d events, the stream %d (errors: %v, %v)",
-				events, len(refused), open, streamed, okIDs, stored, err, serr)
+			open := fmt.Sprintf("%d events (%d refused by the webhook for good): %d rows pending or processing; the webhook has %d events, the stream %d (errors: %v, %v)",
+				events, len(refused), open, okIDs, stored, err, serr)
 			s.say("not quiescent after %s: %s", timeout, open)
 			return -1, open
 		}
 		if time.Since(last) >= 5*time.Second {
 			last = time.Now()
-			s.say("waiting: %d of %d events open (pending or processing, not in the delivered record); the webhook has %d, the stream %d", open, events, okIDs, stored)
+			s.say("waiting: %d of %d events open (pending or processing); the webhook has %d, the stream %d", open, events, okIDs, stored)
 		}
 		sleep(ctx, 250*time.Millisecond)
 	}
@@ -236,20 +232,20 @@ func (s *stack) quiesce(ctx context.Context, events int, timeout time.Duration) 
 func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	f := runFacts{WALBound: s.o.walBound, RSSBound: s.o.rssBound, WantID: func(key string) string { return key }}
 	rows, err := s.pool.Query(ctx, `SELECT id::text, event_key, coalesce(aggregate_id, ''), coalesce((payload->>'seq')::bigint, 0),
-		coalesce(status, ''), coalesce(last_error, ''), EXISTS (SELECT FROM integration_outbox_delivered d WHERE d.id = o.id)
-		FROM integration_outbox o ORDER BY id`)
+		coalesce(status, ''), coalesce(last_error, '')
+		FROM `+allOutbox+` AS o ORDER BY id`)
 	if err != nil {
 		return f, err
 	}
 	f.Events, err = pgx.CollectRows(rows, func(r pgx.CollectableRow) (event, error) {
 		var e event
-		return e, r.Scan(&e.ID, &e.Key, &e.Agg, &e.Seq, &e.Status, &e.LastError, &e.Streamed)
+		return e, r.Scan(&e.ID, &e.Key, &e.Agg, &e.Seq, &e.Status, &e.LastError)
 	})
 	if err != nil {
 		return f, fmt.Errorf("read the outbox: %w", err)
 	}
 	res.events = f.Events
-	rows, err = s.pool.Query(ctx, `SELECT event_key, action, state FROM integration_idempotency`)
+	rows, err = s.pool.Query(ctx, `SELECT event_key, action, state FROM `+allLedger+` AS l`)
 	if err != nil {
 		return f, err
 	}

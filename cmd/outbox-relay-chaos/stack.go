@@ -29,6 +29,28 @@ const (
 	subjects   = "chaos.>"
 )
 
+// keepPrunedSQL copies what retention deletes — outbox rows, and delivered
+// ledger rows (the relay also deletes withdrawn 'sending' claims, which are
+// no record of anything) — into tables the checker reads beside the live
+// ones: the run's record stays whole while the relays prune it.
+const keepPrunedSQL = `
+CREATE TABLE chaos_pruned_outbox (LIKE integration_outbox);
+CREATE TABLE chaos_pruned_ledger (LIKE integration_idempotency);
+CREATE FUNCTION chaos_keep_pruned_outbox() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO chaos_pruned_outbox SELECT * FROM gone; RETURN NULL; END $$;
+CREATE FUNCTION chaos_keep_pruned_ledger() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO chaos_pruned_ledger SELECT * FROM gone WHERE state = 'delivered'; RETURN NULL; END $$;
+CREATE TRIGGER chaos_keep_pruned AFTER DELETE ON integration_outbox REFERENCING OLD TABLE AS gone
+    FOR EACH STATEMENT EXECUTE FUNCTION chaos_keep_pruned_outbox();
+CREATE TRIGGER chaos_keep_pruned AFTER DELETE ON integration_idempotency REFERENCING OLD TABLE AS gone
+    FOR EACH STATEMENT EXECUTE FUNCTION chaos_keep_pruned_ledger();`
+
+// allOutbox and allLedger read the tables with what retention pruned.
+const (
+	allOutbox = `(SELECT * FROM integration_outbox UNION ALL SELECT * FROM chaos_pruned_outbox)`
+	allLedger = `(SELECT * FROM integration_idempotency UNION ALL SELECT * FROM chaos_pruned_ledger)`
+)
+
 // stack is everything the run starts: the servers, the receiver and the
 // relay pair.
 type stack struct {
@@ -119,6 +141,9 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 	if _, err := s.pool.Exec(ctx, "CREATE TABLE "+otherTable+" (id bigserial PRIMARY KEY, pad text)"); err != nil {
 		return nil, err
 	}
+	if _, err := s.pool.Exec(ctx, keepPrunedSQL); err != nil {
+		return nil, fmt.Errorf("keep the rows retention prunes: %w", err)
+	}
 	if i := strings.Index(s.pgVer, " on "); i > 0 {
 		s.pgVer = s.pgVer[:i]
 	}
@@ -188,7 +213,7 @@ func (s *stack) writeConfig(name, dbURL, natsURL string) (string, error) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "database_url: %q\n", dbURL)
 	fmt.Fprintf(&b, "data_dir: %q\n", filepath.Join(s.work, "relay-data"))
-	fmt.Fprintf(&b, "source:\n  slot: %s\n  poll_interval: 500ms\n", slotName)
+	fmt.Fprintf(&b, "source:\n  slot: %s\n  poll_interval: 500ms\n  replication_retry: %s\n", slotName, s.o.profile.replicationRetry)
 	b.WriteString("delivery:\n  backoff: [500ms, 1s, 2s, 3s]\n  max_attempts: 1000\n")
 	b.WriteString("sinks:\n")
 	fmt.Fprintf(&b, "  - name: %s\n    type: nats\n    url: %q\n", natsAction, natsURL)
@@ -197,6 +222,10 @@ func (s *stack) writeConfig(name, dbURL, natsURL string) (string, error) {
 	fmt.Fprintf(&b, "  - name: %s\n    type: webhook\n    url: %q\n    timeout: %s\n", hookAction, s.hook.url(), s.o.hookTimeout)
 	b.WriteString("http: {listen: \"127.0.0.1:0\"}\n")
 	b.WriteString("shutdown_timeout: 20s\n")
+	// Retention prunes while everything else happens (keepPrunedSQL keeps
+	// what it deletes for the checker): it must never remove a row the
+	// slot may send again, or the event is delivered twice.
+	b.WriteString("retention: {enabled: true, done_after: 10s, ledger_after: 10s, interval: 2s}\n")
 	b.WriteString("log: {level: info, format: json}\n")
 	path := filepath.Join(s.work, name+".yaml")
 	return path, os.WriteFile(path, []byte(b.String()), 0o600)

@@ -407,7 +407,6 @@ type changeContext struct {
 	pool   admin.DB
 	tables admin.Tables
 	sinks  []string // nil: every sink
-	all    []string // every configured sink
 	sel    admin.Selection
 }
 
@@ -448,9 +447,6 @@ func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, s
 		return err
 	}
 	c := changeContext{ctx: ctx, pool: pool, tables: tables, sel: s}
-	for _, sc := range cfg.Sinks {
-		c.all = append(c.all, sc.Name)
-	}
 	if sel.sink != "" {
 		c.sinks = []string{sel.sink}
 	}

@@ -405,11 +405,10 @@ func byKey(ds []delivery) map[string][]delivery {
 
 var _ = strings.Contains
 
-// doneSQL is the SQL condition "the outbox row o is done": status done, or
-// delivered by the stream (pending, not handed off, its id in the delivered
-// record; docs/operations.md, "what the relay writes back").
-const doneSQL = `(o.status = 'done' OR (o.status = 'pending' AND o.handoff_at IS NULL
-	AND EXISTS (SELECT FROM integration_outbox_delivered AS r WHERE r.id = o.id)))`
+// doneSQL is the SQL condition "the outbox row o is done": with the
+// default mark_done: async every delivered row ends with status done
+// (docs/operations.md, "what the relay writes back").
+const doneSQL = `(o.status = 'done')`
 
 // doneRows counts the outbox rows that are done (doneSQL) and match where.
 func (s *setup) doneRows(t *testing.T, where string) int64 {

@@ -39,7 +39,12 @@ The ledger prevents double delivery if the stream did deliver some of them.`,
 			}
 			lcfg := ledger.DefaultConfig()
 			lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = tables.Outbox, tables.Ledger, tables.Checkpoint
-			n, err := ledger.New(pool, lcfg).Reconcile(ctx, olderThan.Duration())
+			lcfg.Sinks = ledgerSinks(cfg)
+			store, err := ledger.New(pool, lcfg)
+			if err != nil {
+				return err
+			}
+			n, err := store.Reconcile(ctx, olderThan.Duration())
 			if err != nil {
 				return err
 			}

@@ -36,7 +36,7 @@ the original key in Outbox-Event-Key, so the stream's duplicate window does not 
 					return fmt.Sprintf("Replay %s events to %s?", count(n), sinkScope(sink))
 				},
 				apply: func(c changeContext, ids []int64) (admin.Changed, error) {
-					return admin.Replay(c.ctx, c.pool, c.tables, ids, c.sinks, c.all)
+					return admin.Replay(c.ctx, c.pool, c.tables, ids, c.sinks)
 				},
 				note: func(c changeContext) string {
 					// Events in flight may match the filters too: say why they were not replayed.

@@ -11,10 +11,12 @@ func TestReplayCommand(t *testing.T) {
 	done := d.insert(t, "k-done", "order.created", "done", "")
 	failed := d.insert(t, "k-failed", "order.created", "failed", "HTTP 422")
 	pending := d.insert(t, "k-pending", "order.created", "pending", "")
-	for _, key := range []string{"k-done", "k-pending"} {
-		d.ledger(t, key, "nats", "delivered")
-		d.ledger(t, key, "n8n", "delivered")
-	}
+	d.ledger(t, "k-done", "nats", "delivered")
+	d.ledger(t, "k-done", "n8n", "delivered")
+	// In flight: delivered to n8n, not yet to nats. (A pending row the
+	// ledger shows delivered to every sink is done, its status not marked
+	// yet, and replay takes it.)
+	d.ledger(t, "k-pending", "n8n", "delivered")
 
 	// --sink nats: only nats's ledger row goes, so the claim path
 	// re-delivers to NATS only; n8n stays delivered and is skipped.
@@ -33,7 +35,7 @@ func TestReplayCommand(t *testing.T) {
 	if got := d.ledgerStates(t, "k-done"); got != "n8n=delivered" {
 		t.Fatalf("ledger after replay to nats: %q", got)
 	}
-	if got := d.ledgerStates(t, "k-pending"); got != "n8n=delivered nats=delivered" {
+	if got := d.ledgerStates(t, "k-pending"); got != "n8n=delivered" {
 		t.Fatalf("ledger of a pending row changed: %q", got)
 	}
 

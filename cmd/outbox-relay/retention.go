@@ -7,6 +7,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
@@ -23,12 +24,14 @@ func retentionConfig(r config.RetentionConfig) admin.RetentionConfig {
 // then every retention.interval until ctx ends, and returns nil then. It
 // returns at once when retention is disabled. A failed pass is logged and
 // retried at the next interval. db needs DELETE on the outbox and the
-// ledger; tables should be schema-qualified as run resolves them.
+// ledger; tables should be schema-qualified as run resolves them. sinks
+// route the record of delivery; a row the relay's slot could still send
+// again is never pruned (admin.Horizon).
 //
 // Pruning is safe on several relays at once (rows locked by another pass
 // are skipped), but only one needs to do it: run starts it for the
 // leader's term.
-func runRetention(ctx context.Context, db admin.DB, tables config.Tables, cfg *config.Config, log zerolog.Logger) error {
+func runRetention(ctx context.Context, db admin.DB, tables config.Tables, sinks []ledger.Sink, cfg *config.Config, log zerolog.Logger) error {
 	r := cfg.Retention
 	if !r.Enabled {
 		return nil
@@ -36,6 +39,8 @@ func runRetention(ctx context.Context, db admin.DB, tables config.Tables, cfg *c
 	log = log.With().Str("component", "retention").Logger()
 	log.Info().Stringer("done_after", r.DoneAfter).Stringer("ledger_after", r.LedgerAfter).Stringer("interval", r.Interval).
 		Int("batch", r.Batch).Msg("retention: pruning old done rows and ledger rows")
-	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint},
-		retentionConfig(r), time.Duration(r.Interval), log)
+	rc := retentionConfig(r)
+	rc.Slot = cfg.Source.Slot
+	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint, Sinks: sinks},
+		rc, time.Duration(r.Interval), log)
 }

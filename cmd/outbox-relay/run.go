@@ -125,14 +125,16 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	for _, rt := range r.routes {
 		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
 	}
-	r.store = ledger.New(pool, lcfg)
+	if r.store, err = ledger.New(pool, lcfg); err != nil {
+		return err
+	}
 	relay.InitMetrics(r.routes)
 
 	go r.refreshStats(httpCtx)
 	retentionDone := make(chan struct{})
 	go func() {
 		defer close(retentionDone)
-		runRetention(httpCtx, pool, r.tables, cfg, log)
+		runRetention(httpCtx, pool, r.tables, lcfg.Sinks, cfg, log)
 	}()
 	defer func() { stopHTTP(); <-retentionDone }()
 
@@ -168,10 +170,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 // constructors.
 func (r *relayRun) supervisorConfig() supervisor.Config {
 	cfg, log := r.cfg, r.log
-	names := make([]string, len(r.routes))
-	for i, s := range r.routes {
-		names[i] = s.Sink.Name()
-	}
 	return supervisor.Config{
 		Mode: supervisor.Mode(cfg.Source.Mode),
 		Leader: func(ctx context.Context) (supervisor.Leadership, error) {
@@ -235,17 +233,18 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 			}
 			return claim.New(cc)
 		},
-		// Rows the stream delivered keep status pending (the delivered
-		// record says they are done). Polling, the claim path and a legacy
-		// poller beside it read the status column: the rows are marked
-		// done first. With mark_done: async, rows whose marking a crash
-		// lost are marked at each start. Beside the sources, not before:
-		// on a large table the pass takes a while.
+		// Rows the stream delivered keep status pending until marked
+		// (the ledger says they are done). Polling, the claim path and a
+		// legacy poller beside it read the status column: in poll mode the
+		// rows are marked done first, whatever mark_done says. With
+		// mark_done: async, rows whose marking a crash lost are marked at
+		// each start. Beside the sources, not before: on a large table the
+		// pass takes a while.
 		Startup: func(ctx context.Context, mode string) {
 			if mode != "poll" && cfg.Delivery.MarkDone != config.MarkDoneAsync {
 				return
 			}
-			if n, err := r.store.MarkDeliveredDone(ctx, names); err != nil && ctx.Err() == nil {
+			if n, err := r.store.MarkDeliveredDone(ctx); err != nil && ctx.Err() == nil {
 				log.Warn().Err(err).Msg("mark rows the ledger shows delivered; they stay pending until the next start")
 			} else if n > 0 {
 				log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
@@ -417,6 +416,18 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 			Hold:  isHook && sc.Webhook.OnUnknown == config.OnUnknownHold})
 	}
 	return routes, nil
+}
+
+// ledgerSinks are the names and event globs of the sinks run delivers to:
+// how the ledger routes the record of delivery
+// (ledger.DeliveredEverywhere).
+func ledgerSinks(cfg *config.Config) []ledger.Sink {
+	sinks := configuredSinks(cfg)
+	out := make([]ledger.Sink, len(sinks))
+	for i, s := range sinks {
+		out[i] = ledger.Sink{Name: s.Name, Events: s.Events}
+	}
+	return out
 }
 
 // resolveTables schema-qualifies the outbox (the replication stream names

@@ -204,7 +204,7 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 		return nil, admin.Tables{}, fmt.Errorf("connect to the database: %w", err)
 	}
 	t := cfg.Tables()
-	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
+	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint, Sinks: ledgerSinks(cfg)})
 	if err != nil {
 		pool.Close()
 		return nil, admin.Tables{}, err

@@ -18,7 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -32,27 +32,35 @@ const BatchSize = 1000
 // these.
 const CLIApplicationName = "outbox-relay-cli"
 
-// Tables names the relay's tables, as configured.
+// Tables names the relay's tables, as configured, and the sinks that route
+// the record of delivery.
 type Tables struct {
 	Outbox, Ledger, Checkpoint relay.QualifiedName
+	// Sinks are the configured sinks' names and event globs. A pending row
+	// not handed off that the ledger shows delivered to every sink it is
+	// routed to is done, its status not marked yet (mark_done: off, or the
+	// marking trails): ledger.DeliveredEverywhere. Without them (a command
+	// run without the configuration) only the status column counts.
+	Sinks []ledger.Sink
 }
 
-// Delivered is the stream's record of delivery beside the outbox
-// (migrations.DeliveredTable).
-func (t Tables) Delivered() relay.QualifiedName { return migrations.DeliveredTable(t.Outbox) }
-
-// recorded is the SQL condition "the row aliased o is done because the
-// stream delivered it": pending, not handed off, its id in the delivered
-// record (docs/operations.md, "what the relay writes back").
-func (t Tables) recorded(o string) string {
-	return fmt.Sprintf("(%[1]s.status = 'pending' AND %[1]s.handoff_at IS NULL AND EXISTS (SELECT FROM %[2]s AS r WHERE r.id = %[1]s.id))",
-		o, t.Delivered().Quoted())
+// delivered is the SQL condition "the row aliased o is done, its status not
+// marked yet": pending, not handed off, and delivered everywhere by the
+// ledger (docs/operations.md, "what the relay writes back").
+func (t Tables) delivered(o string) string {
+	cond, err := ledger.DeliveredEverywhere(t.Ledger.Quoted(), t.Sinks, o)
+	if err != nil {
+		// The configuration was validated with the same globs; a glob the
+		// ledger cannot render leaves only the status column.
+		cond = "false"
+	}
+	return fmt.Sprintf("(%[1]s.status = 'pending' AND %[1]s.handoff_at IS NULL AND %[2]s)", o, cond)
 }
 
 // status is the SQL expression of the row aliased o's status, with rows the
-// stream delivered counted as done.
+// ledger shows delivered everywhere counted as done.
 func (t Tables) status(o string) string {
-	return fmt.Sprintf("CASE WHEN %s THEN 'done' ELSE %s.status END", t.recorded(o), o)
+	return fmt.Sprintf("CASE WHEN %s THEN 'done' ELSE %s.status END", t.delivered(o), o)
 }
 
 // DB is what the operations need of a database handle; *pgx.Conn,

@@ -113,7 +113,7 @@ func NeededPrivileges(t Tables, retention bool) []TableGrant {
 		outbox = append(outbox, "DELETE")
 	}
 	rw := []string{"SELECT", "INSERT", "UPDATE", "DELETE"}
-	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}, {t.Delivered(), []string{"SELECT", "INSERT", "DELETE"}}}
+	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}}
 }
 
 // TableGrant is a set of privileges on one table.

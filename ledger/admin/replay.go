@@ -9,8 +9,8 @@ import (
 // and processing rows are on their way already and are never touched.
 var ReplayStatuses = []string{"done", "failed", "held"}
 
-// Replay makes the settled rows among ids (done — the stream's delivered
-// ones included —, failed, held) deliverable
+// Replay makes the settled rows among ids (done — a pending row the ledger
+// shows delivered everywhere counts as done —, failed, held) deliverable
 // again and counts the replay, in one statement (one transaction): status
 // pending, attempts 0, available_at and handoff_at now, last_error,
 // processed_at and the claim cleared, replays incremented. Every ledger row
@@ -19,19 +19,13 @@ var ReplayStatuses = []string{"done", "failed", "held"}
 // delivered rows and are skipped. Sinks pass replays on as Delivery.Replay
 // (NATS publishes with Msg-Id "<event_key>~r<n>", so its duplicate window
 // does not swallow the replay). Pending and processing rows are on their way
-// and are not touched. Pass at most a few thousand ids (BatchSize).
-//
-// allSinks names every configured sink: a row the stream delivered (to
-// every sink it is routed to) keeps, for the sinks not chosen, a delivered
-// ledger row. Calling Replay twice replays twice.
-func Replay(ctx context.Context, db DB, t Tables, ids []int64, sinks, allSinks []string) (Changed, error) {
+// and are not touched. Pass at most a few thousand ids (BatchSize). Calling
+// Replay twice replays twice.
+func Replay(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (Changed, error) {
 	var c Changed
-	// A row the stream delivered has no ledger rows (docs/operations.md,
-	// "what the relay writes back"): with --sink, the sinks not chosen get
-	// their delivered rows now, so that the claim path skips them.
 	err := db.QueryRow(ctx, fmt.Sprintf(`
 WITH was AS (
-    SELECT o.id, o.event_key, %[3]s AS recorded
+    SELECT o.id
       FROM %[1]s AS o
      WHERE o.id = ANY($1::bigint[]) AND (o.status IN ('done', 'failed', 'held') OR %[3]s)
        FOR UPDATE),
@@ -42,22 +36,14 @@ replayed AS (
            replays = coalesce(o.replays, 0) + 1
       FROM was
      WHERE o.id = was.id
-    RETURNING o.id, o.event_key, was.recorded),
-unrecorded AS (
-    DELETE FROM %[4]s AS d USING replayed AS r WHERE d.id = r.id),
+    RETURNING o.id, o.event_key),
 cleared AS (
     DELETE FROM %[2]s AS l USING replayed AS r
      WHERE l.event_key = r.event_key
        AND ($2::text[] IS NULL OR l.action = ANY($2::text[]))
-    RETURNING 1),
-kept AS (
-    INSERT INTO %[2]s AS l (event_key, action, state, attempts, delivered_at)
-    SELECT r.event_key, s.sink, 'delivered', 1, now()
-      FROM replayed AS r, unnest($3::text[]) AS s(sink)
-     WHERE r.recorded AND $2::text[] IS NOT NULL AND NOT s.sink = ANY($2::text[])
-        ON CONFLICT (event_key, action) DO NOTHING)
-SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.recorded("o"), t.Delivered().Quoted()),
-		ids, nilIfEmpty(sinks), allSinks).Scan(&c.Rows, &c.LedgerRows)
+    RETURNING 1)
+SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.delivered("o")),
+		ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
 	if err != nil {
 		return Changed{}, fmt.Errorf("replay %d rows: %w", len(ids), err)
 	}

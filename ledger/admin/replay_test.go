@@ -5,8 +5,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 func TestReplay(t *testing.T) {
@@ -23,7 +25,7 @@ func TestReplay(t *testing.T) {
 			}
 
 			// --sink nats: only nats's rows go, so only nats gets it again.
-			c, err := admin.Replay(ctx, f.pool, f.tables, []int64{done, failed, processing}, []string{"nats"}, []string{"nats", "n8n"})
+			c, err := admin.Replay(ctx, f.pool, f.tables, []int64{done, failed, processing}, []string{"nats"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -49,7 +51,7 @@ func TestReplay(t *testing.T) {
 			// A second replay of the settled row counts again and, with no
 			// sink, clears every sink.
 			MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = 'done' WHERE id = $1", done)
-			c, err = admin.Replay(ctx, f.pool, f.tables, []int64{done}, nil, []string{"nats", "n8n"})
+			c, err = admin.Replay(ctx, f.pool, f.tables, []int64{done}, nil)
 			if err != nil || c.Rows != 1 || c.LedgerRows != 1 {
 				t.Fatalf("second replay: %+v %v", c, err)
 			}
@@ -60,5 +62,54 @@ func TestReplay(t *testing.T) {
 				t.Fatalf("ledger after replay to every sink: %v", got)
 			}
 		})
+	}
+}
+
+// TestReplayRightAfterAStreamDelivery: an operator replays an event moments
+// after the stream delivered it, while the stream's marking of its status
+// (mark_done: async, off the acknowledgement path) is still to come. The
+// replay must stand: the late mark leaves the replayed row alone, and the
+// claim path takes it and finds no delivered ledger row, so it delivers it
+// again. (With the stream's deliveries held in memory, a write arriving
+// after the replay could record the event as delivered again, and the
+// replayed row would never be sent.)
+func TestReplayRightAfterAStreamDelivery(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.tables.Sinks = []ledger.Sink{{Name: "nats"}}
+	cfg := ledger.DefaultConfig()
+	cfg.Sinks = f.tables.Sinks
+	store, err := ledger.New(f.pool, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := f.MustInsert(t, row{key: "fresh"})
+	ev := &relay.Event{ID: id, EventKey: "fresh"}
+	delivered := &relay.Work{Event: ev, Decision: relay.Decision{Kind: relay.Done},
+		Pairs: []*relay.Pair{{Sink: "nats", Outcome: relay.Outcome{Kind: relay.Delivered}}}}
+	if _, err := store.SettleStream(ctx, []*relay.Work{delivered}, "relay-a"); err != nil {
+		t.Fatal(err)
+	}
+	// Settled and recorded; its status is not marked yet.
+	c, err := admin.Replay(ctx, f.pool, f.tables, []int64{id}, nil)
+	if err != nil || c.Rows != 1 || c.LedgerRows != 1 {
+		t.Fatalf("replay of the delivered, unmarked row: %+v %v; want the row and its ledger row", c, err)
+	}
+	if _, _, err := store.MarkDone(ctx, []int64{id}); err != nil {
+		t.Fatal(err)
+	}
+	if r := f.MustRow(t, id); r.status != "pending" || !r.handedOff {
+		t.Fatalf("the stream's late mark changed the replayed row: %+v", r)
+	}
+	works, err := store.Claim(ctx, relay.ClaimQuery{Limit: 10, Owner: "outbox-relay:test"})
+	if err != nil || len(works) != 1 {
+		t.Fatalf("claim after the replay: %d rows, %v; want the replayed row", len(works), err)
+	}
+	works[0].Pairs = []*relay.Pair{{Sink: "nats"}}
+	if err := store.PrepareClaim(ctx, works, "outbox-relay:test", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if p := works[0].Pairs[0]; p.State != relay.PairSend || !p.Claimed {
+		t.Fatalf("the replayed pair: state %v, claimed %v; want claimed to be sent again", p.State, p.Claimed)
 	}
 }

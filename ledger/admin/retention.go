@@ -6,14 +6,18 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // RetentionConfig says what Prune deletes.
 type RetentionConfig struct {
 	// DoneAfter: done outbox rows processed longer ago than this are
 	// deleted. A done row without processed_at (written so by a legacy
-	// poller) ages from its created_at.
+	// poller) ages from its created_at, and so does a pending row the
+	// ledger shows delivered everywhere (mark_done: off).
 	DoneAfter time.Duration
 	// LedgerAfter: ledger rows delivered (or claimed) longer ago than this
 	// are deleted once their outbox row is done or gone. A ledger row with
@@ -21,19 +25,102 @@ type RetentionConfig struct {
 	LedgerAfter time.Duration
 	// Batch is the number of rows per DELETE [1000].
 	Batch int
+	// Horizon, when set, keeps every row the relay's slot could still send
+	// again (see Horizon); RunRetention makes one for Slot.
+	Horizon *Horizon
+	// Slot names the relay's replication slot, for RunRetention.
+	Slot string
+}
+
+// Horizon tells Prune which rows a replication slot can no longer send
+// again. The slot sends again, after a reconnect, every transaction that
+// ends past its confirmed position; a row pruned before the slot passed it
+// would then be found missing and delivered again (docs/guarantees.md,
+// "retention"). A row has no LSN, but its inserting transaction has an xid:
+// each pass samples, in one statement, the WAL insert position W and the
+// oldest transaction still running, X (its snapshot's xmin). Every
+// transaction older than X had ended before W was read, so its commit lies
+// before W; once the slot's confirmed position reaches W, every row whose
+// xmin is older than X is behind the slot. Prune uses the newest sample the
+// slot has passed; with no slot at all (poll mode) nothing holds rows back.
+// A Horizon is used by one goroutine at a time.
+type Horizon struct {
+	slot    string
+	samples []horizonSample // oldest first
+}
+
+type horizonSample struct {
+	wal  relay.LSN
+	xmin uint32 // the 32-bit xid of the snapshot's xmin
+}
+
+// NewHorizon returns the horizon of slot.
+func NewHorizon(slot string) *Horizon { return &Horizon{slot: slot} }
+
+// horizonBounds is what a Horizon allows: every row (no slot), none yet
+// (the slot has passed no sample), or rows older than an xid.
+type horizonBounds struct {
+	all, none bool
+	xmin      uint32
+}
+
+// advance takes a sample and returns what the slot has passed.
+func (h *Horizon) advance(ctx context.Context, db DB) (horizonBounds, error) {
+	var s horizonSample
+	var xmin int64
+	if err := db.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text, pg_snapshot_xmin(pg_current_snapshot())::text::bigint`).
+		Scan(&s.wal, &xmin); err != nil {
+		return horizonBounds{}, fmt.Errorf("sample the WAL position and the oldest transaction: %w", err)
+	}
+	s.xmin = uint32(xmin)
+	var confirmed *string
+	err := db.QueryRow(ctx, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, h.slot).Scan(&confirmed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		h.samples = nil
+		return horizonBounds{all: true}, nil
+	}
+	if err != nil {
+		return horizonBounds{}, fmt.Errorf("read slot %s: %w", h.slot, err)
+	}
+	h.samples = append(h.samples, s)
+	var passed relay.LSN
+	if confirmed != nil {
+		if err := passed.Scan(*confirmed); err != nil {
+			return horizonBounds{}, fmt.Errorf("read slot %s: %w", h.slot, err)
+		}
+	}
+	use := -1
+	for i, smp := range h.samples {
+		if smp.wal <= passed {
+			use = i
+		}
+	}
+	if use < 0 {
+		return horizonBounds{none: true}, nil
+	}
+	b := horizonBounds{xmin: h.samples[use].xmin}
+	h.samples = h.samples[use:]
+	if len(h.samples) > 1000 { // a slot that never moves: keep the oldest and the newest
+		h.samples = append(h.samples[:1], h.samples[len(h.samples)-999:]...)
+	}
+	return b, nil
 }
 
 // Prune deletes old done outbox rows with their ledger rows, and old
 // ledger rows whose outbox row is done or gone, Batch rows per statement
 // (each its own short transaction), until none is left, and returns how
-// many of each it deleted.
+// many of each it deleted. With mark_done: off it also deletes old pending
+// rows the ledger shows delivered everywhere (Tables.Sinks), with their
+// ledger rows.
 //
-// It never deletes a pending, processing, held or failed row, nor any ledger
+// It never deletes a row the relay's slot could still send again
+// (cfg.Horizon), a pending, processing, held or failed row, nor any ledger
 // row of an event whose outbox row is in one of those statuses: the ledger
 // is what keeps such a row from being delivered twice. Rows locked by
-// someone else (a replay in progress) are skipped until the next call. Each
-// batch re-checks the status it deletes by, so a row replayed meanwhile is
-// kept. Prune is safe to run concurrently with the relay and with itself.
+// someone else (a replay in progress) are skipped until the next call.
+// Each batch re-checks the status it deletes by, so a row replayed
+// meanwhile is kept. Prune is safe to run concurrently with the relay and
+// with itself.
 //
 // Finding old rows scans the outbox's done rows and the ledger: neither has
 // an index on the time columns, and retention keeps both small. When ctx
@@ -45,6 +132,27 @@ func Prune(ctx context.Context, db DB, t Tables, cfg RetentionConfig) (doneRows,
 	if cfg.Batch <= 0 {
 		cfg.Batch = 1000
 	}
+	bounds := horizonBounds{all: true}
+	if cfg.Horizon != nil {
+		if bounds, err = cfg.Horizon.advance(ctx, db); err != nil {
+			return 0, 0, fmt.Errorf("prune: %w", err)
+		}
+	}
+	// $3: the rows' inserting transactions must be older than this xid
+	// (NULL: no bound); age() compares xids across wraparound, and a frozen
+	// xmin is older than any.
+	behindSlot := func(o string) string {
+		return fmt.Sprintf("($3::bigint IS NULL OR age(%s.xmin) > age($3::bigint::text::xid))", o)
+	}
+	var xmin any
+	switch {
+	case bounds.none:
+		// The slot has passed no sample yet: only ledger rows of rows
+		// long gone may go.
+	case !bounds.all:
+		xmin = int64(bounds.xmin)
+	}
+
 	// Ages go to the server in microseconds: the cut-off is computed from
 	// the server's clock, like processed_at and delivered_at.
 	// An event's ledger rows go with its row (docs/guarantees.md, "a key
@@ -54,48 +162,35 @@ func Prune(ctx context.Context, db DB, t Tables, cfg RetentionConfig) (doneRows,
 WITH gone AS (
 DELETE FROM %[1]s AS o
  WHERE o.id IN (
-       SELECT id FROM %[1]s
-        WHERE status = 'done' AND coalesce(processed_at, created_at) < now() - $1 * interval '1 microsecond'
+       SELECT x.id FROM %[1]s AS x
+        WHERE x.status = 'done' AND coalesce(x.processed_at, x.created_at) < now() - $1 * interval '1 microsecond'
+          AND %[3]s
         LIMIT $2
           FOR UPDATE SKIP LOCKED)
    AND o.status = 'done'
 RETURNING o.event_key),
 ledger AS (
 DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
-SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted())
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), behindSlot("x"))
 
-	// Rows the stream delivered are done by the delivered record and keep
-	// status pending (docs/operations.md, "what the relay writes back"):
-	// they age from created_at and go with their record entries and ledger
-	// rows. The record is read in id order, oldest first.
-	pruneRecorded := fmt.Sprintf(`
+	// Rows the stream delivered whose status is not marked (mark_done:
+	// off) stay pending with a delivered ledger row per routed sink
+	// (docs/operations.md, "what the relay writes back"): they age from
+	// created_at and go with their ledger rows.
+	pruneDelivered := fmt.Sprintf(`
 WITH gone AS (
 DELETE FROM %[1]s AS o
  WHERE o.id IN (
-       SELECT x.id FROM %[3]s AS d JOIN %[1]s AS x ON x.id = d.id
-        WHERE x.status = 'pending' AND x.handoff_at IS NULL
-          AND x.created_at < now() - $1 * interval '1 microsecond'
-        ORDER BY d.id
+       SELECT x.id FROM %[1]s AS x
+        WHERE %[3]s AND x.created_at < now() - $1 * interval '1 microsecond'
+          AND %[4]s
         LIMIT $2
-          FOR UPDATE OF x SKIP LOCKED)
-   AND o.status = 'pending' AND o.handoff_at IS NULL
-RETURNING o.id, o.event_key),
-record AS (
-DELETE FROM %[3]s AS d USING gone WHERE d.id = gone.id),
+          FOR UPDATE SKIP LOCKED)
+   AND %[5]s
+RETURNING o.event_key),
 ledger AS (
 DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
-SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.Delivered().Quoted())
-
-	// Record entries below the outbox's oldest row: their rows are gone
-	// (deleted by hand, or pruned by an older relay). An index range, not a
-	// scan; replay removes the entries of the rows it takes.
-	pruneRecord := fmt.Sprintf(`
-DELETE FROM %[1]s AS d
- WHERE d.id IN (
-       SELECT r.id FROM %[1]s AS r
-        WHERE r.id < coalesce((SELECT min(o.id) FROM %[2]s AS o), 9223372036854775807)
-        ORDER BY r.id
-        LIMIT $1)`, t.Delivered().Quoted(), t.Outbox.Quoted())
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.delivered("x"), behindSlot("x"), t.delivered("o"))
 
 	// A ledger row goes when its outbox row is done or gone and it is old;
 	// one with no time at all only when its outbox row is gone. The NOT
@@ -112,17 +207,17 @@ DELETE FROM %[1]s
         LIMIT $2
           FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted())
 
-	var anyRecorded bool
-	if err := db.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s)`, t.Delivered().Quoted())).Scan(&anyRecorded); err != nil {
-		return 0, 0, fmt.Errorf("look at the delivered record %s: %w", t.Delivered(), err)
+	prunes := []string{pruneDone}
+	if len(t.Sinks) > 0 {
+		prunes = append(prunes, pruneDelivered)
 	}
-	for _, sql := range []string{pruneDone, pruneRecorded} {
-		if sql == pruneRecorded && !anyRecorded {
-			continue
-		}
+	if bounds.none {
+		prunes = nil
+	}
+	for _, sql := range prunes {
 		for {
 			var rows, ledgerWith int64
-			if err := db.QueryRow(ctx, sql, cfg.DoneAfter.Microseconds(), cfg.Batch).Scan(&rows, &ledgerWith); err != nil {
+			if err := db.QueryRow(ctx, sql, cfg.DoneAfter.Microseconds(), cfg.Batch, xmin).Scan(&rows, &ledgerWith); err != nil {
 				return doneRows, ledgerRows, fmt.Errorf("prune done rows of %s: %w", t.Outbox, err)
 			}
 			doneRows += rows
@@ -133,15 +228,6 @@ DELETE FROM %[1]s
 			if err := ctx.Err(); err != nil {
 				return doneRows, ledgerRows, err
 			}
-		}
-	}
-	for {
-		tag, err := db.Exec(ctx, pruneRecord, cfg.Batch)
-		if err != nil {
-			return doneRows, ledgerRows, fmt.Errorf("prune the delivered record %s: %w", t.Delivered(), err)
-		}
-		if tag.RowsAffected() < int64(cfg.Batch) {
-			break
 		}
 	}
 	for {
@@ -166,6 +252,9 @@ DELETE FROM %[1]s
 func RunRetention(ctx context.Context, db DB, t Tables, cfg RetentionConfig, interval time.Duration, log zerolog.Logger) error {
 	if interval <= 0 {
 		return errors.New("retention: interval must be greater than zero")
+	}
+	if cfg.Horizon == nil && cfg.Slot != "" {
+		cfg.Horizon = NewHorizon(cfg.Slot)
 	}
 	timer := time.NewTimer(0)
 	defer timer.Stop()

@@ -12,6 +12,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -225,5 +226,90 @@ func waitFor(tb testing.TB, cond func() bool) {
 			tb.Fatal("condition not met within 10s")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestPrune_KeepsRowsTheSlotHasNotPassed: a transaction of 20 rows with an
+// old created_at (a backfill, a long transaction) whose 19 first rows were
+// delivered and marked done long ago, while the slot is not acknowledged
+// past the transaction (its 20th row is slow). Pruning those 19 rows would
+// make the slot, after a reconnect, find them missing and send them again:
+// retention keeps every row until the slot has passed its inserting
+// transaction (Horizon), then prunes them. Without a slot nothing holds
+// rows back (TestPrune_DoneRowsInBatches).
+func TestPrune_KeepsRowsTheSlotHasNotPassed(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	const slot = "retention_slot"
+	MustExec(t, f.pool, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	t.Cleanup(func() { MustExec(t, f.pool, `SELECT pg_drop_replication_slot($1)`, slot) })
+	cfg := week
+	cfg.Horizon = admin.NewHorizon(slot)
+	prune := func() (done, ledger int64) {
+		t.Helper()
+		done, ledger, err := admin.Prune(ctx, f.pool, f.tables, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return done, ledger
+	}
+	prune() // a sample before the transaction
+
+	outbox, led := f.tables.Outbox.Quoted(), f.tables.Ledger.Quoted()
+	tx, err := f.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	MustExec(t, tx, fmt.Sprintf(`INSERT INTO %s (event_key, status, created_at) SELECT 'backfill-' || g, 'pending', now() - interval '9 days' FROM generate_series(1, 20) g`, outbox))
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	MustExec(t, f.pool, fmt.Sprintf(`UPDATE %s SET status = 'done', processed_at = now() - interval '8 days' WHERE event_key <> 'backfill-20'`, outbox))
+	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, action, state, attempts, delivered_at)
+		SELECT event_key, 'nats', 'delivered', 1, now() FROM %s WHERE status = 'done'`, led, outbox))
+
+	if done, ledger := prune(); done != 0 || ledger != 0 {
+		t.Fatalf("pruned %d rows and %d ledger rows the slot has not passed, want none", done, ledger)
+	}
+	if n := f.MustCount(t, f.tables.Outbox, `status = 'done'`); n != 19 {
+		t.Fatalf("%d done rows left, want 19", n)
+	}
+	// The slot passes the transaction (the 20th row settled, the relay
+	// acknowledged): the next pass prunes the 19.
+	MustExec(t, f.pool, `SELECT pg_replication_slot_advance($1, pg_current_wal_lsn())`, slot)
+	if done, ledger := prune(); done != 19 || ledger != 19 {
+		t.Fatalf("after the slot passed the transaction: pruned %d rows and %d ledger rows, want 19 and 19", done, ledger)
+	}
+}
+
+// TestPrune_DeliveredRowsWithoutStatus: with mark_done: off the rows the
+// stream delivered stay pending with a delivered ledger row for every sink
+// they are routed to; retention prunes them by created_at with those rows,
+// and keeps a pending row that lacks one.
+func TestPrune_DeliveredRowsWithoutStatus(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.tables.Sinks = []ledger.Sink{{Name: "nats"}, {Name: "hook", Events: []string{"order.*"}}}
+	led := f.tables.Ledger.Quoted()
+	all := f.MustInsert(t, row{key: "both", created: 9 * day})
+	natsOnly := f.MustInsert(t, row{key: "nats-only", eventType: str("lead.created"), created: 9 * day})
+	half := f.MustInsert(t, row{key: "half", created: 9 * day})
+	young := f.MustInsert(t, row{key: "young", created: day})
+	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, action, state, attempts, delivered_at) VALUES
+		('both', 'nats', 'delivered', 1, now()), ('both', 'hook', 'delivered', 1, now()),
+		('nats-only', 'nats', 'delivered', 1, now()),
+		('half', 'nats', 'delivered', 1, now()),
+		('young', 'nats', 'delivered', 1, now()), ('young', 'hook', 'delivered', 1, now())`, led))
+	done, ledgerRows, err := admin.Prune(ctx, f.pool, f.tables, week)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done != 2 || ledgerRows != 3 {
+		t.Fatalf("pruned %d rows and %d ledger rows, want 2 (both, nats-only) and 3", done, ledgerRows)
+	}
+	for id, want := range map[int64]int64{all: 0, natsOnly: 0, half: 1, young: 1} {
+		if n := f.MustCount(t, f.tables.Outbox, `id = $1`, id); n != want {
+			t.Errorf("row %d: %d left, want %d", id, n, want)
+		}
 	}
 }

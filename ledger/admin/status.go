@@ -199,7 +199,7 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'inval
 	st.Held, st.Failed = st.Rows["held"], st.Rows["failed"]
 
 	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE o.status = 'pending' AND NOT %s`,
-		t.Outbox.Quoted(), t.recorded("o"))).Scan(&st.OldestPendingSeconds)
+		t.Outbox.Quoted(), t.delivered("o"))).Scan(&st.OldestPendingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("oldest pending row: %w", err)
 	}
@@ -344,7 +344,7 @@ SELECT count(*) FILTER (WHERE stream AND created_at < now() - make_interval(secs
   FROM (SELECT o.created_at, coalesce(o.available_at, o.created_at) AS due, $2 AND o.handoff_at IS NULL AS stream
           FROM %s AS o
          WHERE coalesce(o.status, 'pending') = 'pending' AND NOT %s) AS w`,
-		t.Outbox.Quoted(), t.recorded("o")), after, slotExists).
+		t.Outbox.Quoted(), t.delivered("o")), after, slotExists).
 		Scan(&p.StreamWaiting, &p.OldestStreamWaitingSeconds, &p.ClaimWaiting, &p.OldestClaimWaitingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("rows waiting: %w", err)

@@ -236,14 +236,16 @@ func TestReadProgress(t *testing.T) {
 	if p := read(); p.Stalled != "" || !strings.Contains(p.Note, "outbox-relay reconcile") {
 		t.Fatalf("stream checkpointing: %+v", p)
 	}
-	// Delivered by the stream (in the delivered record): nothing waits.
-	MustExec(t, f.pool, "INSERT INTO "+f.tables.Delivered().Quoted()+" (id) SELECT id FROM "+outbox+" WHERE event_key = 'old'")
+	// Delivered by the stream to its one sink, status not marked yet:
+	// nothing waits.
+	f.tables.Sinks = []ledger.Sink{{Name: "nats"}}
+	f.MustLedger(t, "old", "nats", "delivered", time.Second)
 	if p := read(); p.StreamWaiting != 0 || p.Stalled != "" || p.Note != "" {
 		t.Fatalf("the old row delivered: %+v", p)
 	}
 	// Handed off, it is the claim path's, whose last sign of life is the
 	// ledger delivery above.
-	MustExec(t, f.pool, "DELETE FROM "+f.tables.Delivered().Quoted())
+	MustExec(t, f.pool, "DELETE FROM "+f.tables.Ledger.Quoted()+" WHERE event_key = 'old'")
 	MustExec(t, f.pool, "UPDATE "+outbox+" SET handoff_at = now() WHERE event_key = 'old'")
 	if p := read(); p.StreamWaiting != 0 || p.ClaimWaiting != 1 || p.Stalled != "" {
 		t.Fatalf("handed off: %+v", p)

@@ -345,7 +345,7 @@ func newRig(tb testing.TB, f *fixture, o options) *rig {
 	for _, rt := range o.Routes {
 		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
 	}
-	store := ledger.New(f.pool, lcfg)
+	store := mustStore(tb, f.pool, lcfg)
 	engine, err := relay.NewEngine(relay.EngineConfig{
 		Routes:       o.Routes,
 		Policy:       relay.Policy{InlineAttempts: o.InlineAttempts, MaxAttempts: o.MaxAttempts, Backoff: o.Backoff},
@@ -495,4 +495,14 @@ func routes(sinks ...relay.Sink) []relay.Route {
 		out[i] = relay.Route{Sink: s}
 	}
 	return out
+}
+
+// mustStore is ledger.New, failing the test on an error.
+func mustStore(tb testing.TB, pool *pgxpool.Pool, cfg ledger.Config) *ledger.Store {
+	tb.Helper()
+	s, err := ledger.New(pool, cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return s
 }

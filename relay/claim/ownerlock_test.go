@@ -51,7 +51,7 @@ func TestRunCancelledWhileLockingReleasesTheLock(t *testing.T) {
 	}
 	// The source's store (the owner lock's connection) goes through the
 	// proxy; the engine's does not.
-	c, err := claim.New(r.SourceConfig(t, ledger.New(pool, ledger.DefaultConfig())))
+	c, err := claim.New(r.SourceConfig(t, mustStore(t, pool, ledger.DefaultConfig())))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -39,13 +39,8 @@ func (s *Source) checkOrigin(ctx context.Context, sys pglogrepl.IdentifySystemRe
 	if s.cfg.StreamFrom == nil {
 		return nil
 	}
-	dropped, err := s.cfg.StreamFrom(ctx, o.systemID, o.timeline)
-	if err != nil {
+	if err := s.cfg.StreamFrom(ctx, o.systemID, o.timeline); err != nil {
 		return fmt.Errorf("bind the stream's outcomes to system %s timeline %d: %w", o.systemID, o.timeline, err)
-	}
-	if dropped > 0 {
-		s.log.Warn().Int("events", dropped).Int32("timeline", o.timeline).
-			Msg("the server changed (a promotion): outcomes of events streamed from the old primary are not written here; those of its events this server has come again and may be delivered twice")
 	}
 	return nil
 }

@@ -188,11 +188,11 @@ func TestSourceEndsWhenServerChanges(t *testing.T) {
 	// The standby first: the Source must find the primary.
 	cfg := e.config(t, c, &fakeCheckpoint{}, &claimRecorder{url: e.url})
 	cfg.ConnString = pgtest.MultiHostURL("relay", standby, primary)
-	cfg.StreamFrom = func(_ context.Context, systemID string, timeline int32) (int, error) {
+	cfg.StreamFrom = func(_ context.Context, systemID string, timeline int32) error {
 		mu.Lock()
 		defer mu.Unlock()
 		calls = append(calls, bound{systemID, timeline})
-		return 0, nil
+		return nil
 	}
 	src, err := replication.New(cfg)
 	if err != nil {

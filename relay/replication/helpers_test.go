@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -32,6 +33,8 @@ type fakeConsumer struct {
 	submitHook func(ctx context.Context, events []*relay.Event) error
 	// restartHook, when set, runs at the start of Restart.
 	restartHook func(ctx context.Context, horizon relay.LSN) error
+	// positionWanted is what PositionWanted reports.
+	positionWanted atomic.Bool
 
 	mu         sync.Mutex
 	holdEvents bool
@@ -104,6 +107,9 @@ func (c *fakeConsumer) Settled() (relay.LSN, bool) {
 	c.passed = false
 	return c.settled, passed
 }
+
+// PositionWanted implements relay.Consumer: positionWanted, when set.
+func (c *fakeConsumer) PositionWanted() bool { return c.positionWanted.Load() }
 
 func (c *fakeConsumer) Restart(ctx context.Context, horizon relay.LSN) error {
 	if c.restartHook != nil {
@@ -240,7 +246,11 @@ func (c *claimRecorder) withStore(ctx context.Context, f func(*ledger.Store) err
 		return err
 	}
 	defer pool.Close()
-	return f(ledger.New(pool, ledger.DefaultConfig()))
+	store, err := ledger.New(pool, ledger.DefaultConfig())
+	if err != nil {
+		return err
+	}
+	return f(store)
 }
 
 func (c *claimRecorder) BeginSlot(ctx context.Context, slot string) error {
@@ -474,4 +484,14 @@ func (b *logBuffer) String() string {
 
 func testLogger(t *testing.T) zerolog.Logger {
 	return zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.DebugLevel).With().Timestamp().Logger()
+}
+
+// mustStore is ledger.New, failing the test on an error.
+func mustStore(tb testing.TB, pool *pgxpool.Pool, cfg ledger.Config) *ledger.Store {
+	tb.Helper()
+	s, err := ledger.New(pool, cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return s
 }

@@ -70,11 +70,10 @@ type Config struct {
 
 	// StreamFrom, when set, is told at the start of every session which
 	// server the session streams from (IDENTIFY_SYSTEM's system identifier
-	// and timeline), before anything is written for it. It returns how many
-	// outcomes of another server's events it dropped, or an error wrapping
-	// relay.ErrServerChanged when the term must end; ledger.Store.StreamFrom
-	// implements it (docs/failover.md).
-	StreamFrom func(ctx context.Context, systemID string, timeline int32) (dropped int, err error)
+	// and timeline), before anything is written for it. It returns an
+	// error wrapping relay.ErrServerChanged when the term must end;
+	// ledger.Store.StreamFrom implements it (docs/failover.md).
+	StreamFrom func(ctx context.Context, systemID string, timeline int32) error
 
 	// StatusInterval is how often settled positions are acknowledged
 	// [DefaultStatusInterval]. It is lowered to the server's

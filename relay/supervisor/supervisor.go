@@ -4,16 +4,18 @@
 // and each leadership term's start and orderly stop.
 //
 // A term, in replication and auto modes, begins when this relay takes the
-// slot's leader lock and ends when ctx ends or the lock is lost. It runs a
-// fresh engine and, over it, the stream (relay/replication) beside the
-// claim path for the rows the stream hands off (relay/claim); in auto mode,
-// while replication is impossible, the claim path over every due row,
-// trying to return to replication every ReplicationRetry. It stops in this
-// order: the engine stops retrying in memory; the sources stop taking
-// events (the claim path waits for the rows it claimed to settle); the
-// engine drains (every outcome written, up to ShutdownTimeout); the engine
-// stops; the lock is released. Every goroutine a term starts has ended when
-// the term returns. A term streams from one database server: when the
+// slot's leader lock and ends when ctx ends or the lock is lost. It runs
+// phases one after another, each on a fresh engine: the stream
+// (relay/replication) beside the claim path for the rows the stream hands
+// off (relay/claim); in auto mode, while replication is impossible, the
+// claim path over every due row, trying to return to replication every
+// ReplicationRetry. A phase stops in this order: the engine stops retrying
+// in memory; the sources stop taking events (the claim path waits for the
+// rows it claimed to settle); the engine drains (every outcome written, up
+// to ShutdownTimeout); the engine stops. Only then does the next phase
+// start, so that a path never takes a row another is still delivering, and
+// at the end of the term the lock is released. Every goroutine a term
+// starts has ended when the term returns. A term streams from one database server: when the
 // stream finds another (relay.ErrServerChanged, a failover), the term ends
 // as if its lock were lost and a new one starts on the new server.
 //
@@ -175,14 +177,14 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	if s.cfg.Mode == ModePoll {
 		// Every relay polls; there is no leader. A slot left from running
 		// in another mode is still dropped once nobody consumes it.
-		return s.term(ctx, s.cfg.ShutdownTimeout, func(ctx context.Context, e *relay.Engine) error {
-			g, gctx := errgroup.WithContext(ctx)
-			if s.cfg.Slots != nil {
-				g.Go(func() error { s.watchSlot(gctx); return nil })
-			}
-			g.Go(func() error { return s.poll(gctx, e, 0) })
-			return g.Wait()
+		g, gctx := errgroup.WithContext(ctx)
+		if s.cfg.Slots != nil {
+			g.Go(func() error { s.watchSlot(gctx); return nil })
+		}
+		g.Go(func() error {
+			return s.phase(gctx, nil, func(ctx context.Context, e *relay.Engine) error { return s.poll(ctx, e, 0) })
 		})
+		return g.Wait()
 	}
 	for {
 		leader, err := s.cfg.Leader(ctx)
@@ -204,12 +206,7 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			case <-termCtx.Done():
 			}
 		}()
-		// A term that lost its lock stops delivering at once: the drain
-		// that finishes in-flight deliveries is cut short, so that the
-		// window in which two relays could both deliver stays below
-		// LeaderStaleAfter (docs/operations.md, "leadership").
-		drain := s.cfg.ShutdownTimeout
-		err = s.term(termCtx, drain, s.lead, leader.Lost())
+		err = s.lead(termCtx, leader.Lost())
 		endTerm()
 		<-watched
 		leader.Release()
@@ -237,9 +234,14 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	}
 }
 
-// term runs one term: a fresh engine, and body over it until ctx ends or
-// body returns; then the orderly stop described in the package doc.
-func (s *Supervisor) term(ctx context.Context, drain time.Duration, body func(ctx context.Context, e *relay.Engine) error, lost ...<-chan struct{}) error {
+// phase runs one phase: a fresh engine, and body over it until ctx ends or
+// body returns; then the orderly stop described in the package doc. A phase
+// whose lock was lost (lost closed) stops delivering at once: the drain
+// that finishes in-flight deliveries is cut short, so that the window in
+// which two relays could both deliver stays below LeaderStaleAfter
+// (docs/operations.md, "leadership").
+func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, body func(ctx context.Context, e *relay.Engine) error) error {
+	drain := s.cfg.ShutdownTimeout
 	engine, err := s.cfg.Engine()
 	if err != nil {
 		return err
@@ -255,12 +257,10 @@ func (s *Supervisor) term(ctx context.Context, drain time.Duration, body func(ct
 
 	bodyErr := body(ctx, engine)
 
-	for _, l := range lost {
-		select {
-		case <-l:
-			drain = min(drain, lostDrain)
-		default:
-		}
+	select {
+	case <-lost:
+		drain = min(drain, lostDrain)
+	default:
 	}
 	if errors.Is(bodyErr, relay.ErrServerChanged) {
 		// What is in flight came from the old server: its outcomes cannot
@@ -282,15 +282,16 @@ func (s *Supervisor) term(ctx context.Context, drain time.Duration, body func(ct
 	return bodyErr
 }
 
-// lead is a leader's term body: the stream, or in auto mode, while
-// replication is impossible, the claim path over every row.
-func (s *Supervisor) lead(ctx context.Context, e *relay.Engine) error {
+// lead runs a leader's term: the slot watchdog, and phases one after
+// another — the stream, or in auto mode, while replication is impossible,
+// the claim path over every row — each drained before the next starts.
+func (s *Supervisor) lead(ctx context.Context, lost <-chan struct{}) error {
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { s.watchSlot(gctx); return nil })
 	g.Go(func() error {
 		var pollingSince time.Time
 		for {
-			err := s.stream(gctx, e)
+			err := s.phase(gctx, lost, s.stream)
 			var unavailable Unavailable
 			if gctx.Err() != nil || !errors.As(err, &unavailable) {
 				return err
@@ -303,7 +304,10 @@ func (s *Supervisor) lead(ctx context.Context, e *relay.Engine) error {
 				s.log.Warn().Str("reason", unavailable.UnavailableReason()).Dur("retry_every", s.cfg.ReplicationRetry).
 					Msg("replication unavailable: falling back to the claim path over every row")
 			}
-			if err := s.poll(gctx, e, s.cfg.ReplicationRetry); err != nil || gctx.Err() != nil {
+			// The stream's phase has drained: what it delivered is written,
+			// so the claim path cannot take a row the stream still sends.
+			err = s.phase(gctx, lost, func(ctx context.Context, e *relay.Engine) error { return s.poll(ctx, e, s.cfg.ReplicationRetry) })
+			if err != nil || gctx.Err() != nil {
 				return err
 			}
 			// Back to replication through the slot-creation hand-over: a

@@ -22,9 +22,9 @@ func (nopStore) PrepareStream(context.Context, []*relay.Work, bool, string) erro
 func (nopStore) SettleStream(context.Context, []*relay.Work, string) ([]int64, error) {
 	return nil, nil
 }
-func (nopStore) MarkDone(context.Context, []int64) ([]int64, error)     { return nil, nil }
-func (nopStore) Gone(context.Context, []*relay.Work) ([]int64, error)   { return nil, nil }
-func (nopStore) Diverted(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
+func (nopStore) MarkDone(context.Context, []int64) ([]int64, relay.LSN, error) { return nil, 0, nil }
+func (nopStore) Gone(context.Context, []*relay.Work) ([]int64, error)          { return nil, nil }
+func (nopStore) Diverted(context.Context) ([]relay.AggregateKey, error)        { return nil, nil }
 
 func newEngine() (*relay.Engine, error) {
 	return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test"})
@@ -323,5 +323,75 @@ func TestServerChangeStartsNewTerm(t *testing.T) {
 	defer mu.Unlock()
 	if leads.Load() != 2 || !released[0].released.Load() {
 		t.Errorf("leads %d, first lock released %v: want the lock released and taken again", leads.Load(), released[0].released.Load())
+	}
+}
+
+// slowSink answers every send after release is closed, and counts them.
+type slowSink struct {
+	release chan struct{}
+	sent    atomic.Int32
+}
+
+func (s *slowSink) Name() string { return "slow" }
+func (s *slowSink) Send(_ context.Context, _ *relay.Delivery, done func(error)) {
+	s.sent.Add(1)
+	go func() { <-s.release; done(nil) }()
+}
+func (s *slowSink) Close(context.Context) error { return nil }
+
+// TestFallbackToPollingWaitsForTheStreamsDeliveries: auto mode falls back
+// to the claim path over every row while an event the stream decoded is
+// still in flight at a sink. The claim path must not start before that
+// event's outcome is written: it would claim the same row (pending, not
+// yet done) and send it a second time. Before, the poll phase started at
+// once on the same engine.
+func TestFallbackToPollingWaitsForTheStreamsDeliveries(t *testing.T) {
+	sink := &slowSink{release: make(chan struct{})}
+	var engines []*relay.Engine
+	var mu sync.Mutex
+	cfg := baseConfig(supervisor.ModeAuto, &slots{})
+	cfg.ReplicationRetry = time.Hour
+	cfg.Engine = func() (*relay.Engine, error) {
+		e, err := relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: sink}}})
+		mu.Lock()
+		engines = append(engines, e)
+		mu.Unlock()
+		return e, err
+	}
+	streamEngine := make(chan *relay.Engine, 1)
+	cfg.Stream = func(e *relay.Engine) (supervisor.Runner, error) {
+		return runner{func(ctx context.Context) error {
+			ev := &relay.Event{ID: 1, EventKey: "k1", CreatedAt: time.Now()}
+			if err := e.Stream().Submit(ctx, []*relay.Event{ev}); err != nil {
+				return err
+			}
+			e.Stream().Commit(100)
+			streamEngine <- e
+			// The publication was dropped: replication is unavailable
+			// while the event is still at the sink.
+			return unavailable{}
+		}}, nil
+	}
+	pollStarted := make(chan int, 1) // the stream's unsettled events when the claim path started
+	cfg.Claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
+		return runner{func(ctx context.Context) error {
+			if all {
+				e := <-streamEngine
+				unsettled, _ := e.Progress(relay.PathStream)
+				pollStarted <- unsettled
+			}
+			return untilDone(ctx)
+		}}, nil
+	}
+	start(t, cfg)
+	eventually(t, "the event sent by the stream", func() bool { return sink.sent.Load() == 1 })
+	go func() { time.Sleep(300 * time.Millisecond); close(sink.release) }()
+	select {
+	case unsettled := <-pollStarted:
+		if unsettled != 0 {
+			t.Fatalf("the claim path over every row started with %d of the stream's events still in flight", unsettled)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the claim path never started")
 	}
 }

@@ -461,7 +461,7 @@ func Default() Config {
 				Duration(2 * time.Minute), Duration(5 * time.Minute), Duration(15 * time.Minute),
 				Duration(30 * time.Minute), Duration(time.Hour),
 			},
-			MarkDone:     MarkDoneOff,
+			MarkDone:     MarkDoneAsync,
 			LaneBlockMax: Duration(2 * time.Second),
 		},
 		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187", StallAfter: Duration(5 * time.Minute)},
