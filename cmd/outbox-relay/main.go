@@ -15,7 +15,6 @@ import (
 	"runtime/debug"
 	"syscall"
 
-	"github.com/mattn/go-isatty"
 	"github.com/rs/zerolog"
 	"github.com/spf13/cobra"
 
@@ -94,24 +93,9 @@ func (g *globals) loadConfig() (*config.Config, error) {
 	return cfg, nil
 }
 
-// logger builds the process logger from the log settings: console output on
-// a terminal with format auto, JSON otherwise.
+// logger builds the process logger from the log settings (logging.go).
 func (g *globals) logger(cfg *config.Config) zerolog.Logger {
-	level, err := zerolog.ParseLevel(cfg.Log.Level)
-	if err != nil {
-		level = zerolog.InfoLevel
-	}
-	var w io.Writer = g.stderr
-	console := cfg.Log.Format == "console"
-	if cfg.Log.Format == "auto" {
-		if f, ok := g.stderr.(*os.File); ok && isatty.IsTerminal(f.Fd()) {
-			console = true
-		}
-	}
-	if console {
-		w = zerolog.ConsoleWriter{Out: g.stderr, TimeFormat: "15:04:05.000"}
-	}
-	return zerolog.New(w).Level(level).With().Timestamp().Logger()
+	return newLogger(g.stderr, cfg.Log)
 }
 
 func newRootCommand(stdout, stderr io.Writer) *cobra.Command {

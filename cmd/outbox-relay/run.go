@@ -330,6 +330,9 @@ func (r *relayRun) refreshStats(ctx context.Context) {
 func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]relay.Route, error) {
 	var routes []relay.Route
 	for i, sc := range cfg.Sinks {
+		// The sinks add their own "sink" field: they get log, and slog
+		// is for the lines written here. A field added twice is a
+		// duplicate JSON key, which log pipelines drop.
 		slog := log.With().Str("sink", sc.Name).Logger()
 		var sink relay.Sink
 		switch sc.Type {
@@ -352,7 +355,7 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				MaxBody:             int64(w.MaxBody),
 				PermanentStatuses:   w.PermanentStatuses,
 				Treat409AsDelivered: w.Treat409AsDelivered,
-				Logger:              slog,
+				Logger:              log,
 			})
 			if err != nil {
 				return routes, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)
@@ -392,7 +395,7 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				MaxPending:        n.MaxPending,
 				Format:            string(sc.Format),
 				CloudEventsSource: sc.CloudEvents.Source,
-				Logger:            slog,
+				Logger:            log,
 			})
 			if credentialsRefused(err) {
 				down := newDownSink(sc.Name, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err))
