@@ -16,8 +16,12 @@ export GOTOOLCHAIN
 
 all: build
 
+## build: the binaries, named after the commit (`outbox-relay version`):
+## git describe works in a git worktree too, where the go command does not
+## stamp the commit into the build information.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 build:
-	$(GO) build -o $(BIN)/outbox-relay ./cmd/outbox-relay
+	$(GO) build -ldflags "-X main.version=$(VERSION)" -o $(BIN)/outbox-relay ./cmd/outbox-relay
 	$(GO) build -o $(BIN)/outbox-relay-dev ./cmd/outbox-relay-dev
 
 ## test: gofmt and vet, then every test with the race detector. Integration
