@@ -55,8 +55,17 @@ func TestRun_LogsOfACleanStart(t *testing.T) {
 				t.Errorf("%s: a clean start logs a %s: %s", run, level, line)
 			}
 			for k, v := range fields {
-				if n, ok := v.(json.Number); ok && durationKey(k) {
-					t.Errorf("%s: duration %s=%s is a bare number: %s", run, k, n, line)
+				if !durationKey(k) {
+					continue
+				}
+				// One form: Go's duration text, as time.Duration prints it.
+				switch v := v.(type) {
+				case json.Number:
+					t.Errorf("%s: duration %s=%s is a bare number: %s", run, k, v, line)
+				case string:
+					if d, err := time.ParseDuration(v); err != nil || d.String() != v {
+						t.Errorf("%s: duration %s=%q is not in time.Duration's form: %s", run, k, v, line)
+					}
 				}
 			}
 		}
@@ -69,7 +78,7 @@ func TestRun_LogsOfACleanStart(t *testing.T) {
 // durationKey reports whether a log field names a duration by the
 // relay's naming (retry_in, status_interval, oldest_age, sweep_after, …).
 func durationKey(k string) bool {
-	for _, suffix := range []string{"_in", "_interval", "interval", "_age", "_after", "_every", "_window", "timeout"} {
+	for _, suffix := range []string{"_in", "interval", "_age", "_after", "_every", "_window", "timeout", "took"} {
 		if strings.HasSuffix(k, suffix) {
 			return true
 		}

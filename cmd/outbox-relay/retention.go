@@ -34,7 +34,7 @@ func runRetention(ctx context.Context, db admin.DB, tables config.Tables, cfg *c
 		return nil
 	}
 	log = log.With().Str("component", "retention").Logger()
-	log.Info().Stringer("done_after", r.DoneAfter).Stringer("ledger_after", r.LedgerAfter).Stringer("interval", r.Interval).
+	log.Info().Dur("done_after", time.Duration(r.DoneAfter)).Dur("ledger_after", time.Duration(r.LedgerAfter)).Dur("interval", time.Duration(r.Interval)).
 		Int("batch", r.Batch).Msg("retention: pruning old done rows and ledger rows")
 	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint},
 		retentionConfig(r), time.Duration(r.Interval), log)
