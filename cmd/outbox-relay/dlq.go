@@ -448,7 +448,7 @@ func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, s
 		return err
 	}
 	c := changeContext{ctx: ctx, pool: pool, tables: tables, sel: s}
-	for _, sc := range cfg.Sinks {
+	for _, sc := range configuredSinks(cfg) {
 		c.all = append(c.all, sc.Name)
 	}
 	if sel.sink != "" {

@@ -99,7 +99,12 @@ func doctor(ctx context.Context, cfg *config.Config) []admin.Check {
 		Retention:       cfg.Retention.Enabled,
 		SlotMaxRetained: int64(cfg.Source.SlotMaxRetained),
 	})
-	for i, s := range configuredSinks(cfg) {
+	sinks := configuredSinks(cfg)
+	if len(sinks) == 0 {
+		checks = append(checks, admin.Check{Name: "sinks", Status: admin.Fail, Detail: "none configured: run refuses to start without one",
+			Fix: "add a sink under sinks: (docs/configuration.md, \"sinks\"), or set embedded_nats: true to try the relay with an embedded NATS server"})
+	}
+	for i, s := range sinks {
 		switch s.Type {
 		case config.SinkWebhook:
 			checks = append(checks, checkWebhook(ctx, i, s))

@@ -73,8 +73,11 @@ func exitCode(err error) int {
 type globals struct {
 	configPath  string
 	databaseURL string
-	stdout      io.Writer
-	stderr      io.Writer
+	// embeddedNATS is run's --embedded-nats: embedded_nats set on the
+	// command line.
+	embeddedNATS bool
+	stdout       io.Writer
+	stderr       io.Writer
 }
 
 // loadConfig reads the configuration: flags > RELAY_* environment > file >
@@ -83,6 +86,9 @@ func (g *globals) loadConfig() (*config.Config, error) {
 	overrides := map[string]string{}
 	if g.databaseURL != "" {
 		overrides["database_url"] = g.databaseURL
+	}
+	if g.embeddedNATS {
+		overrides["embedded_nats"] = "true"
 	}
 	path, from := g.configFile()
 	cfg, err := config.Load(config.Options{Path: path, Overrides: overrides})

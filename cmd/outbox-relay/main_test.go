@@ -156,3 +156,33 @@ func TestVersion_Binary(t *testing.T) {
 		}
 	}
 }
+
+// TestRun_RefusesNoSinks: with no sink configured, run exits 2 before it
+// connects anywhere, naming where it looked and the explicit choice
+// (--embedded-nats, embedded_nats: true); with that choice it goes on (and
+// here fails to connect, exit 1). A container that sets RELAY_CONFIG to a
+// file without sinks is told so.
+func TestRun_RefusesNoSinks(t *testing.T) {
+	unreachable := "postgres://nobody@127.0.0.1:1/x?connect_timeout=2"
+	code, _, errOut := execute(t, "run", "--database-url", unreachable)
+	if code != exitUsage || !strings.Contains(errOut, "no sinks configured") || !strings.Contains(errOut, "--embedded-nats") || !strings.Contains(errOut, "RELAY_CONFIG") {
+		t.Errorf("run without sinks: exit %d, stderr %q", code, errOut)
+	}
+
+	cfg := filepath.Join(t.TempDir(), "relay.yaml")
+	if err := os.WriteFile(cfg, []byte("source: {mode: poll}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("RELAY_CONFIG", cfg)
+	var out, stderr bytes.Buffer
+	code = Execute(context.Background(), []string{"run", "--database-url", unreachable}, &out, &stderr)
+	if code != exitUsage || !strings.Contains(stderr.String(), "RELAY_CONFIG="+cfg) || !strings.Contains(stderr.String(), "no sinks configured") {
+		t.Errorf("RELAY_CONFIG=relay.yaml run, no sinks: exit %d, stderr %q", code, stderr.String())
+	}
+
+	stderr.Reset()
+	code = Execute(context.Background(), []string{"run", "--embedded-nats", "--database-url", unreachable}, &out, &stderr)
+	if code != exitFailure || strings.Contains(stderr.String(), "no sinks") {
+		t.Errorf("run --embedded-nats: exit %d, stderr %q; want it past the sinks check, failing to connect", code, stderr.String())
+	}
+}

@@ -27,22 +27,44 @@ import (
 )
 
 func newRunCommand(g *globals) *cobra.Command {
-	return &cobra.Command{
+	cmd := &cobra.Command{
 		Use:   "run",
 		Short: "Run the relay daemon: stream the outbox to the sinks",
 		Long: `Run streams outbox INSERTs from the replication slot to the configured sinks.
-With no sinks configured it runs an embedded NATS server with JetStream and delivers there.
+It refuses to start without a sink: --embedded-nats (embedded_nats: true) adds one that
+delivers to an embedded NATS server with JetStream, to try the relay out.
 SIGTERM/SIGINT stop taking new events, finish in-flight ones, record their outcomes and
 exit 0 within shutdown_timeout.`,
-		Args: cobra.NoArgs,
+		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := g.loadConfig()
 			if err != nil {
 				return err
 			}
+			if len(cfg.EffectiveSinks()) == 0 {
+				return usageError{g.noSinks()}
+			}
 			return runRelay(cmd.Context(), cfg, g.logger(cfg))
 		},
 	}
+	cmd.Flags().BoolVar(&g.embeddedNATS, "embedded-nats", false, "add a sink named nats on an embedded NATS server with JetStream (embedded_nats: true): a try-out, single instance")
+	return cmd
+}
+
+// noSinks says why run refuses a configuration without sinks, and what to
+// do: the embedded NATS server is a choice, never a default
+// (docs/configuration.md, "Where settings come from").
+func (g *globals) noSinks() error {
+	where := "the configuration"
+	if path, from := g.configFile(); from == config.EnvConfigFile {
+		where = fmt.Sprintf("%s (%s=%s)", path, config.EnvConfigFile, path)
+	} else if path != "" {
+		where = path
+	} else {
+		where = "the configuration (no file: neither --config nor " + config.EnvConfigFile + " names one)"
+	}
+	return fmt.Errorf("no sinks configured in %s: run would deliver nowhere. Add sinks (docs/configuration.md, \"sinks\"), "+
+		"or pass --embedded-nats (embedded_nats: true) to try the relay with an embedded NATS server", where)
 }
 
 // relayRun is one running relay: what its terms share.
@@ -96,12 +118,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		return err
 	}
 
-	if len(cfg.Sinks) == 0 {
-		s := config.DefaultSink(config.SinkNATS)
-		s.Name = "nats"
-		cfg.Sinks = []config.SinkConfig{s}
-		log.Info().Msg("no sinks configured: delivering to an embedded NATS server with JetStream")
-	}
 	if err := fillCloudEventsSources(ctx, pool, cfg, r.tables.Outbox); err != nil {
 		return err
 	}
@@ -329,7 +345,7 @@ func (r *relayRun) refreshStats(ctx context.Context) {
 // sinks opened so far, for the caller to close.
 func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]relay.Route, error) {
 	var routes []relay.Route
-	for i, sc := range cfg.Sinks {
+	for i, sc := range cfg.EffectiveSinks() {
 		// The sinks add their own "sink" field: they get log, and slog
 		// is for the lines written here. A field added twice is a
 		// duplicate JSON key, which log pipelines drop.
@@ -408,7 +424,7 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 			}
 			if sc.URL == "" {
 				slog.Info().Str("url", s.ClientURL()).Str("subscribe", fmt.Sprintf("nats sub --server %s '%s'", s.ClientURL(), firstOr(n.Stream.Subjects, ">"))).
-					Msg("embedded NATS server with JetStream (single instance); subscribe to see events")
+					Msg("embedded NATS server with JetStream (single instance); see its events with the nats CLI (github.com/nats-io/natscli)")
 			}
 			sink = s
 		default:

@@ -212,16 +212,9 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 	return pool, tables, nil
 }
 
-// configuredSinks returns the sinks run delivers to: the configured ones, or
-// the embedded NATS sink run adds when none is configured.
-func configuredSinks(cfg *config.Config) []config.SinkConfig {
-	if len(cfg.Sinks) > 0 {
-		return cfg.Sinks
-	}
-	s := config.DefaultSink(config.SinkNATS)
-	s.Name = "nats"
-	return []config.SinkConfig{s}
-}
+// configuredSinks returns the sinks run delivers to: the configured ones
+// and, with embedded_nats, the embedded NATS sink.
+func configuredSinks(cfg *config.Config) []config.SinkConfig { return cfg.EffectiveSinks() }
 
 // findSink returns the configured sink called name, or a usage error that
 // lists the sinks there are.
@@ -233,6 +226,9 @@ func findSink(cfg *config.Config, name string) (config.SinkConfig, error) {
 			return s, nil
 		}
 		names = append(names, s.Name)
+	}
+	if len(names) == 0 {
+		names = []string{"none"}
 	}
 	return config.SinkConfig{}, usageError{fmt.Errorf("--sink %q: no such sink (configured: %s)", name, strings.Join(names, ", "))}
 }

@@ -33,6 +33,9 @@ func (c *Config) Validate() error {
 	for i := range c.Sinks {
 		v.sink(fmt.Sprintf("sinks[%d]", i), &c.Sinks[i], names)
 	}
+	if at, taken := names[EmbeddedNATSSink]; taken && c.EmbeddedNATS {
+		v.fail("embedded_nats", "adds a sink named %q, which is already the name of %s: leave %s's url empty for the embedded server instead", EmbeddedNATSSink, at, at)
+	}
 	v.listen("http.listen", c.HTTP.Listen)
 	if strings.ContainsFunc(c.HTTP.MetricsToken.Reveal(), func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) {
 		v.fail("http.metrics_token", "must be printable, without spaces")
