@@ -155,7 +155,7 @@ func newDLQListCommand(g *globals) *cobra.Command {
 		Short: "List failed and held events with each sink's ledger state",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}
@@ -426,7 +426,7 @@ type rowChange struct {
 // changeRows selects the rows, asks, and applies the change in batches of
 // admin.BatchSize, one transaction each, with a progress bar for large sets.
 func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, statuses []string, change rowChange) error {
-	cfg, err := g.loadConfig()
+	cfg, err := g.loadOpsConfig()
 	if err != nil {
 		return err
 	}

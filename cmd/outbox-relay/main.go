@@ -81,8 +81,19 @@ type globals struct {
 }
 
 // loadConfig reads the configuration: flags > RELAY_* environment > file >
-// defaults. The file is --config, else the path in RELAY_CONFIG.
-func (g *globals) loadConfig() (*config.Config, error) {
+// defaults. The file is --config, else the path in RELAY_CONFIG. Commands
+// that send (run, doctor) and config use it.
+func (g *globals) loadConfig() (*config.Config, error) { return g.load(false) }
+
+// loadOpsConfig reads the configuration as loadConfig does, for a command
+// that never sends (status, dlq, replay, reconcile, migrate): it needs the
+// sinks' names and events, not their secrets, so an unset ${VAR} in a sink
+// secret is no error there (config.Options.SinkSecretsOptional). An
+// operator can run it from a machine that holds only the database's
+// credentials.
+func (g *globals) loadOpsConfig() (*config.Config, error) { return g.load(true) }
+
+func (g *globals) load(sinkSecretsOptional bool) (*config.Config, error) {
 	overrides := map[string]string{}
 	if g.databaseURL != "" {
 		overrides["database_url"] = g.databaseURL
@@ -91,7 +102,7 @@ func (g *globals) loadConfig() (*config.Config, error) {
 		overrides["embedded_nats"] = "true"
 	}
 	path, from := g.configFile()
-	cfg, err := config.Load(config.Options{Path: path, Overrides: overrides})
+	cfg, err := config.Load(config.Options{Path: path, Overrides: overrides, SinkSecretsOptional: sinkSecretsOptional})
 	if err != nil {
 		if from == config.EnvConfigFile {
 			err = fmt.Errorf("%s=%s: %w", config.EnvConfigFile, path, err)

@@ -186,3 +186,38 @@ func TestRun_RefusesNoSinks(t *testing.T) {
 		t.Errorf("run --embedded-nats: exit %d, stderr %q; want it past the sinks check, failing to connect", code, stderr.String())
 	}
 }
+
+// TestOperatorCommandsNeedNoSinkSecrets: status, dlq, replay, reconcile
+// and migrate never send, so a sink secret whose variable is unset on the
+// operator's machine does not stop them (here they get as far as the
+// unreachable database: exit 1); run and doctor, which use the sinks, still
+// exit 2 naming the variable.
+func TestOperatorCommandsNeedNoSinkSecrets(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "relay.yaml")
+	doc := `database_url: postgres://nobody@127.0.0.1:1/x?connect_timeout=2
+sinks:
+  - name: n8n
+    type: webhook
+    url: https://n8n.example.com/webhook/outbox
+    auth: {type: header, header: X-Outbox-Token, value: ${N8N_TOKEN}}
+`
+	if err := os.WriteFile(cfg, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	os.Unsetenv("N8N_TOKEN")
+	for _, args := range [][]string{
+		{"status"}, {"dlq", "list"}, {"dlq", "retry", "--yes"}, {"replay", "--ids", "1", "--sink", "n8n", "--yes"},
+		{"reconcile", "--older-than", "10m"}, {"migrate"},
+	} {
+		code, _, errOut := execute(t, append(args, "--config", cfg)...)
+		if code != exitFailure || strings.Contains(errOut, "N8N_TOKEN") {
+			t.Errorf("%q: exit %d, stderr %q; want it to load the configuration and fail on the database", args, code, errOut)
+		}
+	}
+	for _, args := range [][]string{{"run"}, {"doctor"}} {
+		code, _, errOut := execute(t, append(args, "--config", cfg)...)
+		if code != exitUsage || !strings.Contains(errOut, "sinks[0].auth.value: environment variable N8N_TOKEN is not set") {
+			t.Errorf("%q: exit %d, stderr %q; want exit 2 naming N8N_TOKEN", args, code, errOut)
+		}
+	}
+}

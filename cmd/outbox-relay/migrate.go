@@ -22,7 +22,7 @@ Existing rows are never changed; indexes are built CONCURRENTLY and DDL that nee
 strong lock waits at most migrate.lock_timeout at a time, retrying until migrate.timeout.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}

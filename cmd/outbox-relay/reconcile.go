@@ -23,7 +23,7 @@ The ledger prevents double delivery if the stream did deliver some of them.`,
 			if olderThan <= 0 {
 				return usageError{fmt.Errorf("--older-than is required (for example --older-than 10m)")}
 			}
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}

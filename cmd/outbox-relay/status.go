@@ -37,7 +37,7 @@ whether a relay runs or not:
               path's claims and settlements (a running relay's /readyz says more)`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}

@@ -89,6 +89,9 @@ type Config struct {
 	// origins maps a key path ("sinks[0].url") to where its value came
 	// from, so Validate can name the file line or variable.
 	origins map[string]string
+	// sinkSecretsOptional is Options.SinkSecretsOptional: Validate does
+	// not require sink secrets.
+	sinkSecretsOptional bool
 }
 
 // OutboxConfig names the database objects the relay and its migrations use.
