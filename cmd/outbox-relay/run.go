@@ -107,6 +107,14 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	defer pool.Close()
 	r.pool = pool
+	// The pool connects lazily: a refused connection would surface as the
+	// first query's failure, under that query's name.
+	if err := pool.Ping(ctx); err != nil {
+		return connectError(cfg, err)
+	}
+	if cfg.DatabaseURL == "" {
+		log.Info().Str("database", dbTarget("")).Msg("database_url is not set (nor --database-url, DATABASE_URL): libpq's defaults and the PG* variables chose the database")
+	}
 
 	if r.tables, err = resolveTables(ctx, pool, cfg.Tables()); err != nil {
 		return err

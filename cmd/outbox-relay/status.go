@@ -186,7 +186,9 @@ func sortedKeys[V any](m map[string]V) []string {
 
 // connectOps opens a small pool for an operator command, named
 // admin.CLIApplicationName (status does not count it as a relay), and
-// schema-qualifies the configured tables.
+// schema-qualifies the configured tables. A failed connection is explained
+// with its fix (connectError), and a database migrate has not prepared is
+// named as such (requireMigrated).
 func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.Tables, error) {
 	pc, err := pgxpool.ParseConfig(cfg.DatabaseURL.Reveal())
 	if err != nil {
@@ -201,10 +203,13 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, admin.Tables{}, fmt.Errorf("connect to the database: %w", err)
+		return nil, admin.Tables{}, connectError(cfg, err)
 	}
 	t := cfg.Tables()
 	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
+	if err == nil {
+		err = requireMigrated(ctx, pool, tables, dbTarget(cfg.DatabaseURL.Reveal()))
+	}
 	if err != nil {
 		pool.Close()
 		return nil, admin.Tables{}, err
