@@ -48,7 +48,11 @@ func target(url string) string {
 	if err != nil {
 		return "(DATABASE_URL does not parse)"
 	}
-	return fmt.Sprintf("%s@%s:%d/%s", cc.User, cc.Host, cc.Port, cc.Database)
+	database := cc.Database
+	if database == "" {
+		database = cc.User // the server's default
+	}
+	return fmt.Sprintf("%s@%s:%d/%s", cc.User, cc.Host, cc.Port, database)
 }
 
 // attached is a user's database the tour runs in, under names of its own.

@@ -22,7 +22,11 @@ func dbTarget(connString string) string {
 	if err != nil {
 		return "(database_url does not parse)"
 	}
-	return fmt.Sprintf("%s@%s:%d/%s", cc.User, cc.Host, cc.Port, cc.Database)
+	database := cc.Database
+	if database == "" {
+		database = cc.User // the server's default
+	}
+	return fmt.Sprintf("%s@%s:%d/%s", cc.User, cc.Host, cc.Port, database)
 }
 
 // connectFailure is a connection that failed: where to, the server's (or
@@ -46,13 +50,22 @@ func (e *connectFailure) Unwrap() error { return e.err }
 // such, since libpq's defaults (localhost:5432, the OS user) chose the
 // server.
 func connectError(cfg *config.Config, err error) error {
-	f := &connectFailure{target: dbTarget(cfg.DatabaseURL.Reveal()), err: err}
+	f := &connectFailure{target: configuredTarget(cfg), err: err}
 	f.reason, f.fix = explainConnect(err, cfg.DatabaseURL.Reveal())
 	if cfg.DatabaseURL == "" {
-		f.target += " (database_url is not set, nor --database-url or DATABASE_URL: libpq's defaults and the PG* variables chose it)"
 		f.fix = "set database_url, --database-url or DATABASE_URL to the relay's database; otherwise " + f.fix
 	}
 	return f
+}
+
+// configuredTarget is dbTarget of cfg's database, saying so when no
+// database URL is configured and libpq's defaults chose it.
+func configuredTarget(cfg *config.Config) string {
+	target := dbTarget(cfg.DatabaseURL.Reveal())
+	if cfg.DatabaseURL == "" {
+		target += " (database_url is not set, nor --database-url or DATABASE_URL: libpq's defaults and the PG* variables chose it)"
+	}
+	return target
 }
 
 // explainConnect returns the reason and the fix for a failed connection.

@@ -208,7 +208,7 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 	t := cfg.Tables()
 	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
 	if err == nil {
-		err = requireMigrated(ctx, pool, tables, dbTarget(cfg.DatabaseURL.Reveal()))
+		err = requireMigrated(ctx, pool, tables, configuredTarget(cfg))
 	}
 	if err != nil {
 		pool.Close()
