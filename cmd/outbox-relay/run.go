@@ -55,12 +55,13 @@ exit 0 within shutdown_timeout.`,
 // do: the embedded NATS server is a choice, never a default
 // (docs/configuration.md, "Where settings come from").
 func (g *globals) noSinks() error {
-	where := "the configuration"
-	if path, from := g.configFile(); from == config.EnvConfigFile {
+	var where string
+	switch path, from := g.configFile(); {
+	case from == config.EnvConfigFile:
 		where = fmt.Sprintf("%s (%s=%s)", path, config.EnvConfigFile, path)
-	} else if path != "" {
+	case path != "":
 		where = path
-	} else {
+	default:
 		where = "the configuration (no file: neither --config nor " + config.EnvConfigFile + " names one)"
 	}
 	return fmt.Errorf("no sinks configured in %s: run would deliver nowhere. Add sinks (docs/configuration.md, \"sinks\"), "+
