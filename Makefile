@@ -16,8 +16,12 @@ export GOTOOLCHAIN
 
 all: build
 
+## build: the binaries, named after the commit (`outbox-relay version`):
+## git describe works in a git worktree too, where the go command does not
+## stamp the commit into the build information.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 build:
-	$(GO) build -o $(BIN)/outbox-relay ./cmd/outbox-relay
+	$(GO) build -ldflags "-X main.version=$(VERSION)" -o $(BIN)/outbox-relay ./cmd/outbox-relay
 	$(GO) build -o $(BIN)/outbox-relay-dev ./cmd/outbox-relay-dev
 
 ## test: gofmt and vet, then every test with the race detector. Integration
@@ -166,9 +170,12 @@ fuzz:
 		echo "ok   $$name ($$pkg) $${execs:-execs: 0, the corpus replay took the time}, $$(( $$(date +%s) - start ))s$$note"; \
 	done
 
-## run: with DATABASE_URL, attach to that database; without it, start a private
-## logical-WAL PostgreSQL from the local binaries. Then migrate and show what
-## the relay does (README, "A five-minute tour").
+## run: without DATABASE_URL, start a private logical-WAL PostgreSQL from the
+## local binaries; with it, attach to that database under names of the tour's
+## own (schema, publication and slot outbox_relay_dev, listed before they are
+## created and removed on exit): it never touches your outbox, ledger or slot.
+## Then migrate, run the relay with --embedded-nats and a webhook receiver, and
+## publish sample events (README, "A five-minute tour").
 run: build
 	$(BIN)/outbox-relay-dev --relay $(BIN)/outbox-relay
 

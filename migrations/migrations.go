@@ -632,9 +632,10 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, names Names, opts Op
 		if err == nil {
 			_, err = conn.Exec(ctx, create)
 		}
+		// Reported in Result, which the caller prints: a log line here
+		// too showed each of them twice.
 		if err == nil {
 			res.PublicationCreated = true
-			opts.Logger.Info().Str("publication", names.Publication).Msg("created publication")
 			_, err = conn.Exec(ctx, "RESET lock_timeout")
 			return err
 		}
@@ -642,7 +643,6 @@ func ensurePublication(ctx context.Context, conn *pgx.Conn, names Names, opts Op
 		if errors.As(err, &pgErr) && pgErr.Code == "42501" { // insufficient_privilege
 			res.PublicationSkipped = fmt.Sprintf("publication %s not created: %s; as the owner of %s run: %s",
 				names.Publication, pgErr.Message, names.Outbox, create)
-			opts.Logger.Warn().Str("publication", names.Publication).Msg(res.PublicationSkipped)
 			return nil
 		}
 		if !isLockTimeout(err) || time.Now().After(deadline) {

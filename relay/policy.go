@@ -277,9 +277,15 @@ type circuit struct {
 	downCount int
 }
 
+// circuitProbeMax caps how long a circuit stays open before the next event
+// probes the sink (docs/operations-health.md, "The bounds"): it bounds the
+// time from a sink's recovery to its first delivery, at the cost of one
+// request to a down sink every 2 s.
+const circuitProbeMax = 2 * time.Second
+
 // open opens (or keeps open, longer) the circuit and returns when it
-// closes: Retry-After when the sink said, else 1 s doubling to 30 s with
-// each opening in a row. It reports whether it was closed before.
+// closes: Retry-After when the sink said, else 1 s, then circuitProbeMax
+// with each opening in a row. It reports whether it was closed before.
 func (c *circuit) open(now time.Time, retryAfter time.Duration) (until time.Time, opened bool) {
 	if now.Before(c.openUntil) {
 		if retryAfter > 0 && now.Add(retryAfter).After(c.openUntil) {
@@ -290,7 +296,7 @@ func (c *circuit) open(now time.Time, retryAfter time.Duration) (until time.Time
 	c.downCount++
 	cool := retryAfter
 	if cool <= 0 {
-		cool = min(time.Second<<min(c.downCount-1, 5), 30*time.Second)
+		cool = min(time.Second<<min(c.downCount-1, 5), circuitProbeMax)
 	}
 	c.openUntil = now.Add(cool)
 	return c.openUntil, true

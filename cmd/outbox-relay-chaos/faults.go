@@ -503,8 +503,7 @@ func (s *stack) waitSlot(ctx context.Context, timeout time.Duration) error {
 	}
 }
 
-// holdSettleLock locks the ledger and the delivered record in EXCLUSIVE
-// mode (reads pass, every write waits) for hold, and returns the largest
+// holdSettleLock locks the ledger in EXCLUSIVE mode (reads pass, every write waits) for hold, and returns the largest
 // RSS of a relay process sampled meanwhile.
 func (s *stack) holdSettleLock(ctx context.Context, hold time.Duration) (int64, error) {
 	tx, err := s.pool.Begin(ctx)

@@ -41,9 +41,9 @@
 //	                  a long multi-byte UTF-8 body holding a NUL byte
 //	slot-create-crash the slot dropped, then kill -9 of both relays as soon
 //	                  as it exists again (created by the leader), restarted
-//	settle-lock       LOCK TABLE of the ledger and the delivered record IN
-//	                  EXCLUSIVE MODE held for a few seconds: settlement
-//	                  writes wait while replication goes on
+//	settle-lock       LOCK TABLE of the ledger IN EXCLUSIVE MODE held for a
+//	                  few seconds: settlement writes wait while replication
+//	                  goes on
 //	pg-blackhole      each relay reaches PostgreSQL and nats-server through
 //	nats-blackhole    its own netfault proxy: the open connections are
 //	                  black-holed (sockets open, nothing forwarded, new
@@ -54,6 +54,13 @@
 //	                  URL; a new synchronous standby is built on the old
 //	                  primary's port (pg_basebackup, or a cold copy where
 //	                  the bin dir has none)
+//	graceful-stop     SIGTERM of the HA leader while it delivers: it must
+//	                  record what is in flight and exit 0; restarted
+//	poll-fallback     the publication dropped and the walsender ended:
+//	                  auto mode polls, then streams again once restored
+//
+// Retention runs in the relays throughout, with ages of seconds; what it
+// prunes is kept aside for the checks.
 //
 // Writers also insert, now and then, a row with a NULL available_at (due
 // now) and one scheduled a few seconds ahead (its aggregate's later events
@@ -62,8 +69,8 @@
 // Afterwards — writers stopped, everything delivered (or -quiesce passed),
 // the relays stopped with SIGTERM — it checks: no committed event missing at
 // either sink, except the events the receiver refused for good, which must
-// be dead-lettered; every (event_key, action) settled once (in the
-// delivered record, or one delivered ledger row); every repeat carries the
+// be dead-lettered; every (event_key, action) has one delivered ledger row
+// and every delivered row is done; every repeat carries the
 // same idempotency id and a byte-identical body, and the receiver applied
 // each event's side effect exactly once (deduplicating by webhook-id);
 // per-aggregate order; the WAL retained by the slot stayed under

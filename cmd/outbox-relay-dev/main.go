@@ -1,9 +1,16 @@
-// Command outbox-relay-dev is what `make run` starts: with DATABASE_URL it
-// attaches to that database; without it, it starts a private logical-WAL
-// PostgreSQL cluster from the local binaries (the tests' harness). It then
-// migrates with the outbox-relay binary, runs the relay with two sinks — the
-// embedded NATS server and a small webhook receiver that prints what it gets —
-// and publishes sample events, until Ctrl-C.
+// Command outbox-relay-dev is what `make run` starts: a tour of the relay
+// that never touches a user's events (README, "A five-minute tour").
+//
+// Without DATABASE_URL it starts a private logical-WAL PostgreSQL cluster
+// from the local binaries (the tests' harness) and uses the default names.
+// With DATABASE_URL it attaches to that database with names of its own — a
+// schema, a publication and a slot called outbox_relay_dev — which it lists
+// before it creates them and removes when it stops (attach.go): it never
+// reads or writes the user's outbox, ledger or slot, and never prints the
+// password. Either way it migrates with the outbox-relay binary, runs the
+// relay with a small webhook receiver that prints what it gets and the
+// embedded NATS server (run --embedded-nats), and publishes sample events
+// until Ctrl-C.
 package main
 
 import (
@@ -35,14 +42,30 @@ func main() {
 
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := run(ctx, *relayBin, *once, os.Stdout); err != nil {
+	opts := options{relayBin: *relayBin, once: *once, databaseURL: os.Getenv("DATABASE_URL")}
+	if err := run(ctx, opts, os.Stdout); err != nil {
 		fmt.Fprintf(os.Stderr, "outbox-relay-dev: %v\n", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, relayBin string, once bool, out io.Writer) error {
-	say := func(format string, args ...any) { fmt.Fprintf(out, "==> "+format+"\n", args...) }
+// options are what run does.
+type options struct {
+	// relayBin is the outbox-relay binary; empty: beside this one.
+	relayBin string
+	// once publishes three events, waits until the webhook has them, stops
+	// the relay and returns.
+	once bool
+	// databaseURL is the database to attach to; empty: a private cluster.
+	databaseURL string
+}
+
+// say prints one of the tour's own lines.
+type sayer func(format string, args ...any)
+
+func run(ctx context.Context, opts options, out io.Writer) (err error) {
+	say := sayer(func(format string, args ...any) { fmt.Fprintf(out, "==> "+format+"\n", args...) })
+	relayBin := opts.relayBin
 	if relayBin == "" {
 		self, err := os.Executable()
 		if err != nil {
@@ -56,7 +79,8 @@ func run(ctx context.Context, relayBin string, once bool, out io.Writer) error {
 	}
 	defer os.RemoveAll(work)
 
-	url := os.Getenv("DATABASE_URL")
+	url, n := opts.databaseURL, defaultNames()
+	streams := true // the relay can stream: wal_level logical, a role with REPLICATION
 	if url == "" {
 		say("DATABASE_URL is not set: starting a private PostgreSQL (wal_level=logical) from the local binaries")
 		cluster, err := pgtest.StartCluster(ctx, pgtest.Options{})
@@ -71,12 +95,20 @@ func run(ctx context.Context, relayBin string, once bool, out io.Writer) error {
 			return err
 		}
 		url = cluster.URL("outbox")
-	}
-	say("database: %s", url)
-
-	say("outbox-relay migrate")
-	if err := relayCommand(ctx, relayBin, out, "migrate", "--database-url", url).Run(); err != nil {
-		return fmt.Errorf("migrate: %w", err)
+		say("database: %s, in %s (removed when you stop)", target(url), cluster.Dir())
+	} else {
+		n = devNames()
+		a, err := attach(ctx, url, n, say)
+		if err != nil {
+			return err
+		}
+		streams = a.streams
+		// The objects go on a fresh context: Ctrl-C has ended ctx.
+		defer func() {
+			if cerr := a.remove(context.Background()); cerr != nil && err == nil {
+				err = cerr
+			}
+		}()
 	}
 
 	// A webhook receiver standing in for n8n: it prints every delivery.
@@ -85,71 +117,135 @@ func run(ctx context.Context, relayBin string, once bool, out io.Writer) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		var env struct {
-			ID          int64           `json:"id"`
-			EventType   string          `json:"event_type"`
-			AggregateID string          `json:"aggregate_id"`
-			Payload     json.RawMessage `json:"payload"`
-		}
-		body, _ := io.ReadAll(r.Body)
-		json.Unmarshal(body, &env)
-		received.Add(1)
-		say("webhook received #%d %s %s %s (webhook-id %s, attempt %s)", env.ID, env.EventType, env.AggregateID,
-			env.Payload, r.Header.Get("webhook-id"), r.Header.Get("webhook-attempt"))
-		w.WriteHeader(http.StatusNoContent)
-	})}
+	srv := &http.Server{Handler: receiver(say, &received), ReadHeaderTimeout: 10 * time.Second}
 	go srv.Serve(ln)
 	defer srv.Close()
 
 	cfgPath := filepath.Join(work, "relay.yaml")
-	cfg := fmt.Sprintf(`database_url: %q
-data_dir: %q
-sinks:
-  - name: nats
-    type: nats            # no url: the embedded NATS server with JetStream
-  - name: dev-webhook
-    type: webhook
-    url: http://%s/webhook/outbox
-http:
-  listen: 127.0.0.1:0
-log: {level: info, format: console}
-`, url, filepath.Join(work, "data"), ln.Addr())
-	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
+	if err := os.WriteFile(cfgPath, []byte(relayConfig(url, n, filepath.Join(work, "data"), "http://"+ln.Addr().String()+"/webhook/outbox")), 0o600); err != nil {
 		return err
 	}
 
-	say("outbox-relay run --config %s", cfgPath)
+	say("outbox-relay migrate --config %s", cfgPath)
+	if err := relayCommand(ctx, relayBin, out, "migrate", "--config", cfgPath).Run(); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+
+	say("outbox-relay run --config %s --embedded-nats", cfgPath)
 	relayCtx, stopRelay := context.WithCancel(ctx)
 	defer stopRelay()
-	relay := relayCommand(relayCtx, relayBin, out, "run", "--config", cfgPath)
-	if err := relay.Start(); err != nil {
+	relay := &relayProcess{cmd: relayCommand(relayCtx, relayBin, out, "run", "--config", cfgPath, "--embedded-nats"), done: make(chan struct{})}
+	if err := relay.cmd.Start(); err != nil {
 		return err
 	}
-	relayDone := make(chan error, 1)
-	go func() { relayDone <- relay.Wait() }()
+	go func() { relay.err = relay.cmd.Wait(); close(relay.done) }()
+	// Whatever happens next, the relay stops (SIGTERM, then its
+	// WaitDelay) before the deferred clean-up drops its slot.
+	defer func() { stopRelay(); <-relay.done }()
 
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
-		return err
+		return fmt.Errorf("connect to %s: %w", target(url), err)
 	}
 	defer conn.Close(context.Background())
 
-	// Rows written before the slot exists belong to the claim path; wait for
-	// the stream so the samples show it.
-	for streaming := false; !streaming; {
-		if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = 'outbox_relay' AND active)").Scan(&streaming); err != nil {
+	if streams {
+		// Rows written before the slot exists belong to the claim path;
+		// wait for the stream so the samples show it.
+		if err := waitStreaming(ctx, conn, n.slot, relay, say); err != nil {
 			return err
+		}
+	}
+	return publishSamples(ctx, conn, n, opts.once, &received, relay, say)
+}
+
+// relayProcess is the running relay; done is closed once it has exited,
+// with err its exit.
+type relayProcess struct {
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// receiver answers 204 to every request and prints the event: its row id,
+// type, aggregate and payload, and the headers a receiver deduplicates on.
+func receiver(say sayer, received *atomic.Int64) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var env struct {
+			ID            int64           `json:"id"`
+			EventType     string          `json:"event_type"`
+			AggregateType string          `json:"aggregate_type"`
+			AggregateID   string          `json:"aggregate_id"`
+			Payload       json.RawMessage `json:"payload"`
+		}
+		body, _ := io.ReadAll(r.Body)
+		json.Unmarshal(body, &env)
+		received.Add(1)
+		// "event <id>": the outbox row's id, which a replay sends again.
+		say("webhook received event %d: %s %s/%s %s (webhook-id %s, attempt %s)", env.ID, env.EventType, env.AggregateType, env.AggregateID,
+			env.Payload, r.Header.Get("webhook-id"), r.Header.Get("webhook-attempt"))
+		w.WriteHeader(http.StatusNoContent)
+	})
+}
+
+// relayConfig is the relay's configuration for the tour: the names n, the
+// webhook receiver, console logs (colored only on a terminal).
+func relayConfig(url string, n names, dataDir, hookURL string) string {
+	return fmt.Sprintf(`database_url: %q
+outbox:
+  table: %s
+  ledger_table: %s
+  checkpoint_table: %s
+  publish_function: %s
+source:
+  slot: %s
+  publication: %s
+data_dir: %q
+sinks:
+  - name: dev-webhook
+    type: webhook
+    url: %s
+http:
+  listen: 127.0.0.1:0
+log: {level: info, format: console}
+`, url, n.outbox, n.ledger, n.checkpoint, n.publish, n.slot, n.publication, dataDir, hookURL)
+}
+
+// waitStreaming waits until the relay streams from slot, saying so; after
+// 20 s it goes on, saying where to look: the claim path delivers the samples
+// either way.
+func waitStreaming(ctx context.Context, conn *pgx.Conn, slot string, relay *relayProcess, say sayer) error {
+	start := time.Now()
+	told := false
+	for {
+		var streaming bool
+		if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active)", slot).Scan(&streaming); err != nil {
+			return err
+		}
+		if streaming {
+			return nil
+		}
+		switch waited := time.Since(start); {
+		case waited > 20*time.Second:
+			say("the relay is not streaming from slot %s after 20 s: its log above says why (outbox-relay doctor too); going on, the claim path delivers the samples", slot)
+			return nil
+		case waited > 2*time.Second && !told:
+			say("waiting for the relay to stream from slot %s …", slot)
+			told = true
 		}
 		select {
 		case <-ctx.Done():
-			return nil
-		case err := <-relayDone:
-			return fmt.Errorf("relay exited before streaming: %v", err)
+			return ctx.Err()
+		case <-relay.done:
+			return fmt.Errorf("the relay exited before it streamed: %v (its log is above)", relay.err)
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+}
 
+// publishSamples publishes a sample event every 2 s until ctx ends; with
+// once, three, then it waits until the webhook has them and stops the relay.
+func publishSamples(ctx context.Context, conn *pgx.Conn, n names, once bool, received *atomic.Int64, relay *relayProcess, say sayer) error {
 	samples := []struct{ typ, agg, id, payload string }{
 		{"lead.created", "lead", "L1", `{"name": "Ada", "source": "web"}`},
 		{"lead.qualified", "lead", "L1", `{"score": 87}`},
@@ -158,21 +254,26 @@ log: {level: info, format: console}
 	stamp := time.Now().UTC().Format("150405")
 	tick := time.NewTicker(2 * time.Second)
 	defer tick.Stop()
+	publish := "SELECT " + n.publishQuoted() + "($1, $2, $3, $4, $5::jsonb)"
 	for i := 0; ; i++ {
 		if !once || i < len(samples) {
 			s := samples[i%len(samples)]
 			key := fmt.Sprintf("sample-%s-%d", stamp, i+1)
 			var result string
-			if err := conn.QueryRow(ctx, "SELECT outbox_publish($1, $2, $3, $4, $5::jsonb)", s.typ, s.agg, s.id, key, s.payload).Scan(&result); err != nil {
+			if err := conn.QueryRow(ctx, publish, s.typ, s.agg, s.id, key, s.payload).Scan(&result); err != nil {
+				if ctx.Err() != nil {
+					return nil
+				}
 				return fmt.Errorf("publish %s: %w", key, err)
 			}
-			say("outbox_publish(%s, %s/%s, %s) = %s", s.typ, s.agg, s.id, key, result)
+			say("%s(%s, %s/%s, %s) = %s", n.publish, s.typ, s.agg, s.id, key, result)
 		}
 		if once && received.Load() >= int64(len(samples)) {
 			say("all %d sample events arrived; stopping the relay", len(samples))
-			relay.Process.Signal(syscall.SIGTERM)
-			if err := <-relayDone; err != nil {
-				return fmt.Errorf("relay exited: %w", err)
+			relay.cmd.Process.Signal(syscall.SIGTERM)
+			<-relay.done
+			if relay.err != nil {
+				return fmt.Errorf("relay exited: %w", relay.err)
 			}
 			return nil
 		}
@@ -182,11 +283,9 @@ log: {level: info, format: console}
 		}
 		select {
 		case <-ctx.Done():
-			stopRelay()
-			<-relayDone
 			return nil
-		case err := <-relayDone:
-			return fmt.Errorf("relay exited early: %v", err)
+		case <-relay.done:
+			return fmt.Errorf("relay exited early: %v", relay.err)
 		case <-wait:
 		}
 		if once && i > 600 {

@@ -78,3 +78,46 @@ http: {metrics_token: metrics-SECRET-3}
 		t.Errorf("invalid config: exit %d, want %d", code, exitUsage)
 	}
 }
+
+// TestConfigFileFromEnvironment: RELAY_CONFIG names the file when --config
+// does not (docs/configuration.md): a bad file fails with exit 2 naming the
+// variable and the key, a good one is read, and --config wins over it.
+func TestConfigFileFromEnvironment(t *testing.T) {
+	dir := t.TempDir()
+	bad := filepath.Join(dir, "bad.yaml")
+	good := filepath.Join(dir, "relay.yaml")
+	other := filepath.Join(dir, "other.yaml")
+	for path, doc := range map[string]string{
+		bad:   "source:\n  mode: sometimes\n",
+		good:  "source:\n  mode: poll\nsinks:\n  - {name: n8n, type: webhook, url: 'http://127.0.0.1:5678/webhook/outbox'}\n",
+		other: "source:\n  mode: replication\n",
+	} {
+		if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	run := func(env string, args ...string) (int, string, string) {
+		t.Helper()
+		t.Setenv("RELAY_CONFIG", env)
+		var stdout, stderr bytes.Buffer
+		code := Execute(context.Background(), args, &stdout, &stderr)
+		return code, stdout.String(), stderr.String()
+	}
+
+	code, _, errOut := run(bad, "config")
+	if code != exitUsage || !strings.Contains(errOut, "RELAY_CONFIG="+bad) || !strings.Contains(errOut, "source.mode") {
+		t.Errorf("RELAY_CONFIG=bad.yaml config: exit %d, stderr %q; want exit 2 naming RELAY_CONFIG and source.mode", code, errOut)
+	}
+	code, out, errOut := run(good, "config")
+	if code != exitOK || !strings.Contains(out, "mode: poll") || !strings.Contains(out, "name: n8n") {
+		t.Errorf("RELAY_CONFIG=relay.yaml config: exit %d, stderr %q, stdout:\n%s", code, errOut, out)
+	}
+	code, out, errOut = run(bad, "config", "--config", other)
+	if code != exitOK || !strings.Contains(out, "mode: replication") {
+		t.Errorf("--config beside RELAY_CONFIG: exit %d, stderr %q, stdout:\n%s", code, errOut, out)
+	}
+	code, _, errOut = run(filepath.Join(dir, "missing.yaml"), "config")
+	if code != exitUsage || !strings.Contains(errOut, "RELAY_CONFIG=") || !strings.Contains(errOut, "missing.yaml") {
+		t.Errorf("RELAY_CONFIG naming no file: exit %d, stderr %q", code, errOut)
+	}
+}

@@ -41,9 +41,9 @@ type selectionFlags struct {
 	limit     int
 }
 
-func (f *selectionFlags) register(cmd *cobra.Command, withSink, withLimit bool, limitDefault int) {
-	if withSink {
-		cmd.Flags().StringVar(&f.sink, "sink", "", "only events routed to this sink and not delivered to it; retry clears only its ledger rows")
+func (f *selectionFlags) register(cmd *cobra.Command, sinkHelp string, withLimit bool, limitDefault int) {
+	if sinkHelp != "" {
+		cmd.Flags().StringVar(&f.sink, "sink", "", sinkHelp)
 	}
 	cmd.Flags().StringVar(&f.eventType, "event-type", "", `only event types matching this glob ("order.*"); a NULL type matches only "*"`)
 	cmd.Flags().StringVar(&f.since, "since", "", "only events created at or after this time: RFC 3339 (2026-01-02T15:04:05Z), a date (2026-01-02, UTC) or a duration ago (24h)")
@@ -155,7 +155,7 @@ func newDLQListCommand(g *globals) *cobra.Command {
 		Short: "List failed and held events with each sink's ledger state",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}
@@ -200,7 +200,7 @@ func newDLQListCommand(g *globals) *cobra.Command {
 			return nil
 		},
 	}
-	sel.register(cmd, true, true, defaultListLimit)
+	sel.register(cmd, "only events routed to this sink and not delivered to it", true, defaultListLimit)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (full last_error and ledger rows)")
 	return cmd
 }
@@ -314,7 +314,7 @@ an event keep their 'delivered' row and do not get it again.`,
 			})
 		},
 	}
-	sel.register(cmd, true, true, 0)
+	sel.register(cmd, "only events routed to this sink and not delivered to it; only its undelivered ledger rows are cleared", true, 0)
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
 	return cmd
 }
@@ -347,7 +347,7 @@ The ledger is left as it is.`,
 			})
 		},
 	}
-	sel.register(cmd, true, true, 0)
+	sel.register(cmd, "only events routed to this sink and not delivered to it (every sink's ledger rows are kept)", true, 0)
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
 	return cmd
 }
@@ -425,7 +425,7 @@ type rowChange struct {
 // changeRows selects the rows, asks, and applies the change in batches of
 // admin.BatchSize, one transaction each, with a progress bar for large sets.
 func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, statuses []string, change rowChange) error {
-	cfg, err := g.loadConfig()
+	cfg, err := g.loadOpsConfig()
 	if err != nil {
 		return err
 	}

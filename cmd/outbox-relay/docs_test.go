@@ -6,7 +6,11 @@ package main
 
 import (
 	"bufio"
+	"context"
 	"fmt"
+	goast "go/ast"
+	"go/parser"
+	"go/token"
 	"io"
 	"io/fs"
 	"net/url"
@@ -14,9 +18,12 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"unicode"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/yuin/goldmark"
 	"github.com/yuin/goldmark/ast"
@@ -24,6 +31,7 @@ import (
 	"github.com/yuin/goldmark/text"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // repoRoot is the repository root relative to this package's directory.
@@ -658,5 +666,160 @@ func TestDocs_AlertsListed(t *testing.T) {
 		if !strings.Contains(string(page), "`"+name+"`") && !strings.Contains(string(page), "`"+short+"`") {
 			t.Errorf("alert %s has no row in docs/operations.md's alert table", name)
 		}
+	}
+}
+
+// exportedMetrics returns the names of the metrics the relay registers:
+// every Namespace "outbox_relay" collector in the code the relay binary is
+// built from (relay/, ledger/, sink/, cmd/outbox-relay), by its source.
+// The names are checked against the default registry too, so that a metric
+// declared some other way fails this test rather than hiding from it.
+func exportedMetrics(t *testing.T) map[string]string {
+	t.Helper()
+	decl := regexp.MustCompile(`Namespace:\s*"outbox_relay",\s*Name:\s*"(\w+)"`)
+	out := map[string]string{}
+	for _, p := range goFiles(t) {
+		if strings.HasSuffix(p, "_test.go") || !strings.HasSuffix(p, ".go") ||
+			!(strings.HasPrefix(p, "relay/") || strings.HasPrefix(p, "ledger/") || strings.HasPrefix(p, "sink/") || strings.HasPrefix(p, "cmd/outbox-relay/")) {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(repoRoot, p))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range decl.FindAllSubmatch(b, -1) {
+			out["outbox_relay_"+string(m[1])] = p
+		}
+	}
+	if len(out) == 0 {
+		t.Fatal("no outbox_relay metric found in the code")
+	}
+	// Series exist for every per-sink label once a route is known.
+	relay.InitMetrics([]relay.Route{{Sink: docsSink{}}})
+	fams, err := prometheus.DefaultGatherer.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fams {
+		if name := f.GetName(); strings.HasPrefix(name, "outbox_relay_") && out[name] == "" {
+			t.Errorf("metric %s is registered, but not as Namespace: \"outbox_relay\", Name: \"…\" where this test looks", name)
+		}
+	}
+	return out
+}
+
+// docsSink is a sink for InitMetrics: it is never sent to.
+type docsSink struct{}
+
+func (docsSink) Name() string                                       { return "docs" }
+func (docsSink) Send(context.Context, *relay.Delivery, func(error)) {}
+func (docsSink) Close(context.Context) error                        { return nil }
+
+// TestDocs_MetricsListed: every metric the relay exports has its row in
+// docs/operations.md's metric table, and every row names one it exports.
+func TestDocs_MetricsListed(t *testing.T) {
+	exported := exportedMetrics(t)
+	page := readDoc(t, "docs/operations.md")
+	rows := map[string]int{}
+	for i, line := range strings.Split(string(page.src), "\n") {
+		if !strings.HasPrefix(line, "| `outbox_relay_") {
+			continue
+		}
+		rows[strings.Trim(splitRow(line)[0], "`")] = i + 1
+	}
+	for name, file := range exported {
+		if _, ok := rows[name]; !ok {
+			t.Errorf("metric %s (%s) has no row in docs/operations.md's metric table", name, file)
+		}
+	}
+	for name, line := range rows {
+		if _, ok := exported[name]; !ok {
+			t.Errorf("docs/operations.md:%d: %s is documented, but the relay exports no such metric", line, name)
+		}
+	}
+}
+
+// TestDocs_DoctorStatuses: every status a doctor check can have (the
+// CheckStatus constants of ledger/admin) is named in doctor's help and in
+// docs/operations.md's doctor section.
+func TestDocs_DoctorStatuses(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join(repoRoot, "ledger", "admin", "*.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fset := token.NewFileSet()
+	var statuses []string
+	for _, path := range files {
+		if strings.HasSuffix(path, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, path, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			gd, ok := d.(*goast.GenDecl)
+			if !ok || gd.Tok != token.CONST {
+				continue
+			}
+			for _, spec := range gd.Specs {
+				vs := spec.(*goast.ValueSpec)
+				if id, ok := vs.Type.(*goast.Ident); !ok || id.Name != "CheckStatus" {
+					continue
+				}
+				for _, v := range vs.Values {
+					if lit, ok := v.(*goast.BasicLit); ok {
+						s, _ := strconv.Unquote(lit.Value)
+						statuses = append(statuses, s)
+					}
+				}
+			}
+		}
+	}
+	if len(statuses) < 4 {
+		t.Fatalf("found the doctor statuses %q in ledger/admin; want at least ok, warn, FAIL, skip", statuses)
+	}
+	root := newRootCommand(io.Discard, io.Discard)
+	doctor, _, err := root.Find([]string{"doctor"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	page, err := os.ReadFile(filepath.Join(repoRoot, "docs", "operations.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, section, _ := strings.Cut(string(page), "\n## doctor\n")
+	section, _, _ = strings.Cut(section, "\n## ")
+	for _, s := range statuses {
+		if !regexp.MustCompile(`\b` + regexp.QuoteMeta(s) + `\b`).MatchString(doctor.Long) {
+			t.Errorf("doctor's help does not name the status %q", s)
+		}
+		if !strings.Contains(section, "`"+s+"`") {
+			t.Errorf("docs/operations.md's doctor section does not name the status `%s`", s)
+		}
+	}
+}
+
+// TestSinkFlagHelp: each command's --sink says what it does there; replay's
+// is not dlq's.
+func TestSinkFlagHelp(t *testing.T) {
+	root := newRootCommand(io.Discard, io.Discard)
+	usage := map[string]string{}
+	for _, path := range [][]string{{"dlq", "list"}, {"dlq", "retry"}, {"dlq", "discard"}, {"replay"}} {
+		cmd, _, err := root.Find(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		usage[strings.Join(path, " ")] = cmd.Flags().Lookup("sink").Usage
+	}
+	if !strings.Contains(usage["replay"], "deliver again to this sink only") {
+		t.Errorf("replay --sink: %q", usage["replay"])
+	}
+	seen := map[string]string{}
+	for cmd, u := range usage {
+		if other, ok := seen[u]; ok && (cmd == "replay" || other == "replay") {
+			t.Errorf("%s and %s share the --sink help %q", cmd, other, u)
+		}
+		seen[u] = cmd
 	}
 }

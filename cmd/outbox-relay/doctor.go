@@ -37,7 +37,9 @@ func newDoctorCommand(g *globals) *cobra.Command {
 		Use:   "doctor",
 		Short: "Check wal_level, privileges, publication, slot, sinks; print the fix for each failure",
 		Long: `Doctor checks what the relay needs, as the role in database_url, and prints one line per
-check — ok, warn or FAIL — with the exact fix (SQL or setting) under each warn and FAIL:
+check — ok, warn, FAIL, or skip for a check that does not apply (the publication while the
+outbox table does not exist, TCP keepalives over a Unix socket) — with the exact fix (SQL or
+setting) under each warn and FAIL:
 
   connection, server version (13+), primary, wal_level, the REPLICATION attribute and a
   replication connection (pg_hba.conf), the schema version (migrate), the privileges run needs
@@ -99,7 +101,12 @@ func doctor(ctx context.Context, cfg *config.Config) []admin.Check {
 		Retention:       cfg.Retention.Enabled,
 		SlotMaxRetained: int64(cfg.Source.SlotMaxRetained),
 	})
-	for i, s := range configuredSinks(cfg) {
+	sinks := configuredSinks(cfg)
+	if len(sinks) == 0 {
+		checks = append(checks, admin.Check{Name: "sinks", Status: admin.Fail, Detail: "none configured: run refuses to start without one",
+			Fix: "add a sink under sinks: (docs/configuration.md, \"sinks\"), or set embedded_nats: true to try the relay with an embedded NATS server"})
+	}
+	for i, s := range sinks {
 		switch s.Type {
 		case config.SinkWebhook:
 			checks = append(checks, checkWebhook(ctx, i, s))
@@ -125,7 +132,11 @@ func printChecks(w io.Writer, checks []admin.Check) {
 			fmt.Fprintf(w, "%sfix: %s\n", indent, strings.ReplaceAll(c.Fix, "\n", "\n"+indent+"     "))
 		}
 	}
-	fmt.Fprintf(w, "\n%d ok, %d warnings, %d failed\n", counts[admin.OK], counts[admin.Warn], counts[admin.Fail])
+	summary := fmt.Sprintf("%d ok, %d warnings, %d failed", counts[admin.OK], counts[admin.Warn], counts[admin.Fail])
+	if counts[admin.Skip] > 0 {
+		summary += fmt.Sprintf(", %d skipped", counts[admin.Skip])
+	}
+	fmt.Fprintf(w, "\n%s\n", summary)
 }
 
 // checkWebhook reaches the webhook's host over TCP, and completes a TLS

@@ -211,7 +211,8 @@ http: {listen: "127.0.0.1:0"}
 // startInProcess runs the relay in this process until the test ends.
 func (s *setup) startInProcess(t *testing.T, cfgPath string) (stop func()) {
 	t.Helper()
-	return runInProcess(t, config.Options{Path: cfgPath}, zerolog.New(zerolog.NewTestWriter(t)).Level(zerolog.InfoLevel).With().Timestamp().Logger())
+	// Every line is checked for a repeated key as it is written (logLines).
+	return runInProcess(t, config.Options{Path: cfgPath}, zerolog.New(newLogLines(t, zerolog.NewTestWriter(t))).Level(zerolog.InfoLevel).With().Timestamp().Logger())
 }
 
 // runInProcess loads the configuration and runs the relay in this process

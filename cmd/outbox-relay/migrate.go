@@ -1,13 +1,17 @@
 package main
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/spf13/cobra"
 
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/migrations"
 )
 
@@ -22,7 +26,7 @@ Existing rows are never changed; indexes are built CONCURRENTLY and DDL that nee
 strong lock waits at most migrate.lock_timeout at a time, retrying until migrate.timeout.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}
@@ -31,7 +35,7 @@ strong lock waits at most migrate.lock_timeout at a time, retrying until migrate
 
 			conn, err := pgx.Connect(ctx, cfg.DatabaseURL.Reveal())
 			if err != nil {
-				return fmt.Errorf("connect to the database: %w", err)
+				return connectError(cfg, err)
 			}
 			defer conn.Close(ctx)
 
@@ -51,7 +55,7 @@ strong lock waits at most migrate.lock_timeout at a time, retrying until migrate
 				Logger:        log,
 			})
 			if err != nil {
-				return err
+				return explainMigrateError(ctx, conn, t, err)
 			}
 			out := cmd.OutOrStdout()
 			if len(res.Applied) == 0 {
@@ -71,4 +75,22 @@ strong lock waits at most migrate.lock_timeout at a time, retrying until migrate
 			return nil
 		},
 	}
+}
+
+// explainMigrateError adds what to do to a migration refused for want of
+// privileges: migrate is the only command that needs DDL rights, and a
+// least-privilege role meets it first. Whether run can start anyway (the
+// tables are current for this build, by run's own check) is said too.
+func explainMigrateError(ctx context.Context, conn *pgx.Conn, t config.Tables, err error) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "42501" { // insufficient_privilege
+		return err
+	}
+	role := conn.Config().User
+	state := "the relay's tables are not current for this build either: run cannot start until the owner migrates"
+	if migrations.CheckSchema(ctx, conn, migrations.Names{Outbox: t.Outbox, Checkpoint: t.Checkpoint}) == nil {
+		state = "the relay's tables are already current for this build, so run can start as this role; migrate again as the owner when you upgrade the relay"
+	}
+	return fmt.Errorf("%w\n  migrate creates and alters tables, and role %s may not (%s): it is the only command that needs DDL rights. "+
+		"Run it as the owner of %s (outbox-relay migrate --database-url 'postgres://OWNER@…'); %s", err, role, pgErr.Message, t.Outbox, state)
 }

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
@@ -23,20 +22,18 @@ The ledger prevents double delivery if the stream did deliver some of them.`,
 			if olderThan <= 0 {
 				return usageError{fmt.Errorf("--older-than is required (for example --older-than 10m)")}
 			}
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}
 			ctx := cmd.Context()
-			pool, err := pgxpool.New(ctx, cfg.DatabaseURL.Reveal())
-			if err != nil {
-				return fmt.Errorf("database: %w", err)
-			}
-			defer pool.Close()
-			tables, err := resolveTables(ctx, pool, cfg.Tables())
+			pool, resolved, err := connectOps(ctx, cfg)
 			if err != nil {
 				return err
 			}
+			defer pool.Close()
+			tables := cfg.Tables()
+			tables.Outbox, tables.Ledger, tables.Checkpoint = resolved.Outbox, resolved.Ledger, resolved.Checkpoint
 			lcfg := ledger.DefaultConfig()
 			lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = tables.Outbox, tables.Ledger, tables.Checkpoint
 			lcfg.Sinks = ledgerSinks(cfg)

@@ -51,7 +51,7 @@ the original key in Outbox-Event-Key, so the stream's duplicate window does not 
 			})
 		},
 	}
-	sel.register(cmd, true, false, 0)
+	sel.register(cmd, "deliver again to this sink only: only its ledger rows are deleted; the other sinks keep theirs and are skipped", false, 0)
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
 	return cmd
 }

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -74,9 +76,16 @@ func TestReplayCommand_Usage(t *testing.T) {
 			t.Errorf("%v: exit %d, stderr %q", tt.args, code, errOut)
 		}
 	}
-	// Without a config the embedded sink "nats" is the only one.
+	// Without a config there is no sink, unless embedded_nats adds the
+	// embedded sink "nats" (as for run).
 	code, out, errOut := execute(t, "replay", "--database-url", d.url, "--ids", "1", "--sink", "nats", "--yes")
-	if code != exitOK || !strings.Contains(out, "no events to replay") {
-		t.Fatalf("exit %d\n%s%s", code, out, errOut)
+	if code != exitUsage || !strings.Contains(errOut, `--sink "nats": no such sink (configured: none)`) {
+		t.Fatalf("no sinks: exit %d\n%s%s", code, out, errOut)
+	}
+	t.Setenv("RELAY_EMBEDDED_NATS", "true")
+	var stdout, stderr bytes.Buffer
+	code = Execute(context.Background(), []string{"replay", "--database-url", d.url, "--ids", "1", "--sink", "nats", "--yes"}, &stdout, &stderr)
+	if code != exitOK || !strings.Contains(stdout.String(), "no events to replay") {
+		t.Fatalf("embedded_nats: exit %d\n%s%s", code, stdout.String(), stderr.String())
 	}
 }

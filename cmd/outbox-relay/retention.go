@@ -37,7 +37,7 @@ func runRetention(ctx context.Context, db admin.DB, tables config.Tables, sinks 
 		return nil
 	}
 	log = log.With().Str("component", "retention").Logger()
-	log.Info().Stringer("done_after", r.DoneAfter).Stringer("ledger_after", r.LedgerAfter).Stringer("interval", r.Interval).
+	log.Info().Dur("done_after", time.Duration(r.DoneAfter)).Dur("ledger_after", time.Duration(r.LedgerAfter)).Dur("interval", time.Duration(r.Interval)).
 		Int("batch", r.Batch).Msg("retention: pruning old done rows and ledger rows")
 	rc := retentionConfig(r)
 	rc.Slot = cfg.Source.Slot

@@ -27,22 +27,45 @@ import (
 )
 
 func newRunCommand(g *globals) *cobra.Command {
-	return &cobra.Command{
+	cmd := &cobra.Command{
 		Use:   "run",
 		Short: "Run the relay daemon: stream the outbox to the sinks",
 		Long: `Run streams outbox INSERTs from the replication slot to the configured sinks.
-With no sinks configured it runs an embedded NATS server with JetStream and delivers there.
+It refuses to start without a sink: --embedded-nats (embedded_nats: true) adds one that
+delivers to an embedded NATS server with JetStream, to try the relay out.
 SIGTERM/SIGINT stop taking new events, finish in-flight ones, record their outcomes and
 exit 0 within shutdown_timeout.`,
-		Args: cobra.NoArgs,
+		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := g.loadConfig()
 			if err != nil {
 				return err
 			}
+			if len(cfg.EffectiveSinks()) == 0 {
+				return usageError{g.noSinks()}
+			}
 			return runRelay(cmd.Context(), cfg, g.logger(cfg))
 		},
 	}
+	cmd.Flags().BoolVar(&g.embeddedNATS, "embedded-nats", false, "add a sink named nats on an embedded NATS server with JetStream (embedded_nats: true): a try-out, single instance")
+	return cmd
+}
+
+// noSinks says why run refuses a configuration without sinks, and what to
+// do: the embedded NATS server is a choice, never a default
+// (docs/configuration.md, "Where settings come from").
+func (g *globals) noSinks() error {
+	var where string
+	switch path, from := g.configFile(); {
+	case from == config.EnvConfigFile:
+		where = fmt.Sprintf("%s (%s=%s)", path, config.EnvConfigFile, path)
+	case path != "":
+		where = path
+	default:
+		where = "the configuration (no file: neither --config nor " + config.EnvConfigFile + " names one)"
+	}
+	return fmt.Errorf("no sinks configured in %s: run would deliver nowhere. Add sinks (docs/configuration.md, \"sinks\"), "+
+		"or pass --embedded-nats (embedded_nats: true) to try the relay with an embedded NATS server", where)
 }
 
 // relayRun is one running relay: what its terms share.
@@ -85,6 +108,14 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	defer pool.Close()
 	r.pool = pool
+	// The pool connects lazily: a refused connection would surface as the
+	// first query's failure, under that query's name.
+	if err := pool.Ping(ctx); err != nil {
+		return connectError(cfg, err)
+	}
+	if cfg.DatabaseURL == "" {
+		log.Info().Str("database", dbTarget("")).Msg("database_url is not set (nor --database-url, DATABASE_URL): libpq's defaults and the PG* variables chose the database")
+	}
 
 	if r.tables, err = resolveTables(ctx, pool, cfg.Tables()); err != nil {
 		return err
@@ -96,12 +127,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		return err
 	}
 
-	if len(cfg.Sinks) == 0 {
-		s := config.DefaultSink(config.SinkNATS)
-		s.Name = "nats"
-		cfg.Sinks = []config.SinkConfig{s}
-		log.Info().Msg("no sinks configured: delivering to an embedded NATS server with JetStream")
-	}
 	if err := fillCloudEventsSources(ctx, pool, cfg, r.tables.Outbox); err != nil {
 		return err
 	}
@@ -328,7 +353,10 @@ func (r *relayRun) refreshStats(ctx context.Context) {
 // sinks opened so far, for the caller to close.
 func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]relay.Route, error) {
 	var routes []relay.Route
-	for i, sc := range cfg.Sinks {
+	for i, sc := range cfg.EffectiveSinks() {
+		// The sinks add their own "sink" field: they get log, and slog
+		// is for the lines written here. A field added twice is a
+		// duplicate JSON key, which log pipelines drop.
 		slog := log.With().Str("sink", sc.Name).Logger()
 		var sink relay.Sink
 		switch sc.Type {
@@ -351,7 +379,7 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				MaxBody:             int64(w.MaxBody),
 				PermanentStatuses:   w.PermanentStatuses,
 				Treat409AsDelivered: w.Treat409AsDelivered,
-				Logger:              slog,
+				Logger:              log,
 			})
 			if err != nil {
 				return routes, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)
@@ -391,7 +419,7 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				MaxPending:        n.MaxPending,
 				Format:            string(sc.Format),
 				CloudEventsSource: sc.CloudEvents.Source,
-				Logger:            slog,
+				Logger:            log,
 			})
 			if credentialsRefused(err) {
 				down := newDownSink(sc.Name, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err))
@@ -404,7 +432,7 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 			}
 			if sc.URL == "" {
 				slog.Info().Str("url", s.ClientURL()).Str("subscribe", fmt.Sprintf("nats sub --server %s '%s'", s.ClientURL(), firstOr(n.Stream.Subjects, ">"))).
-					Msg("embedded NATS server with JetStream (single instance); subscribe to see events")
+					Msg("embedded NATS server with JetStream (single instance); see its events with the nats CLI (github.com/nats-io/natscli)")
 			}
 			sink = s
 		default:

@@ -37,7 +37,7 @@ whether a relay runs or not:
               path's claims and settlements (a running relay's /readyz says more)`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := g.loadConfig()
+			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}
@@ -186,7 +186,9 @@ func sortedKeys[V any](m map[string]V) []string {
 
 // connectOps opens a small pool for an operator command, named
 // admin.CLIApplicationName (status does not count it as a relay), and
-// schema-qualifies the configured tables.
+// schema-qualifies the configured tables. A failed connection is explained
+// with its fix (connectError), and a database migrate has not prepared is
+// named as such (requireMigrated).
 func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.Tables, error) {
 	pc, err := pgxpool.ParseConfig(cfg.DatabaseURL.Reveal())
 	if err != nil {
@@ -201,10 +203,13 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, admin.Tables{}, fmt.Errorf("connect to the database: %w", err)
+		return nil, admin.Tables{}, connectError(cfg, err)
 	}
 	t := cfg.Tables()
 	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint, Sinks: ledgerSinks(cfg)})
+	if err == nil {
+		err = requireMigrated(ctx, pool, tables, configuredTarget(cfg))
+	}
 	if err != nil {
 		pool.Close()
 		return nil, admin.Tables{}, err
@@ -212,16 +217,9 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 	return pool, tables, nil
 }
 
-// configuredSinks returns the sinks run delivers to: the configured ones, or
-// the embedded NATS sink run adds when none is configured.
-func configuredSinks(cfg *config.Config) []config.SinkConfig {
-	if len(cfg.Sinks) > 0 {
-		return cfg.Sinks
-	}
-	s := config.DefaultSink(config.SinkNATS)
-	s.Name = "nats"
-	return []config.SinkConfig{s}
-}
+// configuredSinks returns the sinks run delivers to: the configured ones
+// and, with embedded_nats, the embedded NATS sink.
+func configuredSinks(cfg *config.Config) []config.SinkConfig { return cfg.EffectiveSinks() }
 
 // findSink returns the configured sink called name, or a usage error that
 // lists the sinks there are.
@@ -233,6 +231,9 @@ func findSink(cfg *config.Config, name string) (config.SinkConfig, error) {
 			return s, nil
 		}
 		names = append(names, s.Name)
+	}
+	if len(names) == 0 {
+		names = []string{"none"}
 	}
 	return config.SinkConfig{}, usageError{fmt.Errorf("--sink %q: no such sink (configured: %s)", name, strings.Join(names, ", "))}
 }

@@ -112,6 +112,7 @@ type Source struct {
 	stuckRows   atomic.Int64
 	oldestStuck atomic.Int64 // nanoseconds
 	lastAlarm   time.Time    // sweeper goroutine only
+	started     time.Time    // set by Run before the sweeper starts
 
 	// Stats are the claim source's counters.
 	Stats Stats
@@ -186,8 +187,13 @@ func (c *Source) Run(ctx context.Context) error {
 		return fmt.Errorf("claim path: %w", err)
 	}
 	c.ownerHeld.Store(true)
+	c.started = time.Now()
 	if n, err := c.cfg.Store.ReleaseOwned(ctx, c.cfg.Owner); err != nil {
-		c.log.Warn().Err(err).Msg("return rows this relay left claimed; their lease returns them")
+		// A stop meanwhile (the term ended) is no failure: the next
+		// term, or the lease, returns the rows.
+		if ctx.Err() == nil {
+			c.log.Warn().Err(err).Msg("return rows this relay left claimed; their lease returns them")
+		}
 	} else if n > 0 {
 		c.log.Info().Int64("rows", n).Msg("returned rows this relay had claimed and not settled to pending")
 	}

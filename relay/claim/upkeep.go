@@ -68,7 +68,10 @@ func (c *Source) sweep(ctx context.Context) {
 }
 
 // measureStuck updates StuckRows and OldestUnclaimedAge and warns, at most
-// once a minute, while there are such rows.
+// once a minute, while there are such rows. The warning waits until the
+// source has run for SweepAfter: rows already pending that long when the
+// relay attached (a backlog written while it was down) are the stream's to
+// deliver first, and a clean start warns about nothing.
 func (c *Source) measureStuck(ctx context.Context) error {
 	count, age, err := c.cfg.Store.Stuck(ctx, c.cfg.SweepAfter)
 	if err != nil {
@@ -76,7 +79,7 @@ func (c *Source) measureStuck(ctx context.Context) error {
 	}
 	c.stuckRows.Store(count)
 	c.oldestStuck.Store(int64(age))
-	if count > 0 && time.Since(c.lastAlarm) >= alarmEvery {
+	if count > 0 && time.Since(c.started) >= c.cfg.SweepAfter && time.Since(c.lastAlarm) >= alarmEvery {
 		c.lastAlarm = time.Now()
 		l := c.log.Warn().Int64("rows", count).Dur("oldest_age", age.Round(time.Second)).Dur("sweep_after", c.cfg.SweepAfter)
 		if c.cfg.All {

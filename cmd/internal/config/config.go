@@ -69,8 +69,16 @@ type Config struct {
 	Outbox          OutboxConfig   `yaml:"outbox"`
 	Source          SourceConfig   `yaml:"source"`
 	Delivery        DeliveryConfig `yaml:"delivery"`
-	// Sinks may be empty: the run command then adds an embedded NATS sink.
-	Sinks           []SinkConfig    `yaml:"sinks"`
+	// Sinks are the destinations. The run command refuses to start
+	// without one, unless EmbeddedNATS adds one (EffectiveSinks).
+	Sinks []SinkConfig `yaml:"sinks"`
+	// EmbeddedNATS adds a sink named "nats" that delivers to an embedded
+	// NATS server with JetStream (single instance, storage under DataDir):
+	// a try-out the configuration asks for, never a default, so that a
+	// missing configuration cannot send production events into a
+	// throwaway stream (docs/configuration.md, "Where settings come
+	// from").
+	EmbeddedNATS    bool            `yaml:"embedded_nats"`
 	HTTP            HTTPConfig      `yaml:"http"`
 	DataDir         string          `yaml:"data_dir"`
 	ShutdownTimeout Duration        `yaml:"shutdown_timeout"`
@@ -81,6 +89,9 @@ type Config struct {
 	// origins maps a key path ("sinks[0].url") to where its value came
 	// from, so Validate can name the file line or variable.
 	origins map[string]string
+	// sinkSecretsOptional is Options.SinkSecretsOptional: Validate does
+	// not require sink secrets.
+	sinkSecretsOptional bool
 }
 
 // OutboxConfig names the database objects the relay and its migrations use.
@@ -483,9 +494,9 @@ func Default() Config {
 }
 
 // DefaultSink returns a sink of type typ with every setting of that type at
-// its default and no name. Load starts each configured sink from it; the run
-// command uses it for the embedded NATS sink. An unknown type gets only the
-// common defaults.
+// its default and no name. Load starts each configured sink from it;
+// EffectiveSinks uses it for the embedded NATS sink. An unknown type gets
+// only the common defaults.
 func DefaultSink(typ SinkType) SinkConfig {
 	s := SinkConfig{Type: typ, Events: []string{"*"}, Format: FormatEnvelope}
 	switch typ {
@@ -512,6 +523,22 @@ func DefaultSink(typ SinkType) SinkConfig {
 		}
 	}
 	return s
+}
+
+// EmbeddedNATSSink is the name of the sink EmbeddedNATS adds.
+const EmbeddedNATSSink = "nats"
+
+// EffectiveSinks returns the sinks the relay delivers to: Sinks, followed,
+// with EmbeddedNATS, by a NATS sink named EmbeddedNATSSink with every
+// setting at its default and no url (the embedded server). Validate refuses
+// a configured sink of that name beside EmbeddedNATS.
+func (c *Config) EffectiveSinks() []SinkConfig {
+	if !c.EmbeddedNATS {
+		return c.Sinks
+	}
+	s := DefaultSink(SinkNATS)
+	s.Name = EmbeddedNATSSink
+	return append(slices.Clip(c.Sinks), s)
 }
 
 // Tables holds the parsed names of the database objects, for the migrations

@@ -69,19 +69,21 @@ func (r *refs) restore(s string) string {
 }
 
 // expandTree expands the references in the scalar values below n and
-// restores them in keys, reporting each failure with its line and key path.
-func (t *tree) expandTree(n *yaml.Node, path []string, lookup func(string) (string, bool)) []error {
+// restores them in keys, reporting each failure with its line and key path,
+// except at the paths tolerate (when not nil) accepts: a value there that
+// cannot be expanded is left at its default silently.
+func (t *tree) expandTree(n *yaml.Node, path []string, lookup func(string) (string, bool), tolerate func([]string) bool) []error {
 	var errs []error
 	switch n.Kind {
 	case yaml.MappingNode:
 		for i := 0; i+1 < len(n.Content); i += 2 {
 			k := n.Content[i]
 			k.Value = t.refs.restore(k.Value)
-			errs = append(errs, t.expandTree(n.Content[i+1], append(path[:len(path):len(path)], k.Value), lookup)...)
+			errs = append(errs, t.expandTree(n.Content[i+1], append(path[:len(path):len(path)], k.Value), lookup, tolerate)...)
 		}
 	case yaml.SequenceNode:
 		for i, c := range n.Content {
-			errs = append(errs, t.expandTree(c, append(path[:len(path):len(path)], strconv.Itoa(i)), lookup)...)
+			errs = append(errs, t.expandTree(c, append(path[:len(path):len(path)], strconv.Itoa(i)), lookup, tolerate)...)
 		}
 	case yaml.ScalarNode:
 		v, err := t.refs.expand(n.Value, lookup)
@@ -89,6 +91,9 @@ func (t *tree) expandTree(n *yaml.Node, path []string, lookup func(string) (stri
 			// Left at its default, so the unexpanded text causes no
 			// second error.
 			n.Value, n.Tag, n.Style = "", "!!null", 0
+			if tolerate != nil && tolerate(path) {
+				return nil
+			}
 			return []error{fmt.Errorf("%s: %s: %w", t.label(n), displayPath(path), err)}
 		}
 		if v != n.Value {

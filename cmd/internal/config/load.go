@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 )
 
@@ -23,6 +24,13 @@ type Options struct {
 	// "sinks[0].url"; "sinks.0.url" is accepted too); a value is read like a
 	// RELAY_ variable's, and an empty one is ignored likewise.
 	Overrides map[string]string
+	// SinkSecretsOptional is for commands that never send (status, dlq,
+	// replay, reconcile, migrate): they need the sinks' names and events,
+	// not their credentials. A sink secret (auth.secret, auth.value,
+	// auth.password, token, and their *_file keys) whose ${VAR} is unset
+	// or whose file cannot be read is then left empty instead of being an
+	// error, and a secret the auth type requires is not required.
+	SinkSecretsOptional bool
 }
 
 // Load reads the configuration in the layers Options describes, reads the
@@ -53,7 +61,11 @@ func Load(opts Options) (*Config, error) {
 	if err != nil {
 		return nil, err
 	}
-	errs := t.expandTree(t.root, nil, lookup)
+	var tolerate func([]string) bool
+	if opts.SinkSecretsOptional {
+		tolerate = isSinkSecretPath
+	}
+	errs := t.expandTree(t.root, nil, lookup, tolerate)
 	envs, envErrs := envAssignments(environ)
 	errs = append(errs, envErrs...)
 	errs = append(errs, t.apply(envs)...)
@@ -62,6 +74,7 @@ func Load(opts Options) (*Config, error) {
 	errs = append(errs, t.apply(overrides)...)
 
 	cfg := Default()
+	cfg.sinkSecretsOptional = opts.SinkSecretsOptional
 	origins, decodeErrs := t.decode(&cfg)
 	errs = append(errs, decodeErrs...)
 	cfg.origins = origins
@@ -123,12 +136,24 @@ func (c *Config) secretRefs() []secretRef {
 	return refs
 }
 
+// sinkSecretKeys are the keys of a sink, below sinks[i], that hold a secret
+// or name the file it is read from.
+var sinkSecretKeys = []string{"auth.secret", "auth.secret_file", "auth.value", "auth.value_file",
+	"auth.password", "auth.password_file", "token", "token_file"}
+
+// isSinkSecretPath reports whether path ("sinks", "0", "auth", "value") is
+// a sink secret or its *_file key.
+func isSinkSecretPath(path []string) bool {
+	return len(path) >= 3 && path[0] == "sinks" && isIndex(path[1]) && slices.Contains(sinkSecretKeys, strings.Join(path[2:], "."))
+}
+
 // readSecretFiles fills each secret whose *_file key is set from that file,
-// without its trailing newline (which editors and `echo` add).
+// without its trailing newline (which editors and `echo` add). With
+// sinkSecretsOptional, a sink secret's file is not read.
 func (c *Config) readSecretFiles() []error {
 	v := validator{origins: c.origins}
 	for _, r := range c.secretRefs() {
-		if r.file == "" {
+		if r.file == "" || c.sinkSecretsOptional && strings.HasPrefix(r.key, "sinks[") {
 			continue
 		}
 		if *r.secret != "" {

@@ -25,13 +25,16 @@ import (
 // Load, where the value came from. A secret counts as set when its *_file
 // key is, since Load reads the file. Validate does not modify c.
 func (c *Config) Validate() error {
-	v := &validator{origins: c.origins}
+	v := &validator{origins: c.origins, sinkSecretsOptional: c.sinkSecretsOptional}
 	v.outbox(c.Outbox)
 	v.source(c.Source)
 	v.delivery(c.Delivery)
 	names := map[string]string{}
 	for i := range c.Sinks {
 		v.sink(fmt.Sprintf("sinks[%d]", i), &c.Sinks[i], names)
+	}
+	if at, taken := names[EmbeddedNATSSink]; taken && c.EmbeddedNATS {
+		v.fail("embedded_nats", "adds a sink named %q, which is already the name of %s: leave %s's url empty for the embedded server instead", EmbeddedNATSSink, at, at)
 	}
 	v.listen("http.listen", c.HTTP.Listen)
 	if strings.ContainsFunc(c.HTTP.MetricsToken.Reveal(), func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) {
@@ -76,6 +79,9 @@ func (v *validator) retention(r RetentionConfig) {
 type validator struct {
 	origins map[string]string
 	errs    []error
+	// sinkSecretsOptional: a sink's auth does not require its secret
+	// (Options.SinkSecretsOptional).
+	sinkSecretsOptional bool
 }
 
 // fail records an error for the key at path, prefixed with the origin of
@@ -324,7 +330,7 @@ func (v *validator) auth(p string, a AuthConfig) {
 	case AuthNone:
 	case AuthJWT, AuthStandardWebhooks:
 		used = []string{"secret", "secret_file"}
-		if !set["secret"] && !set["secret_file"] {
+		if !set["secret"] && !set["secret_file"] && !v.sinkSecretsOptional {
 			v.fail(p+".secret", "is required for auth type %s (or secret_file)", a.Type)
 		}
 		if a.Type == AuthStandardWebhooks {
@@ -344,7 +350,7 @@ func (v *validator) auth(p string, a AuthConfig) {
 		} else if !isHeaderName(a.Header) {
 			v.fail(p+".header", "%q is not a valid header name", a.Header)
 		}
-		if !set["value"] && !set["value_file"] {
+		if !set["value"] && !set["value_file"] && !v.sinkSecretsOptional {
 			v.fail(p+".value", "is required for auth type header (or value_file)")
 		}
 	case AuthBasic:
@@ -354,7 +360,7 @@ func (v *validator) auth(p string, a AuthConfig) {
 		} else if strings.Contains(a.Username, ":") {
 			v.fail(p+".username", "must not contain a colon (RFC 7617)")
 		}
-		if !set["password"] && !set["password_file"] {
+		if !set["password"] && !set["password_file"] && !v.sinkSecretsOptional {
 			v.fail(p+".password", "is required for auth type basic (or password_file)")
 		}
 	default:
