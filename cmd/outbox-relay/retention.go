@@ -41,6 +41,7 @@ func runRetention(ctx context.Context, db admin.DB, tables config.Tables, sinks 
 		Int("batch", r.Batch).Msg("retention: pruning old done rows and ledger rows")
 	rc := retentionConfig(r)
 	rc.Slot = cfg.Source.Slot
+	rc.DeliveredPending = cfg.Delivery.MarkDone == config.MarkDoneOff
 	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint, Sinks: sinks},
 		rc, time.Duration(r.Interval), log)
 }

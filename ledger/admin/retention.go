@@ -28,6 +28,11 @@ type RetentionConfig struct {
 	// Horizon, when set, keeps every row the relay's slot could still send
 	// again (see Horizon); RunRetention makes one for Slot.
 	Horizon *Horizon
+	// DeliveredPending prunes pending rows the ledger shows delivered to
+	// every sink (Tables.Sinks) like done rows, aged from created_at:
+	// delivery.mark_done: off, where such rows are never marked done. With
+	// the marking on they become done and are pruned as such.
+	DeliveredPending bool
 	// Slot names the relay's replication slot, for RunRetention.
 	Slot string
 }
@@ -109,9 +114,9 @@ func (h *Horizon) advance(ctx context.Context, db DB) (horizonBounds, error) {
 // Prune deletes old done outbox rows with their ledger rows, and old
 // ledger rows whose outbox row is done or gone, Batch rows per statement
 // (each its own short transaction), until none is left, and returns how
-// many of each it deleted. With mark_done: off it also deletes old pending
-// rows the ledger shows delivered everywhere (Tables.Sinks), with their
-// ledger rows.
+// many of each it deleted. With cfg.DeliveredPending (mark_done: off) it
+// also deletes old pending rows the ledger shows delivered everywhere
+// (Tables.Sinks), with their ledger rows.
 //
 // It never deletes a row the relay's slot could still send again
 // (cfg.Horizon), a pending, processing, held or failed row, nor any ledger
@@ -208,7 +213,7 @@ DELETE FROM %[1]s
           FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted())
 
 	prunes := []string{pruneDone}
-	if len(t.Sinks) > 0 {
+	if cfg.DeliveredPending && len(t.Sinks) > 0 {
 		prunes = append(prunes, pruneDelivered)
 	}
 	if bounds.none {
