@@ -46,7 +46,7 @@ type scanState struct {
 	floor    int64 // every id up to floor has been read
 	started  bool
 	watch    map[int64]watchEntry
-	caughtUp bool                // the walk has reached the table's newest id once
+	caughtUp bool // the walk has reached the table's newest id once
 }
 
 // watchEntry is what the scan knows of a watched row: when it became due,

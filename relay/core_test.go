@@ -800,9 +800,9 @@ func TestEngine_MarkDoneWaitsForTheWalsender(t *testing.T) {
 // panickySink panics on its first Send: a bug in a sink.
 type panickySink struct{}
 
-func (panickySink) Name() string                                         { return "buggy" }
-func (panickySink) Send(context.Context, *relay.Delivery, func(error))   { panic("sink bug") }
-func (panickySink) Close(context.Context) error                          { return nil }
+func (panickySink) Name() string                                       { return "buggy" }
+func (panickySink) Send(context.Context, *relay.Delivery, func(error)) { panic("sink bug") }
+func (panickySink) Close(context.Context) error                        { return nil }
 
 // TestEngine_WorkerFailureEndsRun: a lane whose worker fails (here its
 // sink panics) ends Run with an error that names it, and the other workers

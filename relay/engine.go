@@ -90,7 +90,7 @@ type Engine struct {
 	// leases began (unix nanoseconds): every row in flight then is leased
 	// from that moment.
 	leaseRenewed atomic.Int64
-	done        chan struct{} // closed when Run has returned
+	done         chan struct{} // closed when Run has returned
 
 	settle map[Path]*settleQueue
 	marks  *markQueue

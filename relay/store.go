@@ -77,8 +77,8 @@ type Work struct {
 	// Decision is set by the engine before Settle.
 	Decision Decision
 
-	path      Path
-	lanes     []*lane // the lane of each pair
+	path  Path
+	lanes []*lane // the lane of each pair
 	// ClaimedAt is when the claim path's lease on the row began, at the
 	// latest: the store's Claim sets it to a moment before its statement
 	// (zero: SubmitClaimed's time). The engine sends a claimed row only

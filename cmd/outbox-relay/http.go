@@ -9,8 +9,8 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"strings"
-	"sync/atomic"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"

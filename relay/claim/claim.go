@@ -85,7 +85,7 @@ type Config struct {
 	// Notify is a channel to LISTEN on; a notification wakes the claim
 	// loop. Empty: no LISTEN.
 	Notify string
-	Logger        zerolog.Logger
+	Logger zerolog.Logger
 }
 
 // Stats counts the claim source's work; safe to read concurrently. The
