@@ -352,6 +352,9 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	}
 	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
+	// The rows' leases begin with the statement (locked_at = now()), not
+	// before this moment.
+	leased := time.Now()
 	rows, err := s.pool.Query(dbCtx, claimSQL, q.Limit, q.Owner, q.All, names, every, regex)
 	if err != nil {
 		return nil, fmt.Errorf("claim rows: %w", err)
@@ -369,7 +372,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 			return nil, fmt.Errorf("claim rows: %w", err)
 		}
 		ev.CreatedAt, ev.AvailableAt, ev.Attempts = created.Time, availAt.Time, int(attempts)
-		out = append(out, &relay.Work{Event: ev, Replay: int(replays)})
+		out = append(out, &relay.Work{Event: ev, Replay: int(replays), ClaimedAt: leased})
 	}
 	if err := rows.Err(); err != nil {
 		// The rows may have been claimed all the same; the sweeper returns

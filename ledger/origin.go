@@ -37,10 +37,14 @@ type originState struct {
 	termBound bool // bound by a StreamFrom of the current term
 }
 
-// timelineSQL reads the timeline the server writes WAL on: the first eight
-// hex digits of the current WAL file's name. Unlike pg_control_checkpoint()
-// it is right from the moment a promoted standby accepts writes.
-const timelineSQL = `SELECT ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int`
+// timelineSQL reads the server's system identifier (pg_control_system(),
+// which every role may call) and the timeline it writes WAL on: the first
+// eight hex digits of the current WAL file's name — unlike
+// pg_control_checkpoint(), right from the moment a promoted standby accepts
+// writes. Both: a different cluster behind the same host name may well be
+// on the same timeline number.
+const timelineSQL = `SELECT (SELECT system_identifier FROM pg_control_system())::text,
+       ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int`
 
 // BeginTerm starts a leadership term (docs/architecture.md): the first
 // StreamFrom of the term may bind the stream to a new server; a later one
@@ -72,8 +76,9 @@ func (s *Store) StreamFrom(_ context.Context, systemID string, timeline int32) e
 	return nil
 }
 
-// originGuard returns the step that checks the server's timeline against
-// the stream's origin, or false when the stream has not bound one.
+// originGuard returns the step that checks the server's system identifier
+// and timeline against the stream's origin, or false when the stream has
+// not bound one.
 func (s *Store) originGuard() (step, bool) {
 	s.origin.mu.Lock()
 	defer s.origin.mu.Unlock()
@@ -82,9 +87,14 @@ func (s *Store) originGuard() (step, bool) {
 	}
 	want, systemID := s.origin.timeline, s.origin.systemID
 	return step{kind: "check the server's timeline", sql: timelineSQL, check: func(row pgx.Row) error {
+		var gotSystem string
 		var got int32
-		if err := row.Scan(&got); err != nil {
+		if err := row.Scan(&gotSystem, &got); err != nil {
 			return err
+		}
+		if gotSystem != systemID {
+			return fmt.Errorf("%w: the server is system %s, the stream's events came from system %s timeline %d: their outcomes are not written here",
+				relay.ErrServerChanged, gotSystem, systemID, want)
 		}
 		if got != want {
 			return fmt.Errorf("%w: the server is on timeline %d, the stream's events came from system %s timeline %d: their outcomes are not written here",

@@ -265,3 +265,48 @@ func TestOriginGuardNeedsNoPrivileges(t *testing.T) {
 		t.Fatalf("SaveCheckpoint as %s: %v", role, err)
 	}
 }
+
+// TestStreamFromGuardsTheSystemToo: another cluster behind the same host
+// name can be on the same timeline number (every fresh cluster starts on
+// timeline 1). The guard compares the system identifier as well: bound to
+// another system, the stream's writes are refused and change nothing.
+func TestStreamFromGuardsTheSystemToo(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	_, timeline := serverOrigin(t, f.pool)
+	ids := f.MustInsert(t, row{Key: "k1"})
+	if err := f.store.StreamFrom(ctx, "7000000000000000001", timeline); err != nil {
+		t.Fatal(err)
+	}
+	dead := []*relay.Work{streamWork(ids[0], "k1", relay.Decision{Kind: relay.DeadLetter, Reason: "bad"}, outcomePair("webhook", relay.Failed))}
+	if _, err := f.store.SettleStream(ctx, dead, "relay-a"); !errors.Is(err, relay.ErrServerChanged) {
+		t.Errorf("SettleStream on another system, same timeline = %v, want ErrServerChanged", err)
+	}
+	if err := f.store.SaveCheckpoint(ctx, "s", 42); !errors.Is(err, relay.ErrServerChanged) {
+		t.Errorf("SaveCheckpoint on another system = %v, want ErrServerChanged", err)
+	}
+	if r := f.MustRow(t, ids[0]); r.Status != "pending" {
+		t.Errorf("row after refused writes: %s, want pending", r)
+	}
+}
+
+// TestHoldClaimsAreGuarded: the stream's pre-send claims of a sink with
+// on_unknown: hold are written like its outcomes: on the timeline its
+// events came from only. On another, PrepareStream is refused and no
+// claim is written (an event key the new primary reuses for another event
+// would otherwise be claimed for it).
+func TestHoldClaimsAreGuarded(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	systemID, timeline := serverOrigin(t, f.pool)
+	if err := f.store.StreamFrom(ctx, systemID, timeline+1); err != nil {
+		t.Fatal(err)
+	}
+	works := []*relay.Work{streamWork(1, "k-hold", relay.Decision{}, &relay.Pair{Sink: "hold", Hold: true})}
+	if err := f.store.PrepareStream(ctx, works, false, "relay-a"); !errors.Is(err, relay.ErrServerChanged) {
+		t.Fatalf("PrepareStream(hold claim) on another timeline = %v, want ErrServerChanged", err)
+	}
+	if n := f.MustCount(t, `SELECT count(*) FROM integration_idempotency`); n != 0 {
+		t.Fatalf("%d ledger claims written on another timeline, want none", n)
+	}
+}

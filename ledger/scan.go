@@ -45,14 +45,24 @@ type scanState struct {
 	mu       sync.Mutex
 	floor    int64 // every id up to floor has been read
 	started  bool
-	watch    map[int64]time.Time // id → when it became due
-	caughtUp bool                // the walk has reached the table's newest id once
+	watch    map[int64]watchEntry
+	caughtUp bool // the walk has reached the table's newest id once
+}
+
+// watchEntry is what the scan knows of a watched row: when it became due,
+// and whether it is pending now (or processing: claimed, and back to
+// pending if the claim path retries it — the walk never reads its id
+// again, so a claimed row stays watched until it is settled).
+type watchEntry struct {
+	due     time.Time
+	pending bool
 }
 
 // watched is a row on the watch list.
 type watched struct {
-	id  int64
-	due time.Time
+	id      int64
+	due     time.Time
+	pending bool
 }
 
 // scanPending advances the scan and returns the watch list: the rows
@@ -62,14 +72,16 @@ func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	if sc.watch == nil {
-		sc.watch = map[int64]time.Time{}
+		sc.watch = map[int64]watchEntry{}
 	}
 	if err := s.scanStep(ctx); err != nil {
 		return nil, err
 	}
 	out := make([]watched, 0, len(sc.watch))
-	for id, due := range sc.watch {
-		out = append(out, watched{id, due})
+	for id, w := range sc.watch {
+		if w.pending {
+			out = append(out, watched{id, w.due, true})
+		}
 	}
 	slices.SortFunc(out, func(a, b watched) int { return a.due.Compare(b.due) })
 	return out, nil
@@ -85,13 +97,14 @@ func (s *Store) scanStep(ctx context.Context) error {
 		sc.floor = low.Int64 - 1
 		sc.started = true
 	}
-	// The rows on the watch list that are still pending and not delivered.
+	// The rows on the watch list that are still pending (or claimed) and
+	// not delivered.
 	if len(sc.watch) > 0 {
 		ids := make([]int64, 0, len(sc.watch))
 		for id := range sc.watch {
 			ids = append(ids, id)
 		}
-		still := map[int64]time.Time{}
+		still := map[int64]watchEntry{}
 		for chunk := range chunks(ids) {
 			if err := s.collectPending(ctx, s.sql.scanRecheck, still, chunk); err != nil {
 				return err
@@ -114,17 +127,18 @@ func (s *Store) scanStep(ctx context.Context) error {
 	return nil
 }
 
-func (s *Store) collectPending(ctx context.Context, sql string, into map[int64]time.Time, args ...any) error {
+func (s *Store) collectPending(ctx context.Context, sql string, into map[int64]watchEntry, args ...any) error {
 	rows, err := s.pool.Query(ctx, sql, args...)
 	if err != nil {
 		return fmt.Errorf("pending scan: %w", err)
 	}
 	var (
-		id  int64
-		due time.Time
+		id      int64
+		due     time.Time
+		pending bool
 	)
-	_, err = pgx.ForEachRow(rows, []any{&id, &due}, func() error {
-		into[id] = due
+	_, err = pgx.ForEachRow(rows, []any{&id, &due, &pending}, func() error {
+		into[id] = watchEntry{due: due, pending: pending}
 		return nil
 	})
 	if err != nil {
@@ -140,16 +154,19 @@ func scanStatements(t tables) (start, top, rng, recheck string) {
 	// due.
 	const due = "GREATEST(o.created_at, COALESCE(o.available_at, o.created_at))"
 	const pending = "(o.status = 'pending' OR o.status IS NULL) AND o.handoff_at IS NULL"
+	// A claimed row stays watched: the claim path may put it back.
+	const watchedStatus = "(o.status IN ('pending', 'processing') OR o.status IS NULL) AND o.handoff_at IS NULL"
+	const isPending = "(o.status = 'pending' OR o.status IS NULL)"
 	start = fmt.Sprintf(`SELECT min(o.id) FROM %s AS o WHERE %s`, t.outbox, pending)
 	top = fmt.Sprintf(`SELECT max(id) FROM %s`, t.outbox)
 	// A row pending in the step's range is probed in the ledger, one
 	// primary-key prefix per routed sink; rows whose status is marked are
 	// filtered out before.
-	rng = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND %s AND NOT %s`,
+	rng = fmt.Sprintf(`SELECT o.id, %s, true FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND %s AND NOT %s`,
 		due, t.outbox, pending, t.deliveredEverywhere("o"))
 	// The watch list's ids may lie far apart (a row stuck for hours among
 	// the last second's): a probe each.
-	recheck = fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[]) AND %s AND NOT %s`,
-		due, t.outbox, pending, t.deliveredEverywhere("o"))
+	recheck = fmt.Sprintf(`SELECT o.id, %s, %s FROM %s AS o WHERE o.id = ANY($1::bigint[]) AND %s AND NOT %s`,
+		due, isPending, t.outbox, watchedStatus, t.deliveredEverywhere("o"))
 	return start, top, rng, recheck
 }

@@ -261,9 +261,20 @@ func (s *Store) PrepareStream(ctx context.Context, works []*relay.Work, restream
 		return nil
 	}
 	claimed := map[relay.LedgerKey]bool{}
+	guard, guarded := s.originGuard()
 	err := s.inTx(ctx, s.sql.setSynchronousCommit, func(b *pgx.Batch) {
+		if guarded {
+			b.Queue(guard.sql)
+		}
 		b.Queue(s.sql.stream.claimPairs, keys, actions, owner)
 	}, func(br pgx.BatchResults) error {
+		// The claims are written like the stream's outcomes: on the
+		// server its events came from only.
+		if guarded {
+			if err := guard.check(br.QueryRow()); err != nil {
+				return fmt.Errorf("%s: %w", guard.kind, err)
+			}
+		}
 		rows, err := br.Query()
 		if err != nil {
 			return err

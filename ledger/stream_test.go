@@ -954,3 +954,38 @@ func TestRestreamSeesDeliveriesSettledAsynchronously(t *testing.T) {
 		}
 	}
 }
+
+// TestPendingScanKeepsARetriedRow: in poll mode every pending row is the
+// claim path's and none is handed off. A row on the scan's watch list that
+// the claim path takes (processing) and puts back (a retry) must be
+// counted pending again: the walk never revisits ids below its floor, so
+// before, such a row was lost to the gauges — pending 0, done +1, oldest
+// pending age 0 — and the oldest-pending alert never fired during a sink
+// outage in poll mode.
+func TestPendingScanKeepsARetriedRow(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t, row{Key: "retried"})
+	f.MustExec(t, `UPDATE integration_outbox SET created_at = now() - interval '10 minutes', available_at = now() - interval '10 minutes'`)
+	stats := func() ledger.Stats {
+		t.Helper()
+		st, err := f.store.Stats(ctx, "no_slot", time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	if st := stats(); st.Rows["pending"] != 1 || st.Stuck != 1 {
+		t.Fatalf("a pending row: %+v", st)
+	}
+	f.MustExec(t, `UPDATE integration_outbox SET status = 'processing', locked_by = 'outbox-relay:x', locked_at = now() WHERE id = $1`, ids[0])
+	if st := stats(); st.Rows["processing"] != 1 || st.Rows["pending"] != 0 {
+		t.Fatalf("the row claimed: %+v", st)
+	}
+	f.MustExec(t, `UPDATE integration_outbox SET status = 'pending', locked_by = NULL, locked_at = NULL, attempts = 1 WHERE id = $1`, ids[0])
+	st := stats()
+	if st.Rows["pending"] != 1 || st.Rows["done"] != 0 || st.OldestPendingAge < 9*time.Minute || st.Stuck != 1 {
+		t.Fatalf("the row back to pending after a retry: pending %d, done %d, oldest pending %v, stuck %d; want 1, 0, about 10m, 1",
+			st.Rows["pending"], st.Rows["done"], st.OldestPendingAge, st.Stuck)
+	}
+}

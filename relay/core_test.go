@@ -796,3 +796,133 @@ func TestEngine_MarkDoneWaitsForTheWalsender(t *testing.T) {
 		t.Fatalf("done %v, want rows 1 and 2", store.done)
 	}
 }
+
+// panickySink panics on its first Send: a bug in a sink.
+type panickySink struct{}
+
+func (panickySink) Name() string                                       { return "buggy" }
+func (panickySink) Send(context.Context, *relay.Delivery, func(error)) { panic("sink bug") }
+func (panickySink) Close(context.Context) error                        { return nil }
+
+// TestEngine_WorkerFailureEndsRun: a lane whose worker fails (here its
+// sink panics) ends Run with an error that names it, and the other workers
+// stop: the owner reports it and stops instead of waiting on its context
+// while a part of the engine is dead.
+func TestEngine_WorkerFailureEndsRun(t *testing.T) {
+	e, err := relay.NewEngine(relay.EngineConfig{Stream: newFakeStore(), Routes: []relay.Route{{Sink: panickySink{}}}, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- e.Run(context.Background()) }()
+	c := e.Stream()
+	submit(t, c, event(1, "a"))
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "lane buggy") || !strings.Contains(err.Error(), "sink bug") {
+			t.Fatalf("Run = %v, want the lane's failure", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not return after a lane failed")
+	}
+	select {
+	case <-e.Done():
+	default:
+		t.Fatal("Done is not closed after Run returned")
+	}
+}
+
+// TestEngine_HaltStopsSending: once the relay knows its lease is gone
+// (Halt), nothing more is sent — not the events queued behind an
+// aggregate's event in flight, not an inline retry — and the sends in
+// flight are cancelled; the events not sent settle as hand-offs
+// ("stopping"), so the term ends at once instead of finishing its queue.
+func TestEngine_HaltStopsSending(t *testing.T) {
+	store := newFakeStore()
+	var inFlightCancelled atomic.Int32
+	sink := &ctxSink{name: "s", hold: 200 * time.Millisecond, cancelled: &inFlightCancelled}
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
+	c := e.Stream()
+	var evs []*relay.Event
+	for i := int64(1); i <= 40; i++ {
+		evs = append(evs, event(i, "one")) // one aggregate: one in flight, 39 queued
+	}
+	submit(t, c, evs...)
+	c.Commit(100)
+	waitFor(t, "the first send", func() bool { return sink.sends.Load() >= 1 })
+	e.Halt()
+	sentAtHalt := sink.sends.Load()
+	time.Sleep(600 * time.Millisecond) // three more sends' worth
+	if n := sink.sends.Load(); n != sentAtHalt {
+		t.Fatalf("%d sends after Halt (%d before), want none", n-sentAtHalt, sentAtHalt)
+	}
+	if inFlightCancelled.Load() == 0 {
+		t.Error("the send in flight at Halt was not cancelled")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := e.WaitSettled(ctx); err != nil {
+		t.Fatalf("the events not sent did not settle after Halt: %v", err)
+	}
+	_, handOffs, _ := store.snapshot()
+	if len(handOffs) < 39 {
+		t.Errorf("%d hand-offs, want the 39 events not sent (at least)", len(handOffs))
+	}
+}
+
+// ctxSink holds each send for hold, or until its context ends (it counts
+// that); it answers nil.
+type ctxSink struct {
+	name      string
+	hold      time.Duration
+	sends     atomic.Int32
+	cancelled *atomic.Int32
+}
+
+func (s *ctxSink) Name() string { return s.name }
+func (s *ctxSink) Send(ctx context.Context, _ *relay.Delivery, done func(error)) {
+	s.sends.Add(1)
+	go func() {
+		select {
+		case <-time.After(s.hold):
+			done(nil)
+		case <-ctx.Done():
+			s.cancelled.Add(1)
+			done(ctx.Err())
+		}
+	}()
+}
+func (s *ctxSink) Close(context.Context) error { return nil }
+
+// TestEngine_ClaimWorkNotSentPastItsLease: a claimed row's lease lets
+// another relay's sweeper take it over once it passes. When the renewals
+// fail (the database refuses them), the engine trusts a claimed row only
+// until its lease, less a margin, has passed since it was claimed or last
+// renewed: the rows of an aggregate still queued then are not sent, and
+// settle back to the claim path, instead of reaching the sink beside the
+// relay that took them over.
+func TestEngine_ClaimWorkNotSentPastItsLease(t *testing.T) {
+	claims := &fakeClaimStore{extendLeases: func(context.Context, []int64, string) error { return errors.New("database unreachable") }}
+	var sends atomic.Int32
+	sink := newFakeSink("s", func(*relay.Delivery) error { sends.Add(1); time.Sleep(150 * time.Millisecond); return nil })
+	const lease = time.Second
+	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", ClaimLease: lease,
+		Routes: []relay.Route{{Sink: sink}}})
+	var works []*relay.Work
+	for i := int64(1); i <= 20; i++ {
+		works = append(works, claimWork(i, "hot")) // one aggregate: one at a time, 150 ms each
+	}
+	start := time.Now()
+	if _, err := e.SubmitClaimed(context.Background(), works); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := e.WaitPathSettled(ctx, relay.PathClaim); err != nil {
+		t.Fatal(err)
+	}
+	n := sends.Load()
+	if max := int32(lease/(150*time.Millisecond)) + 1; n > max || n < 2 {
+		t.Fatalf("%d of 20 rows sent within %v of a lease of %v that no renewal extended, want a few and at most %d", n, time.Since(start).Round(time.Millisecond), lease, max)
+	}
+}

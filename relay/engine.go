@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
-	"golang.org/x/sync/errgroup"
 	"golang.org/x/sync/semaphore"
 )
 
@@ -83,6 +82,15 @@ type Engine struct {
 	// settledCount counts works settled, per path (Progress).
 	settledCount map[Path]*atomic.Uint64
 	draining     atomic.Bool // stop retrying inline: hand waiting retries off
+	// halted: send nothing more (Halt); cancelSends, set by Run under mu,
+	// cancels the sends in flight.
+	halted      atomic.Bool
+	cancelSends context.CancelFunc
+	// leaseRenewed is when the last successful renewal of the claim path's
+	// leases began (unix nanoseconds): every row in flight then is leased
+	// from that moment.
+	leaseRenewed atomic.Int64
+	done         chan struct{} // closed when Run has returned
 
 	settle map[Path]*settleQueue
 	marks  *markQueue
@@ -125,6 +133,7 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		inflight:     map[Path]map[int64]*Work{PathStream: {}, PathClaim: {}},
 		settledCount: map[Path]*atomic.Uint64{PathStream: new(atomic.Uint64), PathClaim: new(atomic.Uint64)},
 		started:      make(chan struct{}),
+		done:         make(chan struct{}),
 		marks:        newMarkQueue(),
 	}
 	e.idle = sync.NewCond(&e.mu)
@@ -156,28 +165,70 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 func (e *Engine) Stream() Consumer { return e.stream }
 
 // Run loads the diverted aggregates, then runs the lanes and the writers
-// until ctx is done. Call Drain first for a graceful stop. Every goroutine
-// it starts has ended when it returns.
+// until ctx is done. Call Drain first for a graceful stop, and Halt when
+// nothing more may be sent (a lost lease). Every goroutine it starts has
+// ended when it returns, and Done is closed then. A worker that fails — a
+// lane whose sink panics, say — ends Run with its error, naming it
+// (relay.Group).
 func (e *Engine) Run(ctx context.Context) error {
+	defer func() {
+		close(e.done)
+		e.mu.Lock()
+		e.idle.Broadcast() // waiters for settlement: nothing will settle any more
+		e.mu.Unlock()
+	}()
 	if err := e.loadDivertedRetrying(ctx); err != nil {
 		return err
 	}
-	g, ctx := errgroup.WithContext(ctx)
+	g, ctx := NewGroup(ctx)
+	sendCtx, cancelSends := context.WithCancel(ctx)
+	defer cancelSends()
+	e.mu.Lock()
+	e.cancelSends = cancelSends
+	e.mu.Unlock()
+	if e.halted.Load() {
+		cancelSends()
+	}
 	close(e.started)
 	for _, l := range e.lanes {
-		g.Go(func() error { l.dispatch(ctx); return nil })
+		g.Go("lane "+l.name, func(ctx context.Context) error { l.dispatch(ctx, sendCtx); return nil })
 	}
-	for _, q := range e.settle {
-		g.Go(func() error { q.run(ctx); return nil })
+	for _, p := range []Path{PathStream, PathClaim} {
+		q := e.settle[p]
+		g.Go("settle "+string(p), func(ctx context.Context) error { q.run(ctx); return nil })
 	}
 	if e.cfg.MarkDone {
-		g.Go(func() error { e.markDoneLoop(ctx); return nil })
+		g.Go("mark done", func(ctx context.Context) error { e.markDoneLoop(ctx); return nil })
 	}
 	if e.cfg.Claim != nil {
-		g.Go(func() error { e.renewLeases(ctx); return nil })
+		g.Go("lease renewer", func(ctx context.Context) error { e.renewLeases(ctx); return nil })
 	}
-	<-ctx.Done()
-	return g.Wait()
+	if err := g.Wait(); err != nil {
+		return fmt.Errorf("engine: %w", err)
+	}
+	return nil
+}
+
+// Done is closed once Run has returned: nothing is sent or settled after.
+func (e *Engine) Done() <-chan struct{} { return e.done }
+
+// Halt stops sending at once: the lease under which this engine delivers
+// is gone, and another relay may already be delivering the same events
+// (docs/operations-health.md, "a lost lock"). The sends in flight are
+// cancelled (a request already written stays an unknown outcome); every
+// event not sent yet — queued behind its aggregate, waiting for an inline
+// retry, or handed to a lane from now on — settles as handed to the claim
+// path without being sent, which counts no attempt. Drain then finishes
+// quickly. Safe to call more than once, before or after Run starts.
+func (e *Engine) Halt() {
+	e.draining.Store(true)
+	e.halted.Store(true)
+	e.mu.Lock()
+	cancel := e.cancelSends
+	e.mu.Unlock()
+	if cancel != nil {
+		cancel()
+	}
 }
 
 // Progress reports, for path p, how many events the engine has taken and
@@ -220,7 +271,8 @@ func (e *Engine) Drain(ctx context.Context) error {
 	return nil
 }
 
-// WaitSettled waits until every work taken so far is settled, or ctx ends.
+// WaitSettled waits until every work taken so far is settled, or ctx ends,
+// or the engine stops (ErrEngineStopped).
 // The replication source calls it before it creates a slot, so that the new
 // slot's hand-over does not give the claim path rows the engine is still
 // delivering (they would reach the sinks twice).
@@ -229,8 +281,8 @@ func (e *Engine) WaitSettled(ctx context.Context) error {
 }
 
 // WaitPathSettled waits until every work of path p taken so far is
-// settled, or ctx ends. The claim source calls it before it releases its
-// owner lock.
+// settled, or ctx ends, or the engine stops (ErrEngineStopped). The claim
+// source calls it before it releases its owner lock.
 func (e *Engine) WaitPathSettled(ctx context.Context, p Path) error {
 	return e.waitInFlight(ctx, func() int { return len(e.inflight[p]) })
 }
@@ -248,10 +300,20 @@ func (e *Engine) waitInFlight(ctx context.Context, count func() int) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
+		select {
+		case <-e.done:
+			return ErrEngineStopped
+		default:
+		}
 		e.idle.Wait()
 	}
 	return nil
 }
+
+// ErrEngineStopped is returned by the waits for settlement when the engine
+// stopped first: what it had not settled never will be (the next owner
+// takes it over).
+var ErrEngineStopped = errors.New("the engine stopped with events unsettled")
 
 // loadDiverted marks, in every lane, the aggregates the table shows with a
 // handed-off or held event, so their new events follow them.
@@ -486,6 +548,23 @@ func (e *Engine) settled(w *Work) {
 // follow it.
 func diverts(k OutcomeKind) bool { return k == Retry || k == Deferred || k == Held }
 
+// leaseLeft reports how much of the claim path's lease on w is left, less
+// a margin (a tenth of the lease, 1-30 s): from its claim, or the last
+// successful renewal after it. Another relay's sweeper takes a row over
+// once its lease has passed, so a claimed row is sent only while this is
+// positive (docs/operations-health.md, "a lost lock").
+func (e *Engine) leaseLeft(w *Work, now time.Time) time.Duration {
+	from := w.ClaimedAt
+	if r := time.Unix(0, e.leaseRenewed.Load()); r.After(from) {
+		from = r
+	}
+	margin := min(max(e.cfg.ClaimLease/10, time.Second), 30*time.Second)
+	if margin > e.cfg.ClaimLease/4 {
+		margin = e.cfg.ClaimLease / 4
+	}
+	return from.Add(e.cfg.ClaimLease - margin).Sub(now)
+}
+
 // renewLeases extends the claim path's leases on the rows it is working on,
 // every third of the lease, until ctx ends.
 func (e *Engine) renewLeases(ctx context.Context) {
@@ -507,9 +586,14 @@ func (e *Engine) renewLeases(ctx context.Context) {
 		if len(ids) == 0 {
 			continue
 		}
-		if err := e.cfg.Claim.ExtendLeases(ctx, ids, e.cfg.Owner); err != nil && ctx.Err() == nil {
-			e.log.Warn().Err(err).Int("rows", len(ids)).Msg("extend the leases of rows being delivered; retrying at the next renewal")
+		began := time.Now()
+		if err := e.cfg.Claim.ExtendLeases(ctx, ids, e.cfg.Owner); err != nil {
+			if ctx.Err() == nil {
+				e.log.Warn().Err(err).Int("rows", len(ids)).Msg("extend the leases of rows being delivered; retrying at the next renewal (rows whose lease passes meanwhile are not sent)")
+			}
+			continue
 		}
+		e.leaseRenewed.Store(began.UnixNano())
 	}
 }
 
@@ -539,6 +623,9 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 		w.path = PathClaim
 		routed := e.route(PathClaim, w.Event)
 		w.Pairs, w.lanes = routed.Pairs, routed.lanes
+		if w.ClaimedAt.IsZero() {
+			w.ClaimedAt = time.Now()
+		}
 	}
 	if err := e.take(ctx, len(works)); err != nil {
 		return works, err
@@ -563,3 +650,9 @@ func orUnknown(owner string) string {
 	}
 	return owner
 }
+
+// ErrLeaseLost marks the loss of a lease under which the relay delivers — the
+// claim path's owner lock: the rows it claimed may be taken over by another
+// relay, so nothing more may be sent under it (Engine.Halt) and the phase
+// ends (docs/operations-health.md, "a lost lock").
+var ErrLeaseLost = errors.New("lease lost")

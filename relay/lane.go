@@ -142,9 +142,10 @@ func (l *lane) acquire(ctx context.Context, t *task) bool {
 	return false
 }
 
-// dispatch sends ready pairs and due retries until ctx ends. Send blocks
-// while the sink's window is full.
-func (l *lane) dispatch(ctx context.Context) {
+// dispatch sends ready pairs and due retries until ctx ends; sends run with
+// sendCtx, which Engine.Halt cancels. Send blocks while the sink's window
+// is full.
+func (l *lane) dispatch(ctx, sendCtx context.Context) {
 	var retries retryHeap
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
@@ -158,7 +159,7 @@ func (l *lane) dispatch(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case t := <-l.ready:
-			l.send(ctx, t)
+			l.send(sendCtx, t)
 		case t := <-l.retryIn:
 			heap.Push(&retries, t)
 		case <-due:
@@ -169,7 +170,7 @@ func (l *lane) dispatch(ctx context.Context) {
 					l.complete(t, l.retryOutcome(t, 0), true)
 					continue
 				}
-				l.send(ctx, t)
+				l.send(sendCtx, t)
 			}
 		}
 		if !timer.Stop() {
@@ -181,8 +182,21 @@ func (l *lane) dispatch(ctx context.Context) {
 	}
 }
 
-// send gives t to the sink, unless the sink's circuit is open.
+// send gives t to the sink, unless the sink's circuit is open or the
+// engine is halted.
 func (l *lane) send(ctx context.Context, t *task) {
+	if l.e.halted.Load() {
+		l.complete(t, haltedOutcome(t), true)
+		return
+	}
+	if t.w.path == PathClaim && l.e.leaseLeft(t.w, time.Now()) <= 0 {
+		o := Outcome{Kind: Deferred, Reason: "not sent: the claim's lease passed without a renewal", Until: time.Now(), Why: "stopping"}
+		if t.counted > 0 {
+			o = Outcome{Kind: Retry, Reason: t.last + "; then the claim's lease passed", Counted: t.counted, Unknown: t.p.Outcome.Unknown}
+		}
+		l.complete(t, o, true)
+		return
+	}
 	l.mu.Lock()
 	until, open := l.circuit.isOpen(time.Now())
 	l.mu.Unlock()
@@ -225,6 +239,11 @@ func (l *lane) result(t *task, err error) {
 		return
 	}
 	class, retryAfter := Classify(err)
+	if l.e.halted.Load() && class != Unknown && class != Permanent {
+		// Cut short by Halt before it was written: not an attempt.
+		l.complete(t, haltedOutcome(t), true)
+		return
+	}
 	reason := ShortError(err.Error())
 	switch class {
 	case Permanent:
@@ -266,6 +285,15 @@ func (l *lane) result(t *task, err error) {
 		return
 	}
 	l.complete(t, l.retryOutcome(t, retryAfter), true)
+}
+
+// haltedOutcome is the outcome of a pair not sent because the engine was
+// halted: handed to the claim path, keeping the attempts this pass counted.
+func haltedOutcome(t *task) Outcome {
+	if t.counted > 0 {
+		return Outcome{Kind: Retry, Reason: t.last + "; then delivery stopped (lease lost)", Counted: t.counted, Unknown: t.p.Outcome.Unknown}
+	}
+	return Outcome{Kind: Deferred, Reason: "not sent: delivery stopped (lease lost)", Until: time.Now(), Why: "stopping"}
 }
 
 // retryOutcome is the final outcome of a pair whose counted attempts

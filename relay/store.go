@@ -77,8 +77,13 @@ type Work struct {
 	// Decision is set by the engine before Settle.
 	Decision Decision
 
-	path      Path
-	lanes     []*lane // the lane of each pair
+	path  Path
+	lanes []*lane // the lane of each pair
+	// ClaimedAt is when the claim path's lease on the row began, at the
+	// latest: the store's Claim sets it to a moment before its statement
+	// (zero: SubmitClaimed's time). The engine sends a claimed row only
+	// while the lease, from then or the last renewal, has not passed.
+	ClaimedAt time.Time
 	remaining atomic.Int32
 	// tickets are the stream transactions waiting for this event to settle
 	// (more than one when the slot sent it again while it was in flight);

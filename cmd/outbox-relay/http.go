@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -47,14 +48,14 @@ func (h *health) stalledReason() string {
 // logged, because the metrics name tables and sinks. With hc.MetricsToken
 // set, /metrics answers 401 to a request without "Authorization: Bearer
 // <token>"; the health endpoints stay open for probes. hc.Pprof adds the Go
-// profiles under /debug/pprof/, behind the same token.
-func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger) (net.Addr, error) {
-	addr := hc.Listen
-	ln, err := net.Listen("tcp", addr)
+// profiles under /debug/pprof/, behind the same token. wait returns once
+// the server has shut down (ctx done) and its goroutines have ended.
+func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger) (addr net.Addr, wait func(), err error) {
+	ln, err := net.Listen("tcp", hc.Listen)
 	if err != nil {
-		return nil, fmt.Errorf("http.listen %s: %w", addr, err)
+		return nil, nil, fmt.Errorf("http.listen %s: %w", hc.Listen, err)
 	}
-	if host, _, _ := net.SplitHostPort(addr); host != "127.0.0.1" && host != "localhost" && host != "::1" {
+	if host, _, _ := net.SplitHostPort(hc.Listen); host != "127.0.0.1" && host != "localhost" && host != "::1" {
 		log.Warn().Str("listen", ln.Addr().String()).Msg("the metrics and health endpoints listen beyond loopback")
 	}
 	mux := http.NewServeMux()
@@ -89,19 +90,20 @@ func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog
 		http.Error(w, "not ready: "+reason, http.StatusServiceUnavailable)
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
+	var wg sync.WaitGroup
+	wg.Go(func() {
 		<-ctx.Done()
 		shutdownCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		srv.Shutdown(shutdownCtx)
-	}()
-	go func() {
+	})
+	wg.Go(func() {
 		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			log.Error().Err(err).Msg("http server")
 		}
-	}()
+	})
 	log.Info().Str("listen", ln.Addr().String()).Msg("serving /metrics /healthz /readyz")
-	return ln.Addr(), nil
+	return ln.Addr(), wg.Wait, nil
 }
 
 // requireBearer wraps next so that it answers 401 unless the request carries

@@ -96,11 +96,15 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	r := &relayRun{cfg: cfg, log: log, owner: ledger.NewOwner(), health: &health{}}
 	r.health.set(false, "starting")
 
+	// The endpoints serve from the start to the very end (probes during
+	// start-up and the drain); the server has shut down when run returns.
 	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopHTTP()
-	if _, err := serveHTTP(httpCtx, cfg.HTTP, r.health, log); err != nil {
+	_, waitHTTP, err := serveHTTP(httpCtx, cfg.HTTP, r.health, log)
+	if err != nil {
+		stopHTTP()
 		return err
 	}
+	defer func() { stopHTTP(); waitHTTP() }()
 
 	pool, err := newPool(ctx, cfg.DatabaseURL.Reveal())
 	if err != nil {
@@ -155,14 +159,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	relay.InitMetrics(r.routes)
 
-	go r.refreshStats(httpCtx)
-	retentionDone := make(chan struct{})
-	go func() {
-		defer close(retentionDone)
-		runRetention(httpCtx, pool, r.tables, lcfg.Sinks, cfg, log)
-	}()
-	defer func() { stopHTTP(); <-retentionDone }()
-
 	for _, rt := range r.routes {
 		if down, ok := rt.Sink.(*downSink); ok {
 			r.sinksDown = append(r.sinksDown, "sink "+down.name+" is down: "+down.err.Error())
@@ -178,18 +174,37 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 
 	// The stall detector follows the supervisor's terms (stall.go).
 	stall := newStallWatch(time.Duration(cfg.HTTP.StallAfter), r.health, log)
-	stallDone := make(chan struct{})
-	go func() { defer close(stallDone); stall.run(httpCtx) }()
-	defer func() { stopHTTP(); <-stallDone }()
 	sup, err := supervisor.New(stall.watch(r.supervisorConfig()))
 	if err != nil {
 		return err
 	}
+	// The relay's workers (relay.Group, docs/architecture.md "goroutines
+	// and their owners"): the supervisor and, beside it, the table gauges,
+	// retention and the stall detector. Each runs until ctx ends; one that
+	// fails stops the others and the relay with its error. All have
+	// returned before the pool closes and the sinks are closed (the
+	// deferred calls above).
+	workers, wctx := relay.NewGroup(ctx)
+	workers.Go("table gauges", func(ctx context.Context) error { statsRefresher(r, ctx); return nil })
+	if cfg.Retention.Enabled {
+		workers.Go("retention", func(ctx context.Context) error {
+			return runRetention(ctx, pool, r.tables, lcfg.Sinks, cfg, log)
+		})
+	}
+	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
 	r.setReady()
-	err = sup.Run(ctx)
+	err = sup.Run(wctx)
+	workers.Stop()
+	if werr := workers.Wait(); err == nil {
+		err = werr
+	}
 	log.Info().Msg("relay stopped")
 	return err
 }
+
+// statsRefresher is refreshStats; a test replaces it to see that the relay
+// waits for it.
+var statsRefresher = (*relayRun).refreshStats
 
 // supervisorConfig turns the configuration into the supervisor's
 // constructors.

@@ -577,7 +577,7 @@ func TestMetricsToken(t *testing.T) {
 	defer cancel()
 	h := &health{}
 	h.set(true, "")
-	addr, err := serveHTTP(ctx, cfg.HTTP, h, zerolog.Nop())
+	addr, _, err := serveHTTP(ctx, cfg.HTTP, h, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -619,7 +619,7 @@ func TestMetricsToken(t *testing.T) {
 	open := &config.Config{}
 	*open = config.Default()
 	open.HTTP.Listen = "127.0.0.1:0"
-	addr, err = serveHTTP(ctx, open.HTTP, h, zerolog.Nop())
+	addr, _, err = serveHTTP(ctx, open.HTTP, h, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -166,7 +166,7 @@ func TestHealthEndpoints_Stalled(t *testing.T) {
 	h.set(true, "")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	addr, err := serveHTTP(ctx, httpConfig("127.0.0.1:0"), h, zerolog.Nop())
+	addr, _, err := serveHTTP(ctx, httpConfig("127.0.0.1:0"), h, zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -343,8 +343,9 @@ SELECT count(*) FILTER (WHERE stream AND created_at < now() - make_interval(secs
        extract(epoch FROM now() - min(due) FILTER (WHERE NOT stream AND due < now() - make_interval(secs => $1)))::float8
   FROM (SELECT o.created_at, coalesce(o.available_at, o.created_at) AS due, $2 AND o.handoff_at IS NULL AS stream
           FROM %s AS o
-         WHERE coalesce(o.status, 'pending') = 'pending' AND NOT %s) AS w`,
-		t.Outbox.Quoted(), t.delivered("o")), after, slotExists).
+         WHERE coalesce(o.status, 'pending') = 'pending' AND NOT %s
+           AND NOT %s) AS w`,
+		t.Outbox.Quoted(), t.delivered("o"), t.waitsForEarlier("o")), after, slotExists).
 		Scan(&p.StreamWaiting, &p.OldestStreamWaitingSeconds, &p.ClaimWaiting, &p.OldestClaimWaitingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("rows waiting: %w", err)

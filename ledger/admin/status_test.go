@@ -198,9 +198,10 @@ func TestReadProgress(t *testing.T) {
 	}
 
 	// No slot: every pending row is the claim path's; one due 10 minutes
-	// ago, and the claim path has never done anything.
+	// ago (of its own aggregate: it waits behind nothing), and the claim
+	// path has never done anything.
 	f.MustInsert(t, row{key: "old", created: 10 * time.Minute})
-	MustExec(t, f.pool, "UPDATE "+outbox+" SET available_at = now() - interval '10 minutes' WHERE event_key = 'old'")
+	MustExec(t, f.pool, "UPDATE "+outbox+" SET available_at = now() - interval '10 minutes', aggregate_id = 'A2' WHERE event_key = 'old'")
 	p := read()
 	if p.ClaimWaiting != 1 || p.StreamWaiting != 0 || !strings.Contains(p.Stalled, "the claim path last claimed or settled a row never while 1 rows due have waited longer than 5m0s (the oldest 10m0s)") {
 		t.Fatalf("claim path, no activity: %+v", p)
@@ -251,4 +252,31 @@ func TestReadProgress(t *testing.T) {
 		t.Fatalf("handed off: %+v", p)
 	}
 	MustExec(t, f.pool, "SELECT pg_drop_replication_slot('outbox_relay')")
+}
+
+// TestReadProgress_HeldAggregateIsNoStall: a held row blocks its aggregate
+// until a person decides (dlq); the next row of that aggregate, due long
+// ago, correctly waits and is not claimed. The stall detector counts only
+// rows the claim query could take: on an idle database this is no stall.
+// Before, status reported the claim path STALLED ("1 rows due have waited
+// longer than 5m").
+func TestReadProgress_HeldAggregateIsNoStall(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustInsert(t, row{key: "held", status: "held", created: 20 * time.Minute})
+	f.MustInsert(t, row{key: "next", created: 10 * time.Minute}) // the same aggregate, due 10 minutes ago
+	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET handoff_at = now() - interval '10 minutes', available_at = now() - interval '10 minutes' WHERE event_key = 'next'")
+	p, err := admin.ReadProgress(ctx, f.pool, f.tables, "outbox_relay", 5*time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Stalled != "" || p.ClaimWaiting != 0 {
+		t.Fatalf("a row waiting behind a held one: %+v, want no stall and nothing the claim path could take", p)
+	}
+	// A row of another aggregate due as long ago is a stall.
+	MustExec(t, f.pool, "INSERT INTO "+f.tables.Outbox.Quoted()+` (event_type, aggregate_type, aggregate_id, event_key, payload, created_at, available_at, handoff_at)
+		VALUES ('order.created', 'order', 'B2', 'other', '{}', now() - interval '10 minutes', now() - interval '10 minutes', now())`)
+	if p, err = admin.ReadProgress(ctx, f.pool, f.tables, "outbox_relay", 5*time.Minute); err != nil || p.ClaimWaiting != 1 || p.Stalled == "" {
+		t.Fatalf("a row of another aggregate: %+v, %v; want it waiting and a stall", p, err)
+	}
 }

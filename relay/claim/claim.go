@@ -30,7 +30,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -86,11 +85,7 @@ type Config struct {
 	// Notify is a channel to LISTEN on; a notification wakes the claim
 	// loop. Empty: no LISTEN.
 	Notify string
-	// SettleTimeout bounds how long Run, once ctx ends, waits for the
-	// engine to settle the rows it claimed before it releases the owner
-	// lock [30s].
-	SettleTimeout time.Duration
-	Logger        zerolog.Logger
+	Logger zerolog.Logger
 }
 
 // Stats counts the claim source's work; safe to read concurrently. The
@@ -140,9 +135,6 @@ func New(cfg Config) (*Source, error) {
 	if cfg.SweepAfter <= 0 {
 		cfg.SweepAfter = 30 * time.Second
 	}
-	if cfg.SettleTimeout <= 0 {
-		cfg.SettleTimeout = 30 * time.Second
-	}
 	if cfg.Notify != "" {
 		if err := relay.ValidateIdentifier(cfg.Notify); err != nil {
 			return nil, fmt.Errorf("claim path: notify channel: %w", err)
@@ -171,16 +163,23 @@ func (c *Source) OldestUnclaimedAge() time.Duration { return time.Duration(c.old
 func (c *Source) StuckRows() int64 { return c.stuckRows.Load() }
 
 // Run takes the owner lock, then claims batches and hands them to the
-// engine until ctx is done. Beside the loop it runs the lease sweeper
-// (every 5 × PollInterval, at least 1 s), the owner-lock keeper and, with
-// Notify, the listener. When ctx is done it claims nothing new, waits (up
-// to SettleTimeout) until the engine has settled every row it claimed,
-// stops its helpers and releases the owner lock; it returns nil. It
-// returns an error only when it cannot start: the owner lock cannot be
-// taken (database unreachable, or another live session holds the same
-// owner). Database errors while running are logged and retried, with
-// claiming paused while the owner lock is lost. Run is not safe to call
-// twice.
+// engine until ctx is done. Beside the loop it runs, in a relay.Group, the
+// lease sweeper (every 5 × PollInterval, at least 1 s), the owner-lock
+// keeper and, with Notify, the listener. When ctx is done it claims
+// nothing new and holds the owner lock until every row it claimed is
+// settled or the engine has stopped — the phase that owns both drains the
+// engine, halts and stops it — so that no row it claimed is taken over by
+// another relay while it may still be sent; then it stops its helpers,
+// releases the lock and returns nil.
+//
+// The owner lock is the claim path's lease: when its connection is lost,
+// other relays may return this owner's rows and send them. Run then stops
+// claiming and returns an error wrapping relay.ErrLeaseLost, on which the
+// phase halts the engine at once (docs/operations-health.md, "a lost
+// lock"). It returns an error too when it cannot start: the owner lock
+// cannot be taken (database unreachable, or another live session holds
+// the same owner). Other database errors while running are logged and
+// retried. Run is not safe to call twice.
 func (c *Source) Run(ctx context.Context) error {
 	lock, err := c.cfg.Store.LockOwner(ctx, c.cfg.Owner)
 	if err != nil {
@@ -199,24 +198,29 @@ func (c *Source) Run(ctx context.Context) error {
 	}
 	c.log.Info().Str("owner", c.cfg.Owner).Bool("all_due_rows", c.cfg.All).Msg("claim path running")
 
-	// The helpers outlive ctx until the rows are settled: the owner lock
-	// must be held while our rows are still 'processing'.
-	helpers, stopHelpers := context.WithCancel(context.WithoutCancel(ctx))
-	var wg sync.WaitGroup
-	wg.Go(func() { c.keepOwner(helpers, lock) })
-	wg.Go(func() { c.sweepLoop(helpers) })
+	// The helpers outlive ctx: the owner lock must be held while our rows
+	// may still be sent.
+	helpers, helpersCtx := relay.NewGroup(context.WithoutCancel(ctx))
+	helpers.Go("owner lock", func(ctx context.Context) error { return c.keepOwner(ctx, lock) })
+	helpers.Go("lease sweeper", func(ctx context.Context) error { c.sweepLoop(ctx); return nil })
 	if c.cfg.Notify != "" {
-		wg.Go(func() { c.listen(helpers) })
+		helpers.Go("listener", func(ctx context.Context) error { c.listen(ctx); return nil })
 	}
-	c.claimLoop(ctx)
+	claimCtx, stopClaiming := context.WithCancel(ctx)
+	defer stopClaiming()
+	stopOnFailure := context.AfterFunc(helpersCtx, stopClaiming)
+	defer stopOnFailure()
+	c.claimLoop(claimCtx)
 
-	settleCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.SettleTimeout)
-	if err := c.cfg.Engine.WaitPathSettled(settleCtx, relay.PathClaim); err != nil {
-		c.log.Warn().Msg("claimed rows still unsettled when stopping; the sweeper of the next owner returns them")
+	if err := helpers.Failed(); err == nil {
+		if err := c.cfg.Engine.WaitPathSettled(helpersCtx, relay.PathClaim); err != nil && !errors.Is(err, relay.ErrEngineStopped) && helpers.Failed() == nil {
+			c.log.Warn().Err(err).Msg("claimed rows still unsettled when stopping; the sweeper of the next owner returns them")
+		}
 	}
-	cancel()
-	stopHelpers()
-	wg.Wait()
+	helpers.Stop()
+	if err := helpers.Wait(); err != nil {
+		return fmt.Errorf("claim path: %w", err)
+	}
 	c.log.Info().Msg("claim path stopped")
 	return nil
 }

@@ -77,25 +77,51 @@ func TestUnknownOutcome(t *testing.T) {
 	}
 }
 
-// When the owner-lock connection dies, the claim source takes the lock again on
-// a new connection and goes on claiming.
-func TestOwnerLockIsTakenAgain(t *testing.T) {
+// The owner lock is the claim path's lease: when its connection dies,
+// other relays may return this owner's rows and send them. The claim
+// source stops claiming and Run ends with relay.ErrLeaseLost while a
+// delivery is still in flight — it does not wait for it — so that the
+// phase halts the engine at once (relay/supervisor) and starts again with
+// the lock taken afresh. Before, the source took the lock again and went
+// on while the engine kept sending the rows the lock had covered.
+func TestOwnerLockLostEndsTheClaimPath(t *testing.T) {
 	f := MustFixture(t)
-	a := newFakeSink("a", nil)
-	c := MustStart(t, f, options{Routes: routes(a), All: true, PollInterval: 50 * time.Millisecond})
-	lockHeld := func() bool {
-		return f.MustInt(t, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2
-			AND classid = $1 AND objid = hashtext($2)::oid`, int64(ledger.OwnerLockClass), c.Owner()) == 1
+	f.MustInsert(t, event{Key: "slow"})
+	inFlight := make(chan struct{}, 1)
+	a := newFakeSink("a", func(*relay.Delivery) error {
+		inFlight <- struct{}{}
+		time.Sleep(8 * time.Second)
+		return nil
+	})
+	r := MustEngine(t, f, options{Routes: routes(a), All: true, PollInterval: 50 * time.Millisecond})
+	c, err := claim.New(r.SourceConfig(t, nil))
+	if err != nil {
+		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Second, "the owner lock", lockHeld)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	select {
+	case <-inFlight:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the row was never sent")
+	}
+	cut := time.Now()
 	if n := f.MustInt(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
 		WHERE application_name = 'outbox-relay owner lock' AND datname = current_database()`); n != 1 {
 		t.Fatalf("terminated %d owner-lock sessions, want 1", n)
 	}
-	time.Sleep(100 * time.Millisecond)
-	waitFor(t, 10*time.Second, "the owner lock again", lockHeld)
-	f.MustInsert(t, event{Key: "after"})
-	waitFor(t, 10*time.Second, "a row claimed after the lock came back", func() bool { return f.MustRow(t, "after").Status == "done" })
+	select {
+	case err := <-done:
+		if !errors.Is(err, relay.ErrLeaseLost) {
+			t.Fatalf("Run = %v, want relay.ErrLeaseLost", err)
+		}
+		t.Logf("Run ended %v after the owner lock's session was cut", time.Since(cut).Round(time.Millisecond))
+		if took := time.Since(cut); took > 4*time.Second {
+			t.Errorf("Run ended %v after the cut, want within the lock's check (1 s) and its timeout (3 s)", took)
+		}
+	case <-time.After(6 * time.Second):
+		t.Fatal("Run went on after its owner lock was lost (waiting for the delivery in flight?)")
+	}
 }
 
 // Stopping claims nothing new, lets the engine finish the deliveries of

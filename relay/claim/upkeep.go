@@ -2,6 +2,7 @@ package claim
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -92,47 +93,29 @@ func (c *Source) measureStuck(ctx context.Context) error {
 }
 
 // keepOwner checks the owner-lock connection every second until ctx is
-// done, then releases it. When the connection fails, claiming pauses (the
-// lock went with the session, so other claimers may now return this
-// owner's rows) and keepOwner takes the lock again.
-func (c *Source) keepOwner(ctx context.Context, lock relay.Lock) {
-	defer func() {
-		if lock != nil {
-			lock.Release()
-		}
-	}()
+// done, then releases it. A failed check means the lock went with its
+// session: other claimers may now return this owner's rows and send them.
+// keepOwner then releases what is left of it and returns an error wrapping
+// relay.ErrLeaseLost; the claim path stops, and the phase halts the engine
+// and starts again with the lock taken afresh.
+func (c *Source) keepOwner(ctx context.Context, lock relay.Lock) error {
+	defer lock.Release()
 	tick := time.NewTicker(ownerPingEvery)
 	defer tick.Stop()
-	failures := 0
 	for {
 		select {
 		case <-ctx.Done():
-			return
+			return nil
 		case <-tick.C:
 		}
-		if lock != nil {
-			err := lock.Ping(ctx)
-			if err == nil || ctx.Err() != nil {
-				continue
-			}
-			c.ownerHeld.Store(false)
-			c.log.Error().Err(err).Str("owner", c.cfg.Owner).
-				Msg("lost the owner-lock connection: claiming paused; other relays may return this owner's rows")
-			lock.Release()
-			lock = nil
-		}
-		next, err := c.cfg.Store.LockOwner(ctx, c.cfg.Owner)
-		if err != nil {
-			failures++
-			if failures == 1 || failures%30 == 0 {
-				c.log.Error().Err(err).Int("attempts", failures).Msg("take the owner lock again; retrying every second")
-			}
+		err := lock.Ping(ctx)
+		if err == nil || ctx.Err() != nil {
 			continue
 		}
-		lock, failures = next, 0
-		c.ownerHeld.Store(true)
-		c.log.Info().Str("owner", c.cfg.Owner).Msg("owner lock taken again: claiming resumed")
-		c.Kick()
+		c.ownerHeld.Store(false)
+		c.log.Error().Err(err).Str("owner", c.cfg.Owner).
+			Msg("lost the owner-lock connection: delivery of the claim path stops (other relays may return this owner's rows)")
+		return fmt.Errorf("owner lock of %s: %w: %v", c.cfg.Owner, relay.ErrLeaseLost, err)
 	}
 }
 

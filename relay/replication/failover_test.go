@@ -118,8 +118,10 @@ func TestWaitsForSlotHeldByAnotherProcess(t *testing.T) {
 	})
 	other.Close(ctx)
 	waitFor(t, 30*time.Second, "streaming once the slot is free", func() bool {
+		// The consumer restarts once the slot is the session's (the
+		// refused attempts do not restart it).
 		_, _, pid, _ := slotState(t, e)
-		return pid != 0 && c2.restartCount() >= 3
+		return pid != 0 && c2.restartCount() >= 1
 	})
 	e.insert(t, "after")
 	waitFor(t, 10*time.Second, "the event", func() bool { return c2.commitOf("after") != 0 })

@@ -60,18 +60,6 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 		return false, err
 	}
 
-	// Everything committed before the horizon may have been streamed (and
-	// delivered) before; the consumer checks such events against the ledger.
-	var horizon relay.LSN
-	if err := qconn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&horizon); err != nil {
-		return false, fmt.Errorf("read the server's WAL position: %w", err)
-	}
-	closeConn(qconn)
-
-	if err := s.cfg.Consumer.Restart(ctx, horizon); err != nil {
-		return false, fmt.Errorf("restart consumer: %w", err)
-	}
-
 	// Always 0/0: the server starts at the slot's confirmed position, which
 	// is the only position this Source ever acknowledged.
 	err = pglogrepl.StartReplication(ctx, rconn, s.cfg.Slot, 0, pglogrepl.StartReplicationOptions{
@@ -89,6 +77,22 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 			return false, s.slotInUse(ctx, rconn.PID(), err)
 		}
 		return false, fmt.Errorf("START_REPLICATION: %w", err)
+	}
+
+	// Everything committed before the horizon may have been streamed (and
+	// delivered) before; the consumer checks such events against the
+	// ledger. It is read once the slot is ours: until START_REPLICATION
+	// succeeded a former leader's walsender may still have been streaming
+	// events committed after a position read earlier, and the relay it
+	// feeds delivering them. The server sends nothing we read before the
+	// consumer has restarted.
+	var horizon relay.LSN
+	if err := qconn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&horizon); err != nil {
+		return false, fmt.Errorf("read the server's WAL position: %w", err)
+	}
+	closeConn(qconn)
+	if err := s.cfg.Consumer.Restart(ctx, horizon); err != nil {
+		return false, fmt.Errorf("restart consumer: %w", err)
 	}
 
 	every := s.cfg.StatusInterval

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -122,35 +121,24 @@ func (q *queue) get(ctx context.Context) (streamItem, error) {
 // mode, until either fails or ctx is done. acked is the slot's confirmed
 // position; every is the status interval.
 func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LSN, every, senderTimeout time.Duration) error {
-	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
+	// The decoder and the checkpointer run beside the receiver (relay.Group):
+	// one that fails, or returns, ends the session.
+	workers, sctx := relay.NewGroup(ctx)
 	q := newQueue()
-
-	var decodeErr error
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		defer cancel()
-		decodeErr = newDecoder(s.cfg.Consumer, s.outbox).run(sctx, q)
-	}()
+	workers.Go("decoder", func(ctx context.Context) error { return newDecoder(s.cfg.Consumer, s.outbox).run(ctx, q) })
 
 	saveTimeout := maxSaveTimeout
 	if senderTimeout > 0 {
 		saveTimeout = min(saveTimeout, senderTimeout/3)
 	}
-	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked, stop: cancel,
+	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked, stop: workers.Stop,
 		silentMax: silentLimit(senderTimeout), idleSilentMax: 5*time.Second + 3*every, lastHeard: time.Now()}
 	r.ackable.Store(uint64(acked))
 	raise(&s.acknowledged, acked)
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		r.checkpointLoop(sctx)
-	}()
+	workers.Go("checkpointer", func(ctx context.Context) error { r.checkpointLoop(ctx); return nil })
 	recvErr := r.run(sctx)
-	cancel()
-	wg.Wait()
+	workers.Stop()
+	workersErr := workers.Wait()
 
 	if changed := r.serverChanged.Load(); changed != nil {
 		return *changed
@@ -161,8 +149,8 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 		}
 		return ctx.Err()
 	}
-	if decodeErr != nil && !errors.Is(decodeErr, context.Canceled) {
-		return decodeErr
+	if workersErr != nil {
+		return workersErr
 	}
 	return recvErr
 }

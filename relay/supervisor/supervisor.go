@@ -30,7 +30,6 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
-	"golang.org/x/sync/errgroup"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -172,19 +171,30 @@ func New(cfg Config) (*Supervisor, error) {
 
 // Run runs the relay until ctx ends, then returns nil after an orderly
 // stop. It returns an error when the relay cannot run: a source that cannot
-// start, or replication unavailable in replication mode.
+// start, replication unavailable in replication mode, or a worker that
+// failed (relay.Group).
 func (s *Supervisor) Run(ctx context.Context) error {
 	if s.cfg.Mode == ModePoll {
 		// Every relay polls; there is no leader. A slot left from running
 		// in another mode is still dropped once nobody consumes it.
-		g, gctx := errgroup.WithContext(ctx)
-		if s.cfg.Slots != nil {
-			g.Go(func() error { s.watchSlot(gctx); return nil })
-		}
-		g.Go(func() error {
-			return s.phase(gctx, nil, func(ctx context.Context, e *relay.Engine) error { return s.poll(ctx, e, 0) })
+		return s.beside(ctx, func(ctx context.Context) error {
+			for {
+				err := s.phase(ctx, nil, s.pollPhase(0))
+				if ctx.Err() != nil {
+					return nil
+				}
+				if !errors.Is(err, relay.ErrLeaseLost) {
+					if err == nil {
+						err = errors.New("the poll phase ended without a cause")
+					}
+					return err
+				}
+				s.log.Warn().Err(err).Msg("the claim path's lease was lost: delivery stopped; starting again")
+				if !relay.Sleep(ctx, leaseLostPause) {
+					return nil
+				}
+			}
 		})
-		return g.Wait()
 	}
 	for {
 		leader, err := s.cfg.Leader(ctx)
@@ -220,7 +230,12 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			s.log.Warn().Err(err).Msg("the database server changed: the term ended; leading again on the new server")
 			continue
 		}
-		if err != nil {
+		select {
+		case <-leader.Lost():
+		default:
+			if err == nil {
+				err = errors.New("the term ended without a cause")
+			}
 			return err
 		}
 		// Losing the lock means this process's link to the database is
@@ -234,14 +249,31 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	}
 }
 
-// phase runs one phase: a fresh engine, and body over it until ctx ends or
-// body returns; then the orderly stop described in the package doc. A phase
-// whose lock was lost (lost closed) stops delivering at once: the drain
-// that finishes in-flight deliveries is cut short, so that the window in
-// which two relays could both deliver stays below LeaderStaleAfter
-// (docs/operations.md, "leadership").
-func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, body func(ctx context.Context, e *relay.Engine) error) error {
-	drain := s.cfg.ShutdownTimeout
+// leaseLostPause is the pause before a new phase after the claim path's
+// lease (its owner lock) was lost.
+const leaseLostPause = time.Second
+
+// worker is one of a phase's workers: a source feeding the engine, or
+// (task) a pass that runs beside them and may finish.
+type worker struct {
+	name string
+	run  func(ctx context.Context) error
+	task bool
+}
+
+// phase runs one phase: a fresh engine, and over it the workers build
+// returns, in a relay.Group, until ctx ends or a worker fails or returns;
+// then the orderly stop: the workers stop taking events; the engine
+// drains (every outcome written, up to ShutdownTimeout) and is halted and
+// stopped; only then are the workers waited for (the claim source holds
+// its owner lock until the engine has stopped: no row it claimed is taken
+// over while it may still be sent). A lease lost — the leader lock (lost
+// closed) or the claim path's owner lock (relay.ErrLeaseLost) — halts the
+// engine at once: nothing more is sent, the sends in flight are
+// cancelled, and the drain that writes what was delivered is cut short,
+// so the window in which two relays could both deliver stays within the
+// lock's keepalive (docs/operations-health.md, "a lost lock").
+func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func(e *relay.Engine) ([]worker, error)) error {
 	engine, err := s.cfg.Engine()
 	if err != nil {
 		return err
@@ -250,50 +282,104 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, body func(
 	defer stopEngine()
 	engineDone := make(chan error, 1)
 	go func() { engineDone <- engine.Run(engineCtx) }()
-	// From the moment the term ends, failed attempts go to the claim path
+	// From the moment the phase ends, failed attempts go to the claim path
 	// instead of waiting in memory for an inline retry.
 	stopDraining := context.AfterFunc(ctx, engine.BeginDrain)
 	defer stopDraining()
+	halted := make(chan struct{})
+	defer close(halted)
+	go func() {
+		// A lost leader lock halts the engine the moment it is known.
+		select {
+		case <-lost:
+			engine.Halt()
+		case <-halted:
+		}
+	}()
 
-	bodyErr := body(ctx, engine)
+	workers, err := build(engine)
+	if err != nil {
+		engine.Halt()
+		stopEngine()
+		<-engineDone
+		return err
+	}
+	g, gctx := relay.NewGroup(ctx)
+	for _, w := range workers {
+		if w.task {
+			g.GoTask(w.name, w.run)
+		} else {
+			g.Go(w.name, w.run)
+		}
+	}
 
+	var engineErr error
+	engineStopped := false
+	select {
+	case <-gctx.Done():
+	case engineErr = <-engineDone:
+		engineStopped = true
+	}
+	failed := g.Failed()
+	g.Stop() // the sources stop taking events
+	drain := s.cfg.ShutdownTimeout
 	select {
 	case <-lost:
 		drain = min(drain, lostDrain)
 	default:
 	}
-	if errors.Is(bodyErr, relay.ErrServerChanged) {
+	if errors.Is(failed, relay.ErrLeaseLost) {
+		engine.Halt()
+		drain = min(drain, lostDrain)
+	}
+	if errors.Is(failed, relay.ErrServerChanged) {
 		// What is in flight came from the old server: its outcomes cannot
 		// be written to the new one.
 		drain = min(drain, lostDrain)
 	}
-	drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), drain)
-	defer cancel()
-	if err := engine.Drain(drainCtx); err != nil {
-		s.log.Warn().Err(err).Msg("shutdown_timeout passed with events in flight; the stream sends them again at the next start and the ledger keeps them from being delivered twice")
+	if !engineStopped {
+		drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), drain)
+		if err := engine.Drain(drainCtx); err != nil {
+			s.log.Warn().Err(err).Msg("the drain's time passed with events in flight; the stream sends them again at the next start and the ledger keeps them from being delivered twice")
+		}
+		cancel()
+		engine.Halt()
+		stopEngine()
+		engineErr = <-engineDone
 	}
-	stopEngine()
-	if err := <-engineDone; err != nil && !errors.Is(err, context.Canceled) && bodyErr == nil {
-		bodyErr = err
+	workersErr := g.Wait()
+	switch {
+	case workersErr != nil:
+		return workersErr
+	case engineErr != nil && !errors.Is(engineErr, context.Canceled):
+		return engineErr
 	}
-	if bodyErr != nil && errors.Is(bodyErr, context.Canceled) {
-		bodyErr = nil
-	}
-	return bodyErr
+	return nil
 }
 
 // lead runs a leader's term: the slot watchdog, and phases one after
 // another — the stream, or in auto mode, while replication is impossible,
 // the claim path over every row — each drained before the next starts.
 func (s *Supervisor) lead(ctx context.Context, lost <-chan struct{}) error {
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { s.watchSlot(gctx); return nil })
-	g.Go(func() error {
+	return s.beside(ctx, func(ctx context.Context) error {
 		var pollingSince time.Time
 		for {
-			err := s.phase(gctx, lost, s.stream)
+			err := s.phase(ctx, lost, s.streamPhase)
+			if ctx.Err() != nil {
+				return nil
+			}
+			if errors.Is(err, relay.ErrLeaseLost) {
+				s.log.Warn().Err(err).Msg("the claim path's lease was lost: delivery stopped; starting again")
+				if !relay.Sleep(ctx, leaseLostPause) {
+					return nil
+				}
+				continue
+			}
 			var unavailable Unavailable
-			if gctx.Err() != nil || !errors.As(err, &unavailable) {
+			if !errors.As(err, &unavailable) {
+				if err == nil {
+					err = errors.New("the stream's phase ended without a cause")
+				}
 				return err
 			}
 			if s.cfg.Mode == ModeReplication {
@@ -306,56 +392,71 @@ func (s *Supervisor) lead(ctx context.Context, lost <-chan struct{}) error {
 			}
 			// The stream's phase has drained: what it delivered is written,
 			// so the claim path cannot take a row the stream still sends.
-			err = s.phase(gctx, lost, func(ctx context.Context, e *relay.Engine) error { return s.poll(ctx, e, s.cfg.ReplicationRetry) })
-			if err != nil || gctx.Err() != nil {
+			pollCtx, cancel := context.WithTimeout(ctx, s.cfg.ReplicationRetry)
+			err = s.phase(pollCtx, lost, s.pollPhase(s.cfg.ReplicationRetry))
+			cancel()
+			if ctx.Err() != nil {
+				return nil
+			}
+			if err != nil && !errors.Is(err, relay.ErrLeaseLost) {
 				return err
 			}
 			// Back to replication through the slot-creation hand-over: a
 			// slot left from before polling is dropped, so the new one's
 			// snapshot marks every row polling did not finish for the claim
 			// path.
-			if dropped, err := s.cfg.Slots.DropSlot(gctx); err != nil {
+			if dropped, err := s.cfg.Slots.DropSlot(ctx); err != nil {
 				s.log.Warn().Err(err).Msg("drop the old slot before returning to replication")
 			} else if dropped {
 				s.log.Warn().Str("why", "returning from poll mode to replication").Msg("dropped the replication slot; the outbox table keeps the events")
 			}
 		}
 	})
-	err := g.Wait()
-	if errors.Is(err, context.Canceled) {
-		return nil
+}
+
+// beside runs phases (the caller's loop of phases) with the slot watchdog
+// beside it, until ctx ends or either fails, and returns the loop's error,
+// else the watchdog's failure.
+func (s *Supervisor) beside(ctx context.Context, phases func(ctx context.Context) error) error {
+	g, gctx := relay.NewGroup(ctx)
+	if s.cfg.Slots != nil {
+		g.Go("slot watchdog", func(ctx context.Context) error { s.watchSlot(ctx); return nil })
+	}
+	err := phases(gctx)
+	g.Stop()
+	if werr := g.Wait(); err == nil {
+		err = werr
 	}
 	return err
 }
 
-// poll runs the claim path over every due row for d (0: until ctx ends).
-func (s *Supervisor) poll(ctx context.Context, e *relay.Engine, d time.Duration) error {
-	claim, err := s.cfg.Claim(e, true)
-	if err != nil {
-		return err
+// pollPhase builds the workers of a phase where the claim path takes every
+// due row (poll mode; in auto mode, while replication is impossible, for d).
+func (s *Supervisor) pollPhase(d time.Duration) func(e *relay.Engine) ([]worker, error) {
+	return func(e *relay.Engine) ([]worker, error) {
+		claim, err := s.cfg.Claim(e, true)
+		if err != nil {
+			return nil, err
+		}
+		s.cfg.OnMode("poll")
+		l := s.log.Info()
+		if d > 0 {
+			l = l.Dur("for", d)
+		}
+		l.Msg("polling: the claim path takes every due row")
+		ws := []worker{{name: "claim path", run: claim.Run}}
+		if s.cfg.Startup != nil {
+			ws = append(ws, worker{name: "start-up pass", task: true, run: func(ctx context.Context) error { s.cfg.Startup(ctx, "poll"); return nil }})
+		}
+		return ws, nil
 	}
-	s.cfg.OnMode("poll")
-	if d > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, d)
-		defer cancel()
-	}
-	s.log.Info().Msg("polling: the claim path takes every due row")
-	var g errgroup.Group
-	if s.cfg.Startup != nil {
-		g.Go(func() error { s.cfg.Startup(ctx, "poll"); return nil })
-	}
-	err = claim.Run(ctx)
-	g.Wait()
-	if err != nil && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
-		return err
-	}
-	return nil
 }
 
-// stream runs the stream and, beside it, the claim path over the rows the
-// stream hands off, until ctx ends or replication fails for good.
-func (s *Supervisor) stream(ctx context.Context, e *relay.Engine) error {
+// streamPhase builds the workers of a phase that streams: the stream and,
+// beside it, the claim path over the rows the stream hands off.
+func (s *Supervisor) streamPhase(e *relay.Engine) ([]worker, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
 	if pid, err := s.cfg.Slots.EndStaleWalsender(ctx); err != nil {
 		s.log.Warn().Err(err).Msg("could not check the slot for a stale walsender")
 	} else if pid != 0 {
@@ -363,32 +464,18 @@ func (s *Supervisor) stream(ctx context.Context, e *relay.Engine) error {
 	}
 	source, err := s.cfg.Stream(e)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	claim, err := s.cfg.Claim(e, false)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	s.cfg.OnMode("replication")
-
-	streamCtx, stopStream := context.WithCancel(ctx)
-	defer stopStream()
-	var g errgroup.Group
-	g.Go(func() error { return claim.Run(streamCtx) })
+	ws := []worker{{name: "stream", run: source.Run}, {name: "claim path", run: claim.Run}}
 	if s.cfg.Startup != nil {
-		g.Go(func() error { s.cfg.Startup(streamCtx, "replication"); return nil })
+		ws = append(ws, worker{name: "start-up pass", task: true, run: func(ctx context.Context) error { s.cfg.Startup(ctx, "replication"); return nil }})
 	}
-	srcErr := source.Run(streamCtx)
-	// The stream stopped (ctx, or replication unavailable): the claim path
-	// stops with it, after settling the rows it claimed.
-	stopStream()
-	if err := g.Wait(); err != nil && srcErr == nil {
-		srcErr = err
-	}
-	if srcErr != nil && errors.Is(srcErr, context.Canceled) {
-		return nil
-	}
-	return srcErr
+	return ws, nil
 }
 
 // watchSlot drops the relay's slot once nobody has streamed from it for

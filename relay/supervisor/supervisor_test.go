@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -393,5 +394,175 @@ func TestFallbackToPollingWaitsForTheStreamsDeliveries(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the claim path never started")
+	}
+}
+
+// panickySink panics when it sends: a bug in a sink.
+type panickySink struct{}
+
+func (panickySink) Name() string                                       { return "buggy" }
+func (panickySink) Send(context.Context, *relay.Delivery, func(error)) { panic("sink bug") }
+func (panickySink) Close(context.Context) error                        { return nil }
+
+// TestWorkerFailureStopsTheRelay: a worker of the engine that fails (a lane
+// whose sink panics) ends the phase, the term and Run with an error naming
+// it; before, the goroutine died and the relay went on waiting.
+func TestWorkerFailureStopsTheRelay(t *testing.T) {
+	cfg := baseConfig(supervisor.ModeReplication, &slots{})
+	cfg.Engine = func() (*relay.Engine, error) {
+		return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: panickySink{}}}})
+	}
+	cfg.Stream = func(e *relay.Engine) (supervisor.Runner, error) {
+		return runner{func(ctx context.Context) error {
+			if err := e.Stream().Submit(ctx, []*relay.Event{{ID: 1, EventKey: "k1"}}); err != nil {
+				return err
+			}
+			return untilDone(ctx)
+		}}, nil
+	}
+	sup, err := supervisor.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- sup.Run(context.Background()) }()
+	select {
+	case err := <-done:
+		if err == nil || !strings.Contains(err.Error(), "lane buggy panicked: sink bug") {
+			t.Fatalf("Run = %v, want the lane's failure", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the relay did not stop after a lane failed")
+	}
+}
+
+// countingSink holds each send for hold, or until its context ends, and
+// counts the sends.
+type countingSink struct {
+	hold  time.Duration
+	sends atomic.Int32
+}
+
+func (s *countingSink) Name() string { return "hook" }
+func (s *countingSink) Send(ctx context.Context, _ *relay.Delivery, done func(error)) {
+	s.sends.Add(1)
+	go func() {
+		select {
+		case <-time.After(s.hold):
+			done(nil)
+		case <-ctx.Done():
+			done(ctx.Err())
+		}
+	}()
+}
+func (s *countingSink) Close(context.Context) error { return nil }
+
+// TestLostLockStopsDeliveryAtOnce: 40 events of one aggregate are queued in
+// a lane (200 ms a send) when the leader lock is lost. Nothing more is sent
+// after the relay knows: the queue is not worked off during the drain, and
+// the send in flight is cancelled. Before, the term's lanes ran on a
+// context the loss did not cancel and sent for seconds while another relay
+// delivered the same events.
+func TestLostLockStopsDeliveryAtOnce(t *testing.T) {
+	sink := &countingSink{hold: 200 * time.Millisecond}
+	first := &leadership{lost: make(chan struct{})}
+	var terms atomic.Int32
+	cfg := baseConfig(supervisor.ModeReplication, &slots{})
+	cfg.StandBy = time.Hour
+	cfg.Leader = func(ctx context.Context) (supervisor.Leadership, error) {
+		if terms.Add(1) == 1 {
+			return first, nil
+		}
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	cfg.Engine = func() (*relay.Engine, error) {
+		return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: sink}}})
+	}
+	cfg.Stream = func(e *relay.Engine) (supervisor.Runner, error) {
+		return runner{func(ctx context.Context) error {
+			var evs []*relay.Event
+			for i := int64(1); i <= 40; i++ {
+				agg, typ := "order", "A"
+				evs = append(evs, &relay.Event{ID: i, EventKey: fmt.Sprint("k", i), AggregateType: &typ, AggregateID: &agg})
+			}
+			if err := e.Stream().Submit(ctx, evs); err != nil {
+				return err
+			}
+			e.Stream().Commit(100)
+			return untilDone(ctx)
+		}}, nil
+	}
+	cfg.ShutdownTimeout = 30 * time.Second
+	start(t, cfg)
+	eventually(t, "the first sends", func() bool { return sink.sends.Load() >= 2 })
+	close(first.lost)
+	atLoss := sink.sends.Load()
+	time.Sleep(1500 * time.Millisecond)
+	if n := sink.sends.Load() - atLoss; n > 0 {
+		t.Fatalf("%d sends after the lock was lost (%d before), want none", n, atLoss)
+	}
+	eventually(t, "the lock released", func() bool { return first.released.Load() })
+}
+
+// claimStore is a relay.ClaimStore that claims nothing by itself and
+// settles everything.
+type claimStore struct{}
+
+func (claimStore) Claim(context.Context, relay.ClaimQuery) ([]*relay.Work, error) { return nil, nil }
+func (claimStore) PrepareClaim(_ context.Context, works []*relay.Work, _ string, _ time.Duration) error {
+	for _, w := range works {
+		for _, p := range w.Pairs {
+			p.Claimed = true
+		}
+	}
+	return nil
+}
+func (claimStore) SettleClaim(context.Context, []*relay.Work, string) error { return nil }
+func (claimStore) SettledAggregates(context.Context, []relay.AggregateKey) ([]relay.AggregateKey, error) {
+	return nil, nil
+}
+func (claimStore) ExtendLeases(context.Context, []int64, string) error { return nil }
+
+// TestLostOwnerLockHaltsThePhase: in poll mode the claim path's owner lock
+// is its lease. When the claim source reports it lost (relay.ErrLeaseLost)
+// with 20 rows of one aggregate still queued in a lane, nothing more is
+// sent, and a new phase starts (taking the lock afresh).
+func TestLostOwnerLockHaltsThePhase(t *testing.T) {
+	sink := &countingSink{hold: 200 * time.Millisecond}
+	var phases atomic.Int32
+	cfg := baseConfig(supervisor.ModePoll, nil)
+	cfg.Slots = nil
+	cfg.Engine = func() (*relay.Engine, error) {
+		return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Claim: claimStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: sink}}})
+	}
+	cfg.Claim = func(e *relay.Engine, all bool) (supervisor.Runner, error) {
+		n := phases.Add(1)
+		return runner{func(ctx context.Context) error {
+			if n > 1 {
+				return untilDone(ctx)
+			}
+			var works []*relay.Work
+			for i := int64(1); i <= 20; i++ {
+				agg, typ := "order", "A"
+				works = append(works, &relay.Work{Event: &relay.Event{ID: i, EventKey: fmt.Sprint("k", i), AggregateType: &typ, AggregateID: &agg}})
+			}
+			if _, err := e.SubmitClaimed(ctx, works); err != nil {
+				return err
+			}
+			for sink.sends.Load() < 2 {
+				time.Sleep(10 * time.Millisecond)
+			}
+			return fmt.Errorf("claim path: owner lock: %w", relay.ErrLeaseLost)
+		}}, nil
+	}
+	start(t, cfg)
+	eventually(t, "the lease lost", func() bool { return sink.sends.Load() >= 2 && phases.Load() >= 1 })
+	time.Sleep(100 * time.Millisecond)
+	atLoss := sink.sends.Load()
+	eventually(t, "a new phase", func() bool { return phases.Load() == 2 })
+	time.Sleep(time.Second)
+	if n := sink.sends.Load() - atLoss; n > 0 {
+		t.Fatalf("%d sends after the claim path's lease was lost, want none", n)
 	}
 }

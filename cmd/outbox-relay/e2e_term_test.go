@@ -1,0 +1,102 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
+)
+
+// TestLostLock_NothingSentOnceTheLeaderKnows: leader A has 40 events of one
+// aggregate queued in its webhook lane (200 ms each) and a claim-path row
+// in flight (an 8 s answer) when its lock session is terminated; B takes
+// over and streams the same events again. A stops sending the moment it
+// knows the lock is gone (its next ping, within a second): no request of
+// A's arrives after that — the queue is not worked off during its drain,
+// nor while its claim path waits for the row in flight. The window in
+// which A could not know yet, from the cut to its log line, is measured.
+// Before, A kept sending queued events for seconds while B sent the same.
+func TestLostLock_NothingSentOnceTheLeaderKnows(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	s.hook.setReply(func(d delivery) int {
+		switch {
+		case d.EventKey == "claim-slow":
+			time.Sleep(8 * time.Second)
+		case strings.HasPrefix(d.EventKey, "hot-"):
+			time.Sleep(200 * time.Millisecond)
+		}
+		return 204
+	})
+	var logA, logB syncBuffer
+	s.startProcess(t, s.relayConfig(t, "A", s.url), &logA)
+	s.waitSlot(t)
+	s.startProcess(t, s.relayConfig(t, "B", s.url), &logB)
+	eventually(t, 10*time.Second, "B standing by", func() bool { return strings.Contains(logB.String(), "standing by") })
+
+	ctx := context.Background()
+	if _, err := s.pool.Exec(ctx, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, handoff_at, available_at)
+		VALUES ('order.placed', 'order', 'slow', 'claim-slow', '{}', now(), now())`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.pool.Exec(ctx, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'order.placed', 'order', 'hot', 'hot-' || g, '{}' FROM generate_series(1, 40) g`); err != nil {
+		t.Fatal(err)
+	}
+	fromA := func() int {
+		n := 0
+		for _, d := range s.hook.deliveries() {
+			if d.From == "A" && strings.HasPrefix(d.EventKey, "hot-") {
+				n++
+			}
+		}
+		return n
+	}
+	eventually(t, 30*time.Second, "A delivering the queue", func() bool { return fromA() >= 2 })
+	if n := s.scalar(t, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name = 'outbox-relay leader outbox_relay'
+		AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted)`); n != 1 {
+		t.Fatalf("terminated %d leader lock sessions, want 1", n)
+	}
+	cut := time.Now()
+	eventually(t, 10*time.Second, "A to log the lost lock", func() bool { return strings.Contains(logA.String(), "lost the leader lock") })
+	knew := logTime(t, logA.String(), "lost the leader lock")
+	if knew.IsZero() {
+		t.Fatal("no time on A's log line of the lost lock")
+	}
+
+	keys := map[string]bool{"claim-slow": true}
+	for i := 1; i <= 40; i++ {
+		keys[fmt.Sprint("hot-", i)] = true
+	}
+	s.waitAllDelivered(t, 90*time.Second, keys)
+	var lastA time.Time
+	byBoth := 0
+	sentBy := map[string]map[string]bool{}
+	for _, d := range s.hook.deliveries() {
+		if sentBy[d.EventKey] == nil {
+			sentBy[d.EventKey] = map[string]bool{}
+		}
+		sentBy[d.EventKey][d.From] = true
+		if d.From == "A" && d.At.After(lastA) && d.EventKey != "claim-slow" {
+			lastA = d.At
+		}
+		if d.From == "A" && d.At.After(knew.Add(50*time.Millisecond)) {
+			t.Errorf("A sent %s at %s, %v after it logged the lost lock", d.EventKey, d.At.Format("15:04:05.000"), d.At.Sub(knew).Round(time.Millisecond))
+		}
+	}
+	for _, by := range sentBy {
+		if by["A"] && by["B"] {
+			byBoth++
+		}
+	}
+	t.Logf("lock cut at %s; A knew %v later; A's last request %v after the cut; %d events delivered by both (in flight at A when it knew, then sent by B)",
+		cut.Format("15:04:05.000"), knew.Sub(cut).Round(time.Millisecond), lastA.Sub(cut).Round(time.Millisecond), byBoth)
+	if w := knew.Sub(cut); w > 3*time.Second {
+		t.Errorf("A learnt of the lost lock %v after the cut, want within its ping interval and timeout (3 s)", w)
+	}
+	if byBoth > 2 {
+		t.Errorf("%d events delivered by both relays, want at most the requests in flight at A when it knew (the lane sends one event of the aggregate at a time, plus the claim-path row)", byBoth)
+	}
+}
