@@ -68,8 +68,10 @@ test-pg:
 ## acknowledgement (replication); the checkpoint, hand-over, leader lock and
 ## settling SQL (ledger); doctor and status, whose catalog queries differ by
 ## version; the claim query and its plan (claim), the plans of the pending
-## scan and the re-stream check, the delivered record's write beside another
-## writer (ledger); every migration; the
+## scan and the re-stream check, the delivered ledger rows' write beside
+## another writer, the origin guard's catalog reads as a least-privilege role
+## (ledger); retention's slot horizon (ledger/admin); the re-stream
+## horizon read once the slot is the session's; every migration; the
 ## server version; failover slots (17+) and the standby harness -- and the
 ## end-to-end tests of the stream, the slot hand-over, HA, a primary
 ## failover and doctor. `make test-pg` runs everything. Measured: 427 s
@@ -77,7 +79,7 @@ test-pg:
 ## add about 15-20 s per version.
 ## One go test per version, so that the end-to-end package builds and runs
 ## beside the others.
-PG_CI_RUN := ^(TestStreamsInsertsInCommitOrder|TestNewSlotHandsPendingRowsToClaimPath|TestRecreatesLostSlot|TestRecreatesSlotInvalidatedByIdleTimeout|TestResumesAfterServerRestart|TestAcknowledgesOnlySettledTransactions|TestIdleOutboxLetsSlotAdvance|TestCheckpoint|TestMarkForClaim|TestLeader|TestSettleDelivered|TestDiagnose_.*|TestReadStatus_.*|TestRefusalFix_ServerTexts|TestPollModeDeliversEveryEventOnceToEverySink|TestReplicationModeClaimsOnlyHandedOffRows|TestClaimQueryUsesPartialIndexes|TestPendingScanReadsTheRecordByRange|TestRestreamedCheckProbesTheDeliveredRecord|TestRecordWriteMeetsAConcurrentWriterOfTheSameIDs|TestMigrate_.*|TestOutboxPublish_Protocol|TestServerVersion|TestCreatesFailoverSlot|TestEnablesFailoverOnExistingSlot|TestSaveCheckpointWaitsForStandbys|TestStandbyFollowsAndPromotes|TestRelay_EndToEnd|TestRelay_SlotDroppedWhileDeliveringRepeatsNothing|TestRelay_HA|TestRelay_Failover|TestDoctor_Healthy)$$
+PG_CI_RUN := ^(TestStreamsInsertsInCommitOrder|TestNewSlotHandsPendingRowsToClaimPath|TestRecreatesLostSlot|TestRecreatesSlotInvalidatedByIdleTimeout|TestResumesAfterServerRestart|TestAcknowledgesOnlySettledTransactions|TestIdleOutboxLetsSlotAdvance|TestCheckpoint|TestMarkForClaim|TestLeader|TestSettleDelivered|TestDiagnose_.*|TestReadStatus_.*|TestRefusalFix_ServerTexts|TestPollModeDeliversEveryEventOnceToEverySink|TestReplicationModeClaimsOnlyHandedOffRows|TestClaimQueryUsesPartialIndexes|TestPendingScanProbesTheLedgerByKey|TestRestreamedCheckProbesTheLedger|TestDeliveredRowsMeetAConcurrentWriterOfTheSamePairs|TestOriginGuardNeedsNoPrivileges|TestStreamFromGuardsTheSystemToo|TestHorizonReadOnceTheSlotIsOurs|TestPrune_KeepsRowsTheSlotHasNotPassed|TestMigrate_.*|TestOutboxPublish_Protocol|TestServerVersion|TestCreatesFailoverSlot|TestEnablesFailoverOnExistingSlot|TestSaveCheckpointWaitsForStandbys|TestStandbyFollowsAndPromotes|TestRelay_EndToEnd|TestRelay_SlotDroppedWhileDeliveringRepeatsNothing|TestRelay_HA|TestRelay_Failover|TestDoctor_Healthy)$$
 test-pg-ci: PG_PKGS = ./relay/replication/... ./ledger/... ./relay/claim/... ./migrations/... ./cmd/outbox-relay
 test-pg-ci: PG_RUN = $(PG_CI_RUN)
 test-pg-ci: PG_E2E =

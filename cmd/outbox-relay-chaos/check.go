@@ -25,7 +25,8 @@ type delivery struct {
 	Key   string // the body's event_key ("" when the body does not decode)
 	ID    string // webhook-id or Nats-Msg-Id
 	Body  string
-	OK    bool // delivered: answered with a 2xx, or stored by the stream
+	OK    bool   // delivered: answered with a 2xx, or stored by the stream
+	From  string // the relay that sent it, when the sink tells (the webhook)
 }
 
 // sinkRecord is what one sink received.
@@ -79,7 +80,26 @@ type runFacts struct {
 	// lost what it knew of an outcome (a killed relay, PostgreSQL gone
 	// before a ledger write): the only excuses for a repeat after a 2xx.
 	Crashes []time.Duration
+	// LockCuts are the lock-cut faults: when the leader's lock session was
+	// ended, and which relay led.
+	LockCuts []lockCutFact
 }
+
+// lockCutFact is one lock-cut fault.
+type lockCutFact struct {
+	At     time.Duration
+	Leader string
+}
+
+// lockCutWindow bounds how long a leader whose lock session was ended may
+// still send: its next ping (every second) fails at once, and it sends
+// nothing from then on (docs/operations-health.md, "a lost lock"); half a
+// second more for a request already on its way. lockCutQuiet is how long
+// after the cut the old leader cannot lead again (its stand-by pause).
+const (
+	lockCutWindow = 1500 * time.Millisecond
+	lockCutQuiet  = 3 * time.Second
+)
 
 // invariant is one checked guarantee.
 type invariant struct {
@@ -131,6 +151,7 @@ func check(f runFacts) []invariant {
 		checkWAL(f),
 		checkRSS(f),
 		checkFailed(f),
+		checkLockCuts(f),
 	}
 }
 
@@ -250,6 +271,41 @@ func checkLedger(f runFacts, byKey map[string]event) invariant {
 	return invariant{Name: "each (event_key, action) has one delivered ledger row; delivered rows are done",
 		Checked:    fmt.Sprintf("delivered ledger rows per action: %s; rows done %d/%d", strings.Join(counts, ", "), done, len(f.Events)-len(refused)),
 		Violations: v.result()}
+}
+
+// checkLockCuts: after a lock-cut, the old leader sends nothing once it
+// can know (lockCutWindow after the cut) and until it could lead again
+// (lockCutQuiet): the only overlap with the relay that takes over is the
+// requests in flight when it learnt of the loss.
+func checkLockCuts(f runFacts) invariant {
+	var v violations
+	var notes []string
+	for _, c := range f.LockCuts {
+		var last time.Duration = -1
+		for _, s := range f.Sinks {
+			for _, d := range s.Arrivals {
+				if d.From != c.Leader || d.At < c.At || d.At > c.At+lockCutQuiet {
+					continue
+				}
+				if d.At > last {
+					last = d.At
+				}
+				if d.At > c.At+lockCutWindow {
+					v.add("%s sent %s at %.2f s, %.2f s after its lock session was ended at %.2f s", c.Leader, d.Key, d.At.Seconds(), (d.At - c.At).Seconds(), c.At.Seconds())
+				}
+			}
+		}
+		if last >= 0 {
+			notes = append(notes, fmt.Sprintf("%s's last request %.2f s after the cut", c.Leader, (last-c.At).Seconds()))
+		} else {
+			notes = append(notes, fmt.Sprintf("%s sent nothing after the cut", c.Leader))
+		}
+	}
+	checked := fmt.Sprintf("%d lock cuts", len(f.LockCuts))
+	if len(notes) > 0 {
+		checked += ": " + strings.Join(notes, "; ")
+	}
+	return invariant{Name: "a leader whose lock is lost sends nothing once it can know", Checked: checked, Violations: v.result()}
 }
 
 // checkIdentity: every copy of an event at a sink carries the same

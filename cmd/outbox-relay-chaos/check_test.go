@@ -150,6 +150,20 @@ func TestCheck_ReportsEachViolation(t *testing.T) {
 		{"delivered, row left pending", func(f *runFacts) {
 			f.Events[1].Status = "pending"
 		}, "each (event_key, action) has one delivered ledger row; delivered rows are done", "k2: delivered to every sink, row status pending, want done"},
+		{"the old leader sends after its lock was lost", func(f *runFacts) {
+			// Arrivals at 0-4 s; the leader's lock cut at 1 s: k2 at 3 s is
+			// 2 s later, past the window.
+			f.LockCuts = []lockCutFact{{At: time.Second, Leader: "relay-a"}}
+			for i := range f.Sinks[1].Arrivals {
+				f.Sinks[1].Arrivals[i].From = "relay-a"
+			}
+		}, "a leader whose lock is lost sends nothing once it can know", "relay-a sent k2 at 3.00 s, 2.00 s after its lock session was ended at 1.00 s"},
+		{"another relay sends after the cut", func(f *runFacts) {
+			f.LockCuts = []lockCutFact{{At: time.Second, Leader: "relay-a"}}
+			for i := range f.Sinks[1].Arrivals {
+				f.Sinks[1].Arrivals[i].From = "relay-b"
+			}
+		}, "", ""},
 		{"side effect applied twice", func(f *runFacts) {
 			f.SideEffects["k3"] = 2
 		}, "webhook side effect applied exactly once per event (dedup by webhook-id)", "k3: side effect applied 2 times"},
@@ -182,6 +196,12 @@ func TestCheck_ReportsEachViolation(t *testing.T) {
 			f := goodRun()
 			c.breakIt(&f)
 			got := failures(f)
+			if c.invariant == "" {
+				if len(got) != 0 {
+					t.Fatalf("failures %v, want none", got)
+				}
+				return
+			}
 			vs, ok := got[c.invariant]
 			if !ok {
 				t.Fatalf("%q not reported; failures: %v", c.invariant, got)

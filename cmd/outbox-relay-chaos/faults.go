@@ -32,11 +32,12 @@ const (
 	failover        faultKind = "failover"
 	gracefulStop    faultKind = "graceful-stop"
 	pollFallback    faultKind = "poll-fallback"
+	lockCut         faultKind = "lock-cut"
 )
 
 var faultKinds = []faultKind{relayKill, postgresRestart, natsRestart, webhookOutage, slotDrop, leaderKill,
 	backpressure, unstorable, slotCreateCrash, settleLock, pgBlackhole, natsBlackhole, pgSlow, failover,
-	gracefulStop, pollFallback}
+	gracefulStop, pollFallback, lockCut}
 
 // faultWhat says what each kind does, for the report.
 var faultWhat = map[faultKind]string{
@@ -56,6 +57,7 @@ var faultWhat = map[faultKind]string{
 	failover:        "kill -9 of the primary, pg_promote of its synchronous standby; everyone follows the multi-host URL; a new standby is built on the old primary's port",
 	gracefulStop:    "SIGTERM of the HA leader while it delivers (it must record what is in flight and exit 0 within shutdown_timeout), restarted at once",
 	pollFallback:    "the publication dropped and the walsender terminated: auto mode falls back to the claim path over every row; the publication restored, it streams again after replication_retry",
+	lockCut:         "the leader's lock session ended (pg_terminate_backend) while it delivers: it must send nothing once it knows (its next ping); the standby takes over",
 }
 
 // step is one fault of the schedule.
@@ -140,6 +142,7 @@ type faultRecord struct {
 	at, healed time.Duration // since the run's start
 	note       string
 	err        error
+	leader     string // lock-cut: the relay that led
 	// Filled in after the run; -1: never.
 	firstNew time.Duration // healed → the first event committed afterwards at both sinks
 	drained  time.Duration // healed → every event committed before it at both sinks
@@ -360,6 +363,28 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 	case pollFallback:
 		rec.note, rec.err = s.pollFallback(ctx)
 		rec.healed = s.since()
+	case lockCut:
+		leader, err := s.leader(ctx, 30*time.Second)
+		if err != nil {
+			rec.err = err
+			rec.healed = s.since()
+			break
+		}
+		rec.at = s.since()
+		var n int
+		if err := s.pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE application_name = 'outbox-relay leader '||$1 AND pid IN (SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted)`, slotName).Scan(&n); err != nil || n != 1 {
+			rec.err = fmt.Errorf("end the leader's lock session: %d ended, %v", n, err)
+			rec.healed = s.since()
+			break
+		}
+		rec.leader = leader.name
+		rec.healed = rec.at
+		if err := s.waitStreaming(ctx, 30*time.Second); err != nil {
+			rec.err = err
+			break
+		}
+		rec.note = fmt.Sprintf("%s's lock session ended; streaming again %.1f s after", leader.name, (s.since() - rec.at).Seconds())
 	case pgSlow:
 		for _, p := range s.pgProxies {
 			p.SetLatency(netfault.Upstream, 150*time.Millisecond)

@@ -51,8 +51,13 @@ type rawDelivery struct {
 	Attempt string        // webhook-attempt
 	Body    string
 	Status  int
-	Applied bool // this request applied the side effect
+	Applied bool   // this request applied the side effect
+	From    string // the relay that sent it (X-Chaos-Relay)
 }
+
+// relayHeader names the relay that sent a webhook request: each relay's
+// webhook sink sets it (sinks[].headers).
+const relayHeader = "X-Chaos-Relay"
 
 // receiver is the webhook destination. It records every request and applies
 // a side effect once per webhook-id, as an idempotent consumer does; in the
@@ -104,7 +109,8 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		w.WriteHeader(http.StatusBadRequest)
 		return
 	}
-	d := rawDelivery{At: r.since(), ID: req.Header.Get("webhook-id"), Attempt: req.Header.Get("webhook-attempt"), Body: string(body)}
+	d := rawDelivery{At: r.since(), ID: req.Header.Get("webhook-id"), Attempt: req.Header.Get("webhook-attempt"), Body: string(body),
+		From: req.Header.Get(relayHeader)}
 	mode := hookMode(r.mode.Load())
 	switch mode {
 	case hookHealthy, hookSlow, hookCrawl:

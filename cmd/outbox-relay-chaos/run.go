@@ -279,12 +279,16 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 			// promotion, deliveries of the old term may still end.
 			f.Crashes = append(f.Crashes, fr.at, fr.healed)
 			f.Failovers++
+		case lockCut:
+			if fr.err == nil && fr.leader != "" {
+				f.LockCuts = append(f.LockCuts, lockCutFact{At: fr.at, Leader: fr.leader})
+			}
 		}
 	}
 	f.SideEffects = map[string]int{}
 	for _, d := range res.hook {
 		key := bodyKey(d.Body)
-		hook.Arrivals = append(hook.Arrivals, delivery{Index: d.Index, At: d.At, Key: key, ID: d.ID, Body: d.Body, OK: d.Status >= 200 && d.Status < 300})
+		hook.Arrivals = append(hook.Arrivals, delivery{Index: d.Index, At: d.At, Key: key, ID: d.ID, Body: d.Body, OK: d.Status >= 200 && d.Status < 300, From: d.From})
 		if d.Applied {
 			f.SideEffects[key]++
 		}

@@ -220,6 +220,7 @@ func (s *stack) writeConfig(name, dbURL, natsURL string) (string, error) {
 	fmt.Fprintf(&b, "    subject: %q\n", "chaos.{{.AggregateType}}.{{.EventType}}")
 	fmt.Fprintf(&b, "    stream: {name: %s, subjects: [%q], create: true}\n", streamName, subjects)
 	fmt.Fprintf(&b, "  - name: %s\n    type: webhook\n    url: %q\n    timeout: %s\n", hookAction, s.hook.url(), s.o.hookTimeout)
+	fmt.Fprintf(&b, "    headers: {%s: %s}\n", relayHeader, name)
 	b.WriteString("http: {listen: \"127.0.0.1:0\"}\n")
 	b.WriteString("shutdown_timeout: 20s\n")
 	// Retention prunes while everything else happens (keepPrunedSQL keeps
