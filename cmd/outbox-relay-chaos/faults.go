@@ -370,6 +370,8 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 			rec.healed = s.since()
 			break
 		}
+		var before int32
+		_ = s.pool.QueryRow(ctx, `SELECT coalesce(max(active_pid), 0) FROM pg_replication_slots WHERE slot_name = $1`, slotName).Scan(&before)
 		rec.at = s.since()
 		var n int
 		if err := s.pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
@@ -380,11 +382,19 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 		}
 		rec.leader = leader.name
 		rec.healed = rec.at
-		if err := s.waitStreaming(ctx, 30*time.Second); err != nil {
-			rec.err = err
-			break
+		// Streaming again: a walsender other than the old leader's.
+		for deadline := time.Now().Add(30 * time.Second); ; {
+			var pid int32
+			err := s.pool.QueryRow(ctx, `SELECT coalesce(max(active_pid), 0) FROM pg_replication_slots WHERE slot_name = $1`, slotName).Scan(&pid)
+			if err == nil && pid != 0 && pid != before {
+				break
+			}
+			if time.Now().After(deadline) || !sleep(ctx, 20*time.Millisecond) {
+				rec.err = fmt.Errorf("no new walsender on slot %s within 30 s of the lock cut", slotName)
+				break
+			}
 		}
-		rec.note = fmt.Sprintf("%s's lock session ended; streaming again %.1f s after", leader.name, (s.since() - rec.at).Seconds())
+		rec.note = fmt.Sprintf("%s's lock session ended; a new walsender streams %.1f s after", leader.name, (s.since() - rec.at).Seconds())
 	case pgSlow:
 		for _, p := range s.pgProxies {
 			p.SetLatency(netfault.Upstream, 150*time.Millisecond)
