@@ -72,3 +72,27 @@ func TestSeam_GracefulStopRepeatsNothing(t *testing.T) {
 	}
 	s.waitDone(t, "event_key LIKE 'stop-%'", 2)
 }
+
+// TestStatus_CountsTheStreamsDeliveries: after events the stream delivered,
+// status counts them per sink from the ledger — the record of delivery on
+// both paths. Before, the stream wrote no ledger row for them and status
+// said "delivered (1h): n8n 0, nats 0" after 22 streamed events.
+func TestStatus_CountsTheStreamsDeliveries(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	cfg := s.configFile(t, "")
+	s.startInProcess(t, cfg)
+	s.waitStreaming(t)
+	if _, err := s.pool.Exec(context.Background(), `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'order.placed', 'order', 'a' || g, 'streamed-' || g, '{}' FROM generate_series(1, 22) g`); err != nil {
+		t.Fatal(err)
+	}
+	s.waitDelivered(t, "streamed", 22, 30*time.Second)
+	s.waitDone(t, "event_key LIKE 'streamed-%'", 22)
+	code, out, errOut := execute(t, "status", "--config", cfg)
+	if code != exitOK {
+		t.Fatalf("status: exit %d\n%s%s", code, out, errOut)
+	}
+	if !strings.Contains(out, "hook 22, nats 22") {
+		t.Fatalf("status does not count the stream's 22 deliveries per sink:\n%s", out)
+	}
+}
