@@ -491,9 +491,14 @@ func TestQuotedNames(t *testing.T) {
 }
 
 func BenchmarkSettle(b *testing.B) {
+	for _, pairs := range []int{5, 1000} {
+		b.Run(fmt.Sprint(pairs, "-pairs"), func(b *testing.B) { benchmarkSettle(b, pairs) })
+	}
+}
+
+func benchmarkSettle(b *testing.B, pairs int) {
 	f := MustFixture(b)
 	ctx := context.Background()
-	const pairs = 1000
 	b.ReportAllocs()
 	n := 0
 	for b.Loop() {
