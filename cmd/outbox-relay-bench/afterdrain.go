@@ -101,15 +101,15 @@ func phaseSteadyAfterDrain(ctx context.Context, e *env, r *report) error {
 	r.add(phase, fmt.Sprintf("backlog: relay started with %s events queued → JetStream + webhook", thousands(n)),
 		fmt.Sprintf("all at both sinks after %.2f s (%s events/s); the load started %s later; %s", drained.Seconds(), thousands(int(float64(n)/drained.Seconds())),
 			gap.Round(time.Millisecond), cpuPerEvent(drainUsage, n)), "", "info", drainUsage)
-	r.add(phase, "load right after the drain (relay: replication, JetStream + webhook)", loadSummary(e, o, true), "", "info", o.usage)
+	r.add(phase, "load right after the drain (relay: replication, JetStream + webhook)", loadSummary(e, o, true, true), "", "info", o.usage)
 	addLatencies(r, phase, "commit→NATS arrival", o.nats, o.natsMissing, o.usage, true)
 	addLatencies(r, phase, "commit→webhook 2xx", o.hook, o.hookMissing, o.usage, true)
 	first := min(5*time.Second, e.o.duration)
 	r.add(phase, fmt.Sprintf("events committed in the first %.0f s of the load: p99 NATS / webhook / floor", first.Seconds()),
 		fmt.Sprintf("%s / %s / %s", fmtMS(percentile(t.latenciesWithin(&t.nats, first), 0.99)), fmtMS(percentile(t.latenciesWithin(&t.hook, first), 0.99)),
 			fmtMS(percentile(t.latenciesWithin(&t.floor, first), 0.99))), "—", "info", o.usage)
-	addFloor(r, phase, o)
-	addCPUPerEvent(r, e, phase, o)
+	addFloor(r, phase, o, true)
+	addCPUPerEvent(r, e, phase, o, true)
 	r.addCPU(phase+" (backlog)", drainUsage, "")
 	r.addCPU(phase, o.usage, "")
 	if err := f.close(); err != nil {

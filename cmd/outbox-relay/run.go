@@ -15,6 +15,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/cmd/internal/procs"
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -192,6 +193,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
+	if sizer := procs.New(log); sizer != nil {
+		workers.Go("scheduler sizer", func(ctx context.Context) error { sizer.Run(ctx); return nil })
+	}
 	r.setReady()
 	err = sup.Run(wctx)
 	workers.Stop()

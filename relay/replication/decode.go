@@ -43,13 +43,16 @@ func newDecoder(c relay.Consumer, outbox relay.QualifiedName) *decoder {
 
 func (d *decoder) run(ctx context.Context, q *queue) error {
 	for {
-		it, err := q.get(ctx)
+		g, err := q.get(ctx)
 		if err != nil {
 			return err
 		}
-		if err := d.handle(ctx, it); err != nil {
-			return err
+		for _, it := range g.items {
+			if err := d.handle(ctx, it); err != nil {
+				return err
+			}
 		}
+		q.release(g)
 	}
 }
 

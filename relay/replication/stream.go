@@ -27,11 +27,14 @@ import (
 //     needed. It reads with ReceiveMessage under a deadline at the next
 //     status time, parses each message (pglogrepl.Parse copies what it keeps
 //     out of pgconn's read buffer) and queues it, keepalive positions
-//     included, on the channel. When a status update is due it asks
+//     included, on the channel: a transaction's messages go together once
+//     its Commit is read (or flushLen of them, in a large one), so that
+//     the decoder wakes once per transaction rather than once per message
+//     (docs/performance.md, "Hand-offs"). When a status update is due it asks
 //     Consumer.Settled for the position, writes the checkpoint when the
 //     acknowledgement passes events, and sends the update. When the queue
 //     is full (queueLen messages or queueBytes of pgoutput data) it waits
-//     for the decoder to take an item and for the status timer together, so
+//     for the decoder to take a group and for the status timer together, so
 //     acknowledgements keep flowing while the engine pushes back; it stops
 //     reading meanwhile, and TCP flow control pauses the walsender, which
 //     still reads our status updates.
@@ -56,10 +59,18 @@ import (
 
 // queueLen and queueBytes bound the messages read but not yet decoded: with
 // one message per row, about four batches of small events, and less of large
-// ones. A single message larger than queueBytes is still admitted, alone.
+// ones. A single group larger than queueBytes is still admitted, alone.
 const (
 	queueLen   = 1024
 	queueBytes = 8 << 20
+)
+
+// flushLen and flushBytes bound the messages of an open transaction the
+// receiver holds before it queues them: a large transaction's events reach
+// the decoder while the rest is read.
+const (
+	flushLen   = 64
+	flushBytes = 256 << 10
 )
 
 // maxSaveTimeout bounds a checkpoint write. A slower write is abandoned: the
@@ -74,46 +85,80 @@ type streamItem struct {
 	size   int64 // bytes of pgoutput data, counted against queueBytes
 }
 
-// queue carries stream items from the receiver to the decoder.
+// group is stream items queued together, in order, with their pgoutput
+// bytes.
+type group struct {
+	items []streamItem
+	size  int64
+}
+
+// queue carries groups of stream items from the receiver to the decoder.
 type queue struct {
-	items chan streamItem
-	bytes atomic.Int64
-	// taken is signalled, without blocking, each time the decoder takes an
-	// item, to wake a receiver waiting for room.
+	groups chan *group
+	msgs   atomic.Int64 // items queued, against queueLen
+	bytes  atomic.Int64 // their bytes, against queueBytes
+	// taken is signalled, without blocking, each time the decoder takes a
+	// group, to wake a receiver waiting for room.
 	taken chan struct{}
+	// free returns decoded groups to the receiver for reuse.
+	free chan *group
 }
 
 func newQueue() *queue {
-	return &queue{items: make(chan streamItem, queueLen), taken: make(chan struct{}, 1)}
+	return &queue{groups: make(chan *group, queueLen), taken: make(chan struct{}, 1), free: make(chan *group, 8)}
 }
 
-// tryPut queues it if there is room.
-func (q *queue) tryPut(it streamItem) bool {
-	if n := q.bytes.Load(); n > 0 && n+it.size > queueBytes {
+// tryPut queues g if there is room: a group always fits an empty queue.
+func (q *queue) tryPut(g *group) bool {
+	n, b := q.msgs.Load(), q.bytes.Load()
+	if n > 0 && (n+int64(len(g.items)) > queueLen || b+g.size > queueBytes) {
 		return false
 	}
-	q.bytes.Add(it.size)
+	q.msgs.Add(int64(len(g.items)))
+	q.bytes.Add(g.size)
 	select {
-	case q.items <- it:
+	case q.groups <- g:
 		return true
 	default:
-		q.bytes.Add(-it.size)
+		q.msgs.Add(-int64(len(g.items)))
+		q.bytes.Add(-g.size)
 		return false
 	}
 }
 
-// get waits for the next item.
-func (q *queue) get(ctx context.Context) (streamItem, error) {
+// get waits for the next group.
+func (q *queue) get(ctx context.Context) (*group, error) {
 	select {
 	case <-ctx.Done():
-		return streamItem{}, ctx.Err()
-	case it := <-q.items:
-		q.bytes.Add(-it.size)
+		return nil, ctx.Err()
+	case g := <-q.groups:
+		q.msgs.Add(-int64(len(g.items)))
+		q.bytes.Add(-g.size)
 		select {
 		case q.taken <- struct{}{}:
 		default:
 		}
-		return it, nil
+		return g, nil
+	}
+}
+
+// release hands a decoded group back for reuse.
+func (q *queue) release(g *group) {
+	clear(g.items)
+	g.items, g.size = g.items[:0], 0
+	select {
+	case q.free <- g:
+	default:
+	}
+}
+
+// newGroup returns an empty group, reused when one is free.
+func (q *queue) newGroup() *group {
+	select {
+	case g := <-q.free:
+		return g
+	default:
+		return &group{items: make([]streamItem, 0, 4)}
 	}
 }
 
@@ -165,6 +210,7 @@ type receiver struct {
 
 	inTxn   bool      // the last data message read was inside a transaction
 	blocked bool      // waiting for room in the queue
+	pending *group    // read and not queued yet: the open transaction's messages
 	next    time.Time // when the next status update is due
 
 	acked relay.LSN // last position sent to the server
@@ -349,10 +395,27 @@ func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) erro
 	return nil
 }
 
-// push queues it for the decoder, sending status updates on time while the
-// queue is full.
+// push adds it to the pending group and queues the group for the decoder
+// once no transaction is open (it is a Commit, a keepalive, or a message
+// outside a transaction) or the group is flushLen messages or flushBytes.
 func (r *receiver) push(ctx context.Context, it streamItem) error {
-	if r.queue.tryPut(it) {
+	if r.pending == nil {
+		r.pending = r.queue.newGroup()
+	}
+	g := r.pending
+	g.items = append(g.items, it)
+	g.size += it.size
+	if r.inTxn && len(g.items) < flushLen && g.size < flushBytes {
+		return nil
+	}
+	r.pending = nil
+	return r.put(ctx, g)
+}
+
+// put queues g for the decoder, sending status updates on time while the
+// queue is full.
+func (r *receiver) put(ctx context.Context, g *group) error {
+	if r.queue.tryPut(g) {
 		return nil
 	}
 	r.blocked = true
@@ -374,7 +437,7 @@ func (r *receiver) push(ctx context.Context, it streamItem) error {
 				return err
 			}
 		}
-		if r.queue.tryPut(it) {
+		if r.queue.tryPut(g) {
 			return nil
 		}
 	}

@@ -140,19 +140,20 @@ type Sink struct {
 	// window holds one token per publish awaiting its PubAck; it bounds
 	// Send, which waits for a free slot while honouring ctx.
 	window chan struct{}
-	// publishMu makes publish order and queue order the same.
-	publishMu sync.Mutex
-	// queue carries publishes to the collector in publish order; its
-	// capacity is the window, so a send on it never blocks.
-	queue chan inflight
 
 	mu      sync.Mutex
 	closed  bool
 	sending sync.WaitGroup // Sends past the closed check
 	closing chan struct{}  // closed by Close: stop accepting
-	abort   chan struct{}  // closed when Close's ctx ends: give up on acks
+	// pending holds the publishes awaiting their outcome, by message: the
+	// client's ack and error handlers complete them on its own goroutines
+	// (docs/performance.md, "Hand-offs"); completing counts those taken
+	// whose done has not returned. drained is closed once the sink is
+	// closed and neither has any.
+	pending    map[*nats.Msg]inflight
+	completing int
+	drained    chan struct{}
 
-	collected chan struct{} // closed when the collector has returned
 	closeOnce sync.Once
 	closeErr  error
 
@@ -167,17 +168,15 @@ type Sink struct {
 var _ relay.Sink = (*Sink)(nil)
 
 type inflight struct {
-	future jetstream.PubAckFuture
-	key    string
-	done   func(error)
+	key  string
+	done func(error)
 	// mayRepeat: a retry of an event older than the duplicate window, so
 	// an earlier attempt's copy may have left the window.
 	mayRepeat bool
 }
 
-// New connects to the server (or starts the embedded one), checks the
-// stream (see StreamConfig) and starts the goroutine that completes
-// deliveries. The connection reconnects forever. New fails, naming the
+// New connects to the server (or starts the embedded one) and checks the
+// stream (see StreamConfig). The connection reconnects forever. New fails, naming the
 // stream and the fix, when the stream is missing (and Create is false), does
 // not capture the subject template, or has a smaller duplicate window. The
 // caller must Close the returned Sink.
@@ -201,10 +200,9 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		ceSource:   cfg.CloudEventsSource,
 		maxPending: cfg.MaxPending,
 		window:     make(chan struct{}, cfg.MaxPending),
-		queue:      make(chan inflight, cfg.MaxPending),
 		closing:    make(chan struct{}),
-		abort:      make(chan struct{}),
-		collected:  make(chan struct{}),
+		pending:    make(map[*nats.Msg]inflight, cfg.MaxPending),
+		drained:    make(chan struct{}),
 		dupWindow:  cfg.Stream.DuplicateWindow,
 		// Created at 0 now, so the series exists before the first retry.
 		storedAgain: relay.NATSDuplicatesStored.WithLabelValues(cfg.Name),
@@ -230,7 +228,9 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 	}
 	s.js, err = jetstream.New(s.nc,
 		jetstream.WithPublishAsyncMaxPending(cfg.MaxPending),
-		jetstream.WithPublishAsyncTimeout(cfg.AckTimeout))
+		jetstream.WithPublishAsyncTimeout(cfg.AckTimeout),
+		jetstream.WithPublishAsyncAckHandler(s.onAck),
+		jetstream.WithPublishAsyncErrHandler(s.onError))
 	if err != nil {
 		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
 	}
@@ -239,7 +239,6 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
 	}
 
-	go s.collect()
 	ok = true
 	s.log.Info().Str("url", s.clientURL).Str("stream", cfg.Stream.Name).Str("subject", cfg.Subject).
 		Int64("max_payload", s.nc.MaxPayload()).Int64("max_msg_size", s.maxMsgSize).
@@ -383,10 +382,10 @@ func (s *Sink) Duplicates() int64 { return s.duplicates.Load() }
 //
 // Send blocks while MaxPending publishes await their PubAck, until ctx ends.
 // Sending the same Delivery again is safe: it carries the same Nats-Msg-Id
-// and body. done may run on the sink's collector goroutine, one call at a
-// time, which completes every later publish: it must not block, and in
-// particular must not call Send, which can wait for a window slot only the
-// collector frees.
+// and body. done may run on the NATS client's goroutines (the one that reads
+// PubAcks, an ack timer, the reconnect handler), which complete every later
+// publish: it must not block, and in particular must not call Send, which
+// can wait for a window slot only they free.
 func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 	key := d.Event.EventKey
 	msg, err := s.message(d)
@@ -419,16 +418,14 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 		return
 	}
 
-	s.publishMu.Lock()
-	future, err := s.js.PublishMsgAsync(msg)
-	if err != nil {
-		s.publishMu.Unlock()
-		<-s.window
-		done(classifyPublishError(key, err))
-		return
+	// Pending before it is published: its PubAck may arrive before
+	// PublishMsgAsync returns.
+	s.mu.Lock()
+	s.pending[msg] = inflight{key: key, done: done, mayRepeat: s.mayRepeat(d)}
+	s.mu.Unlock()
+	if _, err := s.js.PublishMsgAsync(msg); err != nil {
+		s.complete(msg, func(inflight) error { return classifyPublishError(key, err) })
 	}
-	s.queue <- inflight{future: future, key: key, done: done, mayRepeat: s.mayRepeat(d)}
-	s.publishMu.Unlock()
 }
 
 // message builds d's message, or a Permanent error when it cannot be
@@ -483,33 +480,50 @@ func (s *Sink) enter() bool {
 	return true
 }
 
-// collect completes publishes in publish order until the queue is closed.
-func (s *Sink) collect() {
-	defer close(s.collected)
-	for p := range s.queue {
-		err := s.await(p)
-		<-s.window
-		p.done(err)
-	}
+// onAck is the client's handler for a PubAck.
+func (s *Sink) onAck(_ jetstream.JetStream, msg *nats.Msg, ack *jetstream.PubAck) {
+	s.complete(msg, func(p inflight) error { return s.acked(p, ack) })
 }
 
-// await returns p's outcome, or Unknown once Close gives up on acks.
-func (s *Sink) await(p inflight) error {
-	select {
-	case ack := <-p.future.Ok():
-		return s.acked(p, ack)
-	case err := <-p.future.Err():
-		return classifyAckError(p.key, err)
-	case <-s.abort:
+// onError is the client's handler for a publish that got no PubAck: an
+// error answer, the ack timeout, a lost connection.
+func (s *Sink) onError(_ jetstream.JetStream, msg *nats.Msg, err error) {
+	s.complete(msg, func(p inflight) error { return classifyAckError(p.key, err) })
+}
+
+// complete gives msg's publish its outcome, once, and reports whether it
+// did: a later report on the same message (Close gave up on it first) is
+// ignored.
+func (s *Sink) complete(msg *nats.Msg, outcome func(inflight) error) bool {
+	s.mu.Lock()
+	p, ok := s.pending[msg]
+	if ok {
+		delete(s.pending, msg)
+		s.completing++
 	}
-	// An outcome that arrived together with the abort still counts.
-	select {
-	case ack := <-p.future.Ok():
-		return s.acked(p, ack)
-	case err := <-p.future.Err():
-		return classifyAckError(p.key, err)
-	default:
-		return relay.UnknownError(fmt.Errorf("publish %s: sink closed before the PubAck arrived", p.key))
+	s.mu.Unlock()
+	if !ok {
+		return false
+	}
+	err := outcome(p)
+	<-s.window
+	p.done(err)
+	s.mu.Lock()
+	s.completing--
+	s.drainedLocked()
+	s.mu.Unlock()
+	return true
+}
+
+// drainedLocked closes drained once the sink is closed and every publish
+// is complete. s.mu is held.
+func (s *Sink) drainedLocked() {
+	if s.closed && len(s.pending) == 0 && s.completing == 0 {
+		select {
+		case <-s.drained:
+		default:
+			close(s.drained)
+		}
 	}
 }
 
@@ -549,16 +563,33 @@ func (s *Sink) close(ctx context.Context) error {
 	s.mu.Unlock()
 	// Admitted Sends either publish or give up on s.closing; none blocks.
 	s.sending.Wait()
-	close(s.queue)
+	s.mu.Lock()
+	s.drainedLocked()
+	s.mu.Unlock()
 
 	var err error
 	select {
-	case <-s.collected:
+	case <-s.drained:
 	case <-ctx.Done():
-		abandoned := len(s.queue) + 1
-		close(s.abort)
-		<-s.collected
-		err = fmt.Errorf("close nats sink %q: gave up waiting for up to %d PubAcks (outcome unknown): %w", s.name, abandoned, ctx.Err())
+		s.mu.Lock()
+		abandoned := make([]*nats.Msg, 0, len(s.pending))
+		for msg := range s.pending {
+			abandoned = append(abandoned, msg)
+		}
+		s.mu.Unlock()
+		gaveUp := 0
+		for _, msg := range abandoned {
+			if s.complete(msg, func(p inflight) error {
+				return relay.UnknownError(fmt.Errorf("publish %s: sink closed before the PubAck arrived", p.key))
+			}) {
+				gaveUp++
+			}
+		}
+		// Outcomes the client was reporting meanwhile finish too.
+		<-s.drained
+		if gaveUp > 0 {
+			err = fmt.Errorf("close nats sink %q: gave up waiting for %d PubAcks (outcome unknown): %w", s.name, gaveUp, ctx.Err())
+		}
 	}
 	s.release()
 	s.log.Info().Int64("duplicates", s.Duplicates()).Msg("nats sink closed")

@@ -1,0 +1,115 @@
+package procs
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+)
+
+// fakeProcess plays the process's CPU clock and records GOMAXPROCS.
+type fakeProcess struct {
+	mu    sync.Mutex
+	cpu   time.Duration
+	at    time.Time
+	cores float64 // CPU use over the next sample
+	sets  []int
+}
+
+func (f *fakeProcess) sizer() *Sizer {
+	return &Sizer{Every: time.Millisecond, Widen: DefaultWiden, Narrow: DefaultNarrow, NarrowAfter: 3, Log: zerolog.Nop(),
+		cpu: func() time.Duration { f.mu.Lock(); defer f.mu.Unlock(); return f.cpu },
+		now: func() time.Time {
+			f.mu.Lock()
+			defer f.mu.Unlock()
+			// Each look at the clock is one sample's second later, with
+			// the CPU used meanwhile.
+			f.at = f.at.Add(time.Second)
+			f.cpu += time.Duration(f.cores * float64(time.Second))
+			return f.at
+		},
+		set: func(n int) { f.mu.Lock(); defer f.mu.Unlock(); f.sets = append(f.sets, n) },
+	}
+}
+
+func TestSizer_Observe(t *testing.T) {
+	f := &fakeProcess{}
+	s := f.sizer()
+	s.wide = true
+	for i, step := range []struct {
+		cores float64
+		want  []int // GOMAXPROCS settings made so far (0: the runtime's default)
+	}{
+		{0.2, nil}, {0.2, nil},
+		{0.6, nil},                              // between the thresholds: the quiet run starts again
+		{0.2, nil}, {0.2, nil}, {0.2, []int{1}}, // three quiet samples in a row: one P
+		{0.6, []int{1}},    // not busy enough to widen
+		{0.9, []int{1, 0}}, // one P busy: the default at once
+		{0.4, []int{1, 0}},
+	} {
+		s.observe(step.cores)
+		if len(f.sets) != len(step.want) {
+			t.Fatalf("step %d (%.1f cores): settings %v, want %v", i, step.cores, f.sets, step.want)
+		}
+		for j := range step.want {
+			if f.sets[j] != step.want[j] {
+				t.Fatalf("step %d (%.1f cores): settings %v, want %v", i, step.cores, f.sets, step.want)
+			}
+		}
+	}
+}
+
+// TestSizer_RunMeasuresTheProcessAndRestoresTheDefault: Run turns CPU time
+// into cores per sample, narrows a quiet process and leaves the runtime's
+// default in place when it stops.
+func TestSizer_RunMeasuresTheProcessAndRestoresTheDefault(t *testing.T) {
+	f := &fakeProcess{cores: 0.1}
+	s := f.sizer()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.Run(ctx); close(done) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		f.mu.Lock()
+		n := len(f.sets)
+		f.mu.Unlock()
+		if n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a quiet process was never narrowed")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	f.mu.Lock()
+	f.cores = 1.5
+	f.mu.Unlock()
+	for {
+		f.mu.Lock()
+		n := len(f.sets)
+		f.mu.Unlock()
+		if n > 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a busy process was never widened")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	<-done
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.sets[0] != 1 || f.sets[1] != 0 || f.sets[len(f.sets)-1] != 0 {
+		t.Fatalf("settings %v: want one P, then the default, and the default at the end", f.sets)
+	}
+}
+
+func TestNew_TheEnvironmentsGOMAXPROCSStands(t *testing.T) {
+	t.Setenv("GOMAXPROCS", "2")
+	if s := New(zerolog.Nop()); s != nil {
+		t.Fatal("New returned a Sizer although GOMAXPROCS is set")
+	}
+}
