@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"net/http"
+	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/outbox-relay/outbox-relay/cmd/internal/procs"
 	"github.com/outbox-relay/outbox-relay/deploy"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
@@ -196,4 +198,39 @@ func TestMetricsScrape(t *testing.T) {
 	if got := labelValues(fams["outbox_relay_delivered_total"], "sink"); !slices.Equal(got, sinks) {
 		t.Errorf("outbox_relay_delivered_total sinks %v after an event, want %v", got, sinks)
 	}
+}
+
+// TestQuietRelayRunsOnOneP: a relay that has little to do runs its
+// scheduler on one P after procs.DefaultNarrowAfter quiet seconds
+// (docs/performance.md, "The scheduler"), seen on the Go collector's
+// go_sched_gomaxprocs_threads, and still delivers.
+func TestQuietRelayRunsOnOneP(t *testing.T) {
+	if runtime.NumCPU() < 2 {
+		t.Skip("one CPU: the relay runs on one P anyway")
+	}
+	s := newSetup(t, pgtest.NewDatabase(t))
+	addr := freeAddr(t)
+	cfgPath := s.configFileWith(t, "", fmt.Sprintf("http: {listen: %q}\n", addr))
+	cfg, _ := readFile(cfgPath)
+	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
+	var logs syncBuffer
+	s.startProcess(t, cfgPath, &logs)
+	defer func() {
+		if t.Failed() {
+			t.Logf("relay log:\n%s", logs.String())
+		}
+	}()
+	s.waitSlot(t)
+	procsNow := func() float64 {
+		v, _ := sample(scrapeFamilies(t, addr)["go_sched_gomaxprocs_threads"])
+		return v
+	}
+	if n := procsNow(); n < 2 {
+		t.Fatalf("go_sched_gomaxprocs_threads = %v right after the start, want the runtime's default (it starts wide)", n)
+	}
+	eventually(t, time.Duration(procs.DefaultNarrowAfter+20)*time.Second, "the quiet relay on one P", func() bool { return procsNow() == 1 })
+	if _, err := s.pool.Exec(t.Context(), `SELECT outbox_publish('order.placed', 'order', 'o1', 'one-p-1', '{}')`); err != nil {
+		t.Fatal(err)
+	}
+	s.waitAllDelivered(t, 30*time.Second, map[string]bool{"one-p-1": true})
 }
