@@ -332,3 +332,78 @@ func TestStandby_PromotionKeepsTheSlot(t *testing.T) {
 		}
 	}
 }
+
+// TestStandbyWatch_LagAndUnreachable (PostgreSQL 16+): the watch says
+// nothing while the standby keeps up (the primary idle, then busy); it
+// reports the standby lagging once its link to the primary has been
+// black-holed longer than MaxLag while the primary writes, after voiding
+// the slot's hand-over; WaitHealthy returns once the link is back; and a
+// stopped standby is reported unreachable.
+func TestStandbyWatch_LagAndUnreachable(t *testing.T) {
+	e := newStandbyEnv(t)
+	var voids atomic.Int32
+	w, err := replication.NewStandbyWatch(replication.StandbyWatchConfig{
+		ConnString: e.standbyURL,
+		Primary:    e.store,
+		MaxLag:     time.Second,
+		Void:       func(context.Context) error { voids.Add(1); return nil },
+		Logger:     testLogger(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	watch := func(d time.Duration) (time.Duration, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		defer cancel()
+		began := time.Now()
+		err := w.Watch(ctx)
+		return time.Since(began), err
+	}
+	if _, err := watch(2500 * time.Millisecond); err != nil {
+		t.Fatalf("idle primary, standby caught up: %v", err)
+	}
+	stopWriting := make(chan struct{})
+	writing := make(chan struct{})
+	go func() {
+		defer close(writing)
+		for i := 0; ; i++ {
+			select {
+			case <-stopWriting:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			if _, err := e.pconn.Exec(context.Background(), "SELECT pg_logical_emit_message(false, 'test', 'busy')"); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+	defer func() { close(stopWriting); <-writing }()
+	if _, err := watch(2500 * time.Millisecond); err != nil {
+		t.Fatalf("busy primary, standby keeping up: %v", err)
+	}
+
+	e.proxy.BlackHole(netfault.NewConnsBlackHole)
+	took, err := watch(30 * time.Second)
+	var gone *replication.StandbyUnavailableError
+	if !errors.As(err, &gone) || gone.Kind != replication.StandbyLagging {
+		t.Fatalf("standby cut off from the primary: Watch = %v, want lagging", err)
+	}
+	if took > 5*time.Second || voids.Load() != 1 {
+		t.Errorf("reported after %s with %d voids, want within a few seconds and 1", took, voids.Load())
+	}
+	e.proxy.Pass()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := w.WaitHealthy(ctx); err != nil {
+		t.Fatalf("WaitHealthy after the link came back: %v", err)
+	}
+
+	if err := e.standby.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = watch(30 * time.Second)
+	if !errors.As(err, &gone) || gone.Kind != replication.StandbyUnreachable {
+		t.Fatalf("standby stopped: Watch = %v, want unreachable", err)
+	}
+}
