@@ -337,8 +337,9 @@ func TestStandby_PromotionKeepsTheSlot(t *testing.T) {
 // nothing while the standby keeps up (the primary idle, then busy); it
 // reports the standby lagging once its link to the primary has been
 // black-holed longer than MaxLag while the primary writes, after voiding
-// the slot's hand-over; WaitHealthy returns once the link is back; and a
-// stopped standby is reported unreachable.
+// the slot's hand-over; WaitHealthy waits while the link is still cut (a
+// fresh measure must not take the stuck standby for a caught-up one) and
+// returns once it is back; and a stopped standby is reported unreachable.
 func TestStandbyWatch_LagAndUnreachable(t *testing.T) {
 	e := newStandbyEnv(t)
 	var voids atomic.Int32
@@ -391,6 +392,11 @@ func TestStandbyWatch_LagAndUnreachable(t *testing.T) {
 	}
 	if took > 5*time.Second || voids.Load() != 1 {
 		t.Errorf("reported after %s with %d voids, want within a few seconds and 1", took, voids.Load())
+	}
+	short, cancelShort := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancelShort()
+	if err := w.WaitHealthy(short); err == nil {
+		t.Fatal("WaitHealthy returned while the standby's link was still black-holed")
 	}
 	e.proxy.Pass()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

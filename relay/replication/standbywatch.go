@@ -282,22 +282,32 @@ func (w *StandbyWatch) void(ctx context.Context) error {
 // standby reachable and within half the bound.
 const healthyRounds = 3
 
-// WaitHealthy returns nil once the standby has answered, and lagged less
-// than half of MaxLag, for healthyRounds rounds in a row — so delivery does
-// not move back to a standby still catching up — or returns ctx's error.
-// It must not be called concurrently with itself or Watch.
+// WaitHealthy returns nil once the standby has replayed the position the
+// primary had flushed when the wait began, and then answered and lagged
+// less than half of MaxLag for healthyRounds rounds in a row — so delivery
+// does not move back to a standby still cut off or catching up — or
+// returns ctx's error. It must not be called concurrently with itself or
+// Watch.
 func (w *StandbyWatch) WaitHealthy(ctx context.Context) error {
 	defer w.close()
 	var m lagMeter
 	tick := time.NewTicker(w.cfg.Every)
 	defer tick.Stop()
-	good := 0
+	var first relay.LSN // the primary's position when the wait began
+	caughtUp, good := false, 0
 	for {
 		w.round(ctx, &m)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if m.unreachableSince.IsZero() && m.lag(time.Now()) <= w.cfg.MaxLag/2 {
+		if first == 0 && len(m.pending) > 0 {
+			first = m.pending[0].lsn
+		}
+		reachable := m.unreachableSince.IsZero()
+		// A sample is dropped once replayed: the first one gone means
+		// the standby has replayed where the primary was.
+		caughtUp = caughtUp || (reachable && first != 0 && (len(m.pending) == 0 || m.pending[0].lsn > first))
+		if caughtUp && reachable && m.lag(time.Now()) <= w.cfg.MaxLag/2 {
 			good++
 		} else {
 			good = 0
