@@ -262,20 +262,20 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				streamURL, primary = cfg.Source.StandbyURL.Reveal(), r.store
 			}
 			return replication.New(replication.Config{
-				ConnString:  streamURL,
-				Primary:     primary,
+				ConnString: streamURL,
+				Primary:    primary,
 				// The session waits this long for the standby to replay
 				// the primary's position before making a slot there.
 				StandbyCatchUp: time.Duration(cfg.Source.StandbyMaxLag),
-				Slot:        cfg.Source.Slot,
-				Publication: cfg.Source.Publication,
-				Outbox:      r.tables.Outbox,
-				Consumer:    e.Stream(),
-				Checkpoint:  r.store,
-				HandOver:    r.store,
-				StreamFrom:  r.store.StreamFrom,
-				WaitSettled: e.WaitSettled,
-				Logger:      log,
+				Slot:           cfg.Source.Slot,
+				Publication:    cfg.Source.Publication,
+				Outbox:         r.tables.Outbox,
+				Consumer:       e.Stream(),
+				Checkpoint:     r.store,
+				HandOver:       r.store,
+				StreamFrom:     r.store.StreamFrom,
+				WaitSettled:    e.WaitSettled,
+				Logger:         log,
 			})
 		},
 		Claim: func(e *relay.Engine, all bool) (supervisor.Runner, error) {
