@@ -15,6 +15,7 @@ import (
 	"iter"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"errors"
 	"strings"
@@ -84,6 +85,9 @@ type Store struct {
 	outbox      string // quoted, for the few statements built elsewhere
 	routes      []Sink
 	origin      originState
+	// decodingStandbySlot is the physical slot the standby the stream
+	// decodes on streams through (SetDecodingStandby).
+	decodingStandbySlot atomic.Pointer[string]
 	scan        scanState
 	tables      tables
 

@@ -100,3 +100,15 @@ func (s *Store) DropSlot(ctx context.Context, slot string) (bool, error) {
 	}
 	return tag.RowsAffected() > 0, nil
 }
+
+// SetDecodingStandby names the physical slot (primary_slot_name) through
+// which the standby the stream decodes on streams from the primary, "" for
+// none. SaveCheckpoint then does not wait for that slot when the primary
+// names it in synchronized_standby_slots: that standby's logical walsender
+// waits, at a fast shutdown, for the relay to acknowledge what it sent, and
+// the relay would wait for the standby's WAL receiver, already stopped. The
+// stream waits for that standby itself, bounded (docs/standby.md). Safe to
+// call concurrently with SaveCheckpoint.
+func (s *Store) SetDecodingStandby(physicalSlot string) {
+	s.decodingStandbySlot.Store(&physicalSlot)
+}

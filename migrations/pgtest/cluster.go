@@ -596,7 +596,7 @@ func (c *Cluster) stopLocked() error {
 			_ = p.cmd.Process.Kill()
 			<-p.done
 		}
-		err = fmt.Errorf("stop postgres: fast shutdown did not finish within %s; forced an immediate shutdown", stopTimeout)
+		err = fmt.Errorf("stop postgres: fast shutdown did not finish within %s; forced an immediate shutdown\n--- end of server log ---\n%s", stopTimeout, c.tailOfLog())
 	}
 	c.proc = nil
 	if gerr := c.waitGone(); gerr != nil {

@@ -63,6 +63,9 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 		if err := s.checkStandbyOrigin(ctx, sys); err != nil {
 			return false, err
 		}
+		if err := s.noteDecodingStandby(ctx, qconn, onStandby); err != nil {
+			return false, err
+		}
 	}
 	if err := s.checkOrigin(ctx, sys); err != nil {
 		return false, err
@@ -121,7 +124,7 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	}
 	s.log.Info().Str("publication", s.cfg.Publication).Str("from", startLSN.String()).
 		Str("horizon", horizon.String()).Dur("status_interval", every).Msg("streaming")
-	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout)
+	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout, onStandby)
 }
 
 func closeConn(conn *pgx.Conn) {

@@ -59,6 +59,11 @@ type Primary interface {
 	// DropSlot drops the primary's slot named slot, when nobody streams
 	// from it, and reports whether it did.
 	DropSlot(ctx context.Context, slot string) (bool, error)
+	// SetDecodingStandby names the physical slot the standby streams from
+	// the primary through ("" for none): the checkpoint does not wait for
+	// it in synchronized_standby_slots (the stream waits for that standby
+	// itself, bounded: receiver.waitStandbyReceived).
+	SetDecodingStandby(physicalSlot string)
 }
 
 // DefaultStandbyCatchUp bounds how long a session waits for the standby to
@@ -194,3 +199,81 @@ func (s *Source) dropPrimarySlot(ctx context.Context) {
 // relay's name, synchronized from the primary (PostgreSQL 17+), which it
 // can neither stream from nor drop.
 var errSyncedCopy = errors.New("the standby holds a synchronized copy of the primary's slot of this name (sync_replication_slots): waiting for the standby to drop it now that the primary's is gone")
+
+// standbyReceiveWait bounds how long an acknowledgement that passes events
+// waits, after the checkpoint on the primary, for the standby to have
+// received the primary's WAL up to it.
+const standbyReceiveWait = time.Second
+
+// receivedPositionSQL is the WAL position a standby has received (flushed
+// from its WAL receiver), or replayed when more; a primary's flushed one.
+const receivedPositionSQL = `SELECT (CASE WHEN pg_is_in_recovery()
+  THEN greatest(coalesce(pg_last_wal_receive_lsn(), '0/0'), pg_last_wal_replay_lsn())
+  ELSE pg_current_wal_flush_lsn() END)::text`
+
+// noteDecodingStandby tells the primary which physical slot the standby
+// streams through (its primary_slot_name), "" when the server is no
+// standby (promoted).
+func (s *Source) noteDecodingStandby(ctx context.Context, qconn *pgx.Conn, onStandby bool) error {
+	name := ""
+	if onStandby {
+		if err := qconn.QueryRow(ctx, "SELECT current_setting('primary_slot_name')").Scan(&name); err != nil {
+			return fmt.Errorf("read the standby's primary_slot_name: %w", err)
+		}
+	}
+	s.cfg.Primary.SetDecodingStandby(name)
+	return nil
+}
+
+// waitStandbyReceived waits, up to standbyReceiveWait, until the standby has
+// received the primary's WAL up to the position flushed now (after a
+// checkpoint): the outcomes of the events the acknowledgement passes are
+// then on the standby, and a promotion of it cannot leave its slot past an
+// event whose hand-off it lacks. When the standby does not receive in time
+// (it is shutting down: its logical walsender waits for this very
+// acknowledgement; or it is cut off, which the standby watch sees), the
+// acknowledgement goes out on the primary's durable record alone, with a
+// warning once per session (docs/standby.md).
+func (r *receiver) waitStandbyReceived(ctx context.Context) {
+	s := r.s
+	target, err := s.cfg.Primary.WALFlushPosition(ctx)
+	if err != nil {
+		return
+	}
+	deadline := time.Now().Add(standbyReceiveWait)
+	for {
+		if r.standbyConn == nil {
+			cctx, cancel := context.WithDeadline(ctx, deadline)
+			r.standbyConn, err = pgx.ConnectConfig(cctx, s.queryConfig)
+			cancel()
+			if err != nil {
+				r.standbyConn = nil
+			}
+		}
+		var received relay.LSN
+		if r.standbyConn != nil {
+			if err = r.standbyConn.QueryRow(ctx, receivedPositionSQL).Scan(&received); err != nil {
+				r.closeStandbyConn()
+			}
+		}
+		if err == nil && received >= target {
+			return
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			if !r.receiveSlow && ctx.Err() == nil {
+				r.receiveSlow = true
+				s.log.Warn().Err(err).Str("received", received.String()).Str("checkpoint", target.String()).
+					Msg("the standby has not received the checkpoint's WAL within 1 s (shutting down, or cut off from the primary): acknowledging on the primary's durable record")
+			}
+			return
+		}
+		relay.Sleep(ctx, 2*time.Millisecond)
+	}
+}
+
+func (r *receiver) closeStandbyConn() {
+	if r.standbyConn != nil {
+		closeConn(r.standbyConn)
+		r.standbyConn = nil
+	}
+}

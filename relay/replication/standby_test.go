@@ -11,6 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -412,4 +413,44 @@ func TestStandbyWatch_LagAndUnreachable(t *testing.T) {
 	if !errors.As(err, &gone) || gone.Kind != replication.StandbyUnreachable {
 		t.Fatalf("standby stopped: Watch = %v, want unreachable", err)
 	}
+}
+
+// TestStandby_AcknowledgementWaitsForTheStandby (PostgreSQL 16+): once the
+// checkpoint is written on the primary, the slot on the standby is
+// acknowledged past the events only when the standby has received that
+// WAL (so a promotion of it keeps their outcomes), or, when it does not
+// receive it (cut off; or shutting down, its walsender waiting for this
+// acknowledgement), after a bounded wait, on the primary's durable record
+// alone, with a warning.
+func TestStandby_AcknowledgementWaitsForTheStandby(t *testing.T) {
+	e := newStandbyEnv(t)
+	c := &fakeConsumer{holdEvents: true}
+	var logs logBuffer
+	cfg := e.config(t, c, nil)
+	cfg.Logger = zerolog.New(&logs)
+	start(t, cfg)
+	waitStreaming(t, c, 1)
+	e.insert(t, "held")
+	waitFor(t, 30*time.Second, "the event from the standby", func() bool { return c.eventCount() == 1 })
+	commit := c.commitOf("held")
+
+	e.proxy.BlackHole(netfault.NewConnsBlackHole)
+	released := time.Now()
+	c.release(commit)
+	var acked time.Duration
+	waitFor(t, 30*time.Second, "the slot acknowledged past the event", func() bool {
+		_, _, confirmed, _, err := replication.SlotInfo(context.Background(), e.sconn, e.slot)
+		if err != nil {
+			t.Fatal(err)
+		}
+		acked = time.Since(released)
+		return confirmed >= commit
+	})
+	if acked < 900*time.Millisecond {
+		t.Errorf("acknowledged %v after the checkpoint while the standby could not receive it: it did not wait", acked)
+	}
+	if !strings.Contains(logs.String(), "acknowledging on the primary's durable record") {
+		t.Error("no warning that the acknowledgement went out on the primary's durable record alone")
+	}
+	e.proxy.Pass()
 }
