@@ -88,8 +88,8 @@ type Store struct {
 	// decodingStandbySlot is the physical slot the standby the stream
 	// decodes on streams through (SetDecodingStandby).
 	decodingStandbySlot atomic.Pointer[string]
-	scan        scanState
-	tables      tables
+	scan                scanState
+	tables              tables
 
 	// claimSQL is the claim query for the table's shape, chosen once.
 	claimMu    sync.Mutex
