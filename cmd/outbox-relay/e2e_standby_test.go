@@ -209,6 +209,7 @@ func TestRelay_Standby(t *testing.T) {
 		t.Fatal(err)
 	}
 	promoted := time.Now()
+	s.pool.Reset() // its connections to the killed primary are dead
 	key = ackedAfter(promoted)
 	eventually(t, 60*time.Second, "an event committed on the promoted standby, delivered", func() bool { return delivered(key) })
 	t.Logf("promotion: the first event committed on the promoted standby delivered %v after it", time.Since(promoted).Round(time.Millisecond))
