@@ -201,7 +201,11 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	workers.Go("table gauges", func(ctx context.Context) error { statsRefresher(r, ctx); return nil })
 	if cfg.Retention.Enabled {
 		workers.Go("retention", func(ctx context.Context) error {
-			return runRetention(ctx, pool, r.tables, lcfg.Sinks, cfg, log)
+			var standby admin.DB // the slot's server, decoding on a standby
+			if r.standbyPool != nil {
+				standby = r.standbyPool
+			}
+			return runRetention(ctx, pool, standby, r.tables, lcfg.Sinks, cfg, log)
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })

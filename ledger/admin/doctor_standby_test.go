@@ -86,3 +86,91 @@ func TestDiagnose_Standby(t *testing.T) {
 	checks = diagnose(t, primary.URL("app"), withStandby(bare.URL("app")))
 	requireCheck(t, checks, "standby connection", admin.Fail, "source.standby_url")
 }
+
+// TestPrune_KeepsRowsTheStandbySlotHasNotPassed (PostgreSQL 16+): decoding
+// on a standby, the relay's slot lives there; retention's horizon reads it
+// there (admin.NewHorizonOn), and keeps the done rows that slot could
+// still send again — with the slot looked up on the primary, where there is
+// none, it pruned them.
+func TestPrune_KeepsRowsTheStandbySlotHasNotPassed(t *testing.T) {
+	bindir := pgtest.BindirAtLeast(t, 16, "logical decoding on a standby")
+	ctx := context.Background()
+	primary := pgtest.NewCluster(t, pgtest.Options{Bindir: bindir})
+	if err := primary.CreateDatabase(ctx, "app"); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := pgx.Connect(ctx, primary.URL("app"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()}); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close(ctx)
+	standby := pgtest.NewStandby(t, primary, pgtest.StandbyOptions{NoSlotSync: true})
+	pconn, err := pgx.Connect(ctx, primary.URL("app"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pconn.Close(ctx)
+	sconn, err := pgx.Connect(ctx, standby.URL("app"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sconn.Close(ctx)
+	// A slot on the standby waits for a running-transactions record.
+	made := make(chan error, 1)
+	go func() {
+		_, err := sconn.Exec(ctx, `SELECT pg_create_logical_replication_slot('relay_on_standby', 'pgoutput')`)
+		made <- err
+	}()
+	for waiting := true; waiting; {
+		select {
+		case err := <-made:
+			if err != nil {
+				t.Fatal(err)
+			}
+			waiting = false
+		case <-time.After(100 * time.Millisecond):
+			MustExec(t, pconn, `SELECT pg_log_standby_snapshot()`)
+		}
+	}
+	n := migrations.DefaultNames()
+	tables := admin.Tables{Outbox: n.Outbox, Ledger: n.Ledger, Checkpoint: n.Checkpoint}
+	cfg := admin.RetentionConfig{DoneAfter: 7 * 24 * time.Hour, LedgerAfter: 7 * 24 * time.Hour, Batch: 100,
+		Horizon: admin.NewHorizonOn("relay_on_standby", sconn)}
+	prune := func() int64 {
+		t.Helper()
+		done, _, err := admin.Prune(ctx, pconn, tables, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return done
+	}
+	prune() // a sample before the rows
+	MustExec(t, pconn, `INSERT INTO integration_outbox (event_key, status, created_at, processed_at)
+		SELECT 'old-' || g, 'done', now() - interval '9 days', now() - interval '8 days' FROM generate_series(1, 10) g`)
+	if done := prune(); done != 0 {
+		t.Fatalf("pruned %d rows the standby's slot has not passed, want none", done)
+	}
+	// The slot passes them.
+	var target string
+	if err := pconn.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&target); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var replayed bool
+		if err := sconn.QueryRow(ctx, `SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn`, target).Scan(&replayed); err != nil {
+			t.Fatal(err)
+		}
+		if replayed || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	MustExec(t, sconn, `SELECT pg_replication_slot_advance('relay_on_standby', pg_last_wal_replay_lsn())`)
+	if done := prune(); done != 10 {
+		t.Fatalf("after the standby's slot passed them: pruned %d rows, want 10", done)
+	}
+}
