@@ -65,9 +65,20 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 		return 0, fmt.Errorf("mark rows for the claim path in snapshot %s: %w", snapshot, err)
 	}
 
+	return s.markSnapshotIDs(ctx, s.pool, slot, snapshot, consistent)
+}
+
+// markSnapshotIDs reads on db, in the exported snapshot, the ids of the
+// rows pending there and not handed off (and not delivered everywhere), then
+// marks those still so on the primary, by id at READ COMMITTED, in one
+// transaction that also records the hand-over of slot as done at
+// consistent. db is the primary (the fallback of MarkForClaim) or the
+// standby the slot was made on (MarkForClaimFromStandby).
+func (s *Store) markSnapshotIDs(ctx context.Context, db beginner, slot, snapshot string, consistent relay.LSN) (int64, error) {
+	setSnapshot := "SET TRANSACTION SNAPSHOT " + relay.QuoteLiteral(snapshot)
 	var ids []int64
 	readOnly := pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
-	err = pgx.BeginTxFunc(ctx, s.pool, readOnly, func(tx pgx.Tx) error {
+	err := pgx.BeginTxFunc(ctx, db, readOnly, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
 			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
 		}
@@ -81,7 +92,7 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 	if err != nil {
 		return 0, fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
 	}
-	marked = 0
+	var marked int64
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		for chunk := range chunks(ids) {
 			tag, err := tx.Exec(ctx, s.sql.markForClaimByID, chunk)
@@ -97,6 +108,11 @@ func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consist
 		return 0, fmt.Errorf("mark %d rows of snapshot %s for the claim path: %w", len(ids), snapshot, err)
 	}
 	return marked, nil
+}
+
+// beginner is what opens a transaction: a pool or a connection.
+type beginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
 }
 
 // deliveredDoneChunk is the id range one MarkDeliveredDone statement covers.

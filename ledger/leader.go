@@ -204,10 +204,13 @@ func NewSlots(pool *pgxpool.Pool, connString, slot string) *Slots {
 }
 
 // Slot reports whether the slot exists, whether a process streams from it,
-// and the WAL it retains (pg_current_wal_lsn - restart_lsn).
+// and the WAL it retains: from its restart_lsn to the server's current
+// position, on a standby (the slot the stream decodes from there,
+// docs/standby.md) its replayed one.
 func (s *Slots) Slot(ctx context.Context) (exists, active bool, retained int64, err error) {
 	err = s.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(bool_or(active), false),
-		coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint FROM pg_replication_slots WHERE slot_name = $1`,
+		coalesce(max(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END - restart_lsn), 0)::bigint
+		  FROM pg_replication_slots WHERE slot_name = $1`,
 		s.slot).Scan(&exists, &active, &retained)
 	if err != nil {
 		return false, false, 0, fmt.Errorf("look up slot %s: %w", s.slot, err)

@@ -15,6 +15,7 @@ import (
 	"iter"
 	"slices"
 	"sync"
+	"sync/atomic"
 
 	"errors"
 	"strings"
@@ -84,8 +85,11 @@ type Store struct {
 	outbox      string // quoted, for the few statements built elsewhere
 	routes      []Sink
 	origin      originState
-	scan        scanState
-	tables      tables
+	// decodingStandbySlot is the physical slot the standby the stream
+	// decodes on streams through (SetDecodingStandby).
+	decodingStandbySlot atomic.Pointer[string]
+	scan                scanState
+	tables              tables
 
 	// claimSQL is the claim query for the table's shape, chosen once.
 	claimMu    sync.Mutex

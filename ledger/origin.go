@@ -3,6 +3,7 @@ package ledger
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -134,6 +135,9 @@ func (s *Store) waitStandbys(ctx context.Context, setting string) error {
 		if n != "" {
 			names = append(names, n)
 		}
+	}
+	if skip := s.decodingStandbySlot.Load(); skip != nil && *skip != "" {
+		names = slices.DeleteFunc(names, func(n string) bool { return n == *skip })
 	}
 	if len(names) == 0 {
 		return nil

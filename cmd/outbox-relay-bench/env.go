@@ -77,8 +77,18 @@ func setUp(ctx context.Context, o options, out io.Writer) (*env, error) {
 	}
 
 	settings := map[string]string{}
-	if lib, err := exec.Command("pg_config", "--pkglibdir").Output(); err == nil {
-		if _, err := os.Stat(filepath.Join(strings.TrimSpace(string(lib)), "pg_stat_statements.so")); err == nil {
+	libdir := func() (string, error) {
+		b, err := exec.Command("pg_config", "--pkglibdir").Output()
+		return strings.TrimSpace(string(b)), err
+	}
+	if bindir := os.Getenv(pgtest.EnvBindir); bindir != "" {
+		// Other binaries (the standby phase's PostgreSQL 16+): their own
+		// library directory, pg_stat_statements only if they ship it.
+		e.bin = bindir
+		libdir = func() (string, error) { return filepath.Join(bindir, "..", "lib", "postgresql"), nil }
+	}
+	if lib, err := libdir(); err == nil {
+		if _, err := os.Stat(filepath.Join(lib, "pg_stat_statements.so")); err == nil {
 			e.pgss = true
 			settings["shared_preload_libraries"] = "pg_stat_statements"
 			settings["pg_stat_statements.track"] = "none"

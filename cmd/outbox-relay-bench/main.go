@@ -68,6 +68,12 @@
 //	            (docs/scaling.md), draining the same -n events into
 //	            JetStream, -drain-runs times each: the drain rate and each
 //	            walsender's CPU per event of the database.
+//	standby     (PostgreSQL 16+, OUTBOX_RELAY_PG_BINDIR) the relay decoding
+//	            on the primary, then on a physical standby of it
+//	            (source.standby_url), each under -rate events/s for
+//	            -duration: commit→NATS and commit→webhook p50/p99,
+//	            PostgreSQL CPU per event on the primary and on the
+//	            standby, and the standby's replay lag (docs/standby.md).
 //
 // Every steady phase (steady-js, steady, steady-after-drain) also runs the bare
 // pglogrepl client beside the relay, on its own temporary slot in the same

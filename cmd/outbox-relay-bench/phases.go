@@ -25,7 +25,7 @@ import (
 var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx"}
 
 // extraPhases run only when -phases names them.
-var extraPhases = []string{"partitions"}
+var extraPhases = []string{"partitions", "standby"}
 
 func isPhase(p string) bool {
 	for _, q := range append(allPhases, extraPhases...) {
@@ -52,6 +52,7 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"rss-queued":         func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, false) },
 	"rss-bigtx":          func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
 	"partitions":         phasePartitions,
+	"standby":            phaseStandby,
 }
 
 // quiet waits for a quiet machine before a measured window and says so.

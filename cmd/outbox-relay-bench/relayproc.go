@@ -30,6 +30,9 @@ type relaySetup struct {
 	// partition): the relay's tables, publish function and publication
 	// are named after it.
 	outbox string
+	// standbyURL, when set, is source.standby_url: the relay decodes on
+	// that standby (the standby phase).
+	standbyURL string
 }
 
 // slot is the replication slot of the phase (slot names are cluster-wide).
@@ -83,6 +86,9 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 		fmt.Fprintf(&b, "  mode: %s\n", s.mode)
 	}
 	fmt.Fprintf(&b, "  slot: %s\n", s.slot())
+	if s.standbyURL != "" {
+		fmt.Fprintf(&b, "  standby_url: %q\n", s.standbyURL)
+	}
 	b.WriteString("sinks:\n")
 	b.WriteString("  - name: nats\n    type: nats\n")
 	fmt.Fprintf(&b, "    url: %q\n", e.natsURL)

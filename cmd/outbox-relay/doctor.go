@@ -100,6 +100,8 @@ func doctor(ctx context.Context, cfg *config.Config) []admin.Check {
 		Replication:     cfg.Source.Mode != config.SourcePoll,
 		Retention:       cfg.Retention.Enabled,
 		SlotMaxRetained: int64(cfg.Source.SlotMaxRetained),
+		StandbyURL:      cfg.Source.StandbyURL.Reveal(),
+		StandbyMaxLag:   time.Duration(cfg.Source.StandbyMaxLag),
 	})
 	sinks := configuredSinks(cfg)
 	if len(sinks) == 0 {

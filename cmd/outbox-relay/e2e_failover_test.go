@@ -29,10 +29,16 @@ type failoverWriters struct {
 	mu      sync.Mutex
 	acked   map[string]time.Time // key → when its commit was acknowledged
 	retries atomic.Int64
+	pause   time.Duration // after each acknowledged event
 }
 
 func startFailoverWriters(t *testing.T, url string, writers int) *failoverWriters {
-	w := &failoverWriters{url: url, stop: make(chan struct{}), acked: map[string]time.Time{}}
+	return startPacedWriters(t, url, writers, 5*time.Millisecond)
+}
+
+// startPacedWriters is startFailoverWriters with a pause of its own.
+func startPacedWriters(t *testing.T, url string, writers int, pause time.Duration) *failoverWriters {
+	w := &failoverWriters{url: url, stop: make(chan struct{}), acked: map[string]time.Time{}, pause: pause}
 	for n := range writers {
 		w.wg.Go(func() { w.run(t, n) })
 	}
@@ -81,7 +87,7 @@ func (w *failoverWriters) run(t *testing.T, n int) {
 			w.retries.Add(1)
 			time.Sleep(50 * time.Millisecond)
 		}
-		time.Sleep(5 * time.Millisecond)
+		time.Sleep(w.pause)
 	}
 }
 

@@ -31,7 +31,10 @@ func retentionConfig(r config.RetentionConfig) admin.RetentionConfig {
 // Pruning is safe on several relays at once (rows locked by another pass
 // are skipped), but only one needs to do it: run starts it for the
 // leader's term.
-func runRetention(ctx context.Context, db admin.DB, tables config.Tables, sinks []ledger.Sink, cfg *config.Config, log zerolog.Logger) error {
+//
+// standby, when set, is the standby the relay decodes on (source.standby_url):
+// the slot, and with it the horizon, lives there.
+func runRetention(ctx context.Context, db, standby admin.DB, tables config.Tables, sinks []ledger.Sink, cfg *config.Config, log zerolog.Logger) error {
 	r := cfg.Retention
 	if !r.Enabled {
 		return nil
@@ -41,6 +44,9 @@ func runRetention(ctx context.Context, db admin.DB, tables config.Tables, sinks 
 		Int("batch", r.Batch).Msg("retention: pruning old done rows and ledger rows")
 	rc := retentionConfig(r)
 	rc.Slot = cfg.Source.Slot
+	if standby != nil {
+		rc.Horizon = admin.NewHorizonOn(cfg.Source.Slot, standby)
+	}
 	rc.DeliveredPending = cfg.Delivery.MarkDone == config.MarkDoneOff
 	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint, Sinks: sinks},
 		rc, time.Duration(r.Interval), log)

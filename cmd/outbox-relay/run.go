@@ -79,6 +79,9 @@ type relayRun struct {
 	routes []relay.Route
 	owner  string
 	health *health
+	// standbyPool reaches the standby the stream decodes on
+	// (source.standby_url), for its slot's watchdog; nil without one.
+	standbyPool *pgxpool.Pool
 	// sinksDown says why sinks that could not be opened are down (see
 	// downSink); while there are any, /readyz answers 503 with it.
 	sinksDown []string
@@ -120,6 +123,16 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	if cfg.DatabaseURL == "" {
 		log.Info().Str("database", dbTarget("")).Msg("database_url is not set (nor --database-url, DATABASE_URL): libpq's defaults and the PG* variables chose the database")
+	}
+	if url := cfg.Source.StandbyURL.Reveal(); url != "" && cfg.Source.Mode != config.SourcePoll {
+		// Connected lazily: the standby may be down at start, and auto mode
+		// then delivers on the primary (docs/standby.md).
+		if r.standbyPool, err = newPool(ctx, url); err != nil {
+			return fmt.Errorf("source.standby_url: %w", err)
+		}
+		defer r.standbyPool.Close()
+		log.Info().Str("standby", dbTarget(url)).Dur("standby_max_lag", time.Duration(cfg.Source.StandbyMaxLag)).
+			Msg("decoding on a standby: the slot lives there; the ledger, the checkpoint and the claim path stay on the primary")
 	}
 
 	if r.tables, err = resolveTables(ctx, pool, cfg.Tables()); err != nil {
@@ -189,7 +202,11 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	workers.Go("table gauges", func(ctx context.Context) error { statsRefresher(r, ctx); return nil })
 	if cfg.Retention.Enabled {
 		workers.Go("retention", func(ctx context.Context) error {
-			return runRetention(ctx, pool, r.tables, lcfg.Sinks, cfg, log)
+			var standby admin.DB // the slot's server, decoding on a standby
+			if r.standbyPool != nil {
+				standby = r.standbyPool
+			}
+			return runRetention(ctx, pool, standby, r.tables, lcfg.Sinks, cfg, log)
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
@@ -214,7 +231,7 @@ var statsRefresher = (*relayRun).refreshStats
 // constructors.
 func (r *relayRun) supervisorConfig() supervisor.Config {
 	cfg, log := r.cfg, r.log
-	return supervisor.Config{
+	sc := supervisor.Config{
 		Mode: supervisor.Mode(cfg.Source.Mode),
 		Leader: func(ctx context.Context) (supervisor.Leadership, error) {
 			l, err := ledger.AcquireLeader(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot, log)
@@ -247,17 +264,26 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 		},
 		Stream: func(e *relay.Engine) (supervisor.Runner, error) {
 			log.Info().Str("slot", cfg.Source.Slot).Str("outbox", r.tables.Outbox.String()).Int("sinks", len(r.routes)).Msg("relay running")
+			streamURL := cfg.DatabaseURL.Reveal()
+			var primary replication.Primary
+			if r.standbyPool != nil {
+				streamURL, primary = cfg.Source.StandbyURL.Reveal(), r.store
+			}
 			return replication.New(replication.Config{
-				ConnString:  cfg.DatabaseURL.Reveal(),
-				Slot:        cfg.Source.Slot,
-				Publication: cfg.Source.Publication,
-				Outbox:      r.tables.Outbox,
-				Consumer:    e.Stream(),
-				Checkpoint:  r.store,
-				HandOver:    r.store,
-				StreamFrom:  r.store.StreamFrom,
-				WaitSettled: e.WaitSettled,
-				Logger:      log,
+				ConnString: streamURL,
+				Primary:    primary,
+				// The session waits this long for the standby to replay
+				// the primary's position before making a slot there.
+				StandbyCatchUp: time.Duration(cfg.Source.StandbyMaxLag),
+				Slot:           cfg.Source.Slot,
+				Publication:    cfg.Source.Publication,
+				Outbox:         r.tables.Outbox,
+				Consumer:       e.Stream(),
+				Checkpoint:     r.store,
+				HandOver:       r.store,
+				StreamFrom:     r.store.StreamFrom,
+				WaitSettled:    e.WaitSettled,
+				Logger:         log,
 			})
 		},
 		Claim: func(e *relay.Engine, all bool) (supervisor.Runner, error) {
@@ -299,7 +325,17 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 		SlotMaxUnconsumed: time.Duration(cfg.Source.SlotMaxUnconsumed),
 		SlotMaxRetained:   int64(cfg.Source.SlotMaxRetained),
 		ShutdownTimeout:   time.Duration(cfg.ShutdownTimeout),
-		OnMode:            relay.SetMode,
+		OnMode: func(mode string) {
+			relay.SetMode(mode)
+			if r.standbyPool == nil {
+				return
+			}
+			onStandby := 0.0
+			if mode == "replication" {
+				onStandby = 1
+			}
+			replication.DecodingOnStandby.Set(onStandby)
+		},
 		// The lock connection failed: the pool's connections may be as
 		// dead (a network that swallows packets keeps them open).
 		OnLeadershipLost: r.pool.Reset,
@@ -311,6 +347,45 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 			}
 		},
 		Logger: log,
+	}
+	if r.standbyPool != nil {
+		r.standbyConfig(&sc)
+	}
+	return sc
+}
+
+// standbyConfig adds to sc what decoding on a standby needs
+// (docs/standby.md): the standby watch, the slot's watchdog there, and the
+// metrics and the log of each move.
+func (r *relayRun) standbyConfig(sc *supervisor.Config) {
+	cfg, log := r.cfg, r.log
+	url := cfg.Source.StandbyURL.Reveal()
+	watch, err := replication.NewStandbyWatch(replication.StandbyWatchConfig{
+		ConnString: url,
+		Primary:    r.store,
+		MaxLag:     time.Duration(cfg.Source.StandbyMaxLag),
+		// Delivery leaves the standby: its slot no longer carries it, and
+		// is made again through the hand-over on the way back, even after
+		// a restart of the relay.
+		Void:   func(ctx context.Context) error { return r.store.BeginSlot(ctx, cfg.Source.Slot) },
+		Logger: log,
+	})
+	if err != nil {
+		// Config validation has parsed the URL; keep the stream without
+		// the watch rather than refuse to start.
+		log.Error().Err(err).Msg("source.standby_url: no standby watch")
+		return
+	}
+	sc.Standby = watch
+	sc.StandbySlots = ledger.NewSlots(r.standbyPool, url, cfg.Source.Slot)
+	sc.OnStandbyMove = func(to string, err error) {
+		reason := "healthy"
+		if gone, ok := errors.AsType[*replication.StandbyUnavailableError](err); ok {
+			reason = gone.Kind
+		} else if err != nil {
+			reason = "unavailable"
+		}
+		replication.StandbyMoves.WithLabelValues(to, reason).Inc()
 	}
 }
 

@@ -49,6 +49,11 @@ type DiagnoseConfig struct {
 	Retention bool
 	// SlotMaxRetained is source.slot_max_retained, in bytes.
 	SlotMaxRetained int64
+	// StandbyURL is source.standby_url: the relay decodes on that
+	// standby, whose checks replace the slot's on the primary
+	// (doctor_standby.go). StandbyMaxLag is source.standby_max_lag.
+	StandbyURL    string
+	StandbyMaxLag time.Duration
 }
 
 // Diagnose checks the database side of a relay: the connection, the server
@@ -60,7 +65,8 @@ type DiagnoseConfig struct {
 // vanished or cut-off relay's sessions outlive it (wal_sender_timeout, TCP
 // keepalives, idle_session_timeout, idle_in_transaction_session_timeout;
 // docs/operations-health.md) and, when physical standbys exist, what a
-// failover to one needs (failover.go). On a managed service it recognises
+// failover to one needs (failover.go), or with StandbyURL what decoding on
+// that standby needs (doctor_standby.go). On a managed service it recognises
 // (DetectProvider) the fixes are that service's. It connects as the relay
 // would, only reads, and reports every problem it finds with its fix; it
 // never returns an error of its own.
@@ -105,13 +111,22 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	}
 	d.extraPrivileges()
 	d.publication(ctx)
-	d.slot(ctx)
+	onStandby := d.cfg.Replication && d.cfg.StandbyURL != ""
+	if onStandby {
+		d.standby(ctx)
+	} else {
+		d.slot(ctx)
+	}
 	d.maxSlotWALKeepSize(ctx)
 	d.idleSlotTimeout(ctx)
 	d.walSenderTimeout(ctx)
 	d.vanishedSessions(ctx)
 	d.idleSessionTimeout(ctx)
-	d.failover(ctx)
+	if !onStandby {
+		// Decoding on a standby, the slot is on the server a failover
+		// promotes (docs/standby.md).
+		d.failover(ctx)
+	}
 	return d.checks
 }
 

@@ -50,7 +50,10 @@ type RetentionConfig struct {
 // slot has passed; with no slot at all (poll mode) nothing holds rows back.
 // A Horizon is used by one goroutine at a time.
 type Horizon struct {
-	slot    string
+	slot string
+	// slotDB is where the slot lives when not on the database Prune
+	// prunes: the standby the relay decodes on (NewHorizonOn).
+	slotDB  DB
 	samples []horizonSample // oldest first
 }
 
@@ -61,6 +64,12 @@ type horizonSample struct {
 
 // NewHorizon returns the horizon of slot.
 func NewHorizon(slot string) *Horizon { return &Horizon{slot: slot} }
+
+// NewHorizonOn returns the horizon of slot living on slotDB, a physical
+// standby of the database Prune prunes (source.standby_url,
+// docs/standby.md): the standby replays the primary's WAL, so its slot's
+// confirmed position and the primary's WAL positions are comparable.
+func NewHorizonOn(slot string, slotDB DB) *Horizon { return &Horizon{slot: slot, slotDB: slotDB} }
 
 // horizonBounds is what a Horizon allows: every row (no slot), none yet
 // (the slot has passed no sample), or rows older than an xid.
@@ -79,7 +88,11 @@ func (h *Horizon) advance(ctx context.Context, db DB) (horizonBounds, error) {
 	}
 	s.xmin = uint32(xmin)
 	var confirmed *string
-	err := db.QueryRow(ctx, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, h.slot).Scan(&confirmed)
+	slotDB := db
+	if h.slotDB != nil {
+		slotDB = h.slotDB
+	}
+	err := slotDB.QueryRow(ctx, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, h.slot).Scan(&confirmed)
 	if errors.Is(err, pgx.ErrNoRows) {
 		h.samples = nil
 		return horizonBounds{all: true}, nil

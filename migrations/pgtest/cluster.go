@@ -98,6 +98,10 @@ type Options struct {
 	// ignored, so that a failing log cannot stall the server. Nil means a
 	// file named server.log in the cluster directory.
 	Log io.Writer
+	// Bindir is the directory of the server binaries (initdb and postgres);
+	// empty means EnvBindir, else pg_config --bindir. BindirAtLeast finds
+	// one of a given major version or later.
+	Bindir string
 }
 
 // Cluster is a PostgreSQL server running in a private directory, listening on
@@ -135,6 +139,9 @@ type process struct {
 // and must Close it.
 func StartCluster(ctx context.Context, opts Options) (*Cluster, error) {
 	bindir, err := serverBindir()
+	if opts.Bindir != "" {
+		bindir, err = opts.Bindir, checkBindir(opts.Bindir, "Options.Bindir")
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -589,7 +596,7 @@ func (c *Cluster) stopLocked() error {
 			_ = p.cmd.Process.Kill()
 			<-p.done
 		}
-		err = fmt.Errorf("stop postgres: fast shutdown did not finish within %s; forced an immediate shutdown", stopTimeout)
+		err = fmt.Errorf("stop postgres: fast shutdown did not finish within %s; forced an immediate shutdown\n--- end of server log ---\n%s", stopTimeout, c.tailOfLog())
 	}
 	c.proc = nil
 	if gerr := c.waitGone(); gerr != nil {

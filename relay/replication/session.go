@@ -33,6 +33,14 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	if err != nil {
 		return false, err
 	}
+	// onStandby: the server streamed from is in recovery, a standby of the
+	// primary (Config.Primary); a promoted one is the primary's successor.
+	onStandby := false
+	if s.cfg.Primary != nil {
+		if onStandby, err = inRecovery(ctx, qconn); err != nil {
+			return false, err
+		}
+	}
 
 	rconn, err := pgconn.ConnectConfig(ctx, s.replConfig.Copy())
 	if err != nil {
@@ -51,11 +59,19 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	s.log.Debug().Str("system_id", sys.SystemID).Int32("timeline", sys.Timeline).
 		Str("server_wal", sys.XLogPos.String()).Msg("replication connection open")
 	s.rememberWalsender(rconn.PID())
+	if s.cfg.Primary != nil {
+		if err := s.checkStandbyOrigin(ctx, sys); err != nil {
+			return false, err
+		}
+		if err := s.noteDecodingStandby(ctx, qconn, onStandby); err != nil {
+			return false, err
+		}
+	}
 	if err := s.checkOrigin(ctx, sys); err != nil {
 		return false, err
 	}
 
-	startLSN, err := s.ensureSlot(ctx, qconn, rconn, version)
+	startLSN, err := s.ensureSlot(ctx, qconn, rconn, version, onStandby)
 	if err != nil {
 		return false, err
 	}
@@ -87,7 +103,14 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	// feeds delivering them. The server sends nothing we read before the
 	// consumer has restarted.
 	var horizon relay.LSN
-	if err := qconn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&horizon); err != nil {
+	if s.cfg.Primary != nil {
+		// Decoding on a standby: nothing anywhere was sent past the
+		// primary's flushed position (a restarted standby may not have
+		// replayed again what its walsender sent before).
+		if horizon, err = s.cfg.Primary.WALFlushPosition(ctx); err != nil {
+			return false, err
+		}
+	} else if err := qconn.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&horizon); err != nil {
 		return false, fmt.Errorf("read the server's WAL position: %w", err)
 	}
 	closeConn(qconn)
@@ -101,7 +124,7 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	}
 	s.log.Info().Str("publication", s.cfg.Publication).Str("from", startLSN.String()).
 		Str("horizon", horizon.String()).Dur("status_interval", every).Msg("streaming")
-	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout)
+	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout, onStandby)
 }
 
 func closeConn(conn *pgx.Conn) {
@@ -133,13 +156,18 @@ func replicationConnectError(err error) error {
 // checkServer verifies what retrying cannot fix and returns
 // wal_sender_timeout (0 when disabled) and server_version_num.
 func (s *Source) checkServer(ctx context.Context, conn *pgx.Conn) (time.Duration, int, error) {
-	timeout, err := s.checkPublication(ctx, conn)
-	if err != nil {
-		return 0, 0, err
-	}
 	var version int
 	if err := conn.QueryRow(ctx, "SELECT current_setting('server_version_num')::int").Scan(&version); err != nil {
 		return 0, 0, fmt.Errorf("read server_version_num: %w", err)
+	}
+	if s.cfg.Primary != nil {
+		if err := s.checkStandby(ctx, conn, version); err != nil {
+			return 0, 0, err
+		}
+	}
+	timeout, err := s.checkPublication(ctx, conn)
+	if err != nil {
+		return 0, 0, err
 	}
 	return timeout, version, nil
 }
@@ -241,6 +269,9 @@ type slotDetails struct {
 	// invalidationReason is pg_replication_slots.invalidation_reason (17+),
 	// "" when the slot is valid or the server is older.
 	invalidationReason string
+	// synced is pg_replication_slots.synced (17+): on a standby, a copy of
+	// the primary's slot that sync_replication_slots keeps.
+	synced bool
 }
 
 // invalidated reports whether the server has invalidated the slot, so that
@@ -270,10 +301,11 @@ func lookUpSlot(ctx context.Context, conn *pgx.Conn, slot string) (slotDetails, 
 		       coalesce(database = current_database(), false),
 		       coalesce(wal_status, ''), coalesce(to_jsonb(s) ->> 'invalidation_reason', ''),
 		       confirmed_flush_lsn::text, coalesce(active_pid, 0),
-		       coalesce((to_jsonb(s) ->> 'failover')::bool, false)
+		       coalesce((to_jsonb(s) ->> 'failover')::bool, false),
+		       coalesce((to_jsonb(s) ->> 'synced')::bool, false)
 		  FROM pg_replication_slots s
 		 WHERE slot_name = $1`, slot).
-		Scan(&d.slotType, &d.plugin, &d.database, &d.sameDatabase, &d.walStatus, &d.invalidationReason, &d.confirmedFlush, &d.activePID, &d.failover)
+		Scan(&d.slotType, &d.plugin, &d.database, &d.sameDatabase, &d.walStatus, &d.invalidationReason, &d.confirmedFlush, &d.activePID, &d.failover, &d.synced)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return slotDetails{}, nil
 	}
@@ -298,13 +330,18 @@ func SlotInfo(ctx context.Context, conn *pgx.Conn, slot string) (exists bool, wa
 
 // ensureSlot returns the position streaming will start from, creating the
 // slot (through the snapshot hand-over) when it is missing or lost.
-func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.PgConn, version int) (relay.LSN, error) {
+func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.PgConn, version int, onStandby bool) (relay.LSN, error) {
+	if onStandby {
+		s.dropPrimarySlot(ctx)
+	}
 	slot, err := lookUpSlot(ctx, qconn, s.cfg.Slot)
 	if err != nil {
 		return 0, err
 	}
 	if slot.exists {
 		switch {
+		case onStandby && slot.synced:
+			return 0, errSyncedCopy
 		case slot.slotType != "logical":
 			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q is a %s slot; choose another slot name", s.cfg.Slot, slot.slotType)}
 		case !slot.sameDatabase:
@@ -320,6 +357,8 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		switch {
 		case invalidated:
 			s.log.Warn().Str("reason", reason).Msg("replication slot was invalidated; dropping and recreating it")
+		case !handedOver && s.cfg.Primary != nil:
+			s.log.Warn().Msg("replication slot on the standby has no record of its hand-over (delivery moved to the primary since, or the relay stopped between creating it and handing the rows pending then to the claim path): dropping and recreating it")
 		case !handedOver:
 			s.log.Warn().Msg("replication slot has no record of its hand-over (the relay stopped between creating it and handing the rows pending then to the claim path): dropping and recreating it")
 		default:
@@ -331,7 +370,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			} else if slot.activePID != 0 {
 				s.log.Warn().Int32("pid", slot.activePID).Msg("replication slot is in use by another process")
 			}
-			if version >= failoverVersion && !slot.failover {
+			if version >= failoverVersion && !slot.failover && s.cfg.Primary == nil {
 				s.enableFailover(ctx, rconn, slot.activePID)
 			}
 			return slot.confirmedFlush, nil
@@ -349,10 +388,23 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	if err := s.cfg.HandOver.BeginSlot(ctx, s.cfg.Slot); err != nil {
 		return 0, err
 	}
-	res, err := createSlot(ctx, rconn, s.cfg.Slot, version)
+	var res pglogrepl.CreateReplicationSlotResult
+	if onStandby {
+		// The slot's consistent point must come after every write the
+		// relay made before (BeginSlot included): docs/standby.md.
+		if _, err := s.waitReplayed(ctx, qconn); err != nil {
+			return 0, err
+		}
+		res, err = s.createStandbySlot(ctx, rconn)
+	} else {
+		res, err = createSlot(ctx, rconn, s.cfg.Slot, version)
+	}
 	if err != nil {
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "53400" {
 			return 0, &UnavailableError{Reason: "all replication slots are in use (raise max_replication_slots, or drop an unused slot)", Err: err}
+		}
+		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && onStandby && pgErr.Code == "55000" && strings.Contains(pgErr.Message, "primary") {
+			return 0, &UnavailableError{Reason: "the primary's wal_level is not logical: decoding on a standby needs wal_level = logical on the primary (ALTER SYSTEM SET wal_level = logical there, then restart it)", Err: err}
 		}
 		return 0, fmt.Errorf("create replication slot: %w", err)
 	}
@@ -363,15 +415,20 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 
 	// The snapshot stays valid while rconn runs no other command: the rows
 	// pending in it are exactly the rows the new slot will never stream.
-	n, err := s.cfg.HandOver.MarkForClaim(ctx, s.cfg.Slot, res.SnapshotName, consistent)
+	var n int64
+	if s.cfg.Primary != nil {
+		n, err = s.cfg.Primary.MarkForClaimFromStandby(ctx, qconn, s.cfg.Slot, res.SnapshotName, consistent)
+	} else {
+		n, err = s.cfg.HandOver.MarkForClaim(ctx, s.cfg.Slot, res.SnapshotName, consistent)
+	}
 	if err != nil {
 		// Without the hand-over those rows would stay pending unseen: drop
 		// the slot so that the next attempt repeats it.
 		s.dropAfterFailedHandOver(rconn)
 		return 0, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
 	}
-	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("failover", version >= failoverVersion).
-		Msg("created replication slot; rows pending in its snapshot go to the claim path")
+	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("failover", version >= failoverVersion && !onStandby).
+		Bool("on_standby", onStandby).Msg("created replication slot; rows pending in its snapshot go to the claim path")
 	return consistent, nil
 }
 

@@ -75,6 +75,17 @@ type Config struct {
 	// ledger.Store.StreamFrom implements it (docs/failover.md).
 	StreamFrom func(ctx context.Context, systemID string, timeline int32) error
 
+	// Primary, when set, says that ConnString names a physical standby
+	// (PostgreSQL 16+) of the primary the ledger, the checkpoint and the
+	// claim path are on (source.standby_url): the slot is made and streamed
+	// there, and the primary is asked only what the hand-over and the
+	// re-stream horizon need (docs/standby.md). ledger.Store implements it.
+	Primary Primary
+	// StandbyCatchUp bounds the wait, before a slot is made on the
+	// standby, for it to replay the primary's flushed position
+	// [DefaultStandbyCatchUp]; the session fails and is retried after it.
+	StandbyCatchUp time.Duration
+
 	// StatusInterval is how often settled positions are acknowledged
 	// [DefaultStatusInterval]. It is lowered to the server's
 	// wal_sender_timeout/3 when that is shorter.
@@ -207,6 +218,7 @@ func New(cfg Config) (*Source, error) {
 	setDefault(&cfg.CheckpointEvery, DefaultCheckpointEvery)
 	setDefault(&cfg.ReconnectMin, DefaultReconnectMin)
 	setDefault(&cfg.ReconnectMax, DefaultReconnectMax)
+	setDefault(&cfg.StandbyCatchUp, DefaultStandbyCatchUp)
 	if cfg.ReconnectMax < cfg.ReconnectMin {
 		cfg.ReconnectMax = cfg.ReconnectMin
 	}

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pglogrepl"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
@@ -165,7 +166,7 @@ func (q *queue) newGroup() *group {
 // stream runs the receiver and the decoder on conn, which is in copy-both
 // mode, until either fails or ctx is done. acked is the slot's confirmed
 // position; every is the status interval.
-func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LSN, every, senderTimeout time.Duration) error {
+func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LSN, every, senderTimeout time.Duration, onStandby bool) error {
 	// The decoder and the checkpointer run beside the receiver (relay.Group):
 	// one that fails, or returns, ends the session.
 	workers, sctx := relay.NewGroup(ctx)
@@ -177,7 +178,8 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 		saveTimeout = min(saveTimeout, senderTimeout/3)
 	}
 	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked, stop: workers.Stop,
-		silentMax: silentLimit(senderTimeout), idleSilentMax: 5*time.Second + 3*every, lastHeard: time.Now()}
+		silentMax: silentLimit(senderTimeout), idleSilentMax: 5*time.Second + 3*every, lastHeard: time.Now(), onStandby: onStandby}
+	defer r.closeStandbyConn()
 	r.ackable.Store(uint64(acked))
 	raise(&s.acknowledged, acked)
 	workers.Go("checkpointer", func(ctx context.Context) error { r.checkpointLoop(ctx); return nil })
@@ -241,6 +243,14 @@ type receiver struct {
 	// ends with it, and the term with the session (docs/failover.md).
 	serverChanged atomic.Pointer[error]
 	stop          context.CancelFunc // ends the session
+
+	// onStandby: the session streams from a standby (Config.Primary). The
+	// checkpointer then waits for the standby to receive each checkpoint
+	// before acknowledging past events (waitStandbyReceived), on a
+	// connection of its own; receiveSlow says it warned.
+	onStandby   bool
+	standbyConn *pgx.Conn
+	receiveSlow bool
 }
 
 // checkpointLoop publishes the position the receiver may acknowledge, every
@@ -521,6 +531,9 @@ func (r *receiver) position(ctx context.Context) relay.LSN {
 	if r.saveFailing {
 		s.log.Info().Str("lsn", save.String()).Msg("checkpoint write succeeded again")
 		r.saveFailing = false
+	}
+	if r.onStandby && r.mustCheckpoint {
+		r.waitStandbyReceived(ctx)
 	}
 	s.checkpointed = save
 	s.checkpointAt = time.Now()

@@ -79,6 +79,18 @@ type Slots interface {
 	EndStaleWalsender(ctx context.Context) (int32, error)
 }
 
+// Standby watches the physical standby the stream decodes on
+// (source.standby_url); replication.StandbyWatch implements it.
+type Standby interface {
+	// Watch runs beside the stream until ctx ends, then returns nil; it
+	// returns an error (implementing Unavailable) once the standby is
+	// unreachable, or lags its primary, past its bound.
+	Watch(ctx context.Context) error
+	// WaitHealthy returns nil once the standby is reachable and within its
+	// bound again, or ctx's error.
+	WaitHealthy(ctx context.Context) error
+}
+
 // Config configures a Supervisor. Zero durations take the defaults in
 // brackets.
 type Config struct {
@@ -100,6 +112,22 @@ type Config struct {
 	Startup func(ctx context.Context, mode string)
 	// Slots watches the relay's slot.
 	Slots Slots
+	// Standby, when set, watches the standby the stream decodes on
+	// (docs/standby.md). In auto mode, once it reports the standby
+	// unavailable, delivery moves to the primary — the claim path over
+	// every due row — until WaitHealthy returns, then back to the stream on
+	// the standby. In replication mode the stream keeps trying the standby,
+	// and the report is only logged.
+	Standby Standby
+	// StandbySlots, when set, is the relay's slot on the standby the stream
+	// decodes on: a watchdog of its own drops it when nobody consumes it,
+	// a term ends a stale walsender there, and a return from poll mode
+	// drops it there. Slots then watches the relay's slot of the same name
+	// on the primary, a leftover of decoding there.
+	StandbySlots Slots
+	// OnStandbyMove is told each move of delivery off the standby (to
+	// "primary", with the watch's error) and back (to "standby", err nil).
+	OnStandbyMove func(to string, err error)
 	// ReplicationRetry is how often auto mode, while polling, tries to
 	// return to replication [1m].
 	ReplicationRetry time.Duration
@@ -165,6 +193,9 @@ func New(cfg Config) (*Supervisor, error) {
 	}
 	if cfg.OnLeadershipLost == nil {
 		cfg.OnLeadershipLost = func() {}
+	}
+	if cfg.OnStandbyMove == nil {
+		cfg.OnStandbyMove = func(string, error) {}
 	}
 	return &Supervisor{cfg: cfg, log: cfg.Logger}, nil
 }
@@ -375,6 +406,12 @@ func (s *Supervisor) lead(ctx context.Context, lost <-chan struct{}) error {
 				}
 				continue
 			}
+			if gone, ok := errors.AsType[*standbyGone](err); ok {
+				if err := s.offStandby(ctx, lost, gone); err != nil {
+					return err
+				}
+				continue
+			}
 			var unavailable Unavailable
 			if !errors.As(err, &unavailable) {
 				if err == nil {
@@ -405,7 +442,7 @@ func (s *Supervisor) lead(ctx context.Context, lost <-chan struct{}) error {
 			// slot left from before polling is dropped, so the new one's
 			// snapshot marks every row polling did not finish for the claim
 			// path.
-			if dropped, err := s.cfg.Slots.DropSlot(ctx); err != nil {
+			if dropped, err := s.streamSlots().DropSlot(ctx); err != nil {
 				s.log.Warn().Err(err).Msg("drop the old slot before returning to replication")
 			} else if dropped {
 				s.log.Warn().Str("why", "returning from poll mode to replication").Msg("dropped the replication slot; the outbox table keeps the events")
@@ -420,7 +457,10 @@ func (s *Supervisor) lead(ctx context.Context, lost <-chan struct{}) error {
 func (s *Supervisor) beside(ctx context.Context, phases func(ctx context.Context) error) error {
 	g, gctx := relay.NewGroup(ctx)
 	if s.cfg.Slots != nil {
-		g.Go("slot watchdog", func(ctx context.Context) error { s.watchSlot(ctx); return nil })
+		g.Go("slot watchdog", func(ctx context.Context) error { s.watchSlot(ctx, s.cfg.Slots); return nil })
+	}
+	if s.cfg.StandbySlots != nil {
+		g.Go("standby slot watchdog", func(ctx context.Context) error { s.watchSlot(ctx, s.cfg.StandbySlots); return nil })
 	}
 	err := phases(gctx)
 	g.Stop()
@@ -457,7 +497,7 @@ func (s *Supervisor) pollPhase(d time.Duration) func(e *relay.Engine) ([]worker,
 func (s *Supervisor) streamPhase(e *relay.Engine) ([]worker, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if pid, err := s.cfg.Slots.EndStaleWalsender(ctx); err != nil {
+	if pid, err := s.streamSlots().EndStaleWalsender(ctx); err != nil {
 		s.log.Warn().Err(err).Msg("could not check the slot for a stale walsender")
 	} else if pid != 0 {
 		s.log.Warn().Int32("pid", pid).Msg("ended a stale walsender still holding the slot (a former leader)")
@@ -472,10 +512,95 @@ func (s *Supervisor) streamPhase(e *relay.Engine) ([]worker, error) {
 	}
 	s.cfg.OnMode("replication")
 	ws := []worker{{name: "stream", run: source.Run}, {name: "claim path", run: claim.Run}}
+	if s.cfg.Standby != nil {
+		ws = append(ws, worker{name: "standby watch", run: s.watchStandby})
+	}
 	if s.cfg.Startup != nil {
 		ws = append(ws, worker{name: "start-up pass", task: true, run: func(ctx context.Context) error { s.cfg.Startup(ctx, "replication"); return nil }})
 	}
 	return ws, nil
+}
+
+// streamSlots is the view of the slot the stream decodes from: on the
+// standby when there is one.
+func (s *Supervisor) streamSlots() Slots {
+	if s.cfg.StandbySlots != nil {
+		return s.cfg.StandbySlots
+	}
+	return s.cfg.Slots
+}
+
+// standbyGone ends a stream phase whose standby is unavailable.
+type standbyGone struct{ err error }
+
+func (e *standbyGone) Error() string { return e.err.Error() }
+func (e *standbyGone) Unwrap() error { return e.err }
+
+// errStandbyBack ends the phase that delivers on the primary once the
+// standby is healthy again.
+var errStandbyBack = errors.New("the standby is back")
+
+// standbyRecheck is the pause, in replication mode, before watching a
+// standby found unavailable again.
+const standbyRecheck = 5 * time.Second
+
+// watchStandby runs the standby watch beside the stream. In auto mode an
+// unavailable standby ends the phase (standbyGone); in replication mode
+// it is logged and watched again, the stream trying it meanwhile.
+func (s *Supervisor) watchStandby(ctx context.Context) error {
+	for {
+		err := s.cfg.Standby.Watch(ctx)
+		if err == nil || ctx.Err() != nil {
+			return nil
+		}
+		if s.cfg.Mode == ModeAuto {
+			return &standbyGone{err: err}
+		}
+		s.log.Warn().Err(err).Msg("the standby the stream decodes on is unavailable; source.mode is replication, so the stream keeps trying it (auto mode would deliver on the primary meanwhile)")
+		if !relay.Sleep(ctx, standbyRecheck) {
+			return nil
+		}
+	}
+}
+
+// offStandby runs delivery on the primary — the claim path over every due
+// row — from the moment the standby the stream decodes on is found
+// unavailable until it is healthy again (or ctx ends), logging and counting
+// both moves. The stream's phase has drained: the claim path cannot take a
+// row the stream still sends. The watch voided the slot's hand-over before
+// it reported, so the stream's next phase makes a new slot on the standby
+// through the hand-over, which gives the claim path every row still pending
+// then.
+func (s *Supervisor) offStandby(ctx context.Context, lost <-chan struct{}, gone *standbyGone) error {
+	reason := gone.Error()
+	if u, ok := errors.AsType[Unavailable](gone.err); ok {
+		reason = u.UnavailableReason()
+	}
+	s.log.Warn().Str("reason", reason).Msg("the standby the stream decodes on is unavailable: delivery moves to the primary (the claim path takes every due row) until the standby is back")
+	s.cfg.OnStandbyMove("primary", gone.err)
+	err := s.phase(ctx, lost, func(e *relay.Engine) ([]worker, error) {
+		ws, err := s.pollPhase(0)(e)
+		if err != nil {
+			return nil, err
+		}
+		return append(ws, worker{name: "standby return watch", run: func(ctx context.Context) error {
+			if err := s.cfg.Standby.WaitHealthy(ctx); err != nil {
+				return nil // ctx ended
+			}
+			return errStandbyBack
+		}}), nil
+	})
+	switch {
+	case ctx.Err() != nil:
+		return nil
+	case errors.Is(err, errStandbyBack):
+		s.log.Info().Msg("the standby the stream decodes on is back within source.standby_max_lag: delivery returns to it (a new slot there, through the hand-over)")
+		s.cfg.OnStandbyMove("standby", nil)
+		return nil
+	case err == nil, errors.Is(err, relay.ErrLeaseLost):
+		return nil
+	}
+	return err
 }
 
 // watchSlot drops the relay's slot once nobody has streamed from it for
@@ -483,7 +608,7 @@ func (s *Supervisor) streamPhase(e *relay.Engine) ([]worker, error) {
 // does, in every mode: the table keeps the events, and a slot nobody
 // consumes would keep WAL without limit (docs/guarantees.md). It checks
 // every few seconds until ctx ends.
-func (s *Supervisor) watchSlot(ctx context.Context) {
+func (s *Supervisor) watchSlot(ctx context.Context, slots Slots) {
 	every := max(min(s.cfg.SlotMaxUnconsumed/3, 5*time.Second), 100*time.Millisecond)
 	tick := time.NewTicker(every)
 	defer tick.Stop()
@@ -494,7 +619,7 @@ func (s *Supervisor) watchSlot(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
-		exists, active, retained, err := s.cfg.Slots.Slot(ctx)
+		exists, active, retained, err := slots.Slot(ctx)
 		if err != nil {
 			if ctx.Err() == nil {
 				s.log.Warn().Err(err).Msg("check the replication slot")
@@ -512,7 +637,7 @@ func (s *Supervisor) watchSlot(ctx context.Context) {
 		if idle < s.cfg.SlotMaxUnconsumed && retained < s.cfg.SlotMaxRetained {
 			continue
 		}
-		dropped, err := s.cfg.Slots.DropSlot(ctx)
+		dropped, err := slots.DropSlot(ctx)
 		if err != nil {
 			if ctx.Err() == nil {
 				s.log.Warn().Err(err).Msg("drop the unconsumed replication slot")

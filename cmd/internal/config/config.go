@@ -133,6 +133,15 @@ type SourceConfig struct {
 	// ReplicationRetry is how often auto mode, while polling because
 	// replication is impossible, tries to return to replication.
 	ReplicationRetry Duration `yaml:"replication_retry"`
+	// StandbyURL names a physical standby (PostgreSQL 16+) of the primary
+	// to decode on, libpq multi-host rules as database_url; empty decodes
+	// on the primary (docs/standby.md).
+	StandbyURL     Secret `yaml:"standby_url"`
+	StandbyURLFile string `yaml:"standby_url_file"`
+	// StandbyMaxLag is the bound past which the standby, unreachable or
+	// lagging its primary, is unavailable: auto mode delivers on the
+	// primary until it is back.
+	StandbyMaxLag Duration `yaml:"standby_max_lag"`
 }
 
 // Ordering says which events must be delivered in order.
@@ -462,6 +471,7 @@ func Default() Config {
 			SlotMaxUnconsumed: Duration(10 * time.Minute),
 			SlotMaxRetained:   GiB,
 			ReplicationRetry:  Duration(time.Minute),
+			StandbyMaxLag:     Duration(30 * time.Second),
 		},
 		Delivery: DeliveryConfig{
 			Ordering:       OrderingAggregate,

@@ -128,6 +128,8 @@ source:
   slot_max_unconsumed: 1h
   slot_max_retained: 512MiB
   notify_trigger: true
+  standby_url: postgres://relay:pw@standby:5432/app
+  standby_max_lag: 10s
 delivery:
   ordering: none
   inline_attempts: 0
@@ -177,6 +179,7 @@ func fullConfig() config.Config {
 		PollInterval: sec(250 * time.Millisecond), BatchSize: 100, SweepAfter: sec(time.Minute),
 		LockTimeout: sec(2 * time.Minute), SlotMaxUnconsumed: sec(time.Hour),
 		SlotMaxRetained: 512 * config.MiB, NotifyTrigger: true, ReplicationRetry: sec(time.Minute),
+		StandbyURL: "postgres://relay:pw@standby:5432/app", StandbyMaxLag: sec(10 * time.Second),
 	}
 	c.Delivery = config.DeliveryConfig{
 		Ordering: config.OrderingNone, InlineAttempts: 0, MaxAttempts: 5,
@@ -237,6 +240,7 @@ func TestLoad_RoundTrip(t *testing.T) {
 		"auth: {type: jwt, secret: s3cret}", "auth: {type: none}",
 		"headers: {X-Tenant: acme}", "headers: {}",
 		"    token: tok\n", "",
+		"  standby_url: postgres://relay:pw@standby:5432/app\n", "",
 	).Replace(fullFile)
 	first := MustLoad(t, noSecrets)
 	out, err := first.Redacted()

@@ -121,6 +121,7 @@ type secretRef struct {
 func (c *Config) secretRefs() []secretRef {
 	refs := []secretRef{
 		{"database_url", "database_url_file", &c.DatabaseURL, c.DatabaseURLFile},
+		{"source.standby_url", "source.standby_url_file", &c.Source.StandbyURL, c.Source.StandbyURLFile},
 		{"http.metrics_token", "http.metrics_token_file", &c.HTTP.MetricsToken, c.HTTP.MetricsTokenFile},
 	}
 	for i := range c.Sinks {

@@ -176,6 +176,7 @@ func (v *validator) source(s SourceConfig) {
 	v.positive("source.lock_timeout", s.LockTimeout)
 	v.positive("source.slot_max_unconsumed", s.SlotMaxUnconsumed)
 	v.positive("source.replication_retry", s.ReplicationRetry)
+	v.positive("source.standby_max_lag", s.StandbyMaxLag)
 	if s.SlotMaxRetained <= 0 {
 		v.fail("source.slot_max_retained", "must be greater than zero, got %s", s.SlotMaxRetained)
 	}
