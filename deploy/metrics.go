@@ -41,6 +41,8 @@ var Metrics = map[string]string{
 	"outbox_relay_up":                              "gauge",
 	"outbox_relay_stalled":                         "gauge",
 	"outbox_relay_last_progress_timestamp_seconds": "gauge",
+	"outbox_relay_decoding_on_standby":             "gauge",
+	"outbox_relay_standby_replay_lag_seconds":      "gauge",
 }
 
 // KnownSeries reports whether name is a series the relay exports: a listed
