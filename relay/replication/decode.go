@@ -1,6 +1,7 @@
 package replication
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -146,7 +147,59 @@ func parseMessage(data []byte) (m pglogrepl.Message, err error) {
 			m, err = nil, fmt.Errorf("truncated or malformed (%d bytes)", len(data))
 		}
 	}()
+	if m := parseInsert(data); m != nil {
+		return &m.msg, nil
+	}
 	return pglogrepl.Parse(data)
+}
+
+// insertMessage is an Insert message and its tuple in one allocation.
+type insertMessage struct {
+	msg   pglogrepl.InsertMessage
+	tuple pglogrepl.TupleData
+}
+
+// parseInsert decodes a well-formed Insert message as pglogrepl does, in
+// four allocations where pglogrepl makes two per column and grows the
+// column list as it goes: the tuple's bytes are copied once (data is
+// pgconn's read buffer) and each value is a slice of that copy
+// (docs/performance.md, "Hand-offs"). It returns nil for any other message
+// and for an Insert whose header pglogrepl would refuse, which is then
+// left to pglogrepl.Parse and its error. checkClaimedLengths has checked
+// every claimed length; parseMessage recovers from any other bad index.
+func parseInsert(data []byte) *insertMessage {
+	// 'I', the relation id (4 bytes), 'N', the column count (2 bytes):
+	// pglogrepl asks for 8 bytes after the type.
+	if len(data) < 9 || data[0] != byte(pglogrepl.MessageTypeInsert) || data[5] != 'N' {
+		return nil
+	}
+	ncols := int(binary.BigEndian.Uint16(data[6:]))
+	buf := bytes.Clone(data[8:])
+	m := &insertMessage{}
+	m.msg.SetType(pglogrepl.MessageTypeInsert)
+	m.msg.RelationID = binary.BigEndian.Uint32(data[1:])
+	m.msg.Tuple = &m.tuple
+	m.tuple.ColumnNum = uint16(ncols)
+	if ncols == 0 {
+		return m // pglogrepl leaves Columns nil
+	}
+	cols := make([]pglogrepl.TupleDataColumn, ncols)
+	m.tuple.Columns = make([]*pglogrepl.TupleDataColumn, ncols)
+	off := 0
+	for i := range cols {
+		c := &cols[i]
+		c.DataType = buf[off]
+		off++
+		if c.DataType == pglogrepl.TupleDataTypeText || c.DataType == pglogrepl.TupleDataTypeBinary {
+			c.Length = binary.BigEndian.Uint32(buf[off:])
+			off += 4
+			end := off + int(c.Length)
+			c.Data = buf[off:end:end]
+			off = end
+		}
+		m.tuple.Columns[i] = c
+	}
+	return m
 }
 
 // checkClaimedLengths reports an error when an Insert, Update, Delete or
@@ -283,15 +336,6 @@ func (r *relation) value(t *pglogrepl.TupleData, c int) (data []byte, null bool,
 	}
 }
 
-func (r *relation) text(t *pglogrepl.TupleData, c int) (*string, error) {
-	data, null, err := r.value(t, c)
-	if err != nil || null {
-		return nil, err
-	}
-	s := string(data)
-	return &s, nil
-}
-
 func (r *relation) timestamp(t *pglogrepl.TupleData, c int) (time.Time, error) {
 	data, null, err := r.value(t, c)
 	if err != nil || null {
@@ -314,7 +358,8 @@ func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
 		}
 		return nil, fmt.Errorf("decode INSERT into %s: %d columns, the RELATION message had %d", r.name, n, r.ncols)
 	}
-	ev := new(relay.Event)
+	a := new(eventAlloc)
+	ev := &a.ev
 	var err error
 
 	data, null, err := r.value(t, colID)
@@ -328,23 +373,41 @@ func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
 		return nil, r.errorf(colID, "%v", err)
 	}
 
-	key, err := r.text(t, colEventKey)
-	if err != nil {
-		return nil, err
+	// The text columns are copied into one string, and the nullable ones
+	// point into the event's own allocation: two allocations for five
+	// values (docs/performance.md, "Hand-offs").
+	var texts [len(textCols)][]byte
+	var nulls [len(textCols)]bool
+	size := 0
+	for i, c := range textCols {
+		if texts[i], nulls[i], err = r.value(t, c); err != nil {
+			return nil, err
+		}
+		if c == colEventKey && nulls[i] {
+			return nil, r.errorf(colEventKey, "NULL")
+		}
+		size += len(texts[i])
 	}
-	if key == nil {
-		return nil, r.errorf(colEventKey, "NULL")
+	var b strings.Builder
+	b.Grow(size)
+	for _, v := range texts {
+		b.Write(v)
 	}
-	ev.EventKey = *key
-
-	if ev.EventType, err = r.text(t, colEventType); err != nil {
-		return nil, err
-	}
-	if ev.AggregateType, err = r.text(t, colAggregateType); err != nil {
-		return nil, err
-	}
-	if ev.AggregateID, err = r.text(t, colAggregateID); err != nil {
-		return nil, err
+	all, off := b.String(), 0
+	for i, c := range textCols {
+		v := all[off : off+len(texts[i])]
+		off += len(texts[i])
+		switch c {
+		case colEventKey:
+			ev.EventKey = v
+		case colStatus:
+			ev.Status = v // the engine skips rows inserted settled; NULL reads as pending
+		default:
+			if !nulls[i] {
+				a.text[i-1] = v
+				*textField(ev, c) = &a.text[i-1]
+			}
+		}
 	}
 
 	// jsonb's text form, verbatim; pglogrepl allocated it for this message.
@@ -371,15 +434,6 @@ func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
 		ev.Attempts = int(n)
 	}
 
-	// The engine skips rows inserted already settled; NULL reads as pending.
-	status, err := r.text(t, colStatus)
-	if err != nil {
-		return nil, err
-	}
-	if status != nil {
-		ev.Status = *status
-	}
-
 	// trace_context is optional (a table not migrated to 008 has none) and
 	// never stops the stream: a value it cannot read is no trace context.
 	if r.pos[colTraceContext] >= 0 {
@@ -388,6 +442,28 @@ func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
 		}
 	}
 	return ev, nil
+}
+
+// textCols are the outbox's text columns, event_key first and status
+// last; the three between are the event's nullable strings.
+var textCols = [...]int{colEventKey, colEventType, colAggregateType, colAggregateID, colStatus}
+
+// eventAlloc is an event and the strings its nullable fields point to.
+type eventAlloc struct {
+	ev   relay.Event
+	text [len(textCols) - 2]string
+}
+
+// textField returns the event's field for one of the nullable text columns.
+func textField(ev *relay.Event, c int) **string {
+	switch c {
+	case colEventType:
+		return &ev.EventType
+	case colAggregateType:
+		return &ev.AggregateType
+	default:
+		return &ev.AggregateID
+	}
 }
 
 // Timestamps PostgreSQL cannot order against real ones: 'infinity' decodes as

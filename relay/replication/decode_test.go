@@ -2,6 +2,7 @@ package replication_test
 
 import (
 	"encoding/binary"
+	"fmt"
 	"runtime"
 	"slices"
 	"strings"
@@ -106,5 +107,73 @@ func TestTraceContextColumnIsOptional(t *testing.T) {
 				t.Fatalf("TraceContext %q, want %q", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestInsertParsedInFourAllocations: pglogrepl allocates two objects per
+// column of an Insert and grows the column list as it goes (about thirty
+// allocations for an outbox row); the stream's parser copies the tuple once
+// and slices it (docs/performance.md, "Hand-offs"). FuzzDecodeMessages
+// checks that both read the same.
+func TestInsertParsedInFourAllocations(t *testing.T) {
+	row := make([]tupleValue, len(outboxColumns))
+	for i := range row {
+		row[i] = textValue(fmt.Sprintf("value %d", i))
+	}
+	ins := insertMessage(outboxRelID, row)
+	var err error
+	allocs := testing.AllocsPerRun(100, func() { _, err = replication.ParseMessage(ins) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if allocs > 4 {
+		t.Fatalf("%.0f allocations to parse an Insert of %d columns, want at most 4", allocs, len(row))
+	}
+}
+
+// BenchmarkDecodeEvent: the allocations and time of one single-row
+// transaction's way through the parser and the decoder (Begin, Insert,
+// Commit), as the stream sees it at a steady rate (docs/performance.md,
+// "Hand-offs").
+func BenchmarkDecodeEvent(b *testing.B) {
+	payload := `{"order_id": "` + strings.Repeat("x", 280) + `"}`
+	row := make([]tupleValue, len(outboxColumns))
+	for i, c := range outboxColumns {
+		switch c.name {
+		case "id":
+			row[i] = textValue("123456789")
+		case "event_type":
+			row[i] = textValue("order.created")
+		case "aggregate_type":
+			row[i] = textValue("order")
+		case "aggregate_id":
+			row[i] = textValue("order-4711")
+		case "event_key":
+			row[i] = textValue("evt-0123456789abcdef")
+		case "payload":
+			row[i] = textValue(payload)
+		case "status":
+			row[i] = textValue("pending")
+		case "attempts":
+			row[i] = textValue("0")
+		case "available_at", "created_at":
+			row[i] = textValue("2026-12-02 16:17:36.123456+00")
+		default:
+			row[i] = nullValue
+		}
+	}
+	msgs := [][]byte{
+		beginMessage(finalLSN, commitTime, 7),
+		insertMessage(outboxRelID, row),
+		commitMessage(finalLSN, endLSN, commitTime),
+	}
+	rel := relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		events, err := replication.DecodeMessages(outboxName, append([][]byte{rel}, msgs...)...)
+		if err != nil || len(events) != 1 {
+			b.Fatalf("%d events, err %v", len(events), err)
+		}
 	}
 }

@@ -12,6 +12,7 @@ import (
 var (
 	ParseServerDuration = parseServerDuration
 	ParseTimestamptz    = parseTimestamptz
+	ParseMessage        = parseMessage
 )
 
 // DecodeMessages runs pgoutput messages (XLogData payloads) through the

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/rand/v2"
+	"reflect"
 	"regexp"
 	"strconv"
 	"strings"
@@ -198,6 +199,15 @@ func FuzzDecodeMessages(f *testing.F) {
 	f.Add(beginMessage(1, commitTime, 1), ins)
 	f.Add(rel, []byte{'U', 0, 0, 0x40, 0x06, 'N', 0, 1, 't', 0xFF, 0xFF, 0xFF, 0xFF})
 	f.Fuzz(func(t *testing.T, rel, ins []byte) {
+		// The decoder's own Insert parsing reads what pglogrepl reads.
+		if got, err := replication.ParseMessage(ins); err == nil {
+			if got, ok := got.(*pglogrepl.InsertMessage); ok {
+				want, err := pglogrepl.Parse(ins)
+				if err != nil || !reflect.DeepEqual(got, want) {
+					t.Fatalf("Insert parsed as %+v, pglogrepl: %+v, %v", got, want, err)
+				}
+			}
+		}
 		events, err := replication.DecodeMessages(outboxName, rel, beginMessage(finalLSN, commitTime, 7), ins, commitMessage(finalLSN, endLSN, commitTime))
 		if err != nil {
 			if !decodeErr.MatchString(err.Error()) {
