@@ -50,6 +50,8 @@
 //	            every process of pg_stat_activity; the relay's statements'
 //	            execution time by kind (pg_stat_statements, preloaded in the
 //	            cluster and tracking this phase's database only); relay CPU.
+//	            Run with the defaults (mark_done: async), then again beside
+//	            them with delivery.mark_done: off.
 //	            The table notes say how records are charged and the limits.
 //
 //	poller      the seed poller (every -poller-interval a FOR UPDATE SKIP

@@ -130,15 +130,20 @@ func (e *env) beginWriteBack(ctx context.Context, c writeBackConns, db, label st
 // (no row pending without a delivered ledger row, the slot confirmed past
 // lastLSN; at most a minute), ends
 // the window and attributes its WAL with pg_waldump.
-func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWindow, db, slot, lastLSN string, events int) (writeBackResult, error) {
+func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWindow, db, slot, markDone, lastLSN string, events int) (writeBackResult, error) {
 	res := writeBackResult{events: events}
 	deadline := time.Now().Add(time.Minute)
+	// With the default mark_done: async every delivered row ends 'done'; with
+	// off it stays 'pending' beside its delivered ledger rows
+	// (docs/operations.md).
+	query := `SELECT EXISTS (SELECT FROM integration_outbox o WHERE o.status = 'pending')`
+	if markDone == "off" {
+		query = `SELECT EXISTS (SELECT FROM integration_outbox o WHERE o.status = 'pending'
+   AND NOT EXISTS (SELECT FROM integration_idempotency l WHERE l.event_key = o.event_key AND l.state = 'delivered'))`
+	}
 	for {
 		var pending, confirmed bool
-		// With mark_done: off a row the stream delivered stays 'pending'
-		// with its delivered ledger rows (docs/operations.md).
-		if err := c.db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM integration_outbox o WHERE o.status = 'pending'
-   AND NOT EXISTS (SELECT FROM integration_idempotency l WHERE l.event_key = o.event_key AND l.state = 'delivered'))`).Scan(&pending); err != nil {
+		if err := c.db.QueryRow(ctx, query).Scan(&pending); err != nil {
 			return res, err
 		}
 		if err := c.mon.QueryRow(ctx, `SELECT coalesce(confirmed_flush_lsn >= $2::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1`,
@@ -155,7 +160,7 @@ func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWi
 		select {
 		case <-ctx.Done():
 			return res, ctx.Err()
-		case <-time.After(100 * time.Millisecond):
+		case <-time.After(250 * time.Millisecond):
 		}
 	}
 	var endLSN string
@@ -205,9 +210,24 @@ func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWi
 // on one database: the relay draining -writeback-n queued events, then
 // -rate events/s for -writeback-duration. A physical slot holds the WAL
 // until pg_waldump has read it.
+// phaseWriteBack measures what the relay writes back with the defaults and,
+// beside them, with `delivery.mark_done: off` (docs/performance.md, "What
+// the relay writes back, per event").
 func phaseWriteBack(ctx context.Context, e *env, r *report) error {
-	const phase, db = "write-back", "bench_write_back"
-	s := relaySetup{name: phase, webhook: true}
+	if err := writeBack(ctx, e, r, ""); err != nil {
+		return err
+	}
+	return writeBack(ctx, e, r, "off")
+}
+
+// writeBack runs the phase's two windows with delivery.mark_done set to
+// markDone (empty: the default).
+func writeBack(ctx context.Context, e *env, r *report, markDone string) error {
+	phase, db := "write-back", "bench_write_back"
+	if markDone != "" {
+		phase, db = phase+"-mark-"+markDone, db+"_mark_"+markDone
+	}
+	s := relaySetup{name: phase, webhook: true, markDone: markDone}
 	cfg, done, err := e.setUpRelay(ctx, db, &s)
 	if err != nil {
 		return err
@@ -231,7 +251,7 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 			return err
 		}
 	}
-	const walSlot = "bench_write_back_wal"
+	walSlot := db + "_wal"
 	if _, err := c.mon.Exec(ctx, `SELECT pg_create_physical_replication_slot($1, true)`, walSlot); err != nil {
 		return fmt.Errorf("physical slot to keep the window's WAL: %w", err)
 	}
@@ -264,7 +284,11 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 	if err := e.quiet(ctx, phase+" (drain)", r, e.roots(nil)); err != nil {
 		return err
 	}
-	drainLabel := fmt.Sprintf("drain of %s queued events", thousands(n))
+	setting := "defaults (`mark_done: async`)"
+	if markDone != "" {
+		setting = "`mark_done: " + markDone + "`"
+	}
+	drainLabel := fmt.Sprintf("%s, drain of %s queued events", setting, thousands(n))
 	w, err := e.beginWriteBack(ctx, c, db, drainLabel)
 	if err != nil {
 		return err
@@ -278,11 +302,11 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 	if err := e.waitArrived(ctx, rp, dt, n, 2*time.Minute); err != nil {
 		return err
 	}
-	drain, err := e.endWriteBack(ctx, c, w, db, s.slot(), w.startLSN, n)
+	drain, err := e.endWriteBack(ctx, c, w, db, s.slot(), markDone, w.startLSN, n)
 	if err != nil {
 		return err
 	}
-	addWriteBack(r, e, phase, drainLabel, drain, false)
+	addWriteBack(r, e, phase, drainLabel, drain)
 
 	// Window 2: the steady load.
 	d := e.o.writeBackDuration
@@ -301,7 +325,7 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 	if err := e.quiet(ctx, phase+" (steady)", r, e.roots(rp)); err != nil {
 		return err
 	}
-	steadyLabel := fmt.Sprintf("%s events/s for %.0f s", thousands(int(e.o.rate)), d.Seconds())
+	steadyLabel := fmt.Sprintf("%s, %s events/s for %.0f s", setting, thousands(int(e.o.rate)), d.Seconds())
 	if w, err = e.beginWriteBack(ctx, c, db, steadyLabel); err != nil {
 		return err
 	}
@@ -318,11 +342,11 @@ func phaseWriteBack(ctx context.Context, e *env, r *report) error {
 	if err := e.waitArrived(ctx, rp, st, load.sent, time.Minute); err != nil {
 		return err
 	}
-	steady, err := e.endWriteBack(ctx, c, w, db, s.slot(), lastLSN, load.sent)
+	steady, err := e.endWriteBack(ctx, c, w, db, s.slot(), markDone, lastLSN, load.sent)
 	if err != nil {
 		return err
 	}
-	addWriteBack(r, e, phase, steadyLabel, steady, true)
+	addWriteBack(r, e, phase, steadyLabel, steady)
 	if err := rp.Stop(30 * time.Second); err != nil {
 		e.say("warning: %v", err)
 	}
@@ -379,7 +403,7 @@ func (e *env) waitArrived(ctx context.Context, rp *harness.Relay, t *tracker, n 
 
 // addWriteBack adds a window's rows: WAL per delivered event by kind, and
 // PostgreSQL and relay CPU per delivered event.
-func addWriteBack(r *report, e *env, phase, label string, res writeBackResult, steady bool) {
+func addWriteBack(r *report, e *env, phase, label string, res writeBackResult) {
 	r.method(writeBackMethod)
 	n := float64(res.events)
 	if n <= 0 {
@@ -409,7 +433,7 @@ func addWriteBack(r *report, e *env, phase, label string, res writeBackResult, s
 	if res.note != "" {
 		value += "; " + res.note
 	}
-	r.add(phase, "WAL the relay writes per delivered event, both sinks: "+label, value, "≤ 250 B", passMiss(total <= 250), res.usage)
+	r.add(phase, "WAL the relay writes per delivered event, both sinks: "+label, value, "—", "info", res.usage)
 
 	us := func(d time.Duration) float64 { return d.Seconds() / n * 1e6 }
 	var classified time.Duration
@@ -430,16 +454,11 @@ func addWriteBack(r *report, e *env, phase, label string, res writeBackResult, s
 	} else {
 		value += ". By statement: n/a (pg_stat_statements is not installed)"
 	}
-	r.add(phase, "PostgreSQL CPU per delivered event, the relay's query connections: "+label, value, "≤ 15 µs", passMiss(relayBackends <= 15), res.usage)
+	r.add(phase, "PostgreSQL CPU per delivered event, the relay's query connections: "+label, value, "—", "info", res.usage)
 
+	// The relay's CPU target is the steady phases' (both sinks, no
+	// monitoring of the write-back beside it).
 	relay := res.usage.groups["relay"] * res.usage.wall.Seconds() / n * 1e6
-	target, verdict := "—", "info"
-	if steady {
-		target, verdict = "≤ 120 µs at 1,000 events/s", passMiss(relay <= 120)
-		if e.o.rate != 1000 {
-			verdict = "info (target is for 1,000 events/s)"
-		}
-	}
-	r.add(phase, "relay CPU per delivered event: "+label, fmt.Sprintf("%.0f µs", relay), target, verdict, res.usage)
+	r.add(phase, "relay CPU per delivered event: "+label, fmt.Sprintf("%.0f µs", relay), "—", "info", res.usage)
 	r.addCPU(phase+" ("+label+")", res.usage, "")
 }
