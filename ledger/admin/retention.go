@@ -211,8 +211,12 @@ DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.delivered("x"), behindSlot("x"), t.delivered("o"))
 
 	// A ledger row goes when its outbox row is done or gone and it is old;
-	// one with no time at all only when its outbox row is gone. The NOT
-	// EXISTS probes the outbox's unique index on event_key.
+	// one with no time at all only when its outbox row is gone. A done
+	// row's ledger rows stay while the slot could still send the row again,
+	// like the row itself ($3, $4: the same horizon; $4 when the slot has
+	// passed no sample yet), so that a stream restarted behind it finds
+	// every pair recorded. The NOT EXISTS probes the outbox's unique index
+	// on event_key.
 	pruneLedger := fmt.Sprintf(`
 DELETE FROM %[1]s
  WHERE ctid = ANY (ARRAY(
@@ -221,9 +225,10 @@ DELETE FROM %[1]s
                OR (l.delivered_at IS NULL AND l.claimed_at IS NULL
                    AND NOT EXISTS (SELECT 1 FROM %[2]s AS o WHERE o.event_key = l.event_key)))
           AND NOT EXISTS (SELECT 1 FROM %[2]s AS o
-                           WHERE o.event_key = l.event_key AND o.status IS DISTINCT FROM 'done')
+                           WHERE o.event_key = l.event_key
+                             AND (o.status IS DISTINCT FROM 'done' OR $4::boolean OR NOT %[3]s))
         LIMIT $2
-          FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted())
+          FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted(), behindSlot("o"))
 
 	prunes := []string{pruneDone}
 	if cfg.DeliveredPending && len(t.Sinks) > 0 {
@@ -249,7 +254,7 @@ DELETE FROM %[1]s
 		}
 	}
 	for {
-		tag, err := db.Exec(ctx, pruneLedger, cfg.LedgerAfter.Microseconds(), cfg.Batch)
+		tag, err := db.Exec(ctx, pruneLedger, cfg.LedgerAfter.Microseconds(), cfg.Batch, xmin, bounds.none)
 		if err != nil {
 			return doneRows, ledgerRows, fmt.Errorf("prune ledger rows of %s: %w", t.Ledger, err)
 		}

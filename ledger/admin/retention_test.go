@@ -319,3 +319,47 @@ func TestPrune_DeliveredRowsWithoutStatus(t *testing.T) {
 		}
 	}
 }
+
+// TestPrune_KeepsLedgerRowsTheSlotHasNotPassed: an old ledger row of a done
+// row that is not old yet went, while the slot could still send the row
+// again: a stream restarted behind it found the pair unrecorded and sent
+// the event again (make chaos: 1,512 events sent to NATS twice, each with
+// two delivered rows for its pair, the first one pruned). An event's ledger
+// rows stay while its row does and the slot has not passed it, like the
+// row itself (docs/operations.md, "Retention").
+func TestPrune_KeepsLedgerRowsTheSlotHasNotPassed(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	const slot = "retention_ledger_slot"
+	MustExec(t, f.pool, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
+	t.Cleanup(func() { MustExec(t, f.pool, `SELECT pg_drop_replication_slot($1)`, slot) })
+	cfg := week
+	cfg.Horizon = admin.NewHorizon(slot)
+	prune := func() (done, ledger int64) {
+		t.Helper()
+		done, ledger, err := admin.Prune(ctx, f.pool, f.tables, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return done, ledger
+	}
+	prune() // a sample before the transaction
+
+	outbox, led := f.tables.Outbox.Quoted(), f.tables.Ledger.Quoted()
+	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, status, created_at, processed_at) VALUES ('late-sink', 'done', now(), now())`, outbox))
+	// One sink delivered it long before the other (a ledger row older than
+	// ledger_after); the row is done, but not old enough to go.
+	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, action, state, attempts, delivered_at)
+		VALUES ('late-sink', 'nats', 'delivered', 1, now() - interval '31 days'), ('late-sink', 'n8n', 'delivered', 1, now())`, led))
+
+	if done, ledger := prune(); done != 0 || ledger != 0 {
+		t.Fatalf("pruned %d rows and %d ledger rows the slot has not passed, want none", done, ledger)
+	}
+	if got := f.MustLedgerStates(t, "late-sink"); fmt.Sprint(got) != fmt.Sprint(map[string]string{"nats": "delivered", "n8n": "delivered"}) {
+		t.Fatalf("ledger of late-sink: %v, want both delivered rows", got)
+	}
+	MustExec(t, f.pool, `SELECT pg_replication_slot_advance($1, pg_current_wal_lsn())`, slot)
+	if done, ledger := prune(); done != 0 || ledger != 1 {
+		t.Fatalf("after the slot passed the transaction: pruned %d rows and %d ledger rows, want 0 and 1", done, ledger)
+	}
+}
