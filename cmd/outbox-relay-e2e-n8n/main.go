@@ -62,6 +62,10 @@ import (
 // sinkName is the relay's name for the n8n sink: the ledger's action.
 const sinkName = "n8n"
 
+// batchSinkName is the relay's second sink: the same workflow, batched
+// (docs/sinks.md "Batched delivery"), for the events of type batch.*.
+const batchSinkName = "n8n-batch"
+
 // tokenHeader is the header the workflow's Header Auth credential checks.
 const tokenHeader = "X-Outbox-Token"
 
@@ -77,6 +81,13 @@ type options struct {
 	stall        time.Duration
 	timeout      time.Duration
 	keep         bool
+	// Batched scenarios (5-7): events, the sink's batch.max_events and
+	// concurrency.
+	batchEvents      int
+	batchMax         int
+	batchConcurrency int
+	// only runs the scenarios whose number is listed ("" runs all).
+	only string
 }
 
 func main() {
@@ -107,6 +118,10 @@ func parseFlags(args []string) (*options, error) {
 	fs.DurationVar(&o.outage, "outage", 20*time.Second, "how long n8n stays stopped in the outage scenario")
 	fs.DurationVar(&o.stall, "stall", 90*time.Second, "a scenario gives up when its counts have not changed for this long")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "longest a scenario waits for its events")
+	fs.IntVar(&o.batchEvents, "batch-events", 2000, "events published in the batched throughput scenario (5); scenarios 6 and 7 publish a quarter each")
+	fs.IntVar(&o.batchMax, "batch-max", 50, "the batched sink's batch.max_events")
+	fs.IntVar(&o.batchConcurrency, "batch-concurrency", 4, "the batched sink's concurrency (requests in flight)")
+	fs.StringVar(&o.only, "only", "", "run only these scenarios, by number (e.g. 1,5,6,7)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, n8n database) even when every scenario passes")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -360,18 +375,28 @@ func writeCredentials(path string, wf *workflowInfo, token string, pgPort int) e
 	return os.WriteFile(path, raw, 0o600)
 }
 
-// relayConfig is the relay's configuration: one webhook sink to n8n with
-// header auth, the token from the environment.
+// relayConfig is the relay's configuration: two webhook sinks to the same
+// n8n workflow with header auth, the token from the environment: one event
+// per request for the e2e.* events, batched for the batch.* events.
 const relayConfig = `# written by outbox-relay-e2e-n8n
 database_url: %q
 data_dir: %q
 sinks:
-  - name: %s
+  - name: %[3]s
     type: webhook
-    url: %s
+    url: %[4]s
+    events: ['e2e.*']
     timeout: 30s
     concurrency: 8
-    auth: {type: header, header: %s, value: ${N8N_TOKEN}}
+    auth: {type: header, header: %[5]s, value: ${N8N_TOKEN}}
+  - name: %[6]s
+    type: webhook
+    url: %[4]s
+    events: ['batch.*']
+    timeout: 60s
+    concurrency: %[7]d
+    batch: {max_events: %[8]d, max_wait: 20ms}
+    auth: {type: header, header: %[5]s, value: ${N8N_TOKEN}}
 http:
   listen: 127.0.0.1:0
 log: {level: info, format: json}
@@ -382,7 +407,8 @@ log: {level: info, format: json}
 // belong to the claim path, so the scenarios publish only after that.
 func (e *e2e) startRelay(ctx context.Context, work, dbURL string) error {
 	cfgPath := filepath.Join(work, "relay.yaml")
-	cfg := fmt.Sprintf(relayConfig, dbURL, filepath.Join(work, "relay-data"), sinkName, e.n8n.WebhookURL(), tokenHeader)
+	cfg := fmt.Sprintf(relayConfig, dbURL, filepath.Join(work, "relay-data"), sinkName, e.n8n.WebhookURL(), tokenHeader,
+		batchSinkName, e.opts.batchConcurrency, e.opts.batchMax)
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		return err
 	}
@@ -390,7 +416,7 @@ func (e *e2e) startRelay(ctx context.Context, work, dbURL string) error {
 	if err != nil {
 		return err
 	}
-	e.say("outbox-relay run --config %s (one webhook sink: %s)", cfgPath, e.n8n.WebhookURL())
+	e.say("outbox-relay run --config %s (webhook sinks %s and %s, batched: %s)", cfgPath, sinkName, batchSinkName, e.n8n.WebhookURL())
 	cmd := exec.Command(e.opts.relayBin, "run", "--config", cfgPath)
 	cmd.Env = append(os.Environ(), "N8N_TOKEN="+e.token)
 	e.relay, err = startProc("outbox-relay", cmd, log)

@@ -76,8 +76,11 @@ func readWorkflow(path string) (*workflowInfo, error) {
 				return nil, fmt.Errorf("%s: more than one Webhook node", path)
 			}
 			info.WebhookPath, _ = n.Parameters["path"].(string)
-			if m, _ := n.Parameters["responseMode"].(string); m != "lastNode" {
-				return nil, fmt.Errorf("%s: Webhook responseMode is %q, want lastNode (a 2xx must mean the workflow ran)", path, m)
+			// A 2xx must mean the workflow ran: it answers when its last
+			// node finished, or from a Respond to Webhook node (the
+			// shipped workflow's last node, answering per event).
+			if m, _ := n.Parameters["responseMode"].(string); m != "lastNode" && m != "responseNode" {
+				return nil, fmt.Errorf("%s: Webhook responseMode is %q, want lastNode or responseNode (a 2xx must mean the workflow ran)", path, m)
 			}
 			if a, _ := n.Parameters["authentication"].(string); a != "headerAuth" {
 				return nil, fmt.Errorf("%s: Webhook authentication is %q; the test sets up headerAuth", path, a)
