@@ -88,6 +88,8 @@ type options struct {
 	batchConcurrency int
 	// only runs the scenarios whose number is listed ("" runs all).
 	only string
+	// profile is "regular" (one n8n process, sqlite) or "queue".
+	profile string
 }
 
 func main() {
@@ -122,11 +124,14 @@ func parseFlags(args []string) (*options, error) {
 	fs.IntVar(&o.batchMax, "batch-max", 50, "the batched sink's batch.max_events")
 	fs.IntVar(&o.batchConcurrency, "batch-concurrency", 4, "the batched sink's concurrency (requests in flight)")
 	fs.StringVar(&o.only, "only", "", "run only these scenarios, by number (e.g. 1,5,6,7)")
+	fs.StringVar(&o.profile, "profile", "regular", "regular: one n8n process on sqlite; queue: n8n's queue mode (PostgreSQL, a private redis-server, main + webhook process + 2 workers), scenarios 1, 5, 6, 7 unless -only says otherwise")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, n8n database) even when every scenario passes")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
 	switch {
+	case o.profile != "regular" && o.profile != "queue":
+		return nil, fmt.Errorf("-profile %q is not regular or queue", o.profile)
 	case fs.NArg() > 0:
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	case o.relayBin == "":
@@ -248,6 +253,38 @@ func run(ctx context.Context, opts *options, out io.Writer) (err error) {
 	e.n8n, err = newN8NServer(install, work, wf)
 	if err != nil {
 		return err
+	}
+	if opts.profile == "queue" {
+		if opts.only == "" {
+			opts.only = "1,5,6,7"
+		}
+		t = time.Now()
+		redisBin, err := ensureRedis(ctx, e.say)
+		if err != nil {
+			return err
+		}
+		redisLog, err := newLogBuffer(queueLogPath(work))
+		if err != nil {
+			return err
+		}
+		redis, redisPort, err := startRedis(redisBin, work, redisLog)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			e.say("stopping redis-server")
+			if _, serr := redis.stop(10 * time.Second); serr != nil {
+				fmt.Fprintf(out, "stop redis-server: %v\n", serr)
+			}
+		}()
+		if err := cluster.CreateDatabase(ctx, n8nDatabase); err != nil {
+			return err
+		}
+		if e.n8n.queue, err = newQueueSetup(ctx, cluster.Port(), redisPort, cluster.URL(n8nDatabase)); err != nil {
+			return err
+		}
+		defer e.n8n.queue.db.Close()
+		step("queue profile: redis-server, n8n's database on PostgreSQL", t, fmt.Sprintf("redis port %d", redisPort))
 	}
 	defer func() {
 		if e.n8n.proc == nil {
