@@ -86,6 +86,8 @@ type options struct {
 	batchEvents      int
 	batchMax         int
 	batchConcurrency int
+	// concurrency is the one-event-per-request sink's.
+	concurrency int
 	// only runs the scenarios whose number is listed ("" runs all).
 	only string
 	// profile is "regular" (one n8n process, sqlite) or "queue".
@@ -121,7 +123,8 @@ func parseFlags(args []string) (*options, error) {
 	fs.DurationVar(&o.stall, "stall", 90*time.Second, "a scenario gives up when its counts have not changed for this long")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "longest a scenario waits for its events")
 	fs.IntVar(&o.batchEvents, "batch-events", 2000, "events published in the batched throughput scenario (5); scenarios 6 and 7 publish a quarter each")
-	fs.IntVar(&o.batchMax, "batch-max", 50, "the batched sink's batch.max_events")
+	fs.IntVar(&o.concurrency, "concurrency", 8, "the one-event-per-request sink's concurrency (scenarios 1-4)")
+	fs.IntVar(&o.batchMax, "batch-max", 100, "the batched sink's batch.max_events")
 	fs.IntVar(&o.batchConcurrency, "batch-concurrency", 4, "the batched sink's concurrency (requests in flight)")
 	fs.StringVar(&o.only, "only", "", "run only these scenarios, by number (e.g. 1,5,6,7)")
 	fs.StringVar(&o.profile, "profile", "regular", "regular: one n8n process on sqlite; queue: n8n's queue mode (PostgreSQL, a private redis-server, main + webhook process + 2 workers), scenarios 1, 5, 6, 7 unless -only says otherwise")
@@ -424,7 +427,7 @@ sinks:
     url: %[4]s
     events: ['e2e.*']
     timeout: 30s
-    concurrency: 8
+    concurrency: %[9]d
     auth: {type: header, header: %[5]s, value: ${N8N_TOKEN}}
   - name: %[6]s
     type: webhook
@@ -445,7 +448,7 @@ log: {level: info, format: json}
 func (e *e2e) startRelay(ctx context.Context, work, dbURL string) error {
 	cfgPath := filepath.Join(work, "relay.yaml")
 	cfg := fmt.Sprintf(relayConfig, dbURL, filepath.Join(work, "relay-data"), sinkName, e.n8n.WebhookURL(), tokenHeader,
-		batchSinkName, e.opts.batchConcurrency, e.opts.batchMax)
+		batchSinkName, e.opts.batchConcurrency, e.opts.batchMax, e.opts.concurrency)
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		return err
 	}
