@@ -1,10 +1,12 @@
 package webhook_test
 
 import (
+	"context"
 	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -344,5 +346,38 @@ func TestBatch_Config(t *testing.T) {
 				t.Errorf("New: %v, want an error naming %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestBatch_CloseSendsGatheredEvents: an event still waiting for its batch
+// when Close is called is sent, and its done called, before Close returns;
+// a Send after Close reports ErrClosed.
+func TestBatch_CloseSendsGatheredEvents(t *testing.T) {
+	t.Parallel()
+	rc := MustReceiver(t, nil)
+	s, err := webhook.New(webhook.Config{Name: "b", URL: rc.URL, Batch: webhook.Batch{MaxEvents: 10, MaxWait: 300 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	outcome := make(chan error, 1)
+	s.Send(context.Background(), sinktest.NewDelivery(1), func(err error) { outcome <- err })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := s.Close(ctx); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	select {
+	case err := <-outcome:
+		if err != nil {
+			t.Errorf("the gathered event: %v, want delivered", err)
+		}
+	default:
+		t.Fatal("Close returned before the gathered event's done was called")
+	}
+	if n := len(rc.Requests()); n != 1 {
+		t.Errorf("%d requests, want 1", n)
+	}
+	if err := send(t, s, sinktest.NewDelivery(2)); !errors.Is(err, webhook.ErrClosed) {
+		t.Errorf("Send after Close: %v, want ErrClosed", err)
 	}
 }
