@@ -381,3 +381,17 @@ func TestBatch_CloseSendsGatheredEvents(t *testing.T) {
 		t.Errorf("Send after Close: %v, want ErrClosed", err)
 	}
 }
+
+// TestBatch_NoAnswerIsUnknownForEveryEvent: a batch written without an
+// answer leaves each of its events Unknown, so on_unknown (retry or hold)
+// decides for each one as it does without batching.
+func TestBatch_NoAnswerIsUnknownForEveryEvent(t *testing.T) {
+	t.Parallel()
+	rc := MustReceiver(t, func(http.ResponseWriter, *http.Request) { time.Sleep(time.Second) })
+	s := MustSink(t, webhook.Config{URL: rc.URL, Timeout: 200 * time.Millisecond, Batch: webhook.Batch{MaxEvents: 3, MaxWait: time.Second}})
+	for i, err := range sendAll(t, s, deliveries(3)) {
+		if class, _ := relay.Classify(err); err == nil || class != relay.Unknown {
+			t.Errorf("event %d: %v, want unknown", i+1, err)
+		}
+	}
+}
