@@ -417,7 +417,8 @@ func writeCredentials(path string, wf *workflowInfo, token string, pgPort int) e
 
 // relayConfig is the relay's configuration: two webhook sinks to the same
 // n8n workflow with header auth, the token from the environment: one event
-// per request for the e2e.* events, batched for the batch.* events.
+// per request for the e2e.* events, batched for the batch.* events; a
+// claim-path backoff shorter than the scenarios' stall limit.
 const relayConfig = `# written by outbox-relay-e2e-n8n
 database_url: %q
 data_dir: %q
@@ -437,6 +438,12 @@ sinks:
     concurrency: %[7]d
     batch: {max_events: %[8]d, max_wait: 20ms}
     auth: {type: header, header: %[5]s, value: ${N8N_TOKEN}}
+# Retries of events handed to the claim path come within 30 s (the
+# default schedule reaches 2m at the fourth attempt, past -stall): an event
+# whose requests failed while n8n restarted is retried while the scenario
+# still waits for it.
+delivery:
+  backoff: [1s, 5s, 15s, 30s]
 http:
   listen: 127.0.0.1:0
 log: {level: info, format: json}
