@@ -224,8 +224,17 @@ chaos: build
 ## e2e-n8n: the relay against a real n8n 2.8.4 (installed from the npm registry
 ## into $$HOME/.cache/outbox-relay on first use: 6-8 minutes, 2.3 GB) with the
 ## shipped workflow deploy/n8n/outbox-workflow.json: bulk delivery, a duplicate,
-## an n8n outage and an unpublished workflow. Needs Node.js 20.19+, sqlite3 and
-## the PostgreSQL server binaries. E2E_N8N_FLAGS passes flags (e.g. --keep).
-.PHONY: e2e-n8n
+## an n8n outage and an unpublished workflow, then batched delivery (docs/sinks.md
+## "Batched delivery"): bulk, n8n restarted mid-run, one failing event per
+## batch. Needs Node.js 20.19+, sqlite3 and the PostgreSQL server binaries.
+## E2E_N8N_FLAGS passes flags (e.g. --keep, -batch-events 1000).
+.PHONY: e2e-n8n e2e-n8n-queue
 e2e-n8n: build
 	$(GO) run ./cmd/outbox-relay-e2e-n8n --relay $(BIN)/outbox-relay $(E2E_N8N_FLAGS)
+
+## e2e-n8n-queue: the same against n8n's queue mode (docs/n8n.md "Queue mode"):
+## a private redis-server (Debian's package; apt-get installs it when missing
+## and root), n8n's database on PostgreSQL, the main process, a webhook process
+## and two workers, all started and stopped by the run; scenarios 1, 5, 6, 7.
+e2e-n8n-queue: build
+	$(GO) run ./cmd/outbox-relay-e2e-n8n --relay $(BIN)/outbox-relay -profile queue $(E2E_N8N_FLAGS)

@@ -62,6 +62,10 @@ import (
 // sinkName is the relay's name for the n8n sink: the ledger's action.
 const sinkName = "n8n"
 
+// batchSinkName is the relay's second sink: the same workflow, batched
+// (docs/sinks.md "Batched delivery"), for the events of type batch.*.
+const batchSinkName = "n8n-batch"
+
 // tokenHeader is the header the workflow's Header Auth credential checks.
 const tokenHeader = "X-Outbox-Token"
 
@@ -77,6 +81,17 @@ type options struct {
 	stall        time.Duration
 	timeout      time.Duration
 	keep         bool
+	// Batched scenarios (5-7): events, the sink's batch.max_events and
+	// concurrency.
+	batchEvents      int
+	batchMax         int
+	batchConcurrency int
+	// concurrency is the one-event-per-request sink's.
+	concurrency int
+	// only runs the scenarios whose number is listed ("" runs all).
+	only string
+	// profile is "regular" (one n8n process, sqlite) or "queue".
+	profile string
 }
 
 func main() {
@@ -107,11 +122,19 @@ func parseFlags(args []string) (*options, error) {
 	fs.DurationVar(&o.outage, "outage", 20*time.Second, "how long n8n stays stopped in the outage scenario")
 	fs.DurationVar(&o.stall, "stall", 90*time.Second, "a scenario gives up when its counts have not changed for this long")
 	fs.DurationVar(&o.timeout, "timeout", 5*time.Minute, "longest a scenario waits for its events")
+	fs.IntVar(&o.batchEvents, "batch-events", 2000, "events published in the batched throughput scenario (5); scenarios 6 and 7 publish a quarter each")
+	fs.IntVar(&o.concurrency, "concurrency", 8, "the one-event-per-request sink's concurrency (scenarios 1-4)")
+	fs.IntVar(&o.batchMax, "batch-max", 100, "the batched sink's batch.max_events")
+	fs.IntVar(&o.batchConcurrency, "batch-concurrency", 4, "the batched sink's concurrency (requests in flight)")
+	fs.StringVar(&o.only, "only", "", "run only these scenarios, by number (e.g. 1,5,6,7)")
+	fs.StringVar(&o.profile, "profile", "regular", "regular: one n8n process on sqlite; queue: n8n's queue mode (PostgreSQL, a private redis-server, main + webhook process + 2 workers), scenarios 1, 5, 6, 7 unless -only says otherwise")
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, n8n database) even when every scenario passes")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
 	switch {
+	case o.profile != "regular" && o.profile != "queue":
+		return nil, fmt.Errorf("-profile %q is not regular or queue", o.profile)
 	case fs.NArg() > 0:
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	case o.relayBin == "":
@@ -233,6 +256,38 @@ func run(ctx context.Context, opts *options, out io.Writer) (err error) {
 	e.n8n, err = newN8NServer(install, work, wf)
 	if err != nil {
 		return err
+	}
+	if opts.profile == "queue" {
+		if opts.only == "" {
+			opts.only = "1,5,6,7"
+		}
+		t = time.Now()
+		redisBin, err := ensureRedis(ctx, e.say)
+		if err != nil {
+			return err
+		}
+		redisLog, err := newLogBuffer(queueLogPath(work))
+		if err != nil {
+			return err
+		}
+		redis, redisPort, err := startRedis(redisBin, work, redisLog)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			e.say("stopping redis-server")
+			if _, serr := redis.stop(10 * time.Second); serr != nil {
+				fmt.Fprintf(out, "stop redis-server: %v\n", serr)
+			}
+		}()
+		if err := cluster.CreateDatabase(ctx, n8nDatabase); err != nil {
+			return err
+		}
+		if e.n8n.queue, err = newQueueSetup(ctx, cluster.Port(), redisPort, cluster.URL(n8nDatabase)); err != nil {
+			return err
+		}
+		defer e.n8n.queue.db.Close()
+		step("queue profile: redis-server, n8n's database on PostgreSQL", t, fmt.Sprintf("redis port %d", redisPort))
 	}
 	defer func() {
 		if e.n8n.proc == nil {
@@ -360,18 +415,35 @@ func writeCredentials(path string, wf *workflowInfo, token string, pgPort int) e
 	return os.WriteFile(path, raw, 0o600)
 }
 
-// relayConfig is the relay's configuration: one webhook sink to n8n with
-// header auth, the token from the environment.
+// relayConfig is the relay's configuration: two webhook sinks to the same
+// n8n workflow with header auth, the token from the environment: one event
+// per request for the e2e.* events, batched for the batch.* events; a
+// claim-path backoff shorter than the scenarios' stall limit.
 const relayConfig = `# written by outbox-relay-e2e-n8n
 database_url: %q
 data_dir: %q
 sinks:
-  - name: %s
+  - name: %[3]s
     type: webhook
-    url: %s
+    url: %[4]s
+    events: ['e2e.*']
     timeout: 30s
-    concurrency: 8
-    auth: {type: header, header: %s, value: ${N8N_TOKEN}}
+    concurrency: %[9]d
+    auth: {type: header, header: %[5]s, value: ${N8N_TOKEN}}
+  - name: %[6]s
+    type: webhook
+    url: %[4]s
+    events: ['batch.*']
+    timeout: 60s
+    concurrency: %[7]d
+    batch: {max_events: %[8]d, max_wait: 20ms}
+    auth: {type: header, header: %[5]s, value: ${N8N_TOKEN}}
+# Retries of events handed to the claim path come within 30 s (the
+# default schedule reaches 2m at the fourth attempt, past -stall): an event
+# whose requests failed while n8n restarted is retried while the scenario
+# still waits for it.
+delivery:
+  backoff: [1s, 5s, 15s, 30s]
 http:
   listen: 127.0.0.1:0
 log: {level: info, format: json}
@@ -382,7 +454,8 @@ log: {level: info, format: json}
 // belong to the claim path, so the scenarios publish only after that.
 func (e *e2e) startRelay(ctx context.Context, work, dbURL string) error {
 	cfgPath := filepath.Join(work, "relay.yaml")
-	cfg := fmt.Sprintf(relayConfig, dbURL, filepath.Join(work, "relay-data"), sinkName, e.n8n.WebhookURL(), tokenHeader)
+	cfg := fmt.Sprintf(relayConfig, dbURL, filepath.Join(work, "relay-data"), sinkName, e.n8n.WebhookURL(), tokenHeader,
+		batchSinkName, e.opts.batchConcurrency, e.opts.batchMax, e.opts.concurrency)
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o600); err != nil {
 		return err
 	}
@@ -390,7 +463,7 @@ func (e *e2e) startRelay(ctx context.Context, work, dbURL string) error {
 	if err != nil {
 		return err
 	}
-	e.say("outbox-relay run --config %s (one webhook sink: %s)", cfgPath, e.n8n.WebhookURL())
+	e.say("outbox-relay run --config %s (webhook sinks %s and %s, batched: %s)", cfgPath, sinkName, batchSinkName, e.n8n.WebhookURL())
 	cmd := exec.Command(e.opts.relayBin, "run", "--config", cfgPath)
 	cmd.Env = append(os.Environ(), "N8N_TOKEN="+e.token)
 	e.relay, err = startProc("outbox-relay", cmd, log)

@@ -31,7 +31,7 @@ func TestReadWorkflowRefuses(t *testing.T) {
 	}{
 		{"no id", `{"nodes": []}`, "no id"},
 		{"respond immediately", `{"id": "w", "nodes": [{"name": "Webhook", "type": "n8n-nodes-base.webhook",
-			"parameters": {"path": "outbox", "responseMode": "onReceived", "authentication": "headerAuth"}}]}`, "want lastNode"},
+			"parameters": {"path": "outbox", "responseMode": "onReceived", "authentication": "headerAuth"}}]}`, "want lastNode or responseNode"},
 		{"no credentials", `{"id": "w", "nodes": [{"name": "Webhook", "type": "n8n-nodes-base.webhook",
 			"parameters": {"path": "outbox", "responseMode": "lastNode", "authentication": "headerAuth"}}]}`, "by id"},
 		{"unknown credential", `{"id": "w", "nodes": [{"name": "Slack", "type": "x",

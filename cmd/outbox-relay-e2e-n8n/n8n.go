@@ -76,8 +76,11 @@ func readWorkflow(path string) (*workflowInfo, error) {
 				return nil, fmt.Errorf("%s: more than one Webhook node", path)
 			}
 			info.WebhookPath, _ = n.Parameters["path"].(string)
-			if m, _ := n.Parameters["responseMode"].(string); m != "lastNode" {
-				return nil, fmt.Errorf("%s: Webhook responseMode is %q, want lastNode (a 2xx must mean the workflow ran)", path, m)
+			// A 2xx must mean the workflow ran: it answers when its last
+			// node finished, or from a Respond to Webhook node (the
+			// shipped workflow's last node, answering per event).
+			if m, _ := n.Parameters["responseMode"].(string); m != "lastNode" && m != "responseNode" {
+				return nil, fmt.Errorf("%s: Webhook responseMode is %q, want lastNode or responseNode (a 2xx must mean the workflow ran)", path, m)
 			}
 			if a, _ := n.Parameters["authentication"].(string); a != "headerAuth" {
 				return nil, fmt.Errorf("%s: Webhook authentication is %q; the test sets up headerAuth", path, a)
@@ -104,6 +107,9 @@ type n8nServer struct {
 	workflow   *workflowInfo
 	log        *logBuffer
 	proc       *proc // nil while stopped
+	// queue is set in the queue profile: PostgreSQL, Redis, a webhook
+	// process and workers beside the main process.
+	queue *queueSetup
 }
 
 // newN8NServer prepares a server: user folder under workDir, two free
@@ -127,7 +133,7 @@ func newN8NServer(install *n8nInstall, workDir string, wf *workflowInfo) (*n8nSe
 // env is the environment every n8n command runs with: loopback only, no
 // telemetry or update checks, sqlite in the user folder.
 func (s *n8nServer) env() []string {
-	return append(os.Environ(),
+	env := append(os.Environ(),
 		"N8N_USER_FOLDER="+s.userFolder,
 		"N8N_PORT="+strconv.Itoa(s.port),
 		"N8N_LISTEN_ADDRESS=127.0.0.1",
@@ -139,14 +145,21 @@ func (s *n8nServer) env() []string {
 		"N8N_VERSION_NOTIFICATIONS_ENABLED=false",
 		"N8N_TEMPLATES_ENABLED=false",
 		"N8N_PERSONALIZATION_ENABLED=false",
-		"DB_TYPE=sqlite",
 	)
+	if s.queue != nil {
+		return append(env, s.queue.env()...)
+	}
+	return append(env, "DB_TYPE=sqlite")
 }
 
 func (s *n8nServer) baseURL() string { return fmt.Sprintf("http://127.0.0.1:%d", s.port) }
 
-// WebhookURL is the production URL of the workflow's Webhook node.
+// WebhookURL is the production URL of the workflow's Webhook node: on the
+// webhook process in the queue profile.
 func (s *n8nServer) WebhookURL() string {
+	if s.queue != nil {
+		return fmt.Sprintf("http://127.0.0.1:%d/webhook/%s", s.queue.webhookPort, s.workflow.WebhookPath)
+	}
 	return s.baseURL() + "/webhook/" + s.workflow.WebhookPath
 }
 
@@ -219,6 +232,9 @@ func (s *n8nServer) Start(ctx context.Context, expectWebhook bool) (time.Duratio
 	}
 	s.proc = p
 	err = s.waitReady(ctx, off, expectWebhook)
+	if err == nil && s.queue != nil {
+		err = s.startHelpers(ctx, expectWebhook)
+	}
 	if err != nil {
 		_, _ = s.Stop()
 		return 0, err
@@ -236,6 +252,9 @@ func (s *n8nServer) waitReady(ctx context.Context, off int, expectWebhook bool) 
 		}
 		if !logged {
 			logged = strings.Contains(s.log.Since(off), readyLine)
+		}
+		if logged && s.queue != nil {
+			return nil // the webhook process serves the webhook: startHelpers waits for it
 		}
 		if logged {
 			ok, err := s.probe(ctx, client, expectWebhook)
@@ -296,15 +315,21 @@ func (s *n8nServer) probe(ctx context.Context, client *http.Client, registered b
 	return false, fmt.Errorf("POST %s: %s %s", s.WebhookURL(), resp.Status, body[:n])
 }
 
-// Stop sends SIGTERM to n8n's main process and waits for it (about 3 s).
+// Stop sends SIGTERM to n8n's main process and waits for it (about 3 s);
+// in the queue profile to the webhook process and the workers first.
 // Stopping a stopped server does nothing.
 func (s *n8nServer) Stop() (time.Duration, error) {
 	if s.proc == nil {
 		return 0, nil
 	}
-	took, err := s.proc.stop(40 * time.Second)
+	start := time.Now()
+	var helpersErr error
+	if s.queue != nil {
+		helpersErr = s.stopHelpers()
+	}
+	_, err := s.proc.stop(40 * time.Second)
 	s.proc = nil
-	return took, err
+	return time.Since(start), errors.Join(helpersErr, err)
 }
 
 // Running reports whether n8n is running; when it exited on its own it
@@ -315,6 +340,9 @@ func (s *n8nServer) Running() error {
 	}
 	if done, err := s.proc.exited(); done {
 		return fmt.Errorf("n8n exited unexpectedly (%v); end of its log:\n%s", err, s.log.Tail(30))
+	}
+	if s.queue != nil {
+		return s.helpersRunning()
 	}
 	return nil
 }
@@ -330,6 +358,9 @@ type execCounts struct {
 // database, read-only (safe while n8n runs; there is no CLI export of
 // executions in n8n 2.8.4, and the REST API needs an owner account).
 func (s *n8nServer) Executions(ctx context.Context) (execCounts, error) {
+	if s.queue != nil {
+		return s.queue.executions(ctx, s.workflow.ID)
+	}
 	var c execCounts
 	if _, err := os.Stat(s.DatabasePath()); err != nil {
 		return c, fmt.Errorf("n8n database: %w", err)

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -27,13 +28,22 @@ type result struct {
 	Took       time.Duration
 	Note       string
 	Err        error
+	// Batched: the scenario's events go to the batched sink, whose
+	// executions carry many events each.
+	Batched bool
 }
 
 // runScenarios runs the scenarios in order. A failure that leaves n8n or
 // the relay unusable, or Ctrl-C, stops the run; the others are recorded and
 // the next scenario runs.
 func (e *e2e) runScenarios(ctx context.Context) []result {
-	scenarios := []func(context.Context) result{e.bulk, e.duplicate, e.outage, e.unpublished}
+	all := []func(context.Context) result{e.bulk, e.duplicate, e.outage, e.unpublished, e.batchBulk, e.batchRestart, e.batchFailing}
+	var scenarios []func(context.Context) result
+	for i, s := range all {
+		if e.opts.only == "" || slices.Contains(strings.Split(e.opts.only, ","), strconv.Itoa(i+1)) {
+			scenarios = append(scenarios, s)
+		}
+	}
 	var results []result
 	for i, s := range scenarios {
 		r := s(ctx)
@@ -142,7 +152,20 @@ func (e *e2e) fill(ctx context.Context, r *result, prefix string, s snapshot, wa
 		return nil
 	}
 	r.Executions, r.Effects = s.exec.Success, s.db.Effects
-	r.Duplicates = s.exec.Success - s.db.Effects
+	if r.Executions < 0 {
+		// Seen in the queue profile across a restart (n8n on
+		// PostgreSQL; the cause is not established, possibly the
+		// re-import removing past executions): the count since the
+		// scenario began is not known.
+		r.Executions = 0
+		r.Note = strings.TrimPrefix(r.Note+"; executions not counted: n8n's count of them went down across the restart", "; ")
+	}
+	sink := sinkName
+	if r.Batched {
+		sink = batchSinkName
+	} else {
+		r.Duplicates = s.exec.Success - s.db.Effects
+	}
 	if s.exec.Failed > 0 {
 		r.Note = strings.TrimPrefix(r.Note+fmt.Sprintf("; %d executions failed (error/crashed; the relay retried them)", s.exec.Failed), "; ")
 	}
@@ -155,7 +178,7 @@ func (e *e2e) fill(ctx context.Context, r *result, prefix string, s snapshot, wa
 		problems = append(problems, waitErr.Error())
 	}
 	if s.db.Applied < int64(r.Events) {
-		rows, err := missingEffects(ctx, e.pool, prefix, sinkName)
+		rows, err := missingEffects(ctx, e.pool, prefix, sink)
 		if err != nil {
 			problems = append(problems, err.Error())
 		} else {
@@ -214,6 +237,7 @@ func (e *e2e) bulk(ctx context.Context) result {
 	if r.Err == nil && r.Duplicates != 0 {
 		r.Note = strings.TrimPrefix(r.Note+fmt.Sprintf("; %d redeliveries absorbed by the claim", r.Duplicates), "; ")
 	}
+	e.noteLatency(ctx, &r, prefix)
 	return r
 }
 

@@ -473,6 +473,7 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 				MaxBody:             int64(w.MaxBody),
 				PermanentStatuses:   w.PermanentStatuses,
 				Treat409AsDelivered: w.Treat409AsDelivered,
+				Batch:               webhook.Batch{MaxEvents: w.Batch.MaxEvents, MaxWait: time.Duration(w.Batch.MaxWait)},
 				Logger:              log,
 			})
 			if err != nil {

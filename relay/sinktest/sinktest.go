@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -337,3 +338,38 @@ func (s *memStores) SettledAggregates(context.Context, []relay.AggregateKey) ([]
 	return nil, nil
 }
 func (s *memStores) ExtendLeases(context.Context, []int64, string) error { return nil }
+
+// StreamThroughEngine submits Event(1) … Event(n) as the stream would, one
+// transaction each, to an engine whose only route is s, waits until every
+// event is settled, and returns each event's decision by id. Events i and
+// i+17 share an aggregate, so the engine's per-aggregate order applies. The
+// stream retries a failed event in memory three times before handing it off.
+func StreamThroughEngine(t *testing.T, s relay.Sink, n int) map[int64]relay.DecisionKind {
+	t.Helper()
+	stores := &memStores{done: map[int64]relay.DecisionKind{}}
+	e, err := relay.NewEngine(relay.EngineConfig{Routes: []relay.Route{{Sink: s}}, Stream: stores, Claim: stores, Owner: "outbox-relay:sinktest", Policy: relay.Policy{InlineAttempts: 3}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ran := make(chan struct{})
+	go func() { defer close(ran); e.Run(ctx) }()
+	defer func() { cancel(); <-ran }()
+	c := e.Stream()
+	for i := 1; i <= n; i++ {
+		if err := c.Submit(ctx, []*relay.Event{Event(i)}); err != nil {
+			t.Fatal(err)
+		}
+		c.Commit(relay.LSN(i * 100))
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for stores.settled() < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d events settled", stores.settled(), n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	stores.mu.Lock()
+	defer stores.mu.Unlock()
+	return maps.Clone(stores.done)
+}

@@ -96,13 +96,32 @@ type Config struct {
 	// Idempotency-Key receiver still processing the original request, and
 	// is retried.
 	Treat409AsDelivered bool
+	// Batch, when MaxEvents > 0, sends up to MaxEvents events per request
+	// (docs/sinks.md "Batched delivery"). It cannot be combined with
+	// FormatCloudEvents.
+	Batch Batch
 	// TLS configures https connections; nil uses the system roots.
 	TLS *tls.Config
 	// Logger receives debug lines per request (never bodies or secrets).
 	Logger zerolog.Logger
 }
 
-// New validates cfg and returns a Sink. It makes no request.
+// Batch configures batched delivery.
+type Batch struct {
+	// MaxEvents is the most events in one request; 0 turns batching off
+	// (one event per request, its body as it is).
+	MaxEvents int
+	// MaxWait is how long the first event of a batch waits for more
+	// (default DefaultBatchWait).
+	MaxWait time.Duration
+}
+
+// DefaultBatchWait is Batch.MaxWait's default.
+const DefaultBatchWait = 10 * time.Millisecond
+
+// New validates cfg and returns a Sink. It makes no request. With
+// batching on it starts the goroutine that gathers batches, which Close
+// stops.
 func New(cfg Config) (*Sink, error) {
 	if cfg.Name == "" {
 		return nil, errors.New("webhook sink: name is required")
@@ -120,7 +139,13 @@ func New(cfg Config) (*Sink, error) {
 	}
 	reserved := []string{"Content-Type", "Content-Length", "Transfer-Encoding", "Connection", "Host",
 		"Idempotency-Key", "Webhook-Id", "Webhook-Timestamp", "Webhook-Signature", "Webhook-Attempt", "Outbox-Event-Key",
-		"Traceparent", "Tracestate"}
+		"Traceparent", "Tracestate", "Outbox-Batch-Size"}
+	if cfg.Batch.MaxEvents < 0 || cfg.Batch.MaxWait < 0 {
+		return fail("batch max_events and max_wait must not be negative")
+	}
+	if cfg.Batch.MaxEvents > 0 && cfg.Format == FormatCloudEvents {
+		return fail("batch.max_events: batching cannot be combined with format cloudevents, whose binary mode carries one event per request")
+	}
 	switch cfg.Format {
 	case "", FormatEnvelope:
 		if cfg.CloudEventsSource != "" {
@@ -256,6 +281,16 @@ func New(cfg Config) (*Sink, error) {
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 	}
 	s.reqCtx, s.cancelReqs = context.WithCancel(context.Background())
+	if cfg.Batch.MaxEvents > 0 {
+		s.batchMax, s.batchWait = cfg.Batch.MaxEvents, cfg.Batch.MaxWait
+		if s.batchWait == 0 {
+			s.batchWait = DefaultBatchWait
+		}
+		s.pending = make(chan batchItem, s.batchMax)
+		s.stopAssemble = make(chan struct{})
+		s.assembled = make(chan struct{})
+		go s.assemble()
+	}
 	return s, nil
 }
 

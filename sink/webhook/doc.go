@@ -29,6 +29,18 @@
 // ce-id (the id above), ce-source, ce-type, ce-subject and ce-time. An
 // event without a type is Permanent. See docs/ecosystem.md.
 //
+// # Batches
+//
+// With Config.Batch.MaxEvents > 0 a request carries up to that many events
+// as a JSON array of {"id","attempt","event"} (plus "traceparent" and
+// "tracestate" when the event has them), with webhook-id and
+// Idempotency-Key "batch_" + base64url(SHA-256 of the events' ids) and
+// Outbox-Batch-Size. A 2xx answer {"results":[{"id","result","message"}]}
+// settles each event by its result (ok, retry: Transient, fail: Permanent;
+// unlisted or another value: Unknown); any other 2xx delivers them all; any
+// other answer is classified as below and applies to every event of the
+// batch. See docs/sinks.md "Batched delivery".
+//
 // # Outcomes
 //
 // A request is never re-sent by net/http itself (its GetBody is nil), so

@@ -1,6 +1,7 @@
 package webhook_test
 
 import (
+	"bytes"
 	"context"
 	"io"
 	"net/http"
@@ -39,6 +40,7 @@ func MustReceiver(tb testing.TB, respond http.HandlerFunc) *receiver {
 		rc.mu.Lock()
 		rc.requests = append(rc.requests, request{Header: r.Header.Clone(), Body: body})
 		rc.mu.Unlock()
+		r.Body = io.NopCloser(bytes.NewReader(body)) // respond may read it again
 		if respond != nil {
 			respond(w, r)
 		}

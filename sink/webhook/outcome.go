@@ -18,8 +18,9 @@ import (
 // n8nStartingUp is the body n8n sends, with status 200, while it starts.
 const n8nStartingUp = "n8n is starting up. Please wait"
 
-// outcome classifies a response as the package documentation's table says.
-func (s *Sink) outcome(key string, resp *http.Response, now time.Time) error {
+// outcome classifies a response as the package documentation's table says;
+// label names what the request carried (`event "k"`, or a batch).
+func (s *Sink) outcome(label string, resp *http.Response, now time.Time) error {
 	code := resp.StatusCode
 	if code >= 200 && code < 300 {
 		// n8n answers 200 "n8n is starting up. Please wait" to every request
@@ -27,8 +28,8 @@ func (s *Sink) outcome(key string, resp *http.Response, now time.Time) error {
 		// so that answer must not count as delivered.
 		head, _ := io.ReadAll(io.LimitReader(resp.Body, int64(len(n8nStartingUp))+8))
 		if bytes.Equal(bytes.TrimSpace(head), []byte(n8nStartingUp)) {
-			return relay.TransientError(fmt.Errorf("webhook %s: event %q: n8n answered %d %q: it is still starting, the workflow did not run",
-				s.name, key, code, n8nStartingUp), time.Second)
+			return relay.TransientError(fmt.Errorf("webhook %s: %s: n8n answered %d %q: it is still starting, the workflow did not run",
+				s.name, label, code, n8nStartingUp), time.Second)
 		}
 		return nil
 	}
@@ -41,7 +42,7 @@ func (s *Sink) outcome(key string, resp *http.Response, now time.Time) error {
 	if text := http.StatusText(code); text != "" {
 		status += " " + text
 	}
-	prefix := fmt.Sprintf("webhook %s: event %q: receiver answered %s", s.name, key, status)
+	prefix := fmt.Sprintf("webhook %s: %s: receiver answered %s", s.name, label, status)
 	switch {
 	case code == http.StatusUnauthorized || code == http.StatusForbidden:
 		return relay.SinkDownError(fmt.Errorf("webhook %s: receiver answered %s: check the sink's credentials (auth type %s)",

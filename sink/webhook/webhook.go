@@ -69,6 +69,16 @@ type Sink struct {
 	reqCtx     context.Context
 	cancelReqs context.CancelFunc
 
+	// Batching (docs/sinks.md "Batched delivery"); pending is nil when it
+	// is off. assemble, started by New, owns the batch being gathered;
+	// Close stops it (stopAssemble) once nothing is pending, and waits for
+	// it (assembled).
+	batchMax     int
+	batchWait    time.Duration
+	pending      chan batchItem
+	stopAssemble chan struct{}
+	assembled    chan struct{}
+
 	mu        sync.Mutex // guards closed and inflight.Add
 	closed    bool
 	closing   chan struct{}
@@ -95,6 +105,12 @@ func (s *Sink) Name() string { return s.name }
 // Otherwise the request runs on its own goroutine, which calls done; ctx no
 // longer affects it (Close does).
 //
+// With batching on (Config.Batch), a Send that passes those checks queues
+// the event for a batch request instead, blocking while the batch being
+// gathered is full and every request slot is taken; done then gets the
+// event's own outcome from the batch's answer (docs/sinks.md "Batched
+// delivery").
+//
 // Sending the same Delivery again is safe: the id and body are the same.
 func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 	if d.Event.EventKey == "" {
@@ -118,6 +134,10 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 	if n := int64(len(body)); n > s.maxBody {
 		done(relay.PermanentError(fmt.Errorf("webhook %s: event %q: body is %d bytes, over the sink's max_body of %d bytes",
 			s.name, d.Event.EventKey, n, s.maxBody)))
+		return
+	}
+	if s.pending != nil {
+		s.sendBatched(ctx, d, done)
 		return
 	}
 	if len(body) == 0 {
@@ -151,17 +171,27 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 	s.mu.Unlock()
 }
 
-// job is one request for a worker.
+// job is one request for a worker: one event, or a batch.
 type job struct {
-	d    *relay.Delivery
-	body []byte
-	ce   []relay.Header
-	done func(error)
+	d     *relay.Delivery
+	body  []byte
+	ce    []relay.Header
+	done  func(error)
+	batch []batchItem
 }
 
 // work makes the requests of the jobs it takes until Close ends them.
 func (s *Sink) work() {
 	for j := range s.jobs {
+		if j.batch != nil {
+			errs := s.postBatch(j.batch)
+			<-s.slots
+			for i, it := range j.batch {
+				it.done(errs[i])
+				s.inflight.Done()
+			}
+			continue
+		}
 		err := s.post(j.d, j.body, j.ce)
 		<-s.slots
 		j.done(err)
@@ -196,6 +226,12 @@ func (s *Sink) Close(ctx context.Context) error {
 	}
 	s.cancelReqs()
 	s.stopJobs.Do(func() {
+		if s.pending != nil {
+			// Nothing is pending (inflight is zero), and closed stops
+			// new Sends: assemble has nothing left to hand on.
+			close(s.stopAssemble)
+			<-s.assembled
+		}
 		s.mu.Lock()
 		close(s.jobs) // closed is set: no Send queues another
 		s.mu.Unlock()

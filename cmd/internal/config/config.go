@@ -327,6 +327,18 @@ type WebhookConfig struct {
 	// Treat409AsDelivered counts a 409 as delivered instead of as an
 	// Idempotency-Key server still processing the original request.
 	Treat409AsDelivered bool `yaml:"409_means_delivered"`
+	// Batch puts several events into one request; off (max_events 0) by
+	// default. docs/sinks.md "Batched delivery".
+	Batch BatchConfig `yaml:"batch"`
+}
+
+// BatchConfig sets how a webhook sink batches events.
+type BatchConfig struct {
+	// MaxEvents is the most events in one request; 0 sends one event per
+	// request, without the batch format.
+	MaxEvents int `yaml:"max_events"`
+	// MaxWait is how long the first event of a batch waits for more.
+	MaxWait Duration `yaml:"max_wait"`
 }
 
 // AuthType selects how a webhook request authenticates.
@@ -519,6 +531,7 @@ func DefaultSink(typ SinkType) SinkConfig {
 			OnUnknown:         OnUnknownRetry,
 			MaxBody:           16 * MiB,
 			PermanentStatuses: []int{400, 413, 415, 422},
+			Batch:             BatchConfig{MaxWait: Duration(10 * time.Millisecond)},
 		}
 	case SinkNATS:
 		s.NATS = NATSConfig{

@@ -151,6 +151,7 @@ sinks:
     max_body: 1MB
     permanent_statuses: [400, 422]
     409_means_delivered: true
+    batch: {max_events: 100, max_wait: 20ms}
   - name: bus
     type: nats
     url: nats://a:4222,nats://b:4222
@@ -196,6 +197,7 @@ func fullConfig() config.Config {
 		Headers: map[string]string{"X-Tenant": "acme"},
 		Body:    config.BodyNudge, OnUnknown: config.OnUnknownHold, MaxBody: 1_000_000,
 		PermanentStatuses: []int{400, 422}, Treat409AsDelivered: true,
+		Batch: config.BatchConfig{MaxEvents: 100, MaxWait: config.Duration(20 * time.Millisecond)},
 	}
 	bus := config.DefaultSink(config.SinkNATS)
 	bus.Name = "bus"
@@ -901,6 +903,16 @@ func TestLoad_InvalidValues(t *testing.T) {
 		{"bad size", "source:\n  slot_max_retained: 1XB\n", nil, []string{`relay.yaml:2: source.slot_max_retained: invalid size "1XB": unknown unit "XB"`}},
 		{"zero size", "source:\n  slot_max_retained: 0\n", nil, []string{"relay.yaml:2: source.slot_max_retained: must be greater than zero"}},
 		{"negative size", hook + "    max_body: -1MiB\n", nil, []string{`relay.yaml:5: sinks[0].max_body: invalid size "-1MiB"`}},
+		{"batch out of range", hook + "    batch: {max_events: 1001, max_wait: 0s}\n", nil, []string{
+			"relay.yaml:5: sinks[0].batch.max_events: must be between 0 (off) and 1000, got 1001",
+			"relay.yaml:5: sinks[0].batch.max_wait: must be greater than zero, got 0s",
+		}},
+		{"batch with cloudevents", hook + "    format: cloudevents\n    batch:\n      max_events: 50\n", nil, []string{
+			"relay.yaml:7: sinks[0].batch.max_events: batching cannot be combined with format: cloudevents",
+		}},
+		{"batch on a nats sink", bus + "    batch: {max_events: 10}\n", nil, []string{
+			"relay.yaml:4: sinks[0].batch: is not valid for a nats sink",
+		}},
 		{"bad identifiers", "outbox:\n  table: a.b.c\n  ledger_table: \"\"\n  publish_function: \"x\\ty\"\nsource:\n  publication: \"\"\n", nil, []string{
 			`relay.yaml:2: outbox.table: "a.b.c": at most one dot`,
 			"relay.yaml:3: outbox.ledger_table: empty identifier",

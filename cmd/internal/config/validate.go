@@ -306,6 +306,7 @@ func (v *validator) webhook(p string, s *SinkConfig) {
 	if w.MaxBody <= 0 {
 		v.fail(p+".max_body", "must be greater than zero, got %s", w.MaxBody)
 	}
+	v.batch(p+".batch", s)
 	for i, code := range w.PermanentStatuses {
 		switch {
 		case code < 400 || code > 599:
@@ -315,6 +316,25 @@ func (v *validator) webhook(p string, s *SinkConfig) {
 			// dead-letter every event.
 			v.fail(fmt.Sprintf("%s.permanent_statuses[%d]", p, i), "%d means the sink's credentials are wrong; it opens the sink's circuit and cannot be permanent", code)
 		}
+	}
+}
+
+// maxBatchEvents bounds batch.max_events: a batch is one request, and one
+// n8n execution, so a bigger one only lengthens the request past its timeout.
+const maxBatchEvents = 1000
+
+// batch checks a webhook sink's batch section (docs/sinks.md "Batched
+// delivery").
+func (v *validator) batch(p string, s *SinkConfig) {
+	b := s.Webhook.Batch
+	switch {
+	case b.MaxEvents < 0 || b.MaxEvents > maxBatchEvents:
+		v.fail(p+".max_events", "must be between 0 (off) and %d, got %d", maxBatchEvents, b.MaxEvents)
+	case b.MaxEvents > 0 && s.Format == FormatCloudEvents:
+		v.fail(p+".max_events", "batching cannot be combined with format: cloudevents: its binary mode carries one event per request, in headers")
+	}
+	if b.MaxEvents > 0 {
+		v.positive(p+".max_wait", b.MaxWait)
 	}
 }
 
