@@ -17,7 +17,7 @@ import (
 // an aggregate's later event while an earlier one is still being sent.
 func TestTwoRelaysClaimRunsInOrder(t *testing.T) {
 	f := MustFixture(t)
-	const aggregates, perAggregate = 8, 150
+	const aggregates, perAggregate = 8, 100
 	f.MustInsertMany(t, "evt", aggregates*perAggregate, aggregates, false)
 
 	type sent struct {
@@ -40,7 +40,7 @@ func TestTwoRelaysClaimRunsInOrder(t *testing.T) {
 			inFlight[agg] = d.Event.ID
 			log = append(log, sent{relay: name, agg: agg, id: d.Event.ID})
 			mu.Unlock()
-			time.Sleep(time.Duration(rand.N(400)) * time.Microsecond)
+			time.Sleep(time.Millisecond + time.Duration(rand.N(2000))*time.Microsecond)
 			mu.Lock()
 			if inFlight[agg] == d.Event.ID {
 				delete(inFlight, agg)
