@@ -320,7 +320,12 @@ func decisionName(k DecisionKind) string {
 
 // undivert asks the claim store which aggregates of works just settled for
 // good have nothing left at the claim path, and lets the stream deliver
-// their events again.
+// their events again. It asks only about aggregates a lane diverts now:
+// in poll mode, or for aggregates the stream never handed off, a
+// settlement costs no round trip, and a diverted aggregate is checked at
+// the settlement of each of its claimed runs, so the stream gets it back
+// as soon as the claim path has caught up with it (docs/guarantees.md
+// "Claim runs").
 func (q *settleQueue) undivert(ctx context.Context, works []*Work) {
 	e := q.e
 	if e.cfg.Claim == nil || e.cfg.Unordered {
@@ -341,10 +346,12 @@ func (q *settleQueue) undivert(ctx context.Context, works []*Work) {
 			aggs = append(aggs, a)
 		}
 	}
-	if len(aggs) == 0 {
+	// The sequence is read before the lanes are: a divert after it keeps
+	// its aggregate diverted whatever the store answers.
+	seq := e.DivertSeq()
+	if aggs = e.divertedAmong(aggs); len(aggs) == 0 {
 		return
 	}
-	seq := e.DivertSeq()
 	wctx, cancel := context.WithTimeout(ctx, writeTimeout)
 	defer cancel()
 	settled, err := e.cfg.Claim.SettledAggregates(wctx, aggs)
