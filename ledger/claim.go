@@ -487,10 +487,6 @@ func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQue
 	if !fromDue.IsZero() {
 		cursorDue = pgtype.Timestamptz{Time: fromDue, Valid: true}
 	}
-	rows, err := s.pool.Query(dbCtx, claimSQL, limit, q.Owner, q.All, names, every, regex, cursorDue, fromID, window)
-	if err != nil {
-		return nil, claimWindow{}, fmt.Errorf("claim rows: %w", err)
-	}
 	var (
 		out               []*relay.Work
 		win               claimWindow
@@ -501,24 +497,39 @@ func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQue
 		created, availAt  pgtype.Timestamptz
 		attempts, replays pgtype.Int4
 	)
-	for rows.Next() {
-		ev := &relay.Event{Status: "processing"}
-		if err := rows.Scan(&seen, &lastDue, &lastID, &id, &key, &ev.EventType, &ev.AggregateType, &ev.AggregateID,
-			&ev.Payload, &created, &attempts, &availAt, &replays, &ev.TraceContext); err != nil {
-			rows.Close()
-			return nil, claimWindow{}, fmt.Errorf("claim rows: %w", err)
+	// The claim commits without waiting for its WAL to be flushed: nothing
+	// is sent before PrepareClaim's synchronous commit, which flushes the
+	// WAL past it, and a claim lost in a crash before that leaves the rows
+	// pending, as if never claimed. A round trip per claim no longer waits
+	// for an fsync.
+	err := s.inTx(dbCtx, s.sql.setAsyncCommit, func(b *pgx.Batch) {
+		b.Queue(claimSQL, limit, q.Owner, q.All, names, every, regex, cursorDue, fromID, window)
+	}, func(br pgx.BatchResults) error {
+		rows, err := br.Query()
+		if err != nil {
+			return err
 		}
-		win = claimWindow{full: int(seen) >= window, due: lastDue.Time, id: lastID.Int64}
-		if !id.Valid {
-			continue // nothing claimed: the summary alone
+		defer rows.Close()
+		for rows.Next() {
+			ev := &relay.Event{Status: "processing"}
+			if err := rows.Scan(&seen, &lastDue, &lastID, &id, &key, &ev.EventType, &ev.AggregateType, &ev.AggregateID,
+				&ev.Payload, &created, &attempts, &availAt, &replays, &ev.TraceContext); err != nil {
+				return err
+			}
+			win = claimWindow{full: int(seen) >= window, due: lastDue.Time, id: lastID.Int64}
+			if !id.Valid {
+				continue // nothing claimed: the summary alone
+			}
+			ev.ID, ev.EventKey = id.Int64, key.String
+			ev.CreatedAt, ev.AvailableAt, ev.Attempts = created.Time, availAt.Time, int(attempts.Int32)
+			out = append(out, &relay.Work{Event: ev, Replay: int(replays.Int32), ClaimedAt: leased})
 		}
-		ev.ID, ev.EventKey = id.Int64, key.String
-		ev.CreatedAt, ev.AvailableAt, ev.Attempts = created.Time, availAt.Time, int(attempts.Int32)
-		out = append(out, &relay.Work{Event: ev, Replay: int(replays.Int32), ClaimedAt: leased})
-	}
-	if err := rows.Err(); err != nil {
-		// The rows may have been claimed all the same; the sweeper returns
-		// them once this owner is gone or their lease passed.
+		return rows.Err()
+	})
+	if err != nil {
+		// A commit whose answer was lost may have claimed the rows all the
+		// same; the sweeper returns them once this owner is gone or their
+		// lease passed.
 		return nil, claimWindow{}, fmt.Errorf("claim rows: %w", err)
 	}
 	return out, win, nil
