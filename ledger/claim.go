@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -132,10 +133,13 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	if opts.unordered {
 		aggType, aggID = "NULL::text", "NULL::text"
 	}
+	undeliveredP := strings.TrimPrefix(strings.TrimSpace(undelivered), "AND ")
 	claim := func(all bool, replays, trace string) string {
 		which := "\n       AND o.handoff_at IS NOT NULL"
+		claimable := "p.status = 'pending' AND p.available_at <= now() AND p.handoff_at IS NOT NULL"
 		if all {
 			which = ""
+			claimable = "p.status = 'pending' AND p.available_at <= now()"
 		}
 		return fmt.Sprintf(`
 WITH win AS MATERIALIZED (
@@ -152,32 +156,50 @@ summary AS (
       FROM (SELECT NULL) AS one
       LEFT JOIN (SELECT w.due, w.id FROM win AS w ORDER BY w.due DESC, w.id DESC LIMIT 1) AS last ON true),
 aggs AS (
-    SELECT w.at, w.ai, min(w.id) AS head, array_agg(w.id) AS ids
+    SELECT w.at, w.ai, min(w.id) AS head
       FROM win AS w
      WHERE w.at IS NOT NULL AND w.ai IS NOT NULL
      GROUP BY w.at, w.ai
      ORDER BY min(w.due), min(w.id)
      LIMIT $1),
-runs AS MATERIALIZED (
-    SELECT a.at, a.ai, COALESCE((
-           SELECT p.id FROM %[1]s AS p
-            WHERE p.aggregate_type = a.at AND p.aggregate_id = a.ai
-              AND p.id > a.head
-              AND p.status IN ('pending', 'processing', 'held')
-              AND p.id <> ALL (a.ids)%[7]s
-            ORDER BY p.id
-            LIMIT 1), 9223372036854775807) AS stop
+heads AS MATERIALIZED (
+    SELECT a.at, a.ai, a.head, b.id AS below, b.ok AS below_ok
       FROM aggs AS a
-     WHERE NOT COALESCE((
-           SELECT true FROM %[1]s AS p
+      LEFT JOIN LATERAL (
+           SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
             WHERE p.aggregate_type = a.at AND p.aggregate_id = a.ai
               AND p.id < a.head
-              AND p.status IN ('pending', 'processing', 'held')%[7]s
+              AND p.status IN ('pending', 'processing', 'held')
+              AND (%[7]s OR %[8]s)
             ORDER BY p.id DESC
-            LIMIT 1), false)),
+            LIMIT 1) AS b ON true),
+starts AS MATERIALIZED (
+    SELECT h.at, h.ai, h.head FROM heads AS h WHERE h.below IS NULL
+    UNION ALL
+    SELECT h.at, h.ai, f.id
+      FROM heads AS h
+      JOIN LATERAL (
+           SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
+            WHERE p.aggregate_type = h.at AND p.aggregate_id = h.ai
+              AND p.status IN ('pending', 'processing', 'held')
+              AND (%[7]s OR %[8]s)
+            ORDER BY p.id
+            LIMIT 1) AS f ON f.ok
+     WHERE h.below_ok),
+per AS (
+    SELECT GREATEST(($1 + count(*) - 1) / GREATEST(count(*), 1), 1) AS n FROM starts),
 pick AS (
-    SELECT w.id, w.at, w.ai, row_number() OVER (PARTITION BY w.at, w.ai ORDER BY w.id) AS rn
-      FROM win AS w JOIN runs AS r ON r.at = w.at AND r.ai = w.ai AND w.id < r.stop
+    SELECT r.id, s.at, s.ai, row_number() OVER (PARTITION BY s.at, s.ai ORDER BY r.id) AS rn
+      FROM starts AS s
+     CROSS JOIN LATERAL (
+           SELECT p.id, bool_and(%[7]s) OVER (ORDER BY p.id) AS ok FROM %[1]s AS p
+            WHERE p.aggregate_type = s.at AND p.aggregate_id = s.ai
+              AND p.id >= s.head
+              AND p.status IN ('pending', 'processing', 'held')
+              AND (%[7]s OR %[8]s)
+            ORDER BY p.id
+            LIMIT (SELECT per.n FROM per)) AS r
+     WHERE r.ok
     UNION ALL
     SELECT w.id, NULL, NULL, 1 FROM win AS w WHERE w.at IS NULL OR w.ai IS NULL),
 chosen AS (
@@ -203,7 +225,7 @@ RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.p
           o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s AS replays, %[4]s AS trace)
 SELECT s.n, s.last_due, s.last_id, c.*
   FROM summary AS s LEFT JOIN claimed AS c ON true
- ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, undelivered)
+ ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP)
 	}
 	var claims [2][3]string
 	for i, all := range []bool{false, true} {

@@ -982,3 +982,35 @@ func TestEngine_UndivertAsksOnlyAboutDivertedAggregates(t *testing.T) {
 		t.Fatalf("event 7 not sent by the stream after its aggregate's run settled (hand-offs %v)", handOffs)
 	}
 }
+
+// TestEngine_StreamHandOffWakesTheClaimPath: once the stream has written a
+// hand-off, the claim path is woken (OnClaimSettled) to take it at once,
+// not at its next poll: a diverted aggregate's fresh events wait on the
+// claim path for one claim, not for poll_interval.
+func TestEngine_StreamHandOffWakesTheClaimPath(t *testing.T) {
+	store := newFakeStore()
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: &fakeClaimStore{}, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
+	var woken atomic.Int32
+	e.OnClaimSettled(func() { woken.Add(1) })
+	c := e.Stream()
+
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	if n := woken.Load(); n != 0 {
+		t.Fatalf("a delivered stream event woke the claim path %d times", n)
+	}
+
+	later := event(2, "a")
+	later.AvailableAt = time.Now().Add(time.Hour) // scheduled: handed off
+	submit(t, c, later)
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	if _, handOffs, _ := store.snapshot(); len(handOffs) != 1 {
+		t.Fatalf("hand-offs %v, want event 2's", handOffs)
+	}
+	if n := woken.Load(); n != 1 {
+		t.Fatalf("the stream's hand-off woke the claim path %d times, want once", n)
+	}
+}
