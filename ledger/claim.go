@@ -114,21 +114,30 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// through the claim index (poll mode) or the hand-off index. No lock
 	// and no ordering check per row, so the scan costs one index entry a
 	// row however many of them wait behind their aggregate.
-	// aggs: the window's aggregates, oldest head first, at most $1: each
-	// with its lowest row in the window (head) and the window's ids.
-	// runs: the aggregates whose head no unsettled earlier row holds back
-	// (the ordering check, once per aggregate), each with stop, the first
-	// unsettled, undelivered row above the head that is not in the window:
-	// a row scheduled later, not handed off, held, or processing under
-	// another claim. The run is the aggregate's window rows below stop.
+	// aggs: the window's aggregates, oldest first, at most $1, each with
+	// its lowest row in the window.
+	// heads, starts: where each aggregate's run starts (the ordering
+	// check, once per aggregate): its window row when no lower row is
+	// unsettled and undelivered; when the nearest such row is claimable
+	// too (concurrent writers leave available_at out of id order, so it
+	// may lie outside the window), the aggregate's lowest such row if that
+	// is claimable; otherwise no run.
+	// pick: from each start up the order index, the aggregate's unsettled
+	// rows while they are claimable, at most $1 / aggregates each: a run
+	// ends before a row not due yet, the stream's, held, or processing
+	// under another claim.
 	// chosen: runs taken breadth first (every run's first row, then every
 	// second row, …), at most $1 rows, so each aggregate keeps a prefix.
-	// locked: chosen rows locked, skipping rows another claimer locked;
+	// locked: chosen rows locked, skipping rows another claimer locked
+	// (found by id: "(…) IS TRUE" keeps the planner from reaching them
+	// through a partial index whose statistics a hand-over of 200,000
+	// rows has just made stale, which scanned all of them for each chosen
+	// row: a 30 s claim in make bench's slot-recreated);
 	// kept: of each aggregate only the prefix locked without a gap, so
 	// that a run never passes a row another relay is claiming.
-	// The ordering check and stop read every unsettled row (processing
-	// ones too), locked or not: a run never starts behind, nor passes, a
-	// row another relay has claimed and not settled.
+	// The checks read every unsettled row (processing ones too), locked or
+	// not: a run never starts behind, nor passes, a row another relay has
+	// claimed and not settled.
 	aggType, aggID := "o.aggregate_type", "o.aggregate_id"
 	if opts.unordered {
 		aggType, aggID = "NULL::text", "NULL::text"
@@ -207,8 +216,8 @@ chosen AS (
 locked AS (
     SELECT o.id, c.at, c.ai, c.rn
       FROM %[1]s AS o JOIN chosen AS c ON c.id = o.id
-     WHERE o.status = 'pending'
-       AND o.available_at <= now()%[2]s
+     WHERE (o.status = 'pending'
+            AND o.available_at <= now()%[2]s) IS TRUE
        FOR UPDATE OF o SKIP LOCKED),
 kept AS (
     SELECT l.id

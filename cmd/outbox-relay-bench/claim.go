@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -33,9 +34,10 @@ func claimFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&claimOptions.freshTimeout, "claim-drain-timeout", 10*time.Minute, "longest wait for a claim phase's backlog to drain")
 }
 
-// insertOver inserts events [0, n) with prefix over aggs aggregates, 1,000
-// rows per statement, from four connections.
-func (e *env) insertOver(ctx context.Context, url, prefix string, n, aggs int) error {
+// insertOver inserts events [0, n) with prefix over aggs aggregates (ids
+// aggPrefix0 …), 1,000 rows per statement, from four connections.
+func (e *env) insertOver(ctx context.Context, url, prefix string, n, aggs int, aggPrefix string) error {
+	sql := strings.Replace(bulkInsertSQL, "(g % $3)::text", pgQuote(aggPrefix)+" || (g % $3)", 1)
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return err
@@ -54,7 +56,7 @@ func (e *env) insertOver(ctx context.Context, url, prefix string, n, aggs int) e
 		sem <- struct{}{}
 		go func(from int) {
 			defer func() { <-sem }()
-			if _, err := pool.Exec(ctx, bulkInsertSQL, from, min(from+per, n)-1, aggs, prefix, e.o.payloadSize); err != nil {
+			if _, err := pool.Exec(ctx, sql, from, min(from+per, n)-1, aggs, prefix, e.o.payloadSize); err != nil {
 				errs <- err
 			}
 		}(from)
@@ -93,6 +95,9 @@ func (e *env) waitBacklog(ctx context.Context, phase string, t *tracker, n int, 
 	}
 }
 
+// pgQuote quotes s as an SQL string literal.
+func pgQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+
 // claimDrain times poll mode draining n rows over aggs aggregates into
 // JetStream.
 func (e *env) claimDrain(ctx context.Context, r *report, aggs int) (time.Duration, error) {
@@ -111,7 +116,7 @@ func (e *env) claimDrain(ctx context.Context, r *report, aggs int) (time.Duratio
 	}
 	defer sub.Unsubscribe()
 	e.say("%s: inserting %d rows over %d aggregates with the relay stopped", name, n, aggs)
-	if err := e.insertOver(ctx, s.url, t.prefix, n, aggs); err != nil {
+	if err := e.insertOver(ctx, s.url, t.prefix, n, aggs, ""); err != nil {
 		return 0, err
 	}
 	if err := e.quiet(ctx, name, r, e.roots(nil)); err != nil {
@@ -198,8 +203,11 @@ func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 		return err
 	}
 	defer sub.Unsubscribe()
+	// The backlog's aggregates are not the fresh events': a fresh event of
+	// an aggregate with rows in the backlog waits for them (per-aggregate
+	// order), whatever the claim path's speed.
 	e.say("%s: inserting %d rows behind slot %s, which has no hand-over record", name, n, s.slot())
-	if err := e.insertOver(ctx, s.url, backlog.prefix, n, e.o.aggregates); err != nil {
+	if err := e.insertOver(ctx, s.url, backlog.prefix, n, e.o.aggregates, "backlog-"); err != nil {
 		return err
 	}
 	fresh := newTracker(name+"-fresh-", int(e.o.rate*claimOptions.freshTimeout.Seconds()))
@@ -250,7 +258,7 @@ func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 	ratio := took.Seconds() / streamTook.Seconds()
 	r.add(name, fmt.Sprintf("%s rows behind a slot without the relay's hand-over record: all delivered (fresh events at %s/s meanwhile)", thousands(n), thousands(int(e.o.rate))),
 		fmt.Sprintf("%.1f s; the stream drains the same rows in %.1f s: %.2f×", took.Seconds(), streamTook.Seconds(), ratio), "≤ 2× the stream", passMiss(ratio <= 2), u)
-	r.add(name, "fresh events meanwhile: commit→NATS p50 / p99", fmt.Sprintf("%s / %s (%s arrived, %d missing)", fmtMS(percentile(ms, 0.5)), fmtMS(percentile(ms, 0.99)), thousands(len(ms)), missing),
+	r.add(name, "fresh events meanwhile (other aggregates than the backlog's): commit→NATS p50 / p99", fmt.Sprintf("%s / %s (%s arrived, %d missing)", fmtMS(percentile(ms, 0.5)), fmtMS(percentile(ms, 0.99)), thousands(len(ms)), missing),
 		"p99 < 1 s", passMiss(percentile(ms, 0.99) < 1000 && missing == 0), u)
 	return nil
 }
