@@ -123,11 +123,11 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// may lie outside the window), the aggregate's lowest such row if that
 	// is claimable; otherwise no run.
 	// pick: from each start up the order index, the aggregate's unsettled
-	// rows while they are claimable, at most $1 / aggregates each: a run
-	// ends before a row not due yet, the stream's, held, or processing
-	// under another claim.
-	// chosen: runs taken breadth first (every run's first row, then every
-	// second row, …), at most $1 rows, so each aggregate keeps a prefix.
+	// rows while they are claimable, at most $1 / aggregates each, and at
+	// least claimRunRows: a run ends before a row not due yet, the
+	// stream's, held, or processing under another claim.
+	// chosen: whole runs, oldest aggregate first, at most $1 rows, so each
+	// aggregate keeps a prefix.
 	// locked: chosen rows locked, skipping rows another claimer locked
 	// (found by id: "(…) IS TRUE" keeps the planner from reaching them
 	// through a partial index whose statistics a hand-over of 200,000
@@ -165,14 +165,14 @@ summary AS (
       FROM (SELECT NULL) AS one
       LEFT JOIN (SELECT w.due, w.id FROM win AS w ORDER BY w.due DESC, w.id DESC LIMIT 1) AS last ON true),
 aggs AS (
-    SELECT w.at, w.ai, min(w.id) AS head
+    SELECT w.at, w.ai, min(w.id) AS head, row_number() OVER (ORDER BY min(w.due), min(w.id)) AS rank
       FROM win AS w
      WHERE w.at IS NOT NULL AND w.ai IS NOT NULL
      GROUP BY w.at, w.ai
      ORDER BY min(w.due), min(w.id)
      LIMIT $1),
 heads AS MATERIALIZED (
-    SELECT a.at, a.ai, a.head, b.id AS below, b.ok AS below_ok
+    SELECT a.at, a.ai, a.head, a.rank, b.id AS below, b.ok AS below_ok
       FROM aggs AS a
       LEFT JOIN LATERAL (
            SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
@@ -183,9 +183,9 @@ heads AS MATERIALIZED (
             ORDER BY p.id DESC
             LIMIT 1) AS b ON true),
 starts AS MATERIALIZED (
-    SELECT h.at, h.ai, h.head FROM heads AS h WHERE h.below IS NULL
+    SELECT h.at, h.ai, h.head, h.rank FROM heads AS h WHERE h.below IS NULL
     UNION ALL
-    SELECT h.at, h.ai, f.id
+    SELECT h.at, h.ai, f.id, h.rank
       FROM heads AS h
       JOIN LATERAL (
            SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
@@ -196,9 +196,9 @@ starts AS MATERIALIZED (
             LIMIT 1) AS f ON f.ok
      WHERE h.below_ok),
 per AS (
-    SELECT GREATEST(($1 + count(*) - 1) / GREATEST(count(*), 1), 1) AS n FROM starts),
+    SELECT GREATEST(($1 + count(*) - 1) / GREATEST(count(*), 1), %[9]d) AS n FROM starts),
 pick AS (
-    SELECT r.id, s.at, s.ai, row_number() OVER (PARTITION BY s.at, s.ai ORDER BY r.id) AS rn
+    SELECT r.id, s.at, s.ai, s.rank, row_number() OVER (PARTITION BY s.at, s.ai ORDER BY r.id) AS rn
       FROM starts AS s
      CROSS JOIN LATERAL (
            SELECT p.id, bool_and(%[7]s) OVER (ORDER BY p.id) AS ok FROM %[1]s AS p
@@ -210,9 +210,9 @@ pick AS (
             LIMIT (SELECT per.n FROM per)) AS r
      WHERE r.ok
     UNION ALL
-    SELECT w.id, NULL, NULL, 1 FROM win AS w WHERE w.at IS NULL OR w.ai IS NULL),
+    SELECT w.id, NULL, NULL, 0, 1 FROM win AS w WHERE w.at IS NULL OR w.ai IS NULL),
 chosen AS (
-    SELECT c.id, c.at, c.ai, c.rn FROM pick AS c ORDER BY c.rn, c.id LIMIT $1),
+    SELECT c.id, c.at, c.ai, c.rn FROM pick AS c ORDER BY c.rank, c.rn, c.id LIMIT $1),
 locked AS (
     SELECT o.id, c.at, c.ai, c.rn
       FROM %[1]s AS o JOIN chosen AS c ON c.id = o.id
@@ -234,7 +234,7 @@ RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.p
           o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s AS replays, %[4]s AS trace)
 SELECT s.n, s.last_due, s.last_id, c.*
   FROM summary AS s LEFT JOIN claimed AS c ON true
- ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP)
+ ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows)
 	}
 	var claims [2][3]string
 	for i, all := range []bool{false, true} {
@@ -429,6 +429,12 @@ func (s *Store) pickClaim(all bool) string {
 	}
 	return s.sql.claim.claim[i][s.claimShape]
 }
+
+// claimRunRows is the longest run a claim takes of one aggregate when
+// limit / aggregates is less: an aggregate keeps that many rows in flight
+// however many aggregates share the backlog, so a hot aggregate moves at
+// the sink's pace, not one row per claim round.
+const claimRunRows = 16
 
 // claimWindowRows is how many due rows one claim statement looks at per
 // row it may claim: the window in which it finds runs. Rows of aggregates
