@@ -56,7 +56,7 @@ func insertRows(tb testing.TB, db *claimDB, n int, aggs ...string) map[string][]
 }
 
 // A claim takes runs: several rows of a hot aggregate at once, in id order,
-// shared breadth first among the aggregates (docs/guarantees.md "Claim
+// shared among the aggregates (docs/guarantees.md "Claim
 // runs"). The claim of one row per aggregate per round took 1 row of each.
 func TestClaimTakesRunsOfAnAggregate(t *testing.T) {
 	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
