@@ -344,7 +344,9 @@ func (s *Store) restreamed(ctx context.Context, works []*relay.Work) error {
 			owned     bool
 			delivered []string
 		)
+		found := make(map[int64]bool, len(chunk))
 		_, err = pgx.ForEachRow(rows, []any{&id, &owned, &delivered}, func() error {
+			found[id] = true
 			w := byID[id]
 			if !owned {
 				w.Skip = true
@@ -359,6 +361,28 @@ func (s *Store) restreamed(ctx context.Context, works []*relay.Work) error {
 		})
 		if err != nil {
 			return fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)
+		}
+		// A re-streamed event without its row: the row was deleted (pruned
+		// once delivered, or by its owner) when its inserting transaction
+		// is visible, and the event is not sent again. The slot sends
+		// again what it confirmed after its last save when PostgreSQL
+		// crashes, and retention goes by the confirmed position it saw
+		// (docs/operations.md, "Retention"). A row not visible yet is
+		// left to the settlement's wait.
+		var missing []*relay.Work
+		for _, id := range chunk {
+			if !found[id] {
+				missing = append(missing, byID[id])
+			}
+		}
+		if len(missing) > 0 {
+			gone, err := s.Gone(ctx, missing)
+			if err != nil {
+				return fmt.Errorf("re-streamed rows from id %d: %w", chunk[0], err)
+			}
+			for _, id := range gone {
+				byID[id].Skip = true
+			}
 		}
 	}
 	return nil
