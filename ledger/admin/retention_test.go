@@ -237,23 +237,30 @@ func waitFor(tb testing.TB, cond func() bool) {
 // retention keeps every row until the slot has passed its inserting
 // transaction (Horizon), then prunes them. Without a slot nothing holds
 // rows back (TestPrune_DoneRowsInBatches).
-func TestPrune_KeepsRowsTheSlotHasNotPassed(t *testing.T) {
-	f := MustFixture(t)
-	ctx := context.Background()
-	const slot = "retention_slot"
+// MustPruneBehindSlot creates a logical slot and returns a Prune with a
+// week's ages bounded by its horizon; it prunes once first, so that the
+// horizon has a sample before what the test writes next.
+func (f *fixture) MustPruneBehindSlot(t *testing.T, slot string) func() (done, ledger int64) {
+	t.Helper()
 	MustExec(t, f.pool, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
 	t.Cleanup(func() { MustExec(t, f.pool, `SELECT pg_drop_replication_slot($1)`, slot) })
 	cfg := week
 	cfg.Horizon = admin.NewHorizon(slot)
 	prune := func() (done, ledger int64) {
 		t.Helper()
-		done, ledger, err := admin.Prune(ctx, f.pool, f.tables, cfg)
+		done, ledger, err := admin.Prune(context.Background(), f.pool, f.tables, cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return done, ledger
 	}
-	prune() // a sample before the transaction
+	prune()
+	return prune
+}
+
+func TestPrune_KeepsRowsTheSlotHasNotPassed(t *testing.T) {
+	f, ctx, slot := MustFixture(t), context.Background(), "retention_slot"
+	prune := f.MustPruneBehindSlot(t, slot) // a sample before the transaction
 
 	outbox, led := f.tables.Outbox.Quoted(), f.tables.Ledger.Quoted()
 	tx, err := f.pool.Begin(ctx)
@@ -328,22 +335,8 @@ func TestPrune_DeliveredRowsWithoutStatus(t *testing.T) {
 // rows stay while its row does and the slot has not passed it, like the
 // row itself (docs/operations.md, "Retention").
 func TestPrune_KeepsLedgerRowsTheSlotHasNotPassed(t *testing.T) {
-	f := MustFixture(t)
-	ctx := context.Background()
-	const slot = "retention_ledger_slot"
-	MustExec(t, f.pool, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, slot)
-	t.Cleanup(func() { MustExec(t, f.pool, `SELECT pg_drop_replication_slot($1)`, slot) })
-	cfg := week
-	cfg.Horizon = admin.NewHorizon(slot)
-	prune := func() (done, ledger int64) {
-		t.Helper()
-		done, ledger, err := admin.Prune(ctx, f.pool, f.tables, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return done, ledger
-	}
-	prune() // a sample before the transaction
+	f, slot := MustFixture(t), "retention_ledger_slot"
+	prune := f.MustPruneBehindSlot(t, slot) // a sample before the transaction
 
 	outbox, led := f.tables.Outbox.Quoted(), f.tables.Ledger.Quoted()
 	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, status, created_at, processed_at) VALUES ('late-sink', 'done', now(), now())`, outbox))
