@@ -1,5 +1,7 @@
 package ledger
 
+import "github.com/jackc/pgx/v5/pgtype"
+
 // GlobToRegex exposes globToRegex to the tests.
 var GlobToRegex = globToRegex
 
@@ -17,5 +19,6 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 	if all {
 		i = 1
 	}
-	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex}, err
+	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000)}, err
 }

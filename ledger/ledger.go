@@ -95,6 +95,9 @@ type Store struct {
 	claimMu    sync.Mutex
 	claimKnown bool
 	claimShape int // 0: no replays column; 1: replays; 2: replays and trace_context
+	// claimCursor is where the claim's second window starts (Claim): a
+	// hint, never a fact.
+	claimCursor claimCursor
 }
 
 // statements is every SQL text the Store runs, rendered once with the

@@ -926,3 +926,91 @@ func TestEngine_ClaimWorkNotSentPastItsLease(t *testing.T) {
 		t.Fatalf("%d of 20 rows sent within %v of a lease of %v that no renewal extended, want a few and at most %d", n, time.Since(start).Round(time.Millisecond), lease, max)
 	}
 }
+
+// TestEngine_UndivertAsksOnlyAboutDivertedAggregates: a claim-path
+// settlement asks the store about the aggregates the stream diverts, and
+// only those (docs/guarantees.md "Claim runs"): a settlement of rows of
+// aggregates nobody diverts (poll mode) costs no round trip, and a
+// diverted aggregate's next event goes by the stream as soon as the claim
+// path has settled its run.
+func TestEngine_UndivertAsksOnlyAboutDivertedAggregates(t *testing.T) {
+	store := newFakeStore()
+	store.divertedAggs = []relay.AggregateKey{{Type: "order", ID: "diverted"}}
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	var (
+		mu    sync.Mutex
+		asked [][]relay.AggregateKey
+	)
+	claims := &fakeClaimStore{settleClaim: rec.settle,
+		settledAggregates: func(_ context.Context, aggs []relay.AggregateKey) ([]relay.AggregateKey, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			asked = append(asked, slices.Clone(aggs))
+			return aggs, nil
+		}}
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
+	ctx := context.Background()
+
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(1, "calm"), claimWork(2, "calm"), claimWork(3, "other")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "rows 1-3 settled", func() bool { _, ok := rec.decision(3); _, ok2 := rec.decision(2); return ok && ok2 })
+	mu.Lock()
+	if len(asked) != 0 {
+		t.Errorf("settling rows of aggregates nobody diverts asked the store %v, want no question", asked)
+	}
+	mu.Unlock()
+
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(4, "diverted"), claimWork(5, "diverted"), claimWork(6, "calm")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the diverted aggregate checked", func() bool { mu.Lock(); defer mu.Unlock(); return len(asked) > 0 })
+	mu.Lock()
+	if want := []relay.AggregateKey{{Type: "order", ID: "diverted"}}; len(asked) != 1 || !slices.Equal(asked[0], want) {
+		t.Errorf("asked the store %v, want %v once", asked, want)
+	}
+	mu.Unlock()
+
+	// The stream delivers the aggregate's next event itself.
+	c := e.Stream()
+	submit(t, c, event(7, "diverted"))
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	if !slices.Contains(sink.sentIDs(), 7) {
+		_, handOffs, _ := store.snapshot()
+		t.Fatalf("event 7 not sent by the stream after its aggregate's run settled (hand-offs %v)", handOffs)
+	}
+}
+
+// TestEngine_StreamHandOffWakesTheClaimPath: once the stream has written a
+// hand-off, the claim path is woken (OnClaimSettled) to take it at once,
+// not at its next poll: a diverted aggregate's fresh events wait on the
+// claim path for one claim, not for poll_interval.
+func TestEngine_StreamHandOffWakesTheClaimPath(t *testing.T) {
+	store := newFakeStore()
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: &fakeClaimStore{}, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
+	var woken atomic.Int32
+	e.OnClaimSettled(func() { woken.Add(1) })
+	c := e.Stream()
+
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	if n := woken.Load(); n != 0 {
+		t.Fatalf("a delivered stream event woke the claim path %d times", n)
+	}
+
+	later := event(2, "a")
+	later.AvailableAt = time.Now().Add(time.Hour) // scheduled: handed off
+	submit(t, c, later)
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	if _, handOffs, _ := store.snapshot(); len(handOffs) != 1 {
+		t.Fatalf("hand-offs %v, want event 2's", handOffs)
+	}
+	if n := woken.Load(); n != 1 {
+		t.Fatalf("the stream's hand-off woke the claim path %d times, want once", n)
+	}
+}

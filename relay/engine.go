@@ -392,6 +392,23 @@ func (e *Engine) undiverted(a AggregateKey, seq uint64) {
 	}
 }
 
+// divertedAmong returns those of aggs that some lane diverts now.
+func (e *Engine) divertedAmong(aggs []AggregateKey) []AggregateKey {
+	out := aggs[:0:0]
+	for _, a := range aggs {
+		for _, l := range e.lanes {
+			l.mu.Lock()
+			_, diverted := l.diverted[a]
+			l.mu.Unlock()
+			if diverted {
+				out = append(out, a)
+				break
+			}
+		}
+	}
+	return out
+}
+
 // route builds the work of ev: one pair per sink that takes its type.
 func (e *Engine) route(p Path, ev *Event) *Work {
 	e.readTrace(ev)

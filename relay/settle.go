@@ -166,6 +166,7 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 	now := time.Now()
 	gone := q.gone(ctx, toWrite, hidden, now)
 	var final []*Work
+	handedOff := false
 	for _, w := range toWrite {
 		switch {
 		case w.dataErrors > 2*dataErrorsBeforeFallback:
@@ -181,9 +182,14 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 		if w.Decision.Kind == Done || w.Decision.Kind == DeadLetter {
 			final = append(final, w)
 		}
+		handedOff = handedOff || q.path == PathStream && w.Decision.Kind == Later
 	}
 	q.undivert(ctx, final)
-	if f := e.claimSettled.Load(); q.path == PathClaim && len(final) > 0 && f != nil {
+	// The claim path is woken when its aggregates' next rows may be due
+	// (a run settled) and when the stream has just written hand-offs for
+	// it: a diverted aggregate's fresh events go out at once, not at the
+	// next poll, and the claim path catches up with the aggregate sooner.
+	if f := e.claimSettled.Load(); f != nil && (q.path == PathClaim && len(final) > 0 || handedOff) {
 		(*f)()
 	}
 }
@@ -320,7 +326,12 @@ func decisionName(k DecisionKind) string {
 
 // undivert asks the claim store which aggregates of works just settled for
 // good have nothing left at the claim path, and lets the stream deliver
-// their events again.
+// their events again. It asks only about aggregates a lane diverts now:
+// in poll mode, or for aggregates the stream never handed off, a
+// settlement costs no round trip, and a diverted aggregate is checked at
+// the settlement of each of its claimed runs, so the stream gets it back
+// as soon as the claim path has caught up with it (docs/guarantees.md
+// "Claim runs").
 func (q *settleQueue) undivert(ctx context.Context, works []*Work) {
 	e := q.e
 	if e.cfg.Claim == nil || e.cfg.Unordered {
@@ -341,10 +352,12 @@ func (q *settleQueue) undivert(ctx context.Context, works []*Work) {
 			aggs = append(aggs, a)
 		}
 	}
-	if len(aggs) == 0 {
+	// The sequence is read before the lanes are: a divert after it keeps
+	// its aggregate diverted whatever the store answers.
+	seq := e.DivertSeq()
+	if aggs = e.divertedAmong(aggs); len(aggs) == 0 {
 		return
 	}
-	seq := e.DivertSeq()
 	wctx, cancel := context.WithTimeout(ctx, writeTimeout)
 	defer cancel()
 	settled, err := e.cfg.Claim.SettledAggregates(wctx, aggs)
@@ -361,6 +374,7 @@ func (q *settleQueue) undivert(ctx context.Context, works []*Work) {
 
 // OnClaimSettled registers f, called after each claim-path settlement that
 // finished events for good (their aggregates' next events may be due),
+// and after each stream settlement that handed events to the claim path,
 // in place of any f registered before. Safe to call while the engine runs:
 // the supervisor starts a new claim source on a running engine.
 func (e *Engine) OnClaimSettled(f func()) { e.claimSettled.Store(&f) }

@@ -169,7 +169,11 @@ type ClaimStore interface {
 	// Claim takes up to q.Limit due rows, oldest first, skipping rows
 	// locked by others and rows that must wait for an earlier event of
 	// their aggregate (unless ordering is off), and marks them processing,
-	// locked by q.Owner. A row with a NULL available_at is due.
+	// locked by q.Owner. A row with a NULL available_at is due. It takes
+	// runs: several consecutive rows of one aggregate when none of them
+	// must wait for another (docs/guarantees.md, "Claim runs"); the works
+	// come back in id order, so that each aggregate's rows reach its lane
+	// in order.
 	Claim(ctx context.Context, q ClaimQuery) ([]*Work, error)
 
 	// PrepareClaim claims the works' pairs in the ledger for owner before

@@ -155,6 +155,7 @@ var quickValues = map[string]string{
 	"backlog":            "20000",
 	"writeback-n":        "10000",
 	"writeback-duration": "5s",
+	"claim-n":            "20000",
 }
 
 func main() {
@@ -187,6 +188,7 @@ func main() {
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, configs) after the run")
 	fs.Var(&o.relayEnv, "relay-env", "KEY=VALUE added to every relay's environment (repeatable), e.g. GOGC=200 to compare a runtime setting in one run")
 	fs.StringVar(&o.profileDir, "profile", "", "write the relay's CPU profile of each steady phase's measured window to this directory (<phase>.cpu.pprof)")
+	claimFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the workload of docs/performance.md and prints a markdown table.\n\n")
 		fs.PrintDefaults()

@@ -22,7 +22,7 @@ import (
 )
 
 // allPhases are the phases in the order they run.
-var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx"}
+var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated"}
 
 // extraPhases run only when -phases names them.
 var extraPhases = []string{"partitions", "standby"}
@@ -53,6 +53,8 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"rss-bigtx":          func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
 	"partitions":         phasePartitions,
 	"standby":            phaseStandby,
+	"drain-claim":        phaseDrainClaim,    // claim.go
+	"slot-recreated":     phaseSlotRecreated, // claim.go
 }
 
 // quiet waits for a quiet machine before a measured window and says so.

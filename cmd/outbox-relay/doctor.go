@@ -45,7 +45,8 @@ setting) under each warn and FAIL:
   replication connection (pg_hba.conf), the schema version (migrate), the privileges run needs
   on the outbox, ledger and checkpoint tables (the missing GRANTs) and those it has beyond
   them (superuser, table ownership, extra grants), the publication, the slot (missing, lost,
-  held by another or a stale process, retained WAL), max_slot_wal_keep_size, and each sink:
+  held by another or a stale process, retained WAL, made without the relay's hand-over: the
+  rows run then hands to the claim path), max_slot_wal_keep_size, and each sink:
   a webhook's host is reached over TCP (and TLS for https; nothing is sent), a NATS server is
   connected and its JetStream stream checked (exists, captures the subjects, duplicate_window).
 

@@ -132,6 +132,10 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 		d.add(OK, name, fmt.Sprintf("exists (wal_status %s), not in use: run resumes from it", walStatus), "")
 	}
 
+	if slotType == "logical" && sameDB && plugin == "pgoutput" && walStatus != "lost" && invalidation == "" {
+		d.handOver(ctx)
+	}
+
 	if retained == nil {
 		return
 	}
@@ -142,6 +146,48 @@ SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s
 		return
 	}
 	d.add(OK, "retained WAL", fmt.Sprintf("%s (source.slot_max_retained %s)", FormatBytes(*retained), FormatBytes(limit)), "")
+}
+
+// handOver reports whether the relay recorded the hand-over of the slot
+// (docs/failover.md, "A slot without its hand-over record"): without it,
+// run keeps the safe rule and hands every pending row to the claim path,
+// and says how many and for about how long.
+func (d *diagnosis) handOver(ctx context.Context) {
+	t := d.tables
+	if !d.exists[t.Checkpoint] || !d.exists[t.Outbox] {
+		return
+	}
+	const name = "slot hand-over"
+	var recorded bool
+	err := d.conn.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s WHERE slot_name = $1 AND handover_lsn IS NOT NULL)`, t.Checkpoint.Quoted()),
+		d.cfg.Slot).Scan(&recorded)
+	if err != nil {
+		d.add(Fail, name, fmt.Sprintf("read %s: %v", t.Checkpoint, err), "")
+		return
+	}
+	if recorded {
+		d.add(OK, name, "recorded: the relay made this slot and handed the rows pending then to the claim path", "")
+		return
+	}
+	var pending int64
+	if err := d.conn.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, t.Outbox.Quoted())).Scan(&pending); err != nil {
+		d.add(Fail, name, fmt.Sprintf("count the pending rows of %s: %v", t.Outbox, err), "")
+		return
+	}
+	d.add(Warn, name, fmt.Sprintf("no record of the relay's hand-over for this slot (another process made it, or the relay stopped while making it): "+
+		"rows committed behind it may never be streamed, so run keeps the safe rule — it drops the slot, makes it again and hands the rows pending then "+
+		"to the claim path: %s rows now (those the ledger shows delivered are skipped), about %s at %s rows/s",
+		humanCount(pending), relay.ClaimDrainEstimate(pending), humanCount(relay.ClaimPathRowsPerSecond)),
+		`nothing is required (docs/failover.md, "A slot without its hand-over record"); to stream from the slot's position instead, let the relay create its slot`)
+}
+
+// humanCount formats n with comma separators.
+func humanCount[T int | int64](n T) string {
+	s := fmt.Sprint(n)
+	for i := len(s) - 3; i > 0 && s[i-1] != '-'; i -= 3 {
+		s = s[:i] + "," + s[i:]
+	}
+	return s
 }
 
 // invalidationCause explains why the server invalidated a slot, from its

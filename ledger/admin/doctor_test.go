@@ -312,6 +312,12 @@ func TestDiagnose_Slot(t *testing.T) {
 	checks := diagnose(t, f.url)
 	requireCheck(t, checks, "slot outbox_relay", admin.OK, "not in use")
 	requireCheck(t, checks, "retained WAL", admin.OK, "source.slot_max_retained 1.0 GiB")
+	// Made by someone else: no hand-over record; the rows pending go to the
+	// claim path, and doctor says how many and for how long.
+	MustExec(t, f.pool, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'e', 'a', (g % 7)::text, 'k' || g, '{}' FROM generate_series(1, 12345) AS g`)
+	requireCheck(t, diagnose(t, f.url), "slot hand-over", admin.Warn, "no record of the relay's hand-over", "safe rule", "12,345 rows now", "about 3s at 5,000 rows/s",
+		"A slot without its hand-over record")
 
 	// Over the relay's own limit.
 	checks = diagnose(t, f.url, func(c *admin.DiagnoseConfig) { c.SlotMaxRetained = 1 })

@@ -3,9 +3,11 @@
 // marked when a slot was created, and — in poll mode — every due pending
 // row.
 //
-// A Source loops: claim a batch of due rows with one
-// `WITH locked AS (SELECT … FOR UPDATE SKIP LOCKED) UPDATE … RETURNING`
-// (the store's Claim) and hand it to the delivery core (relay.Engine), which
+// A Source loops: claim a batch of due rows — runs of each aggregate's
+// next rows in id order (docs/guarantees.md, "Claim runs") — with one
+// `… FOR UPDATE SKIP LOCKED) UPDATE … RETURNING` (the store's Claim) and
+// hand it to the delivery core (relay.Engine), which sends each run's rows
+// one after another in the aggregate's lane, and which
 // claims each (event, sink) pair in the ledger before sending, sends, and
 // settles the rows through the same policy as the stream's events. The
 // Source claims again at once after a full batch, and otherwise after

@@ -338,6 +338,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	if err != nil {
 		return 0, err
 	}
+	foreign := false // the slot exists without the relay's hand-over record
 	if slot.exists {
 		switch {
 		case onStandby && slot.synced:
@@ -354,13 +355,16 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			return 0, err
 		}
 		invalidated, reason := slot.invalidated()
+		foreign = !invalidated && !handedOver
 		switch {
 		case invalidated:
 			s.log.Warn().Str("reason", reason).Msg("replication slot was invalidated; dropping and recreating it")
 		case !handedOver && s.cfg.Primary != nil:
 			s.log.Warn().Msg("replication slot on the standby has no record of its hand-over (delivery moved to the primary since, or the relay stopped between creating it and handing the rows pending then to the claim path): dropping and recreating it")
 		case !handedOver:
-			s.log.Warn().Msg("replication slot has no record of its hand-over (the relay stopped between creating it and handing the rows pending then to the claim path): dropping and recreating it")
+			// docs/failover.md "A slot without its hand-over record"
+			s.log.Warn().Msg("replication slot has no record of its hand-over (another process created it, or the relay stopped between creating it and handing the rows pending then to the claim path): " +
+				"the rows committed behind it may never be streamed, so the safe rule applies: dropping and recreating it, and handing every row pending now to the claim path")
 		default:
 			if slot.walStatus == "unreserved" {
 				s.log.Warn().Msg("replication slot retains more WAL than max_slot_wal_keep_size; it will be invalidated unless it catches up")
@@ -429,6 +433,10 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	}
 	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("failover", version >= failoverVersion && !onStandby).
 		Bool("on_standby", onStandby).Msg("created replication slot; rows pending in its snapshot go to the claim path")
+	if foreign && n > 0 {
+		s.log.Warn().Int64("rows", n).Dur("expected_drain", relay.ClaimDrainEstimate(n)).Int("at_rows_per_second", relay.ClaimPathRowsPerSecond).
+			Msg("the slot found without its hand-over record was recreated: the claim path delivers the rows pending before it, in runs per aggregate; each aggregate's new events follow its rows there until the claim path has caught up with it")
+	}
 	return consistent, nil
 }
 

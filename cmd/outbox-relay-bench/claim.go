@@ -1,0 +1,264 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
+)
+
+// The claim path at volume (docs/performance.md "The claim path at
+// volume"): drain-claim times poll mode draining a backlog over few and
+// over many aggregates; slot-recreated times a backlog written behind a
+// slot the relay did not create, while fresh events arrive.
+
+// claimOptions are the claim phases' flags.
+var claimOptions struct {
+	n            int
+	hotAggs      int
+	manyAggs     int
+	freshTimeout time.Duration
+}
+
+// claimFlags registers the claim phases' flags on fs.
+func claimFlags(fs *flag.FlagSet) {
+	fs.IntVar(&claimOptions.n, "claim-n", 200000, "rows for drain-claim and slot-recreated")
+	fs.IntVar(&claimOptions.hotAggs, "claim-hot-aggregates", 50, "drain-claim: the aggregates of the hot run")
+	fs.IntVar(&claimOptions.manyAggs, "claim-many-aggregates", 5000, "drain-claim: the aggregates of the spread run")
+	fs.DurationVar(&claimOptions.freshTimeout, "claim-drain-timeout", 10*time.Minute, "longest wait for a claim phase's backlog to drain")
+}
+
+// insertOver inserts events [0, n) with prefix over aggs aggregates (ids
+// aggPrefix0 …), 1,000 rows per statement, from four connections.
+func (e *env) insertOver(ctx context.Context, url, prefix string, n, aggs int, aggPrefix string) error {
+	sql := strings.Replace(bulkInsertSQL, "(g % $3)::text", pgQuote(aggPrefix)+" || (g % $3)", 1)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return err
+	}
+	cfg.MaxConns = 4
+	cfg.ConnConfig.RuntimeParams["application_name"] = benchAppName + " load"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	const per = 1000
+	sem := make(chan struct{}, 4)
+	errs := make(chan error, (n+per-1)/per)
+	for from := 0; from < n; from += per {
+		sem <- struct{}{}
+		go func(from int) {
+			defer func() { <-sem }()
+			if _, err := pool.Exec(ctx, sql, from, min(from+per, n)-1, aggs, prefix, e.o.payloadSize); err != nil {
+				errs <- err
+			}
+		}(from)
+	}
+	for range cap(sem) {
+		sem <- struct{}{}
+	}
+	close(errs)
+	return <-errs
+}
+
+// waitBacklog waits until t has n arrivals at JetStream, and returns how
+// long that took from start.
+func (e *env) waitBacklog(ctx context.Context, phase string, t *tracker, n int, rp *harness.Relay, start time.Time) (time.Duration, error) {
+	lastSay := start
+	for {
+		got := t.nats.unique.Load()
+		if got >= int64(n) {
+			return time.Since(start), nil
+		}
+		if rp.Exited() {
+			return 0, rp.Failure()
+		}
+		if time.Since(start) > claimOptions.freshTimeout {
+			return 0, fmt.Errorf("%s: %d of %d delivered after %s (log %s)", phase, got, n, claimOptions.freshTimeout, rp.LogPath())
+		}
+		if time.Since(lastSay) >= 5*time.Second {
+			lastSay = time.Now()
+			e.say("%s: %.0f s: %d/%d", phase, time.Since(start).Seconds(), got, n)
+		}
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// pgQuote quotes s as an SQL string literal.
+func pgQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+
+// claimDrain times poll mode draining n rows over aggs aggregates into
+// JetStream.
+func (e *env) claimDrain(ctx context.Context, r *report, aggs int) (time.Duration, error) {
+	name := fmt.Sprintf("drain-claim-%d", aggs)
+	s := relaySetup{name: name, mode: "poll"}
+	cfg, done, err := e.setUpRelay(ctx, "bench_"+fmt.Sprintf("drain_claim_%d", aggs), &s)
+	if err != nil {
+		return 0, err
+	}
+	defer done()
+	n := claimOptions.n
+	t := newTracker(name+"-", n)
+	sub, err := e.subscribe(s, t)
+	if err != nil {
+		return 0, err
+	}
+	defer sub.Unsubscribe()
+	e.say("%s: inserting %d rows over %d aggregates with the relay stopped", name, n, aggs)
+	if err := e.insertOver(ctx, s.url, t.prefix, n, aggs, ""); err != nil {
+		return 0, err
+	}
+	if err := e.quiet(ctx, name, r, e.roots(nil)); err != nil {
+		return 0, err
+	}
+	rp, err := e.startRelay(s, cfg)
+	if err != nil {
+		return 0, err
+	}
+	defer rp.Stop(30 * time.Second)
+	meter := startCPU(e.roots(rp))
+	took, err := e.waitBacklog(ctx, name, t, n, rp, time.Now())
+	u := meter.stop()
+	if err != nil {
+		return 0, err
+	}
+	r.addCPU(name, u, "")
+	r.add("drain-claim", fmt.Sprintf("poll mode drains %s rows over %s aggregates → JetStream", thousands(n), thousands(aggs)),
+		fmt.Sprintf("%s rows/s (%.1f s); %s", thousands(int(float64(n)/took.Seconds())), took.Seconds(), cpuPerEvent(u, n)), "", "info", u)
+	return took, nil
+}
+
+// phaseDrainClaim: poll mode drains -claim-n rows over -claim-hot-aggregates
+// and over -claim-many-aggregates aggregates.
+func phaseDrainClaim(ctx context.Context, e *env, r *report) error {
+	hot, err := e.claimDrain(ctx, r, claimOptions.hotAggs)
+	if err != nil {
+		return err
+	}
+	many, err := e.claimDrain(ctx, r, claimOptions.manyAggs)
+	if err != nil {
+		return err
+	}
+	n := float64(claimOptions.n)
+	hotRate, manyRate := n/hot.Seconds(), n/many.Seconds()
+	r.add("drain-claim", fmt.Sprintf("%d aggregates: rows/s", claimOptions.hotAggs), thousands(int(hotRate)), "≥ 5,000", passMiss(hotRate >= 5000), cpuUsage{})
+	r.add("drain-claim", fmt.Sprintf("%d aggregates against %d: rate ratio", claimOptions.hotAggs, claimOptions.manyAggs),
+		fmt.Sprintf("%.2f", hotRate/manyRate), "≥ 0.50", passMiss(hotRate/manyRate >= 0.5), cpuUsage{})
+	return nil
+}
+
+// phaseSlotRecreated: -claim-n rows are written behind a slot created with
+// pg_create_logical_replication_slot (no hand-over record), then the relay
+// starts while fresh events arrive at -rate: the time until every backlog
+// row is delivered, against the stream's drain of the same rows, and the
+// fresh events' latency meanwhile.
+func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
+	const name = "slot-recreated"
+	n := claimOptions.n
+
+	// The stream's drain of the same rows, behind the relay's own slot.
+	streamDB := "bench_slot_recreated_stream"
+	url, err := e.newDatabase(ctx, streamDB)
+	if err != nil {
+		return err
+	}
+	ss := relaySetup{name: name + "-stream", url: url}
+	d, err := e.drain(ctx, r, ss, n, 100, 4)
+	e.deleteStream(ss.stream())
+	e.dropDatabase(streamDB)
+	if err != nil {
+		return err
+	}
+	streamTook := d.elapsed
+
+	s := relaySetup{name: name}
+	cfg, done, err := e.setUpRelay(ctx, "bench_slot_recreated", &s)
+	if err != nil {
+		return err
+	}
+	defer done()
+	conn, err := pgx.Connect(ctx, s.url)
+	if err != nil {
+		return err
+	}
+	_, err = conn.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, s.slot())
+	conn.Close(context.Background())
+	if err != nil {
+		return fmt.Errorf("create the foreign slot: %w", err)
+	}
+	backlog := newTracker(name+"-", n)
+	sub, err := e.subscribe(s, backlog)
+	if err != nil {
+		return err
+	}
+	defer sub.Unsubscribe()
+	// The backlog's aggregates are not the fresh events': a fresh event of
+	// an aggregate with rows in the backlog waits for them (per-aggregate
+	// order), whatever the claim path's speed.
+	e.say("%s: inserting %d rows behind slot %s, which has no hand-over record", name, n, s.slot())
+	if err := e.insertOver(ctx, s.url, backlog.prefix, n, e.o.aggregates, "backlog-"); err != nil {
+		return err
+	}
+	fresh := newTracker(name+"-fresh-", int(e.o.rate*claimOptions.freshTimeout.Seconds()))
+	freshSub, err := e.subscribe(s, fresh)
+	if err != nil {
+		return err
+	}
+	defer freshSub.Unsubscribe()
+	pool, err := e.newLoadPool(ctx, s.url)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := e.quiet(ctx, name, r, e.roots(nil)); err != nil {
+		return err
+	}
+	rp, err := e.startRelay(s, cfg)
+	if err != nil {
+		return err
+	}
+	defer rp.Stop(30 * time.Second)
+	start := time.Now()
+	meter := startCPU(e.roots(rp))
+	loadCtx, stopLoad := context.WithCancel(ctx)
+	defer stopLoad()
+	loaded := make(chan error, 1)
+	go func() {
+		_, err := e.runLoad(loadCtx, pool, "", fresh, e.o.rate, claimOptions.freshTimeout)
+		loaded <- err
+	}()
+	took, err := e.waitBacklog(ctx, name, backlog, n, rp, start)
+	stopLoad()
+	<-loaded
+	u := meter.stop()
+	if err != nil {
+		return err
+	}
+	// The fresh events committed while the backlog drained: wait for them.
+	deadline := time.Now().Add(60 * time.Second)
+	for time.Now().Before(deadline) {
+		if _, missing := fresh.latencies(&fresh.nats); missing == 0 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	ms, missing := fresh.latencies(&fresh.nats)
+	r.addCPU(name, u, "")
+	ratio := took.Seconds() / streamTook.Seconds()
+	r.add(name, fmt.Sprintf("%s rows behind a slot without the relay's hand-over record: all delivered (fresh events at %s/s meanwhile)", thousands(n), thousands(int(e.o.rate))),
+		fmt.Sprintf("%.1f s; the stream drains the same rows in %.1f s: %.2f×", took.Seconds(), streamTook.Seconds(), ratio), "≤ 2× the stream", passMiss(ratio <= 2), u)
+	r.add(name, "fresh events meanwhile (other aggregates than the backlog's): commit→NATS p50 / p99", fmt.Sprintf("%s / %s (%s arrived, %d missing)", fmtMS(percentile(ms, 0.5)), fmtMS(percentile(ms, 0.99)), thousands(len(ms)), missing),
+		"p99 < 1 s", passMiss(percentile(ms, 0.99) < 1000 && missing == 0), u)
+	return nil
+}
