@@ -1014,3 +1014,45 @@ func TestEngine_StreamHandOffWakesTheClaimPath(t *testing.T) {
 		t.Fatalf("the stream's hand-off woke the claim path %d times, want once", n)
 	}
 }
+
+// TestEngine_RunStopsAtItsFirstUndeliveredRow: a claimed run's later row is
+// never sent once an earlier row of the run failed in the same lane, even
+// when the earlier row's settlement is already written by the time the
+// later row gets room in the lane (docs/guarantees.md "Claim runs"). The
+// lane's queue per aggregate covers rows that wait behind one in flight;
+// this is the row that was still waiting for room when the queue emptied.
+func TestEngine_RunStopsAtItsFirstUndeliveredRow(t *testing.T) {
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle}
+	release := make(chan struct{})
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		switch d.Event.ID {
+		case 1:
+			return errors.New("503 Service Unavailable")
+		case 2:
+			<-release // holds the lane's only slot
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}},
+		LaneCapacity: 1, MaxUnsettled: 16})
+	submitted := make(chan error, 1)
+	go func() {
+		// Rows 1 and 3 are one run of aggregate a; row 2 (aggregate x)
+		// sits between them in id order.
+		_, err := e.SubmitClaimed(context.Background(), []*relay.Work{claimWork(1, "a"), claimWork(2, "x"), claimWork(3, "a")})
+		submitted <- err
+	}()
+	waitFor(t, "row 1 settled for a retry", func() bool { d, ok := rec.decision(1); return ok && d.Kind == relay.Later })
+	close(release)
+	if err := <-submitted; err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "rows 2 and 3 settled", func() bool { _, ok2 := rec.decision(2); _, ok3 := rec.decision(3); return ok2 && ok3 })
+	if ids := sink.sentIDs(); slices.Contains(ids, 3) {
+		t.Fatalf("sent %v: row 3 went out while row 1 of its run waits for a retry", ids)
+	}
+	if d, _ := rec.decision(3); d.Kind != relay.Later {
+		t.Fatalf("row 3 decided %v, want Later (back to the claim path behind row 1)", d.Kind)
+	}
+}

@@ -155,7 +155,9 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		if r.Hold && cfg.Owner == "" {
 			return nil, fmt.Errorf("engine: sink %s holds unknown outcomes but the engine has no owner", r.Sink.Name())
 		}
-		e.lanes = append(e.lanes, newLane(e, r))
+		l := newLane(e, r)
+		l.idx = len(e.lanes)
+		e.lanes = append(e.lanes, l)
 	}
 	e.stream = newStreamFeed(e)
 	return e, nil
@@ -629,6 +631,7 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 	if len(works) == 0 {
 		return nil, nil
 	}
+	e.linkRuns(works)
 	// Room for more than MaxUnsettled works at once never comes: a larger
 	// batch is taken in parts.
 	for room := e.cfg.MaxUnsettled; len(works) > room; works = works[room:] {
@@ -659,6 +662,40 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 		e.dispatch(ctx, w, now)
 	}
 	return nil, nil
+}
+
+// linkRuns links the works of each aggregate that came in one claim (in id
+// order): a run. A run's later rows never go out in a lane once an earlier
+// one was not delivered there (claimRun).
+func (e *Engine) linkRuns(works []*Work) {
+	if e.cfg.Unordered || len(works) < 2 {
+		return
+	}
+	var count map[AggregateKey]int
+	for _, w := range works {
+		if w.run == nil && w.Event.Ordered() {
+			if count == nil {
+				count = map[AggregateKey]int{}
+			}
+			count[w.Event.AggregateKey()]++
+		}
+	}
+	runs := map[AggregateKey]*claimRun{}
+	for _, w := range works {
+		if w.run != nil || !w.Event.Ordered() {
+			continue
+		}
+		agg := w.Event.AggregateKey()
+		if count[agg] < 2 {
+			continue
+		}
+		r := runs[agg]
+		if r == nil {
+			r = &claimRun{stopped: make([]bool, len(e.lanes))}
+			runs[agg] = r
+		}
+		w.run = r
+	}
 }
 
 func orUnknown(owner string) string {

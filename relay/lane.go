@@ -15,6 +15,7 @@ import (
 // each outcome (result) and complete it.
 type lane struct {
 	e       *Engine
+	idx     int // its index in Engine.lanes
 	route   Route
 	name    string
 	sink    Sink
@@ -37,6 +38,14 @@ type lane struct {
 }
 
 type aggQueue struct{ waiting []*task }
+
+// claimRun links the rows of one aggregate that one claim took together as
+// a run (docs/guarantees.md "Claim runs"). stopped[i] is set, under the mu
+// of lane i, once a row of the run has an outcome there that leaves it with
+// the claim path: from then on the run's later rows do not go out in that
+// lane, whether they wait behind it in the aggregate's queue or were still
+// waiting for room in the lane when the queue emptied.
+type claimRun struct{ stopped []bool }
 
 // task is one pair on its way through the lane.
 type task struct {
@@ -96,6 +105,10 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 		case t.w.path == PathStream && diverted:
 			l.mu.Unlock()
 			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is with the claim path", Until: now, Why: "ordering"}, true)
+			return
+		case t.w.run != nil && t.w.run.stopped[l.idx]:
+			l.mu.Unlock()
+			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate in the same claim was not delivered", Until: now, Why: "ordering"}, true)
 			return
 		case t.w.path == PathClaim && l.unwritten[agg] > 0:
 			// The stream decided to hand an earlier event of this aggregate
@@ -323,6 +336,9 @@ func (l *lane) complete(t *task, o Outcome, held bool) {
 		if diverts(o.Kind) {
 			l.diverted[agg] = l.e.divertSeq.Add(1)
 			l.unwritten[agg]++
+			if t.w.run != nil {
+				t.w.run.stopped[l.idx] = true
+			}
 		}
 		if t.owns {
 			t.owns = false

@@ -78,7 +78,8 @@ type Work struct {
 	Decision Decision
 
 	path  Path
-	lanes []*lane // the lane of each pair
+	lanes []*lane   // the lane of each pair
+	run   *claimRun // the claimed run it belongs to, if any
 	// ClaimedAt is when the claim path's lease on the row began, at the
 	// latest: the store's Claim sets it to a moment before its statement
 	// (zero: SubmitClaimed's time). The engine sends a claimed row only
