@@ -135,6 +135,10 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// row: a 30 s claim in make bench's slot-recreated);
 	// kept: of each aggregate only the prefix locked without a gap, so
 	// that a run never passes a row another relay is claiming.
+	// claimed: a claimed row is the claim path's from then on (handoff_at
+	// set, as the lease sweeper does), in poll mode too: a relay that
+	// streams next diverts the aggregate's new events behind it and its
+	// re-stream check skips it (TestPollClaimMakesRowsTheClaimPaths).
 	// The checks read every unsettled row (processing ones too), locked or
 	// not: a run never starts behind, nor passes, a row another relay has
 	// claimed and not settled.
@@ -227,7 +231,8 @@ kept AS (
      WHERE l.at IS NULL OR l.ai IS NULL OR l.rn = l.lrn),
 claimed AS (
 UPDATE %[1]s AS o
-   SET status = 'processing', locked_at = now(), locked_by = $2
+   SET status = 'processing', locked_at = now(), locked_by = $2,
+       handoff_at = coalesce(o.handoff_at, now())
   FROM kept
  WHERE o.id = kept.id
 RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,

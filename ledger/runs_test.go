@@ -184,3 +184,31 @@ func TestClaimLocksChosenRowsByIDAfterAHandOver(t *testing.T) {
 		t.Fatalf("the lock step does not reach the chosen rows by id:\n%s", plan)
 	}
 }
+
+// A row claimed in poll mode is the claim path's from then on, as a row the
+// stream handed off is (docs/guarantees.md "Claim runs"): its handoff_at is
+// set, so a relay that streams next — a new leader after the poller was
+// killed with runs in flight — diverts the aggregate's new events behind it
+// instead of streaming them past it, and its re-stream check skips it.
+func TestPollClaimMakesRowsTheClaimPaths(t *testing.T) {
+	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	ctx := context.Background()
+	ids := insertRows(t, db, 3, "a")["a"]
+	if got := claimIDs(t, db, ledger.NewOwner(), 2)["a"]; !slices.Equal(got, ids[:2]) {
+		t.Fatalf("claimed %v, want %v", got, ids[:2])
+	}
+	var handedOff int
+	if err := db.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL AND status = 'processing'`).Scan(&handedOff); err != nil {
+		t.Fatal(err)
+	}
+	if handedOff != 2 {
+		t.Fatalf("%d claimed rows with handoff_at set, want 2", handedOff)
+	}
+	diverted, err := db.store.Diverted(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(diverted) != 1 || diverted[0].ID != "a" {
+		t.Fatalf("diverted aggregates %v, want aggregate a", diverted)
+	}
+}

@@ -129,6 +129,13 @@ func TestClaimedRowGoesBeforeItsStreamSuccessor(t *testing.T) {
 			unblock := func() { releaseOnce.Do(func() { close(release) }) }
 			t.Cleanup(unblock) // before the engine's drain, also when the test fails
 			ctx := context.Background()
+			// The engine has started (loaded the diverted aggregates) before
+			// c1 is claimed: a claimed row is the claim path's (handoff_at
+			// set), so an engine starting after the claim diverts A and s2
+			// would follow c1 through the claim path instead.
+			if _, err := r.Engine.SubmitClaimed(ctx, nil); err != nil {
+				t.Fatal(err)
+			}
 			works, err := r.Store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: r.Owner()})
 			if err != nil || len(works) != 1 {
 				t.Fatalf("Claim = %d rows, %v; want c1", len(works), err)
