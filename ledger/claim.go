@@ -45,7 +45,10 @@ type claimOptions struct {
 type claimStatements struct {
 	// claim[all][shape]: the claim query for poll mode (all) or not, and
 	// the table's shape (see claimShape).
-	claim        [2][3]string
+	claim [2][3]string
+	// newest[shape]: the claim query whose window is the newest due
+	// hand-offs (replication mode; see Claim).
+	newest       [3]string
 	hasReplays   string
 	ledgerPairs  string
 	claimPairs   string
@@ -114,7 +117,8 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// through the claim index (poll mode) or the hand-off index. No lock
 	// and no ordering check per row, so the scan costs one index entry a
 	// row however many of them wait behind their aggregate.
-	// aggs: the window's aggregates, oldest first, at most $1, each with
+	// aggs: the window's aggregates, oldest first (newest first in the
+	// newest window, see Claim), at most $1, each with
 	// its lowest row in the window.
 	// heads, starts: where each aggregate's run starts (the ordering
 	// check, once per aggregate): its window row when no lower row is
@@ -147,7 +151,12 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 		aggType, aggID = "NULL::text", "NULL::text"
 	}
 	undeliveredP := strings.TrimPrefix(strings.TrimSpace(undelivered), "AND ")
-	claim := func(all bool, replays, trace string) string {
+	claim := func(all bool, replays, trace string, newest bool) string {
+		order, rank := "o.available_at, o.id", "min(w.due), min(w.id)"
+		if newest {
+			// The newest rows, and the aggregates with the newest first.
+			order, rank = "o.available_at DESC, o.id DESC", "max(w.due) DESC, max(w.id) DESC"
+		}
 		which := "\n       AND o.handoff_at IS NOT NULL"
 		claimable := "p.status = 'pending' AND p.available_at <= now() AND p.handoff_at IS NOT NULL"
 		if all {
@@ -162,18 +171,18 @@ WITH win AS MATERIALIZED (
        AND o.available_at <= now()%[2]s
        AND $3::bool IS NOT NULL
        AND (o.available_at, o.id) > ($7::timestamptz, $8::bigint)
-     ORDER BY o.available_at, o.id
+     ORDER BY %[10]s
      LIMIT $9),
 summary AS (
     SELECT (SELECT count(*) FROM win)::int AS n, last.due AS last_due, last.id AS last_id
       FROM (SELECT NULL) AS one
       LEFT JOIN (SELECT w.due, w.id FROM win AS w ORDER BY w.due DESC, w.id DESC LIMIT 1) AS last ON true),
 aggs AS (
-    SELECT w.at, w.ai, min(w.id) AS head, row_number() OVER (ORDER BY min(w.due), min(w.id)) AS rank
+    SELECT w.at, w.ai, min(w.id) AS head, row_number() OVER (ORDER BY %[11]s) AS rank
       FROM win AS w
      WHERE w.at IS NOT NULL AND w.ai IS NOT NULL
      GROUP BY w.at, w.ai
-     ORDER BY min(w.due), min(w.id)
+     ORDER BY %[11]s
      LIMIT $1),
 heads AS MATERIALIZED (
     SELECT a.at, a.ai, a.head, a.rank, b.id AS below, b.ok AS below_ok
@@ -239,19 +248,19 @@ RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.p
           o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s AS replays, %[4]s AS trace)
 SELECT s.n, s.last_due, s.last_id, c.*
   FROM summary AS s LEFT JOIN claimed AS c ON true
- ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows)
+ ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows, order, rank)
 	}
-	var claims [2][3]string
-	for i, all := range []bool{false, true} {
-		claims[i] = [3]string{
-			claim(all, "0", "NULL::text"),
-			claim(all, "COALESCE(o.replays, 0)", "NULL::text"),
-			claim(all, "COALESCE(o.replays, 0)", "o.trace_context::text"),
+	shapes := func(all, newest bool) [3]string {
+		return [3]string{
+			claim(all, "0", "NULL::text", newest),
+			claim(all, "COALESCE(o.replays, 0)", "NULL::text", newest),
+			claim(all, "COALESCE(o.replays, 0)", "o.trace_context::text", newest),
 		}
 	}
 
 	return claimStatements{
-		claim: claims,
+		claim:  [2][3]string{shapes(false, false), shapes(true, false)},
+		newest: shapes(false, true),
 		// Whether the outbox has the replays column (migration 006) and
 		// the trace_context column (migration 008).
 		hasReplays: `SELECT EXISTS (SELECT FROM pg_attribute
@@ -409,11 +418,20 @@ func (s *Store) claimStatement(ctx context.Context, all bool) (string, error) {
 	if s.claimKnown {
 		return s.pickClaim(all), nil
 	}
+	if err := s.inspectClaimShape(ctx); err != nil {
+		return "", err
+	}
+	return s.pickClaim(all), nil
+}
+
+// inspectClaimShape looks up, once, which optional columns the outbox has.
+// s.claimMu is held.
+func (s *Store) inspectClaimShape(ctx context.Context) error {
 	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
 	defer cancel()
 	var replays, trace bool
 	if err := s.pool.QueryRow(dbCtx, s.sql.claim.hasReplays, s.outbox).Scan(&replays, &trace); err != nil {
-		return "", fmt.Errorf("inspect %s: %w", s.outbox, err)
+		return fmt.Errorf("inspect %s: %w", s.outbox, err)
 	}
 	switch {
 	case replays && trace:
@@ -424,7 +442,7 @@ func (s *Store) claimStatement(ctx context.Context, all bool) (string, error) {
 		s.claimShape = 0
 	}
 	s.claimKnown = true
-	return s.pickClaim(all), nil
+	return nil
 }
 
 func (s *Store) pickClaim(all bool) string {
@@ -446,6 +464,11 @@ const claimRunRows = 16
 // held back (in flight elsewhere, behind a held or scheduled row) fill
 // part of it; the second window of a claim looks past them.
 const claimWindowRows = 4
+
+// claimNewestShare: with a backlog at the claim path in replication mode,
+// one claim's limit divided by this is what its newest window may take
+// (Claim).
+const claimNewestShare = 4
 
 // claimCursor is where the last second window ended, so that successive
 // claims look further into a backlog whose front is held back, and wrap
@@ -482,12 +505,42 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		return nil, err
 	}
 	window := max(q.Limit*claimWindowRows, 1000)
-	first, win, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, time.Time{}, 0, window, q.Limit)
-	if err != nil || len(first) >= q.Limit || !win.full {
-		if err == nil && !win.full {
+	// With a backlog at the claim path (the last claim's first window was
+	// full) in replication mode, a share of each claim goes first to the
+	// newest due hand-offs: the fresh events of aggregates the stream
+	// diverts behind the backlog (a slot recreated behind 200,000 rows).
+	// Their runs start at the aggregate's oldest unsettled row wherever it
+	// lies, so the claim path catches up with those aggregates, and gives
+	// them back to the stream, without waiting for the whole backlog.
+	var newest []*relay.Work
+	if !q.All && s.claimBacklog.Load() {
+		s.claimMu.Lock()
+		newestSQL := s.sql.claim.newest[s.claimShape]
+		s.claimMu.Unlock()
+		share := max(q.Limit/claimNewestShare, 1)
+		newest, _, err = s.claimFrom(ctx, newestSQL, q, names, every, regex, time.Time{}, 0, share*claimWindowRows, share)
+		if err != nil {
+			return nil, err
+		}
+		if len(newest) >= q.Limit {
+			return newest, nil
+		}
+	}
+	first, win, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, time.Time{}, 0, window, q.Limit-len(newest))
+	if err != nil {
+		if len(newest) > 0 {
+			// The newest window's rows are claimed: hand them on.
+			return newest, nil
+		}
+		return nil, err
+	}
+	s.claimBacklog.Store(win.full)
+	first = mergeByID(newest, first)
+	if len(first) >= q.Limit || !win.full {
+		if !win.full {
 			s.setCursor(claimWindow{})
 		}
-		return first, err
+		return first, nil
 	}
 	c := &s.claimCursor
 	c.mu.Lock()
@@ -502,9 +555,17 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		return first, nil
 	}
 	s.setCursor(win2)
-	out := append(first, second...)
-	slices.SortFunc(out, func(a, b *relay.Work) int { return cmp.Compare(a.Event.ID, b.Event.ID) })
-	return out, nil
+	return mergeByID(first, second), nil
+}
+
+// mergeByID returns the works of a and b in id order.
+func mergeByID(a, b []*relay.Work) []*relay.Work {
+	if len(a) == 0 {
+		return b
+	}
+	out := append(a, b...)
+	slices.SortFunc(out, func(x, y *relay.Work) int { return cmp.Compare(x.Event.ID, y.Event.ID) })
+	return out
 }
 
 // setCursor remembers where a second window ended; a window that was not

@@ -98,6 +98,8 @@ type Store struct {
 	// claimCursor is where the claim's second window starts (Claim): a
 	// hint, never a fact.
 	claimCursor claimCursor
+	// claimBacklog: the last claim's first window was full (Claim).
+	claimBacklog atomic.Bool
 }
 
 // statements is every SQL text the Store runs, rendered once with the
