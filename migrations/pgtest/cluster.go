@@ -56,6 +56,9 @@ const (
 	// goneTimeout bounds the wait for a killed server's orphaned children
 	// to exit and release the port and the shared memory.
 	goneTimeout = 30 * time.Second
+	// orphanGrace is how long Kill lets the killed postmaster's children
+	// exit on their own before it kills them too.
+	orphanGrace = 10 * time.Second
 	// portGrace bounds the wait for a port held by another process.
 	portGrace = 2 * time.Second
 	// logTailBytes is how much of the server log an error quotes.
@@ -615,8 +618,19 @@ func (c *Cluster) killLocked() error {
 	}
 	<-p.done
 	c.proc = nil
-	if err := c.waitGone(); err != nil {
-		return fmt.Errorf("kill postgres: %w", err)
+	// A crash takes every server process with it. Children notice the
+	// postmaster's death and exit on their own, but one blocked outside
+	// the latch waits that check for it (seen once in make chaos: two
+	// processes still there 30 s after the kill) would hold the shared
+	// memory forever: after orphanGrace they are killed as well.
+	if err := c.waitGoneWithin(orphanGrace); err != nil {
+		pids, _ := serverProcesses(c.dataDir)
+		for _, pid := range pids {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+		if err := c.waitGone(); err != nil {
+			return fmt.Errorf("kill postgres: %w (after a SIGKILL of the leftover processes %v)", err, pids)
+		}
 	}
 	return nil
 }
@@ -627,8 +641,11 @@ func (c *Cluster) killLocked() error {
 // they still hold its shared memory. Children close the listening socket
 // right after they are forked, so once they are gone a port still in use is
 // held by some other process, which gets a short grace period only.
-func (c *Cluster) waitGone() error {
-	deadline := time.Now().Add(goneTimeout)
+func (c *Cluster) waitGone() error { return c.waitGoneWithin(goneTimeout) }
+
+// waitGoneWithin is waitGone with a bound of its own for the processes.
+func (c *Cluster) waitGoneWithin(timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
 	for {
 		pids, err := serverProcesses(c.dataDir)
 		if err != nil {
@@ -638,7 +655,7 @@ func (c *Cluster) waitGone() error {
 			break
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("server processes %v still running %s after the postmaster exited", pids, goneTimeout)
+			return fmt.Errorf("server processes %v still running %s after the postmaster exited", pids, timeout)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
