@@ -1056,3 +1056,40 @@ func TestEngine_RunStopsAtItsFirstUndeliveredRow(t *testing.T) {
 		t.Fatalf("row 3 decided %v, want Later (back to the claim path behind row 1)", d.Kind)
 	}
 }
+
+// TestEngine_DrainMarksWhileTheLoopWaits: a stop (Drain) marks the rows
+// still waiting at once, while the paced loop may still be waiting for the
+// walsender to pass its previous batch. Both write where their batch ended
+// in the WAL; under -race this failed on the loop's unlocked read of it
+// (CI, TestRelay_Standby on PostgreSQL 16).
+func TestEngine_DrainMarksWhileTheLoopWaits(t *testing.T) {
+	store := newFakeStore()
+	store.markAt = 5000
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
+	c := e.Stream()
+	marks := func() int {
+		store.mu.Lock()
+		defer store.mu.Unlock()
+		return len(store.marks)
+	}
+	submit(t, c, event(1, "a"))
+	c.Commit(100)
+	waitFor(t, "the first batch of marks", func() bool { return marks() == 1 })
+	submit(t, c, event(2, "b"))
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	time.Sleep(2 * 200 * time.Millisecond) // the loop now waits for the walsender to pass 0/1388
+	store.mu.Lock()
+	store.markAt = 6000 // the stop's batch ends further on
+	store.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := e.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	if !store.done[2] {
+		t.Fatalf("done %v after Drain, want row 2 marked", store.done)
+	}
+}

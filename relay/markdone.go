@@ -49,8 +49,9 @@ type markQueue struct {
 	mu    sync.Mutex
 	ids   []int64
 	tries map[int64]int // ids whose row was not visible yet: tries so far
-	// lastAt is where the last write ended in the WAL; the loop alone
-	// touches it.
+	// lastAt is where the last write ended in the WAL. The loop and a
+	// stop's flush (Drain) both write batches, so it is read under mu
+	// (last).
 	lastAt LSN
 	// waitingForWalsender is set while the loop waits for the stream to
 	// decode past lastAt (Consumer.PositionWanted).
@@ -78,6 +79,13 @@ func (m *markQueue) take(n int) []int64 {
 	return ids
 }
 
+// last reports where the last batch written ended in the WAL.
+func (m *markQueue) last() LSN {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.lastAt
+}
+
 // waiting reports how many ids wait.
 func (m *markQueue) waiting() int {
 	m.mu.Lock()
@@ -96,7 +104,7 @@ func (e *Engine) markDoneLoop(ctx context.Context) {
 		case <-tick.C:
 		}
 		for e.marks.waiting() > 0 {
-			if !e.waitDecodedPast(ctx, e.marks.lastAt) {
+			if !e.waitDecodedPast(ctx, e.marks.last()) {
 				return
 			}
 			e.markBatch(ctx, e.marks.take(markBatch))
