@@ -1093,3 +1093,54 @@ func TestEngine_DrainMarksWhileTheLoopWaits(t *testing.T) {
 		t.Fatalf("done %v after Drain, want row 2 marked", store.done)
 	}
 }
+
+// TestEngine_HaltStopsAClaimRun: a lost lock (Halt) while a claimed run is
+// out: the run's row already written to the sink completes, and none of
+// its later rows, queued behind it or waiting for room in the lane, is
+// sent; they settle back to the claim path without an attempt, so the next
+// owner goes on from the run's first undelivered row (docs/guarantees.md,
+// "Claim runs").
+func TestEngine_HaltStopsAClaimRun(t *testing.T) {
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle}
+	sent := make(chan struct{})
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		if d.Event.ID == 1 {
+			close(sent)
+			time.Sleep(100 * time.Millisecond) // written: Halt does not undo it
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}},
+		LaneCapacity: 2, MaxUnsettled: 64})
+	var run []*relay.Work
+	for i := int64(1); i <= 20; i++ {
+		run = append(run, claimWork(i, "a"))
+	}
+	submitted := make(chan error, 1)
+	go func() {
+		_, err := e.SubmitClaimed(context.Background(), run)
+		submitted <- err
+	}()
+	<-sent
+	e.Halt()
+	if err := <-submitted; err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "all 20 rows settled", func() bool {
+		rec.mu.Lock()
+		defer rec.mu.Unlock()
+		return len(rec.settled) == 20
+	})
+	if ids := sink.sentIDs(); !slices.Equal(ids, []int64{1}) {
+		t.Fatalf("sent %v, want only the run's first row (written before Halt)", ids)
+	}
+	if d, _ := rec.decision(1); d.Kind != relay.Done {
+		t.Errorf("row 1 decided %v, want Done", d.Kind)
+	}
+	for i := int64(2); i <= 20; i++ {
+		if d, _ := rec.decision(i); d.Kind != relay.Later || d.Attempts != 0 {
+			t.Fatalf("row %d decided %v after %d attempts, want Later without an attempt (back to the claim path)", i, d.Kind, d.Attempts)
+		}
+	}
+}
