@@ -22,3 +22,7 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
 	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000)}, err
 }
+
+// LedgerPairsStatement returns the read of the ledger's pairs of some event
+// keys (the claim path's and the stream's), for EXPLAIN.
+func (s *Store) LedgerPairsStatement() string { return s.sql.claim.ledgerPairs }

@@ -201,11 +201,18 @@ DELETE FROM %s AS l
  WHERE l.event_key = t.k AND l.action = t.a AND l.owner = $3 AND l.state = 'sending'`, ledger)
 }
 
-// ledgerPairsSQL reads the ledger's pairs of some event keys: a prefix scan
-// of the primary key (event_key, action).
+// ledgerPairsSQL reads the ledger's pairs of some event keys: one prefix
+// probe of the primary key (event_key, action) per key. Written as a
+// lateral subquery that is not pulled up (OFFSET 0), so the plan does not
+// depend on the ledger's statistics: as `event_key = ANY($1)` the planner,
+// knowing nothing of event_key alone on a ledger grown since its last
+// ANALYZE, counted 0.5% of the table per key and scanned all of it for a
+// batch of 50 keys (docs/performance.md, "Poll mode").
 func ledgerPairsSQL(ledger string) string {
 	return fmt.Sprintf(`
-SELECT event_key, action, state, owner FROM %s WHERE event_key = ANY($1::text[])`, ledger)
+SELECT p.event_key, p.action, p.state, p.owner
+  FROM (SELECT DISTINCT k FROM unnest($1::text[]) AS u(k)) AS t
+ CROSS JOIN LATERAL (SELECT event_key, action, state, owner FROM %s WHERE event_key = t.k OFFSET 0) AS p`, ledger)
 }
 
 // ledgerEntry is a pair as the ledger shows it.
