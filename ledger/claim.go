@@ -359,8 +359,8 @@ UPDATE %s SET locked_at = now()
  WHERE id = ANY($1::bigint[]) AND status = 'processing' AND locked_by = $2`, outbox),
 		extendClaims: fmt.Sprintf(`
 UPDATE %s AS l SET claimed_at = now()
-  FROM %s AS o
- WHERE o.id = ANY($1::bigint[]) AND l.event_key = o.event_key AND l.owner = $2 AND l.state = 'sending'`, ledger, outbox),
+ WHERE l.event_key = ANY(ARRAY(SELECT o.event_key FROM %s AS o WHERE o.id = ANY($1::bigint[])))
+   AND l.owner = $2 AND l.state = 'sending'`, ledger, outbox),
 
 		// Leases: a processing row whose lease ($1 ms) passed, or whose
 		// relay owner (locked_by starting with $2) holds no owner lock, goes

@@ -124,7 +124,17 @@ type statements struct {
 	markDeliveredDone    string
 	setAsyncCommit       string
 	setSynchronousCommit string
+	setPlanning          string
 }
+
+// planTx turns sequential scans off for the rest of a transaction. Every
+// statement the relay runs in one touches the rows of a batch, by key;
+// on tables grown since their last ANALYZE, or with a plan cached while
+// they were small, the planner chose to scan the whole outbox or ledger
+// for them (docs/performance.md, "Plans that do not depend on
+// statistics"). It is the planner's cost, not a ban: a statement with no
+// index to use still scans.
+const planTx = `set_config('enable_seqscan', 'off', true)`
 
 // New returns a Store on pool. Empty names in cfg take the defaults; the
 // names are quoted here, once, so no name is ever read as SQL. It returns
@@ -235,11 +245,16 @@ SELECT o.id FROM %s AS o
    FOR UPDATE SKIP LOCKED)
 UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.deliveredEverywhere("o"), outbox),
 
-		setAsyncCommit: `SET LOCAL synchronous_commit = off`,
+		// Every transaction of the relay starts with one of these three
+		// statements. Each also turns sequential scans off for the
+		// transaction (planTx): its statements find their rows by key.
+		setAsyncCommit: `SELECT set_config('synchronous_commit', 'off', true), ` + planTx,
 		// Explicitly synchronous even where the role or database default is
 		// off; a stricter server setting (remote_apply) is kept.
-		setSynchronousCommit: `SELECT set_config('synchronous_commit', 'on', true)
- WHERE current_setting('synchronous_commit') <> 'remote_apply'`,
+		setSynchronousCommit: `SELECT ` + planTx + `,
+       CASE WHEN current_setting('synchronous_commit') <> 'remote_apply'
+            THEN set_config('synchronous_commit', 'on', true) END`,
+		setPlanning: `SELECT ` + planTx,
 	}
 }
 
@@ -249,17 +264,16 @@ UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.i
 // transaction commits only when every statement succeeded.
 func (s *Store) inTx(ctx context.Context, setCommit string, queue func(*pgx.Batch), results func(pgx.BatchResults) error) error {
 	b := &pgx.Batch{}
-	if setCommit != "" {
-		b.Queue(setCommit)
+	if setCommit == "" {
+		setCommit = s.sql.setPlanning
 	}
+	b.Queue(setCommit)
 	queue(b)
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		br := tx.SendBatch(ctx, b)
 		err := func() error {
-			if setCommit != "" {
-				if _, err := br.Exec(); err != nil {
-					return fmt.Errorf("set synchronous_commit: %w", err)
-				}
+			if _, err := br.Exec(); err != nil {
+				return fmt.Errorf("set synchronous_commit and enable_seqscan: %w", err)
 			}
 			return results(br)
 		}()

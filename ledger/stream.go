@@ -41,9 +41,18 @@ func renderStream(t tables) streamStatements {
 	// replication, until a standby confirms it), so a fast delivery can
 	// settle a row no other session sees yet. A separate check would run in
 	// a later snapshot and could see the row then, hiding the miss.
+	//
+	// Batch statements find their rows by key whatever the statistics say
+	// (docs/performance.md, "Plans that do not depend on statistics"): an
+	// outbox row by its id (the redundant o.id = ANY($1) gives the planner
+	// the primary key for the join with the batch), a ledger pair by
+	// (event_key, action), and every NOT EXISTS probes per row (OFFSET 0
+	// keeps it a subplan instead of an anti-join, which on a table grown
+	// since its last ANALYZE, or with a plan cached while it was small,
+	// hashed or sorted the whole table for each batch).
 	invisible := func(update string) string {
 		return update + fmt.Sprintf(`
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox)
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id OFFSET 0)`, outbox)
 	}
 	return streamStatements{
 		// The stream's usual write: a pair it delivered and did not claim
@@ -57,7 +66,7 @@ SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbo
 INSERT INTO %[1]s (event_key, action, state, attempts, claimed_at, delivered_at)
 SELECT t.k, t.a, 'delivered', 1, now(), now()
   FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
- WHERE NOT EXISTS (SELECT FROM %[1]s AS l WHERE l.event_key = t.k AND l.action = t.a AND l.state = 'delivered')`, ledger),
+ WHERE NOT EXISTS (SELECT FROM %[1]s AS l WHERE l.event_key = t.k AND l.action = t.a AND l.state = 'delivered' OFFSET 0)`, ledger),
 		delivered: deliveredSQL(ledger, false),
 		// Where the write ended in the WAL: the mark-done loop waits until
 		// the walsender has decoded past it before it writes the next batch
@@ -110,18 +119,20 @@ SELECT t.k, t.a, 'unknown', 1, t.d
 		release: releaseSQL(ledger),
 
 		// A row is still the stream's while it is pending and not handed
-		// off. The lateral subquery probes the ledger's primary key by its
-		// prefix event_key. Planned at each call (see restreamed).
+		// off. One probe of the outbox's primary key per id, and one of
+		// the ledger's by its prefix event_key per row, whatever the
+		// statistics (as `o.id = ANY($1)` the planner scanned the outbox
+		// for a few hundred ids). Planned at each call (see restreamed).
 		restreamed: fmt.Sprintf(`
 SELECT o.id,
        (COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL) IS TRUE,
        d.actions
-  FROM %s AS o
+  FROM (SELECT DISTINCT id FROM unnest($1::bigint[]) AS u(id)) AS t
+ CROSS JOIN LATERAL (SELECT o.id, o.status, o.handoff_at, o.event_key FROM %s AS o WHERE o.id = t.id OFFSET 0) AS o
   LEFT JOIN LATERAL (
        SELECT array_agg(l.action ORDER BY l.action) AS actions
          FROM %s AS l
-        WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true
- WHERE o.id = ANY($1::bigint[])`, outbox, ledger),
+        WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true`, outbox, ledger),
 
 		ledgerOf: ledgerPairsSQL(ledger),
 
@@ -155,10 +166,9 @@ RETURNING l.event_key, l.action`, ledger),
 WITH t AS (SELECT unnest($1::bigint[]) AS id),
 changed AS (
 UPDATE %s o SET status = 'done', processed_at = now()
-  FROM t
- WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
+ WHERE o.id = ANY($1::bigint[]) AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
 RETURNING o.id)
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id)`, outbox, outbox),
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id OFFSET 0)`, outbox, outbox),
 
 		// The status list repeats the predicate of the ordering index
 		// (aggregate_type, aggregate_id, id) WHERE status IN (…), so the
