@@ -20,7 +20,8 @@ const (
 	settleBatch = 2000
 	// settleLinger is how long the loop, woken by a first decision, lets
 	// more gather before it writes.
-	settleLinger = 5 * time.Millisecond
+	settleLinger       = 5 * time.Millisecond
+	streamSettleLinger = 50 * time.Millisecond
 	// writeTimeout bounds one write. A write cut off when the engine stops
 	// (after its drain) is harmless: every write is conditional and safe
 	// to repeat, and what it did not settle is taken again (re-streamed,
@@ -95,7 +96,11 @@ func (q *settleQueue) run(ctx context.Context) {
 			q.mu.Lock()
 			full := len(q.items) >= settleBatch
 			q.mu.Unlock()
-			if !full && !Sleep(ctx, settleLinger) {
+			linger := settleLinger
+			if q.path == PathStream {
+				linger = streamSettleLinger
+			}
+			if !full && !Sleep(ctx, linger) {
 				return
 			}
 		case <-due:
