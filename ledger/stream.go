@@ -44,9 +44,9 @@ func renderStream(t tables) streamStatements {
 	//
 	// Batch statements find their rows by key whatever the statistics say
 	// (docs/performance.md, "Plans that do not depend on statistics"): an
-	// outbox row by its id (the redundant o.id = ANY($1) gives the planner
-	// the primary key for the join with the batch), a ledger pair by
-	// (event_key, action), and every NOT EXISTS probes per row (OFFSET 0
+	// outbox row by its id (the transaction turns sequential scans off, so
+	// the join with the batch probes the primary key per row), a ledger
+	// pair by (event_key, action), and every NOT EXISTS probes per row (OFFSET 0
 	// keeps it a subplan instead of an anti-join, which on a table grown
 	// since its last ANALYZE, or with a plan cached while it was small,
 	// hashed or sorted the whole table for each batch).
