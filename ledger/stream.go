@@ -217,7 +217,8 @@ DELETE FROM %s AS l
 // depend on the ledger's statistics: as `event_key = ANY($1)` the planner,
 // knowing nothing of event_key alone on a ledger grown since its last
 // ANALYZE, counted 0.5% of the table per key and scanned all of it for a
-// batch of 50 keys (docs/performance.md, "Poll mode").
+// batch of 50 keys (docs/performance.md, "Plans that do not depend on
+// statistics").
 func ledgerPairsSQL(ledger string) string {
 	return fmt.Sprintf(`
 SELECT p.event_key, p.action, p.state, p.owner
