@@ -245,9 +245,11 @@ SELECT o.id FROM %s AS o
    FOR UPDATE SKIP LOCKED)
 UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.deliveredEverywhere("o"), outbox),
 
-		// Every transaction of the relay starts with one of these three
-		// statements. Each also turns sequential scans off for the
-		// transaction (planTx): its statements find their rows by key.
+		// Every transaction inTx runs (settlements, claims, ledger claims,
+		// marks, checkpoints) starts with one of these three statements.
+		// Each also turns sequential scans off for the transaction
+		// (planTx): its statements find their rows by key. The hand-over's
+		// own transactions (a whole-table pass) do not.
 		setAsyncCommit: `SELECT set_config('synchronous_commit', 'off', true), ` + planTx,
 		// Explicitly synchronous even where the role or database default is
 		// off; a stricter server setting (remote_apply) is kept.
