@@ -772,11 +772,7 @@ func TestEngine_MarkDoneWaitsForTheWalsender(t *testing.T) {
 	store.markAt = 5000 // where each batch of marks ends in the WAL
 	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
 	c := e.Stream()
-	marks := func() int {
-		store.mu.Lock()
-		defer store.mu.Unlock()
-		return len(store.marks)
-	}
+	marks := store.markCalls
 	submit(t, c, event(1, "a"))
 	c.Commit(100)
 	waitFor(t, "the first batch of marks", func() bool { return marks() == 1 })
@@ -1067,11 +1063,7 @@ func TestEngine_DrainMarksWhileTheLoopWaits(t *testing.T) {
 	store.markAt = 5000
 	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
 	c := e.Stream()
-	marks := func() int {
-		store.mu.Lock()
-		defer store.mu.Unlock()
-		return len(store.marks)
-	}
+	marks := store.markCalls
 	submit(t, c, event(1, "a"))
 	c.Commit(100)
 	waitFor(t, "the first batch of marks", func() bool { return marks() == 1 })

@@ -186,6 +186,13 @@ func (s *fakeStore) markRowsDone(_ context.Context, ids []int64) ([]int64, relay
 	return invisible, s.markAt, nil
 }
 
+// markCalls reports how many MarkDone calls were made.
+func (s *fakeStore) markCalls() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.marks)
+}
+
 func (s *fakeStore) divertedRows(context.Context) ([]relay.AggregateKey, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

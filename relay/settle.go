@@ -50,8 +50,9 @@ const (
 
 // settleQueue writes one path's decisions.
 type settleQueue struct {
-	e    *Engine
-	path Path
+	e      *Engine
+	path   Path
+	linger time.Duration // settleLinger, or streamSettleLinger
 
 	mu    sync.Mutex
 	items []*Work
@@ -68,7 +69,11 @@ type laterWork struct {
 }
 
 func newSettleQueue(e *Engine, p Path) *settleQueue {
-	return &settleQueue{e: e, path: p, wake: make(chan struct{}, 1)}
+	linger := settleLinger
+	if p == PathStream {
+		linger = streamSettleLinger
+	}
+	return &settleQueue{e: e, path: p, linger: linger, wake: make(chan struct{}, 1)}
 }
 
 func (q *settleQueue) add(w *Work) {
@@ -104,11 +109,7 @@ func (q *settleQueue) run(ctx context.Context) {
 			q.mu.Lock()
 			full := len(q.items) >= settleBatch
 			q.mu.Unlock()
-			linger := settleLinger
-			if q.path == PathStream {
-				linger = streamSettleLinger
-			}
-			if !full && !Sleep(ctx, linger) {
+			if !full && !Sleep(ctx, q.linger) {
 				return
 			}
 		case <-due:
