@@ -605,7 +605,7 @@ func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQue
 	// WAL past it, and a claim lost in a crash before that leaves the rows
 	// pending, as if never claimed. A round trip per claim no longer waits
 	// for an fsync.
-	err := s.inTx(dbCtx, s.sql.setAsyncCommit, func(b *pgx.Batch) {
+	err := s.inTx(dbCtx, s.sql.setClaim, func(b *pgx.Batch) {
 		b.Queue(claimSQL, limit, q.Owner, q.All, names, every, regex, cursorDue, fromID, window)
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()

@@ -27,6 +27,15 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000)}, err
 }
 
+// ClaimNewestStatement returns the claim of the newest due hand-offs
+// first (Claim's share for the aggregates the stream diverts) and its
+// arguments, for EXPLAIN.
+func (s *Store) ClaimNewestStatement(limit int, owner string) (string, []any, error) {
+	names, every, regex, err := s.routingArrays()
+	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+	return s.sql.claim.newest[2], []any{limit, owner, false, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000)}, err
+}
+
 // LedgerPairsStatement returns the read of the ledger's pairs of some event
 // keys (the claim path's and the stream's), for EXPLAIN.
 func (s *Store) LedgerPairsStatement() string { return s.sql.claim.ledgerPairs }
@@ -86,3 +95,6 @@ func (s *Store) BatchStatements(ids []int64, keys, aggregates []string, action, 
 		{"claim settled", cl.settled, []any{types, aggregates}, false},
 	}
 }
+
+// ClaimTxSetting is the statement that begins each claim's transaction.
+func (s *Store) ClaimTxSetting() string { return s.sql.setClaim }

@@ -125,6 +125,7 @@ type statements struct {
 	setAsyncCommit       string
 	setSynchronousCommit string
 	setPlanning          string
+	setClaim             string
 }
 
 // planTx turns sequential scans off for the rest of a transaction. Every
@@ -133,8 +134,23 @@ type statements struct {
 // they were small, the planner chose to scan the whole outbox or ledger
 // for them (docs/performance.md, "Plans that do not depend on
 // statistics"). It is the planner's cost, not a ban: a statement with no
-// index to use still scans.
-const planTx = `set_config('enable_seqscan', 'off', true)`
+// index to use still scans. That cost is added to the plan's estimate, which
+// would then pass jit_above_cost and have each execution compiled (1.5 s
+// for a claim), so JIT is off too: the relay's statements touch a batch's
+// rows, never enough for compiled expressions to pay.
+const planTx = `set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)`
+
+// planClaimTx also turns sorts off for a claim's transaction: its window
+// (the due rows after its cursor, oldest or newest first) is read in the
+// order of a partial index that holds only claimable rows (the hand-off
+// index, or the claim index in poll mode), where a scan stops after the
+// window's rows. Before the table's first ANALYZE, or with statistics from
+// before a hand-over, the planner chose the seed's status index instead and
+// sorted what it read: every pending row, the stream's too
+// (docs/performance.md, "Plans that do not depend on statistics"). The
+// claim's other sorts (its aggregates' ranks and runs) have no unsorted
+// alternative and are planned as before.
+const planClaimTx = planTx + `, set_config('enable_sort', 'off', true), set_config('enable_incremental_sort', 'off', true)`
 
 // New returns a Store on pool. Empty names in cfg take the defaults; the
 // names are quoted here, once, so no name is ever read as SQL. It returns
@@ -246,8 +262,8 @@ SELECT o.id FROM %s AS o
 UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.deliveredEverywhere("o"), outbox),
 
 		// Every transaction inTx runs (settlements, claims, ledger claims,
-		// marks, checkpoints) starts with one of these three statements.
-		// Each also turns sequential scans off for the transaction
+		// marks, checkpoints) starts with one of these statements.
+		// Each also turns sequential scans and JIT off for the transaction
 		// (planTx): its statements find their rows by key. The hand-over's
 		// own transactions (a whole-table pass) do not.
 		setAsyncCommit: `SELECT set_config('synchronous_commit', 'off', true), ` + planTx,
@@ -257,6 +273,8 @@ UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.i
        CASE WHEN current_setting('synchronous_commit') <> 'remote_apply'
             THEN set_config('synchronous_commit', 'on', true) END`,
 		setPlanning: `SELECT ` + planTx,
+		// A claim commits without waiting for its WAL (Claim).
+		setClaim: `SELECT set_config('synchronous_commit', 'off', true), ` + planClaimTx,
 	}
 }
 

@@ -39,13 +39,15 @@ type env struct {
 	pgss bool
 
 	cluster *pgtest.Cluster
-	nats    *harness.NATSServer
-	natsBin string
-	natsVer string
-	natsURL string
-	nc      *nats.Conn
-	js      jetstream.JetStream
-	recv    *receiver
+	// serverLog is the cluster's log file with -auto-explain.
+	serverLog *os.File
+	nats      *harness.NATSServer
+	natsBin   string
+	natsVer   string
+	natsURL   string
+	nc        *nats.Conn
+	js        jetstream.JetStream
+	recv      *receiver
 }
 
 // say prints a progress line.
@@ -94,8 +96,31 @@ func setUp(ctx context.Context, o options, out io.Writer) (*env, error) {
 			settings["pg_stat_statements.track"] = "none"
 		}
 	}
+	var serverLog io.Writer
+	if e.o.autoExplain > 0 {
+		// Plans of slow statements, with their actual rows and times, in a
+		// server log kept in the work directory (-keep keeps it).
+		lib, err := libdir()
+		if err != nil {
+			return nil, err
+		}
+		if _, err := os.Stat(filepath.Join(lib, "auto_explain.so")); err != nil {
+			return nil, fmt.Errorf("-auto-explain: %w", err)
+		}
+		settings["shared_preload_libraries"] = strings.TrimPrefix(settings["shared_preload_libraries"]+",auto_explain", ",")
+		settings["auto_explain.log_min_duration"] = fmt.Sprintf("%dms", e.o.autoExplain.Milliseconds())
+		settings["auto_explain.log_analyze"] = "on"
+		settings["auto_explain.log_nested_statements"] = "on"
+		f, err := os.Create(filepath.Join(e.work, "postgres.log"))
+		if err != nil {
+			return nil, err
+		}
+		e.serverLog = f
+		serverLog = f
+		e.say("auto_explain: plans of statements over %s in %s", e.o.autoExplain, f.Name())
+	}
 	e.say("starting a private PostgreSQL cluster (wal_level=logical, fsync=on; pg_stat_statements loaded: %v)", e.pgss)
-	e.cluster, err = pgtest.StartCluster(ctx, pgtest.Options{Settings: settings})
+	e.cluster, err = pgtest.StartCluster(ctx, pgtest.Options{Settings: settings, Log: serverLog})
 	if err != nil {
 		return nil, err
 	}
@@ -140,6 +165,9 @@ func (e *env) close() {
 	}
 	if e.cluster != nil {
 		_ = e.cluster.Close()
+	}
+	if e.serverLog != nil {
+		_ = e.serverLog.Close()
 	}
 	if e.o.keep {
 		fmt.Fprintf(e.out, "==> kept the work directory %s\n", e.work)
@@ -212,13 +240,62 @@ func (e *env) newDatabase(ctx context.Context, name string) (string, error) {
 	if err := harness.Migrate(ctx, e.o.relayBin, url); err != nil {
 		return "", err
 	}
+	if e.o.statements > 0 && e.pgss {
+		// Sessions opened from now on are tracked; dropDatabase prints them.
+		conn, err := e.connectBench(ctx, e.cluster.URL("postgres"))
+		if err != nil {
+			return "", err
+		}
+		_, err = conn.Exec(ctx, `ALTER DATABASE `+name+` SET pg_stat_statements.track = 'top'`)
+		conn.Close(ctx)
+		if err != nil {
+			return "", err
+		}
+	}
 	return url, nil
+}
+
+// topStatements prints the -statements statements of database name with
+// the most execution time (waits included), the bench's own among them.
+func (e *env) topStatements(ctx context.Context, name string) {
+	conn, err := e.connectBench(ctx, e.cluster.URL("postgres"))
+	if err != nil {
+		e.say("warning: statements of %s: %v", name, err)
+		return
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, `SELECT s.calls, s.total_exec_time, s.rows,
+       coalesce((to_jsonb(s) ->> 'jit_functions')::bigint, 0), regexp_replace(s.query, '\s+', ' ', 'g')
+  FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+ WHERE d.datname = $1 ORDER BY s.total_exec_time DESC LIMIT $2`, name, e.o.statements)
+	if err != nil {
+		e.say("warning: statements of %s: %v", name, err)
+		return
+	}
+	defer rows.Close()
+	e.say("statements of %s, by execution time (calls, total ms, mean ms, rows, functions compiled by JIT):", name)
+	for rows.Next() {
+		var calls, n, jit int64
+		var ms float64
+		var q string
+		if err := rows.Scan(&calls, &ms, &n, &jit, &q); err != nil {
+			e.say("warning: statements of %s: %v", name, err)
+			return
+		}
+		if len(q) > 240 {
+			q = q[:240] + "…"
+		}
+		e.say("  %8d %10.0f %8.2f %9d %5d  %s", calls, ms, ms/float64(max(calls, 1)), n, jit, q)
+	}
 }
 
 // dropDatabase drops a phase's database (and with it the slots it holds).
 func (e *env) dropDatabase(name string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	if e.o.statements > 0 && e.pgss {
+		e.topStatements(ctx, name)
+	}
 	if err := e.cluster.DropDatabase(ctx, name); err != nil {
 		e.say("warning: drop database %s: %v", name, err)
 	}

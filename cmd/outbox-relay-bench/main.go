@@ -140,6 +140,8 @@ type options struct {
 	quick             bool
 	phases            string
 	keep              bool
+	statements        int
+	autoExplain       time.Duration
 }
 
 // quickValues are the sizes -quick uses for flags not given explicitly.
@@ -188,6 +190,8 @@ func main() {
 	fs.BoolVar(&o.keep, "keep", false, "keep the work directory (logs, configs) after the run")
 	fs.Var(&o.relayEnv, "relay-env", "KEY=VALUE added to every relay's environment (repeatable), e.g. GOGC=200 to compare a runtime setting in one run")
 	fs.StringVar(&o.profileDir, "profile", "", "write the relay's CPU profile of each steady phase's measured window to this directory (<phase>.cpu.pprof)")
+	fs.IntVar(&o.statements, "statements", 0, "print the N statements with the most execution time in each relay database when its phase ends (pg_stat_statements; 0: none)")
+	fs.DurationVar(&o.autoExplain, "auto-explain", 0, "log the plans (EXPLAIN ANALYZE) of statements slower than this to postgres.log in the work directory (auto_explain; with -keep; 0: off)")
 	claimFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the workload of docs/performance.md and prints a markdown table.\n\n")
