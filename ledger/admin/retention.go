@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -25,6 +26,10 @@ type RetentionConfig struct {
 	LedgerAfter time.Duration
 	// Batch is the number of rows per DELETE [1000].
 	Batch int
+	// Scan is the number of rows one statement looks at [10 × Batch]:
+	// Prune walks the outbox by id and the ledger by key in slices of this
+	// many rows, so that no statement holds a snapshot over a whole table.
+	Scan int
 	// Horizon, when set, keeps every row the relay's slot could still send
 	// again (see Horizon); RunRetention makes one for Slot.
 	Horizon *Horizon
@@ -140,15 +145,24 @@ func (h *Horizon) advance(ctx context.Context, db DB) (horizonBounds, error) {
 // meanwhile is kept. Prune is safe to run concurrently with the relay and
 // with itself.
 //
-// Finding old rows scans the outbox's done rows and the ledger: neither has
-// an index on the time columns, and retention keeps both small. When ctx
-// ends, Prune returns what it deleted so far with ctx's error.
+// Finding old rows reads the whole outbox and the whole ledger (neither has
+// an index on the time columns), in slices of Scan rows by primary key:
+// each slice's statements are short, however large the tables and however
+// few of their rows are old. One statement that scanned a whole table
+// found nothing to delete on a young outbox, took minutes on a large one,
+// and held back the oldest snapshot all the while, so that no dead row
+// version could be removed and every index scan of the relay slowed
+// (docs/operations.md, "Retention"). When ctx ends, Prune returns what it
+// deleted so far with ctx's error.
 func Prune(ctx context.Context, db DB, t Tables, cfg RetentionConfig) (doneRows, ledgerRows int64, err error) {
 	if cfg.DoneAfter <= 0 || cfg.LedgerAfter <= 0 {
 		return 0, 0, errors.New("prune: the retention ages must be greater than zero")
 	}
 	if cfg.Batch <= 0 {
 		cfg.Batch = 1000
+	}
+	if cfg.Scan <= 0 {
+		cfg.Scan = 10 * cfg.Batch
 	}
 	bounds := horizonBounds{all: true}
 	if cfg.Horizon != nil {
@@ -181,8 +195,10 @@ WITH gone AS (
 DELETE FROM %[1]s AS o
  WHERE o.id IN (
        SELECT x.id FROM %[1]s AS x
-        WHERE x.status = 'done' AND coalesce(x.processed_at, x.created_at) < now() - $1 * interval '1 microsecond'
+        WHERE x.id > $4 AND x.id <= $5
+          AND x.status = 'done' AND coalesce(x.processed_at, x.created_at) < now() - $1 * interval '1 microsecond'
           AND %[3]s
+        ORDER BY x.id
         LIMIT $2
           FOR UPDATE SKIP LOCKED)
    AND o.status = 'done'
@@ -200,8 +216,10 @@ WITH gone AS (
 DELETE FROM %[1]s AS o
  WHERE o.id IN (
        SELECT x.id FROM %[1]s AS x
-        WHERE %[3]s AND x.created_at < now() - $1 * interval '1 microsecond'
+        WHERE x.id > $4 AND x.id <= $5
+          AND %[3]s AND x.created_at < now() - $1 * interval '1 microsecond'
           AND %[4]s
+        ORDER BY x.id
         LIMIT $2
           FOR UPDATE SKIP LOCKED)
    AND %[5]s
@@ -215,20 +233,48 @@ SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quo
 	// row's ledger rows stay while the slot could still send the row again,
 	// like the row itself ($3, $4: the same horizon; $4 when the slot has
 	// passed no sample yet), so that a stream restarted behind it finds
-	// every pair recorded. The NOT EXISTS probes the outbox's unique index
-	// on event_key.
-	pruneLedger := fmt.Sprintf(`
+	// every pair recorded. Each NOT EXISTS probes the outbox's unique index
+	// on event_key per ledger row of the slice (OFFSET 0 keeps it from
+	// becoming an anti-join that reads the whole outbox).
+	// $5, $6 .. $7, $8: the slice of keys, its lower end included in the
+	// first slice (from) and excluded after it.
+	pruneLedger := func(from string) string {
+		return fmt.Sprintf(`
 DELETE FROM %[1]s
  WHERE ctid = ANY (ARRAY(
        SELECT l.ctid FROM %[1]s AS l
-        WHERE (coalesce(l.delivered_at, l.claimed_at) < now() - $1 * interval '1 microsecond'
+        WHERE (l.event_key, l.action) %[4]s ($5, $6) AND (l.event_key, l.action) <= ($7, $8)
+          AND (coalesce(l.delivered_at, l.claimed_at) < now() - $1 * interval '1 microsecond'
                OR (l.delivered_at IS NULL AND l.claimed_at IS NULL
-                   AND NOT EXISTS (SELECT 1 FROM %[2]s AS o WHERE o.event_key = l.event_key)))
+                   AND NOT EXISTS (SELECT 1 FROM %[2]s AS o WHERE o.event_key = l.event_key OFFSET 0)))
           AND NOT EXISTS (SELECT 1 FROM %[2]s AS o
                            WHERE o.event_key = l.event_key
-                             AND (o.status IS DISTINCT FROM 'done' OR $4::boolean OR NOT %[3]s))
+                             AND (o.status IS DISTINCT FROM 'done' OR $4::boolean OR NOT %[3]s)
+                          OFFSET 0)
+        ORDER BY l.event_key, l.action
         LIMIT $2
-          FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted(), behindSlot("o"))
+          FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted(), behindSlot("o"), from)
+	}
+	pruneLedgerFirst, pruneLedgerNext := pruneLedger(">="), pruneLedger(">")
+
+	// Where a slice ends: the Scan-th row after its start, or the table's
+	// last row (the last slice; rows added since wait for the next pass).
+	// NULL: nothing after the start.
+	outboxSlice := fmt.Sprintf(`
+SELECT coalesce(n.id, m.id), n.id IS NULL
+  FROM (SELECT 1) AS one
+  LEFT JOIN LATERAL (SELECT id FROM %[1]s WHERE id > $1 ORDER BY id OFFSET $2 - 1 LIMIT 1) AS n ON true
+  LEFT JOIN LATERAL (SELECT id FROM %[1]s WHERE id > $1 ORDER BY id DESC LIMIT 1) AS m ON true`, t.Outbox.Quoted())
+	ledgerSlice := func(from string) string {
+		return fmt.Sprintf(`
+SELECT coalesce(n.event_key, m.event_key), coalesce(n.action, m.action), n.event_key IS NULL
+  FROM (SELECT 1) AS one
+  LEFT JOIN LATERAL (SELECT event_key, action FROM %[1]s WHERE (event_key, action) %[2]s ($1, $2)
+                      ORDER BY event_key, action OFFSET $3 - 1 LIMIT 1) AS n ON true
+  LEFT JOIN LATERAL (SELECT event_key, action FROM %[1]s WHERE (event_key, action) %[2]s ($1, $2)
+                      ORDER BY event_key DESC, action DESC LIMIT 1) AS m ON true`, t.Ledger.Quoted(), from)
+	}
+	ledgerSliceFirst, ledgerSliceNext := ledgerSlice(">="), ledgerSlice(">")
 
 	prunes := []string{pruneDone}
 	if cfg.DeliveredPending && len(t.Sinks) > 0 {
@@ -237,34 +283,76 @@ DELETE FROM %[1]s
 	if bounds.none {
 		prunes = nil
 	}
-	for _, sql := range prunes {
-		for {
-			var rows, ledgerWith int64
-			if err := db.QueryRow(ctx, sql, cfg.DoneAfter.Microseconds(), cfg.Batch, xmin).Scan(&rows, &ledgerWith); err != nil {
-				return doneRows, ledgerRows, fmt.Errorf("prune done rows of %s: %w", t.Outbox, err)
+	// The outbox, a slice of ids at a time; in each slice, DELETEs of at
+	// most Batch rows until one deletes fewer.
+	for lo := int64(math.MinInt64); len(prunes) > 0; {
+		var hi *int64
+		var last bool
+		if err := db.QueryRow(ctx, outboxSlice, lo, cfg.Scan).Scan(&hi, &last); err != nil {
+			return doneRows, ledgerRows, fmt.Errorf("prune done rows of %s: %w", t.Outbox, err)
+		}
+		if hi == nil {
+			break
+		}
+		for _, sql := range prunes {
+			for {
+				var rows, ledgerWith int64
+				if err := db.QueryRow(ctx, sql, cfg.DoneAfter.Microseconds(), cfg.Batch, xmin, lo, *hi).Scan(&rows, &ledgerWith); err != nil {
+					return doneRows, ledgerRows, fmt.Errorf("prune done rows of %s: %w", t.Outbox, err)
+				}
+				doneRows += rows
+				ledgerRows += ledgerWith
+				if rows < int64(cfg.Batch) {
+					break
+				}
+				if err := ctx.Err(); err != nil {
+					return doneRows, ledgerRows, err
+				}
 			}
-			doneRows += rows
-			ledgerRows += ledgerWith
-			if rows < int64(cfg.Batch) {
+		}
+		if last {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			return doneRows, ledgerRows, err
+		}
+		lo = *hi
+	}
+	// The ledger, a slice of keys at a time.
+	loKey, loAction, first := "", "", true
+	for {
+		slice, prune := ledgerSliceNext, pruneLedgerNext
+		if first {
+			slice, prune = ledgerSliceFirst, pruneLedgerFirst
+		}
+		var hiKey, hiAction *string
+		var last bool
+		if err := db.QueryRow(ctx, slice, loKey, loAction, cfg.Scan).Scan(&hiKey, &hiAction, &last); err != nil {
+			return doneRows, ledgerRows, fmt.Errorf("prune ledger rows of %s: %w", t.Ledger, err)
+		}
+		if hiKey == nil {
+			return doneRows, ledgerRows, nil
+		}
+		for {
+			tag, err := db.Exec(ctx, prune, cfg.LedgerAfter.Microseconds(), cfg.Batch, xmin, bounds.none, loKey, loAction, *hiKey, *hiAction)
+			if err != nil {
+				return doneRows, ledgerRows, fmt.Errorf("prune ledger rows of %s: %w", t.Ledger, err)
+			}
+			ledgerRows += tag.RowsAffected()
+			if tag.RowsAffected() < int64(cfg.Batch) {
 				break
 			}
 			if err := ctx.Err(); err != nil {
 				return doneRows, ledgerRows, err
 			}
 		}
-	}
-	for {
-		tag, err := db.Exec(ctx, pruneLedger, cfg.LedgerAfter.Microseconds(), cfg.Batch, xmin, bounds.none)
-		if err != nil {
-			return doneRows, ledgerRows, fmt.Errorf("prune ledger rows of %s: %w", t.Ledger, err)
-		}
-		ledgerRows += tag.RowsAffected()
-		if tag.RowsAffected() < int64(cfg.Batch) {
+		if last {
 			return doneRows, ledgerRows, nil
 		}
 		if err := ctx.Err(); err != nil {
 			return doneRows, ledgerRows, err
 		}
+		loKey, loAction, first = *hiKey, *hiAction, false
 	}
 }
 
