@@ -102,7 +102,7 @@ func TestClaimWindowFollowsItsIndexBeforeStatistics(t *testing.T) {
 					if _, err := tx.Exec(ctx, db.store.ClaimTxSetting()); err != nil {
 						return err
 					}
-					rows, err := tx.Query(ctx, fmt.Sprintf("EXPLAIN (ANALYZE, TIMING OFF, SUMMARY ON) EXECUTE s%d(%s)", i, claimLiterals(st.args)), pgx.QueryExecModeSimpleProtocol)
+					rows, err := tx.Query(ctx, fmt.Sprintf("EXPLAIN (ANALYZE, TIMING OFF, SUMMARY ON) EXECUTE s%d(%s)", i, sqlLiterals(st.args)), pgx.QueryExecModeSimpleProtocol)
 					if err != nil {
 						return err
 					}
@@ -154,42 +154,4 @@ func windowScan(lines []string) string {
 		}
 	}
 	return ""
-}
-
-// claimLiterals renders ClaimStatement's arguments as SQL literals for
-// EXECUTE.
-func claimLiterals(args []any) string {
-	out := make([]string, len(args))
-	for i, a := range args {
-		switch v := a.(type) {
-		case int:
-			out[i] = fmt.Sprint(v)
-		case int64:
-			out[i] = fmt.Sprint(v)
-		case bool:
-			out[i] = fmt.Sprint(v)
-		case string:
-			out[i] = "'" + v + "'"
-		case []string:
-			out[i] = "'{" + strings.Join(v, ",") + "}'"
-		case []bool:
-			parts := make([]string, len(v))
-			for j, b := range v {
-				parts[j] = fmt.Sprint(b)
-			}
-			out[i] = "'{" + strings.Join(parts, ",") + "}'"
-		case []*string:
-			parts := make([]string, len(v))
-			for j, s := range v {
-				parts[j] = "NULL"
-				if s != nil {
-					parts[j] = `"` + strings.ReplaceAll(*s, `\`, `\\`) + `"`
-				}
-			}
-			out[i] = "'{" + strings.Join(parts, ",") + "}'"
-		default:
-			out[i] = "'-infinity'" // the cursor: the window's front
-		}
-	}
-	return strings.Join(out, ", ")
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
@@ -533,8 +534,8 @@ func rowsExamined(lines []string) int {
 	return most
 }
 
-// sqlLiterals renders BatchStatement arguments as SQL literals for
-// EXECUTE (the test's values hold no quotes).
+// sqlLiterals renders BatchStatement and claim arguments as SQL literals
+// for EXECUTE (the test's values hold no quotes).
 func sqlLiterals(args []any) string {
 	out := make([]string, len(args))
 	for i, a := range args {
@@ -563,6 +564,30 @@ func sqlLiterals(args []any) string {
 				parts[j] = "NULL"
 			}
 			out[i] = "'{" + strings.Join(parts, ",") + "}'"
+		case int:
+			out[i] = strconv.Itoa(v)
+		case bool:
+			out[i] = strconv.FormatBool(v)
+		case []bool:
+			parts := make([]string, len(v))
+			for j, b := range v {
+				parts[j] = strconv.FormatBool(b)
+			}
+			out[i] = "'{" + strings.Join(parts, ",") + "}'"
+		case []*string:
+			parts := make([]string, len(v))
+			for j, x := range v {
+				parts[j] = "NULL"
+				if x != nil {
+					parts[j] = `"` + strings.ReplaceAll(*x, `\`, `\\`) + `"`
+				}
+			}
+			out[i] = "'{" + strings.Join(parts, ",") + "}'"
+		case pgtype.Timestamptz:
+			if v.InfinityModifier != pgtype.NegativeInfinity {
+				panic("sqlLiterals: only the claim's cursor at the front (-infinity)")
+			}
+			out[i] = "'-infinity'"
 		default:
 			panic(fmt.Sprintf("sqlLiterals: %T", a))
 		}
