@@ -98,3 +98,11 @@ func (s *Store) BatchStatements(ids []int64, keys, aggregates []string, action, 
 
 // ClaimTxSetting is the statement that begins each claim's transaction.
 func (s *Store) ClaimTxSetting() string { return s.sql.setClaim }
+
+// ScanStatements returns the pending scan's read of an id range ($1, $2]
+// and its recheck of the watch list's ids ($1), for EXPLAIN.
+func (s *Store) ScanStatements() (rng, recheck string) { return s.sql.scanRange, s.sql.scanRecheck }
+
+// MarkDeliveredDoneStatement returns MarkDeliveredDone's statement for an
+// id range ($1, $2], for EXPLAIN.
+func (s *Store) MarkDeliveredDoneStatement() string { return s.sql.markDeliveredDone }

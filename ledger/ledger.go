@@ -251,12 +251,13 @@ UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, n
 		// One id range at a time ($1, $2], in id order, skipping rows
 		// another statement has locked (the engine's own MarkDone): it runs
 		// beside the stream and never waits for, or deadlocks with, it.
+		// The range is read by id alone, like the pending scan's (scan.go).
 		pendingRange: fmt.Sprintf(`
 SELECT min(id), max(id) FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
 		markDeliveredDone: fmt.Sprintf(`
 WITH c AS (
 SELECT o.id FROM %s AS o
- WHERE o.id > $1 AND o.id <= $2 AND o.status = 'pending' AND o.handoff_at IS NULL
+ WHERE o.id > $1 AND o.id <= $2 AND (o.status = 'pending' AND o.handoff_at IS NULL) IS TRUE
    AND %s
    FOR UPDATE SKIP LOCKED)
 UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.deliveredEverywhere("o"), outbox),
