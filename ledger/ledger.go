@@ -134,20 +134,22 @@ type statements struct {
 // they were small, the planner chose to scan the whole outbox or ledger
 // for them (docs/performance.md, "Plans that do not depend on
 // statistics"). It is the planner's cost, not a ban: a statement with no
-// index to use still scans. That cost is added to the plan's estimate, which
-// would then pass jit_above_cost and have each execution compiled (1.5 s
-// for a claim), so JIT is off too: the relay's statements touch a batch's
-// rows, never enough for compiled expressions to pay.
+// index to use still scans. A turned-off plan type is a cost added to the
+// plan's estimate, which can then pass jit_above_cost and have every
+// execution compiled (1.5 s a claim with sorts off, planClaimTx), so JIT is
+// off too, whatever the database URL says (the relay's pool turns it off
+// unless the URL turns it on): the relay's statements touch a batch's rows,
+// never enough for compiled expressions to pay.
 const planTx = `set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)`
 
 // planClaimTx also turns sorts off for a claim's transaction: its window
 // (the due rows after its cursor, oldest or newest first) is read in the
 // order of a partial index that holds only claimable rows (the hand-off
 // index, or the claim index in poll mode), where a scan stops after the
-// window's rows. Before the table's first ANALYZE, or with statistics from
-// before a hand-over, the planner chose the seed's status index instead and
-// sorted what it read: every pending row, the stream's too
-// (docs/performance.md, "Plans that do not depend on statistics"). The
+// window's rows. Before the table's first ANALYZE (where a relay attached
+// to a freshly written backlog starts) the planner chose the seed's status
+// index instead and sorted what it read: every pending row, the stream's
+// too (docs/performance.md, "The claim's window"). The
 // claim's other sorts (its aggregates' ranks and runs) have no unsorted
 // alternative and are planned as before.
 const planClaimTx = planTx + `, set_config('enable_sort', 'off', true), set_config('enable_incremental_sort', 'off', true)`
