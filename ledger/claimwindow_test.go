@@ -2,7 +2,6 @@ package ledger_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"regexp"
 	"strings"
@@ -94,27 +93,7 @@ func TestClaimWindowFollowsItsIndexBeforeStatistics(t *testing.T) {
 	explain := func(stage string) {
 		for i, st := range statements {
 			for _, cache := range []string{"force_custom_plan", "force_generic_plan"} {
-				if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+cache); err != nil {
-					t.Fatal(err)
-				}
-				var lines []string
-				err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-					if _, err := tx.Exec(ctx, db.store.ClaimTxSetting()); err != nil {
-						return err
-					}
-					rows, err := tx.Query(ctx, fmt.Sprintf("EXPLAIN (ANALYZE, TIMING OFF, SUMMARY ON) EXECUTE s%d(%s)", i, sqlLiterals(st.args)), pgx.QueryExecModeSimpleProtocol)
-					if err != nil {
-						return err
-					}
-					lines, err = pgx.CollectRows(rows, pgx.RowTo[string])
-					if err != nil {
-						return err
-					}
-					return errExplainRollback
-				})
-				if !errors.Is(err, errExplainRollback) {
-					t.Fatalf("%s, %s, %s: %v", stage, st.name, cache, err)
-				}
+				lines := explainPrepared(t, conn, cache, db.store.ClaimTxSetting(), "", fmt.Sprintf("s%d", i), st.args)
 				plan := strings.Join(lines, "\n")
 				window := windowScan(lines)
 				switch {

@@ -494,6 +494,39 @@ func TestBatchStatementsProbeKeysBeforeStatistics(t *testing.T) {
 	explain(t, "60,000 rows analyzed", "force_custom_plan", true)
 }
 
+// explainPrepared runs the prepared statement name with args under
+// EXPLAIN (ANALYZE, TIMING OFF, SUMMARY ON, and options), with the plan
+// cache in mode cache, in a transaction that begins with setting (when not
+// empty) and is rolled back, and returns the plan's lines.
+func explainPrepared(t *testing.T, conn *pgxpool.Conn, cache, setting, options, name string, args []any) []string {
+	t.Helper()
+	ctx := context.Background()
+	if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+cache); err != nil {
+		t.Fatal(err)
+	}
+	var lines []string
+	err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		if setting != "" {
+			if _, err := tx.Exec(ctx, setting); err != nil {
+				return err
+			}
+		}
+		rows, err := tx.Query(ctx, fmt.Sprintf("EXPLAIN (ANALYZE, TIMING OFF, SUMMARY ON%s) EXECUTE %s(%s)", options, name, sqlLiterals(args)), pgx.QueryExecModeSimpleProtocol)
+		if err != nil {
+			return err
+		}
+		lines, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return err
+		}
+		return errExplainRollback
+	})
+	if !errors.Is(err, errExplainRollback) {
+		t.Fatalf("%s, %s: %v", name, cache, err)
+	}
+	return lines
+}
+
 // rowsExamined is the most rows one node of an EXPLAIN ANALYZE plan read
 // from the outbox or the ledger (returned and removed by its filter, over
 // all its loops), or removed by one join filter.

@@ -2,7 +2,6 @@ package ledger_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -70,24 +69,7 @@ func TestPendingScanReadsItsIdsBeforeStatistics(t *testing.T) {
 	explain := func(stage string) {
 		for i, st := range statements {
 			for _, cache := range []string{"force_custom_plan", "force_generic_plan"} {
-				if _, err := conn.Exec(ctx, "SET plan_cache_mode = "+cache); err != nil {
-					t.Fatal(err)
-				}
-				var lines []string
-				err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-					rows, err := tx.Query(ctx, fmt.Sprintf("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) EXECUTE scan%d(%s)", i, sqlLiterals(st.args)), pgx.QueryExecModeSimpleProtocol)
-					if err != nil {
-						return err
-					}
-					lines, err = pgx.CollectRows(rows, pgx.RowTo[string])
-					if err != nil {
-						return err
-					}
-					return errExplainRollback
-				})
-				if !errors.Is(err, errExplainRollback) {
-					t.Fatalf("%s, %s, %s: %v", stage, st.name, cache, err)
-				}
+				lines := explainPrepared(t, conn, cache, "", ", COSTS OFF", fmt.Sprintf("scan%d", i), st.args)
 				plan := strings.Join(lines, "\n")
 				switch n := rowsExamined(lines); {
 				case strings.Contains(plan, "integration_outbox_status_available_at_created_at_idx"):
