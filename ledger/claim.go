@@ -512,6 +512,17 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	// Their runs start at the aggregate's oldest unsettled row wherever it
 	// lies, so the claim path catches up with those aggregates, and gives
 	// them back to the stream, without waiting for the whole backlog.
+	if !q.All && !q.DueSince.IsZero() {
+		// Only the aggregates with rows due since then: the newest window
+		// from that point on (docs/architecture.md, "The claim path yields
+		// to a lagging stream"). Each run still starts at its aggregate's
+		// oldest unsettled row.
+		s.claimMu.Lock()
+		newestSQL := s.sql.claim.newest[s.claimShape]
+		s.claimMu.Unlock()
+		recent, _, err := s.claimFrom(ctx, newestSQL, q, names, every, regex, q.DueSince, 0, window, q.Limit)
+		return recent, err
+	}
 	var newest []*relay.Work
 	if !q.All && s.claimBacklog.Load() {
 		s.claimMu.Lock()

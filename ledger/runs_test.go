@@ -5,6 +5,7 @@ import (
 	"regexp"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -53,6 +54,33 @@ func insertRows(tb testing.TB, db *claimDB, n int, aggs ...string) map[string][]
 		}
 	}
 	return ids
+}
+
+// insertBacklogAndRecent inserts n handed-off rows over 100 aggregates, due
+// an hour ago, and aggregate z's run: a row due 10 minutes ago and two due a
+// second ago; it returns z's ids.
+func insertBacklogAndRecent(tb testing.TB, db *claimDB, n int) []int64 {
+	tb.Helper()
+	ctx := context.Background()
+	_, err := db.pool.Exec(ctx, `
+		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, available_at, handoff_at)
+		SELECT 'order.placed', 'order', 'a' || (i % 100), 'k' || i, '{}', now() - interval '1 hour' + i * interval '1 ms', now()
+		  FROM generate_series(1, $1::int) AS i`, n)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var z []int64
+	for i, at := range []string{"now() - interval '10 minutes'", "now() - interval '1 second'", "now() - interval '1 second'"} {
+		var id int64
+		err := db.pool.QueryRow(ctx, `
+			INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, available_at, handoff_at)
+			VALUES ('order.placed', 'order', 'z', 'z-' || $1::int, '{}', `+at+`, now()) RETURNING id`, i).Scan(&id)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		z = append(z, id)
+	}
+	return z
 }
 
 // A claim takes runs: several rows of a hot aggregate at once, in id order,
@@ -222,24 +250,7 @@ func TestPollClaimMakesRowsTheClaimPaths(t *testing.T) {
 func TestClaimTakesTheNewestHandOffsDuringABacklog(t *testing.T) {
 	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
 	ctx := context.Background()
-	_, err := db.pool.Exec(ctx, `
-		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, available_at, handoff_at)
-		SELECT 'order.placed', 'order', 'a' || (i % 100), 'k' || i, '{}', now() - interval '1 hour' + i * interval '1 ms', now()
-		  FROM generate_series(1, 5000) AS i`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var z []int64
-	for i, at := range []string{"now() - interval '10 minutes'", "now() - interval '1 second'", "now() - interval '1 second'"} {
-		var id int64
-		err := db.pool.QueryRow(ctx, `
-			INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, available_at, handoff_at)
-			VALUES ('order.placed', 'order', 'z', 'z-' || $1::int, '{}', `+at+`, now()) RETURNING id`, i).Scan(&id)
-		if err != nil {
-			t.Fatal(err)
-		}
-		z = append(z, id)
-	}
+	z := insertBacklogAndRecent(t, db, 5000)
 	owner := ledger.NewOwner()
 	claim := func() map[string][]int64 {
 		works, err := db.store.Claim(ctx, relay.ClaimQuery{Limit: 100, Owner: owner})
@@ -258,5 +269,30 @@ func TestClaimTakesTheNewestHandOffsDuringABacklog(t *testing.T) {
 	}
 	if got := claim()["z"]; !slices.Equal(got, z) {
 		t.Fatalf("the second claim took %v of aggregate z, want its run %v (old row first)", got, z)
+	}
+}
+
+// A claim with DueSince takes only the runs of aggregates with rows due
+// since then — each from the aggregate's oldest unsettled row — and nothing
+// of the backlog behind it (docs/architecture.md, "The claim path yields to
+// a lagging stream").
+func TestClaimDueSinceTakesOnlyRecentAggregates(t *testing.T) {
+	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	ctx := context.Background()
+	z := insertBacklogAndRecent(t, db, 2000)
+	works, err := db.store.Claim(ctx, relay.ClaimQuery{Limit: 100, Owner: ledger.NewOwner(), DueSince: time.Now().Add(-10 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []int64
+	for _, w := range works {
+		if agg := *w.Event.AggregateID; agg != "z" {
+			t.Errorf("claimed row %d of aggregate %s, whose rows are all due an hour ago", w.Event.ID, agg)
+			continue
+		}
+		got = append(got, w.Event.ID)
+	}
+	if !slices.Equal(got, z) {
+		t.Fatalf("claimed %v of aggregate z, want its run %v (the old row first)", got, z)
 	}
 }

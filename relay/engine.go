@@ -166,6 +166,18 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 // Stream returns the Consumer the replication source feeds.
 func (e *Engine) Stream() Consumer { return e.stream }
 
+// StreamLag returns the walsender's lag the replication source last
+// reported (Consumer.Sent) and when it did; at is zero when it never has.
+// The claim path yields to a stream that lags (docs/architecture.md, "The
+// claim path yields to a lagging stream").
+func (e *Engine) StreamLag() (lag time.Duration, at time.Time) {
+	n := e.stream.sentAt.Load()
+	if n == 0 {
+		return 0, time.Time{}
+	}
+	return time.Duration(e.stream.sentLag.Load()), time.Unix(0, n)
+}
+
 // Run loads the diverted aggregates, then runs the lanes and the writers
 // until ctx is done. Call Drain first for a graceful stop, and Halt when
 // nothing more may be sent (a lost lease). Every goroutine it starts has

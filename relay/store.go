@@ -162,6 +162,11 @@ type ClaimQuery struct {
 	Limit int
 	// Owner names this relay in locked_by.
 	Owner string
+	// DueSince, when set (replication mode), claims only runs of
+	// aggregates with rows due since then, newest first: what a claim path
+	// yielding to a lagging stream still takes (docs/architecture.md, "The
+	// claim path yields to a lagging stream").
+	DueSince time.Time
 }
 
 // ClaimStore is the claim path's view of the outbox table and the ledger.
@@ -239,6 +244,11 @@ type Consumer interface {
 	// does not wait for events still in flight: an event the slot sends
 	// again while it is in flight joins it instead of being sent twice.
 	Restart(ctx context.Context, horizon LSN) error
+	// Sent reports, for the transaction whose Commit the source has just
+	// received, how long after its commit the walsender sent it (both
+	// times by the server's clock): how far behind the walsender's
+	// decoding is. It may be called concurrently with the others.
+	Sent(lag time.Duration)
 	// PositionWanted reports whether the consumer waits to learn how far
 	// the walsender has decoded (its write-back is paced by it): the source
 	// then asks the server for its position (a keepalive) more often than

@@ -20,6 +20,9 @@ type streamFeed struct {
 	// transaction's end, a keepalive): the walsender has decoded the WAL
 	// up to it. The mark-done loop paces itself by it.
 	decoded atomic.Uint64
+	// sentLag and sentAt are the last lag Sent reported and when
+	// (UnixNano; 0: never).
+	sentLag, sentAt atomic.Int64
 }
 
 // decodedPast reports whether the stream has reported a position at or past
@@ -135,6 +138,12 @@ func (f *streamFeed) Commit(endLSN LSN) {
 func (f *streamFeed) Keepalive(walEnd LSN) {
 	f.raiseDecoded(walEnd)
 	f.tracker.keepalive(walEnd)
+}
+
+// Sent implements Consumer.
+func (f *streamFeed) Sent(lag time.Duration) {
+	f.sentLag.Store(int64(lag))
+	f.sentAt.Store(time.Now().UnixNano())
 }
 
 // Settled implements Consumer.

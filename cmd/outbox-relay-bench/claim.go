@@ -254,6 +254,7 @@ func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 		time.Sleep(100 * time.Millisecond)
 	}
 	ms, missing := fresh.latencies(&fresh.nats)
+	e.saySeries(name+" fresh", fresh)
 	r.addCPU(name, u, "")
 	ratio := took.Seconds() / streamTook.Seconds()
 	r.add(name, fmt.Sprintf("%s rows behind a slot without the relay's hand-over record: all delivered (fresh events at %s/s meanwhile)", thousands(n), thousands(int(e.o.rate))),

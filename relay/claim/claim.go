@@ -12,6 +12,8 @@
 // settles the rows through the same policy as the stream's events. The
 // Source claims again at once after a full batch, and otherwise after
 // PollInterval, or sooner when a settlement, a NOTIFY or Kick wakes it.
+// While the stream lags, it yields to it: a full claim at most once a
+// second, and in between only the aggregates with recent rows (claimLoop).
 //
 // # Owners
 //
@@ -97,6 +99,9 @@ type Stats struct {
 	Claimed atomic.Int64
 	// TakenOver counts expired or orphaned leases the sweeper reset.
 	TakenOver atomic.Int64
+	// Yielded counts the claims limited to recent rows because the stream
+	// lagged.
+	Yielded atomic.Int64
 }
 
 // Source runs the claim path. Create it with New and call Run once.
@@ -227,21 +232,55 @@ func (c *Source) Run(ctx context.Context) error {
 	return nil
 }
 
+// The claim path yields to a lagging stream (docs/architecture.md, "The
+// claim path yields to a lagging stream"): in replication mode, while the
+// walsender's last reported lag is at least yieldLag and was reported
+// within yieldFresh, the claim path makes a full claim at most once per
+// yieldEvery; in between, every yieldPoll (or sooner when a settlement
+// wakes it), it claims only runs of aggregates with rows due within
+// yieldRecent: the fresh events the stream diverted to it.
+const (
+	yieldLag    = 250 * time.Millisecond
+	yieldFresh  = time.Second
+	yieldEvery  = time.Second
+	yieldRecent = 10 * time.Second
+	yieldPoll   = 100 * time.Millisecond
+)
+
+// streamLags reports whether the claim path yields to the stream now.
+func (c *Source) streamLags() bool {
+	if c.cfg.All {
+		return false // poll mode: no stream
+	}
+	lag, at := c.cfg.Engine.StreamLag()
+	return lag >= yieldLag && time.Since(at) <= yieldFresh
+}
+
 // claimLoop claims batches until ctx is done.
 func (c *Source) claimLoop(ctx context.Context) {
 	failures := 0
+	var lastFull time.Time
 	for ctx.Err() == nil {
 		again := false
+		wait := c.cfg.PollInterval
 		if c.ownerHeld.Load() {
-			n, err := c.claimBatch(ctx)
+			q := relay.ClaimQuery{All: c.cfg.All, Limit: c.cfg.BatchSize, Owner: c.cfg.Owner}
+			if time.Since(lastFull) < yieldEvery && c.streamLags() {
+				q.DueSince = time.Now().Add(-yieldRecent)
+				wait = min(wait, yieldPoll)
+				c.Stats.Yielded.Add(1)
+			} else {
+				lastFull = time.Now()
+			}
+			n, err := c.claimBatch(ctx, q)
 			if err != nil {
 				if ctx.Err() != nil {
 					return
 				}
 				failures++
-				wait := relay.RetryDelay(failures)
-				c.log.Warn().Err(err).Dur("retry_in", wait).Msg("claim a batch; retrying")
-				if !relay.Sleep(ctx, wait) {
+				delay := relay.RetryDelay(failures)
+				c.log.Warn().Err(err).Dur("retry_in", delay).Msg("claim a batch; retrying")
+				if !relay.Sleep(ctx, delay) {
 					return
 				}
 				continue
@@ -252,7 +291,7 @@ func (c *Source) claimLoop(ctx context.Context) {
 		if again {
 			continue
 		}
-		timer := time.NewTimer(c.cfg.PollInterval)
+		timer := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():
 			timer.Stop()
@@ -266,8 +305,8 @@ func (c *Source) claimLoop(ctx context.Context) {
 
 // claimBatch claims one batch and hands it to the engine. Rows the engine
 // does not take (ctx ended, the ledger claims failed) are put back.
-func (c *Source) claimBatch(ctx context.Context) (int, error) {
-	works, err := c.cfg.Store.Claim(ctx, relay.ClaimQuery{All: c.cfg.All, Limit: c.cfg.BatchSize, Owner: c.cfg.Owner})
+func (c *Source) claimBatch(ctx context.Context, q relay.ClaimQuery) (int, error) {
+	works, err := c.cfg.Store.Claim(ctx, q)
 	if err != nil || len(works) == 0 {
 		return 0, err
 	}

@@ -427,15 +427,22 @@ func MustEngine(tb testing.TB, f *fixture, o options) *rig {
 func MustStart(tb testing.TB, f *fixture, o options) *rig {
 	tb.Helper()
 	r := newRig(tb, f, o)
+	r.mustStartOn(tb, nil)
+	return r
+}
+
+// mustStartOn runs r's engine and a claim source of r on store (nil: the
+// rig's) until the test ends.
+func (r *rig) mustStartOn(tb testing.TB, store claim.Store) {
+	tb.Helper()
 	// Before the engine runs: New registers the source's wake-up with it.
-	src, err := claim.New(r.SourceConfig(tb, nil))
+	src, err := claim.New(r.SourceConfig(tb, store))
 	if err != nil {
 		tb.Fatalf("new claim source: %v", err)
 	}
 	r.Source = src
 	r.runEngine(tb)
 	runSource(tb, src)
-	return r
 }
 
 // mustEvent reads row key as the stream would decode it.

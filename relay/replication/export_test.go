@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -50,3 +51,4 @@ func (r *recordingConsumer) Keepalive(relay.LSN)                      {}
 func (r *recordingConsumer) Settled() (relay.LSN, bool)               { return 0, false }
 func (r *recordingConsumer) Restart(context.Context, relay.LSN) error { return nil }
 func (r *recordingConsumer) PositionWanted() bool                     { return false }
+func (r *recordingConsumer) Sent(time.Duration)                       {}

@@ -44,6 +44,8 @@ type fakeConsumer struct {
 	batches    []int
 	commits    []relay.LSN
 	keepalives int
+	sent       int           // Sent calls
+	sentSum    time.Duration // their lags
 	restarts   []relay.LSN
 	// eventsAtCommit[i] is how many events had been submitted when commits[i] came.
 	eventsAtCommit []int
@@ -106,6 +108,21 @@ func (c *fakeConsumer) Settled() (relay.LSN, bool) {
 	passed := c.passed
 	c.passed = false
 	return c.settled, passed
+}
+
+// Sent implements relay.Consumer: it counts the lags and sums them.
+func (c *fakeConsumer) Sent(lag time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.sent++
+	c.sentSum += lag
+}
+
+// sentLags returns how many lags Sent reported and their sum.
+func (c *fakeConsumer) sentLags() (int, time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.sent, c.sentSum
 }
 
 // PositionWanted implements relay.Consumer: positionWanted, when set.

@@ -11,7 +11,9 @@ import (
 
 // TestWalSenderLagObservedPerTransaction: every streamed transaction's
 // Commit adds one observation of commit → walsender send to
-// walsender_lag_seconds, the server's share of decode_latency_seconds.
+// walsender_lag_seconds, the server's share of decode_latency_seconds, and
+// reports it to the consumer (Sent: the claim path yields to a lagging
+// stream, docs/architecture.md).
 func TestWalSenderLagObservedPerTransaction(t *testing.T) {
 	count := func() (uint64, float64) {
 		var m dto.Metric
@@ -36,5 +38,8 @@ func TestWalSenderLagObservedPerTransaction(t *testing.T) {
 	}
 	if lag := sumAfter - sumBefore; lag < 0 || lag > 10*float64(len(keys)) {
 		t.Fatalf("walsender lag summed to %.3f s over %d transactions", lag, len(keys))
+	}
+	if n, sum := c.sentLags(); n < len(keys) || sum < 0 || sum > 10*time.Second*time.Duration(len(keys)) {
+		t.Fatalf("the consumer heard %d walsender lags (summing to %s) for %d transactions", n, sum, len(keys))
 	}
 }

@@ -392,7 +392,9 @@ func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) erro
 			case *pglogrepl.CommitMessage:
 				r.inTxn = false
 				if !m.CommitTime.IsZero() && !xld.ServerTime.IsZero() {
-					relay.WalSenderLag.Observe(max(xld.ServerTime.Sub(m.CommitTime), 0).Seconds())
+					lag := max(xld.ServerTime.Sub(m.CommitTime), 0)
+					relay.WalSenderLag.Observe(lag.Seconds())
+					r.s.cfg.Consumer.Sent(lag)
 				}
 			}
 			return r.push(ctx, streamItem{msg: m, size: int64(len(xld.WALData))})
