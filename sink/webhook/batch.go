@@ -39,6 +39,7 @@ const maxResultsBody = 4 << 20
 
 // batchItem is one event waiting for, or riding in, a batch request.
 type batchItem struct {
+	ctx  context.Context // the sender's: when it has ended, the event is not posted
 	d    *relay.Delivery
 	id   string // the event's idempotency id
 	enc  []byte // the event's array element
@@ -65,7 +66,7 @@ func (s *Sink) sendBatched(ctx context.Context, d *relay.Delivery, done func(err
 	s.inflight.Add(1)
 	s.mu.Unlock()
 	select {
-	case s.pending <- batchItem{d: d, id: id, enc: enc, done: done}:
+	case s.pending <- batchItem{ctx: ctx, d: d, id: id, enc: enc, done: done}:
 	case <-ctx.Done():
 		s.inflight.Done()
 		done(relay.TransientError(fmt.Errorf("webhook %s: not sent, waiting for room in a batch: %w", s.name, ctx.Err()), 0))

@@ -395,3 +395,48 @@ func TestBatch_NoAnswerIsUnknownForEveryEvent(t *testing.T) {
 		}
 	}
 }
+
+// TestBatch_StoppedSenderIsNotPosted: an event gathered in a batch whose
+// sender's context ends before the batch goes (the engine halted on a lost
+// lock, docs/operations-health.md "a lost lock") is not posted: its done
+// reports it not sent (transient, so the engine hands it to the claim path
+// without counting an attempt), and the events of live senders in the same
+// batch go.
+func TestBatch_StoppedSenderIsNotPosted(t *testing.T) {
+	t.Parallel()
+	rc := MustReceiver(t, nil)
+	s := MustSink(t, webhook.Config{URL: rc.URL, Batch: webhook.Batch{MaxEvents: 100, MaxWait: 300 * time.Millisecond}})
+	halted, halt := context.WithCancel(context.Background())
+	outcomes := make(chan error, 3)
+	s.Send(halted, sinktest.NewDelivery(1), func(err error) { outcomes <- err })
+	s.Send(halted, sinktest.NewDelivery(2), func(err error) { outcomes <- err })
+	live := make(chan error, 1)
+	s.Send(context.Background(), sinktest.NewDelivery(3), func(err error) { live <- err })
+	time.Sleep(50 * time.Millisecond) // gathered, not posted
+	halt()
+	for range 2 {
+		select {
+		case err := <-outcomes:
+			if class, _ := relay.Classify(err); class != relay.Transient {
+				t.Errorf("an event of the stopped sender: %v (class %v), want a transient not-sent error", err, class)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("no outcome for an event of the stopped sender")
+		}
+	}
+	select {
+	case err := <-live:
+		if err != nil {
+			t.Errorf("the live sender's event: %v, want delivered", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no outcome for the live sender's event")
+	}
+	reqs := rc.Requests()
+	if len(reqs) != 1 {
+		t.Fatalf("%d requests, want 1 (the live event's)", len(reqs))
+	}
+	if elems := mustElems(t, reqs[0].Body); len(elems) != 1 {
+		t.Errorf("the batch carried %d events, want only the live sender's", len(elems))
+	}
+}

@@ -167,12 +167,13 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 		s.workers++
 		go s.work()
 	}
-	s.jobs <- job{d: d, body: body, ce: ce, done: done}
+	s.jobs <- job{ctx: ctx, d: d, body: body, ce: ce, done: done}
 	s.mu.Unlock()
 }
 
 // job is one request for a worker: one event, or a batch.
 type job struct {
+	ctx   context.Context // the sender's: when it has ended, the event is not posted
 	d     *relay.Delivery
 	body  []byte
 	ce    []relay.Header
@@ -180,19 +181,45 @@ type job struct {
 	batch []batchItem
 }
 
+// notSent is the outcome of an event whose sender's context ended before
+// its request was made — the engine halted on a lost lock, say
+// (docs/operations-health.md, "a lost lock"): transient, nothing written.
+func (s *Sink) notSent(ctx context.Context) error {
+	return relay.TransientError(fmt.Errorf("webhook %s: not sent, its sender stopped: %w", s.name, context.Cause(ctx)), 0)
+}
+
 // work makes the requests of the jobs it takes until Close ends them.
 func (s *Sink) work() {
 	for j := range s.jobs {
 		if j.batch != nil {
-			errs := s.postBatch(j.batch)
+			// Events whose sender stopped while they waited in the batch
+			// are not posted; the others go.
+			live := j.batch[:0:0]
+			for _, it := range j.batch {
+				if it.ctx.Err() != nil {
+					it.done(s.notSent(it.ctx))
+					s.inflight.Done()
+					continue
+				}
+				live = append(live, it)
+			}
+			var errs []error
+			if len(live) > 0 {
+				errs = s.postBatch(live)
+			}
 			<-s.slots
-			for i, it := range j.batch {
+			for i, it := range live {
 				it.done(errs[i])
 				s.inflight.Done()
 			}
 			continue
 		}
-		err := s.post(j.d, j.body, j.ce)
+		var err error
+		if j.ctx.Err() != nil {
+			err = s.notSent(j.ctx)
+		} else {
+			err = s.post(j.d, j.body, j.ce)
+		}
 		<-s.slots
 		j.done(err)
 		s.inflight.Done()
