@@ -488,6 +488,14 @@ type claimWindow struct {
 	id   int64
 }
 
+// newestClaimStatement is the claim statement of the newest window, in the
+// shape claimStatement settled on (Claim has called it first).
+func (s *Store) newestClaimStatement() string {
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	return s.sql.claim.newest[s.claimShape]
+}
+
 // Claim implements relay.ClaimStore: it claims runs of due rows, each an
 // aggregate's next unsettled rows in id order (docs/guarantees.md "Claim
 // runs"), returned in id order. It looks at the oldest due rows first and,
@@ -517,17 +525,13 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		// from that point on (docs/architecture.md, "The claim path yields
 		// to a lagging stream"). Each run still starts at its aggregate's
 		// oldest unsettled row.
-		s.claimMu.Lock()
-		newestSQL := s.sql.claim.newest[s.claimShape]
-		s.claimMu.Unlock()
+		newestSQL := s.newestClaimStatement()
 		recent, _, err := s.claimFrom(ctx, newestSQL, q, names, every, regex, q.DueSince, 0, window, q.Limit)
 		return recent, err
 	}
 	var newest []*relay.Work
 	if !q.All && s.claimBacklog.Load() {
-		s.claimMu.Lock()
-		newestSQL := s.sql.claim.newest[s.claimShape]
-		s.claimMu.Unlock()
+		newestSQL := s.newestClaimStatement()
 		share := max(q.Limit/claimNewestShare, 1)
 		newest, _, err = s.claimFrom(ctx, newestSQL, q, names, every, regex, time.Time{}, 0, share*claimWindowRows, share)
 		if err != nil {
