@@ -4,68 +4,149 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// MarkForClaim is the slot-creation hand-over (docs/architecture.md, "slot creation"). In
-// the snapshot that CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported, it
-// marks for the claim path (handoff_at = now()) every row still pending and
-// not handed off: exactly the rows committed before the slot's consistent
-// point, which the new slot will never stream. Rows committed later are not
-// visible in the snapshot and stay the stream's. It returns how many rows it
-// marked.
+// handOverSlice is how many rows one transaction of a hand-over marks: each
+// slice is a transaction the slot's walsender decodes before the events
+// committed after it, so slices keep it from holding fresh events back for
+// the whole backlog (docs/architecture.md, "slot creation").
+const handOverSlice = 5_000
+
+// OpenHandOver begins the slot-creation hand-over of a new slot
+// (docs/architecture.md, "slot creation"). In a REPEATABLE READ, read-only
+// transaction on a connection of its own it imports the snapshot that
+// CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported, and keeps it open: the
+// rows pending in it and not handed off (and not delivered everywhere) are
+// exactly the rows committed before the slot's consistent point, which the
+// new slot will never stream. Once it returns, the replication connection
+// that created the slot is free to stream; the transaction holds the
+// snapshot until Mark or Close.
 //
-// The replication connection that created the slot must stay open and run
-// nothing else until MarkForClaim returns: the snapshot exists only until
-// then. An error means the snapshot may be gone; rows already marked stay
-// marked, which is harmless for any later slot, so the caller drops the slot
-// and starts over. Safe to repeat with a fresh slot and snapshot.
-//
-// The marking is one UPDATE at REPEATABLE READ in the imported snapshot.
-// When a row changed after the snapshot (a claim by a poller still running)
-// that UPDATE fails with a serialization error; MarkForClaim then reads the
-// ids in the snapshot instead and marks those still pending and not handed
-// off, at READ COMMITTED.
-//
-// In the transaction that marks the rows it records the hand-over as done
-// for slot at consistent, the slot's consistent point (see BeginSlot and
-// HandedOver): a slot whose hand-over was cut short by a crash is then
-// recognised and made again.
-func (s *Store) MarkForClaim(ctx context.Context, slot, snapshot string, consistent relay.LSN) (int64, error) {
+// The replication connection must run nothing else until OpenHandOver
+// returns: the snapshot exists only until then.
+func (s *Store) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOverRows, error) {
 	if snapshot == "" {
-		return 0, errors.New("mark rows for the claim path: empty snapshot name")
+		return nil, errors.New("hand rows to the claim path: empty snapshot name")
 	}
-	// SET TRANSACTION SNAPSHOT takes no parameters. The simple protocol keeps
-	// this one-off text out of the connection's statement cache and makes it
-	// the transaction's first statement.
-	setSnapshot := "SET TRANSACTION SNAPSHOT " + relay.QuoteLiteral(snapshot)
-	repeatableRead := pgx.TxOptions{IsoLevel: pgx.RepeatableRead}
-
-	var marked int64
-	err := pgx.BeginTxFunc(ctx, s.pool, repeatableRead, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
-			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
-		}
-		tag, err := tx.Exec(ctx, s.sql.markForClaim)
-		if err != nil {
-			return err
-		}
-		marked = tag.RowsAffected()
-		_, err = tx.Exec(ctx, s.sql.handedOver, slot, consistent)
-		return err
-	})
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("hand rows to the claim path: %w", err)
+	}
+	h := &handOverRows{s: s, conn: conn, snapshot: snapshot}
+	h.tx, err = conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
 	if err == nil {
-		return marked, nil
+		// SET TRANSACTION SNAPSHOT takes no parameters and must be the
+		// transaction's first statement; the simple protocol keeps this
+		// one-off text out of the connection's statement cache.
+		_, err = h.tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+relay.QuoteLiteral(snapshot), pgx.QueryExecModeSimpleProtocol)
 	}
-	if !hasSQLState(err, "40001") { // serialization_failure
-		return 0, fmt.Errorf("mark rows for the claim path in snapshot %s: %w", snapshot, err)
+	if err != nil {
+		h.Close()
+		return nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
 	}
+	return h, nil
+}
 
-	return s.markSnapshotIDs(ctx, s.pool, slot, snapshot, consistent)
+// handOverRows is a hand-over in progress: see relay.HandOverRows.
+type handOverRows struct {
+	s        *Store
+	snapshot string
+	conn     *pgxpool.Conn
+	tx       pgx.Tx // in the imported snapshot; nil once closed
+}
+
+// Aggregates implements relay.HandOverRows.
+func (h *handOverRows) Aggregates(ctx context.Context) ([]relay.AggregateKey, error) {
+	rows, err := h.tx.Query(ctx, h.s.sql.pendingAggregates)
+	if err != nil {
+		return nil, fmt.Errorf("read the aggregates pending in snapshot %s: %w", h.snapshot, err)
+	}
+	aggs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (relay.AggregateKey, error) {
+		var a relay.AggregateKey
+		err := row.Scan(&a.Type, &a.ID)
+		return a, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read the aggregates pending in snapshot %s: %w", h.snapshot, err)
+	}
+	return aggs, nil
+}
+
+// Mark implements relay.HandOverRows. It reads the ids pending in the
+// snapshot in one pass and marks each slice of handOverSlice ids as it
+// comes, by id at READ COMMITTED in a transaction of its own on another
+// connection (handoff_at = now(), due now when the row had no
+// available_at), rechecking that the row is still pending, not handed off
+// and not delivered everywhere: a row that changed after the snapshot (a
+// poller still running claimed it) is left to whoever changed it. Then it
+// records the hand-over of slot as done at consistent (see BeginSlot and
+// HandedOver): a slot whose hand-over was cut short by a crash or an error
+// is recognised and made again, and the rows marked before stay the claim
+// path's, which is harmless for any later slot.
+func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.LSN) (int64, error) {
+	defer h.Close()
+	var marked int64
+	ids := make([]int64, 0, handOverSlice)
+	mark := func() error {
+		if len(ids) == 0 {
+			return nil
+		}
+		tag, err := h.s.pool.Exec(ctx, h.s.sql.markForClaimByID, ids)
+		if err != nil {
+			return fmt.Errorf("mark %d rows of snapshot %s for the claim path (ids %d to %d): %w", len(ids), h.snapshot, ids[0], ids[len(ids)-1], err)
+		}
+		marked += tag.RowsAffected()
+		ids = ids[:0]
+		return nil
+	}
+	rows, err := h.tx.Query(ctx, h.s.sql.pendingUnmarked)
+	if err != nil {
+		return 0, fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var id int64
+		if err := rows.Scan(&id); err != nil {
+			return marked, fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
+		}
+		if ids = append(ids, id); len(ids) == handOverSlice {
+			if err := mark(); err != nil {
+				return marked, err
+			}
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return marked, fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
+	}
+	if err := mark(); err != nil {
+		return marked, err
+	}
+	if _, err := h.s.pool.Exec(ctx, h.s.sql.handedOver, slot, consistent); err != nil {
+		return marked, fmt.Errorf("record the hand-over of slot %s: %w", slot, err)
+	}
+	return marked, nil
+}
+
+// Close implements relay.HandOverRows.
+func (h *handOverRows) Close() {
+	if h.tx == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := h.tx.Rollback(ctx); err != nil {
+		// The connection's state is unknown: it does not go back to the pool.
+		_ = h.conn.Conn().Close(ctx)
+	}
+	h.conn.Release()
+	h.tx = nil
 }
 
 // markSnapshotIDs reads on db, in the exported snapshot, the ids of the

@@ -2,6 +2,7 @@ package ledger_test
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -18,8 +19,9 @@ import (
 // createdSlot is a slot made by MustCreateSlot.
 type createdSlot struct {
 	name       string
-	snapshot   string    // the exported snapshot
-	consistent relay.LSN // the slot's consistent point
+	snapshot   string         // the exported snapshot
+	consistent relay.LSN      // the slot's consistent point
+	repl       *pgconn.PgConn // the replication connection that made it
 }
 
 // MustCreateSlot creates a temporary logical slot with an exported snapshot
@@ -48,7 +50,7 @@ func (f *fixture) MustCreateSlot(tb testing.TB) createdSlot {
 	if err != nil {
 		tb.Fatalf("create slot: consistent point: %v", err)
 	}
-	return createdSlot{name: slot, snapshot: res.SnapshotName, consistent: consistent}
+	return createdSlot{name: slot, snapshot: res.SnapshotName, consistent: consistent, repl: repl}
 }
 
 // MustSlotName is the name MustCreateSlot gives the fixture's slot.
@@ -79,12 +81,27 @@ func (f *fixture) handOverRecord(tb testing.TB, slot string) (handover, confirme
 	return handover, confirmed
 }
 
-func TestMarkForClaim(t *testing.T) {
+// handOver runs a whole hand-over of the slot's snapshot: open, read the
+// aggregates, mark.
+func (f *fixture) handOver(ctx context.Context, slot string, created createdSlot) (aggs []relay.AggregateKey, marked int64, err error) {
+	h, err := f.store.OpenHandOver(ctx, created.snapshot)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer h.Close()
+	if aggs, err = h.Aggregates(ctx); err != nil {
+		return nil, 0, err
+	}
+	marked, err = h.Mark(ctx, slot, created.consistent)
+	return aggs, marked, err
+}
+
+func TestHandOver(t *testing.T) {
 	tests := []struct {
 		name string
 		// changeAfterSlot updates a row that was pending before the slot, in
-		// a transaction that commits after the snapshot: the UPDATE in the
-		// snapshot then fails with 40001 and the fallback runs.
+		// a transaction that commits after the snapshot: it is marked all
+		// the same (by id, at READ COMMITTED).
 		changeAfterSlot bool
 	}{
 		{name: "in the snapshot"},
@@ -95,8 +112,8 @@ func TestMarkForClaim(t *testing.T) {
 			f := MustFixture(t)
 			ctx := context.Background()
 			before := f.MustInsert(t,
-				row{Key: "pending-1"},
-				row{Key: "pending-2"},
+				row{Key: "pending-1", AggType: ptr("order"), AggID: ptr("1")},
+				row{Key: "pending-2", AggType: ptr("order"), AggID: ptr("1")},
 				row{Key: "pending-null-available", NoAvailableAt: true},
 				row{Key: "handed-off", HandedOff: true},
 				row{Key: "done", Status: "done"},
@@ -116,16 +133,20 @@ func TestMarkForClaim(t *testing.T) {
 				f.MustExec(t, "UPDATE integration_outbox SET attempts = attempts + 1 WHERE id = $1", pending[1])
 			}
 			if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
-				t.Fatalf("HandedOver before MarkForClaim = %v, %v; want false", done, err)
+				t.Fatalf("HandedOver before the hand-over = %v, %v; want false", done, err)
 			}
 
 			start := time.Now()
-			marked, err := f.store.MarkForClaim(ctx, slot, created.snapshot, created.consistent)
+			aggs, marked, err := f.handOver(ctx, slot, created)
 			if err != nil {
-				t.Fatalf("MarkForClaim: %v", err)
+				t.Fatalf("hand-over: %v", err)
 			}
 			if marked != 3 {
-				t.Errorf("MarkForClaim marked %d rows, want 3", marked)
+				t.Errorf("hand-over marked %d rows, want 3", marked)
+			}
+			// The pending rows' aggregates; rows without one are not ordered.
+			if want := []relay.AggregateKey{{Type: "order", ID: "1"}}; !slices.Equal(aggs, want) {
+				t.Errorf("Aggregates = %v, want %v", aggs, want)
 			}
 			for _, id := range pending {
 				if got := f.MustRow(t, id); got.Status != "pending" || got.HandoffAt == nil {
@@ -149,9 +170,9 @@ func TestMarkForClaim(t *testing.T) {
 					t.Errorf("row %d (%s) marked, want untouched", id, got.Status)
 				}
 			}
-			// Both ways record the hand-over, at the consistent point.
+			// The hand-over is recorded at the consistent point.
 			if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
-				t.Errorf("HandedOver after MarkForClaim = %v, %v; want true", done, err)
+				t.Errorf("HandedOver after the hand-over = %v, %v; want true", done, err)
 			}
 			if handover, confirmed := f.handOverRecord(t, slot); handover != created.consistent || confirmed < created.consistent {
 				t.Errorf("handover_lsn %s, confirmed_lsn %s; want both at the consistent point %s", handover, confirmed, created.consistent)
@@ -160,16 +181,77 @@ func TestMarkForClaim(t *testing.T) {
 	}
 }
 
-func TestMarkForClaimBadSnapshot(t *testing.T) {
+// TestHandOverFreesTheSlotAndMarksInSlices: once OpenHandOver returns, the
+// replication connection that exported the snapshot may run other commands
+// (the slot streams while the rows are marked), and Mark still marks
+// exactly the rows pending in the snapshot — in several transactions of a
+// slice each, so that the walsender decodes no single transaction of the
+// whole backlog — and records the hand-over last.
+func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	const n = 12_000 // more than two slices
+	f.MustExec(t, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'test.event', 'order', (g % 7)::text, 'backlog-' || g, '{}' FROM generate_series(1, $1::int) AS g`, n)
+	slot := f.MustSlotName(t)
+	if err := f.store.BeginSlot(ctx, slot); err != nil {
+		t.Fatal(err)
+	}
+	created := f.MustCreateSlot(t)
+	h, err := f.store.OpenHandOver(ctx, created.snapshot)
+	if err != nil {
+		t.Fatalf("OpenHandOver: %v", err)
+	}
+	defer h.Close()
+	// The exporting connection runs another command: its snapshot is gone,
+	// the hand-over's transaction keeps it.
+	if _, err := pglogrepl.IdentifySystem(ctx, created.repl); err != nil {
+		t.Fatalf("IDENTIFY_SYSTEM on the slot's connection: %v", err)
+	}
+	after := f.MustInsert(t, row{Key: "after-slot", AggType: ptr("order"), AggID: ptr("1")})
+
+	aggs, err := h.Aggregates(ctx)
+	if err != nil {
+		t.Fatalf("Aggregates: %v", err)
+	}
+	if len(aggs) != 7 {
+		t.Errorf("Aggregates = %v, want the 7 aggregates of the backlog", aggs)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+		t.Fatalf("HandedOver before Mark = %v, %v; want false", done, err)
+	}
+	marked, err := h.Mark(ctx, slot, created.consistent)
+	if err != nil {
+		t.Fatalf("Mark: %v", err)
+	}
+	if marked != n {
+		t.Errorf("Mark marked %d rows, want %d", marked, n)
+	}
+	if got := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`); got != n {
+		t.Errorf("%d rows handed off, want %d", got, n)
+	}
+	if got := f.MustRow(t, after[0]); got.HandoffAt != nil {
+		t.Errorf("row committed after the slot marked: %+v", got)
+	}
+	if got := f.MustCount(t, `SELECT count(DISTINCT xmin::text) FROM integration_outbox WHERE handoff_at IS NOT NULL`); got < 3 {
+		t.Errorf("the %d rows were marked in %d transactions, want one per slice (3)", n, got)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
+		t.Errorf("HandedOver after Mark = %v, %v; want true", done, err)
+	}
+}
+
+func TestHandOverBadSnapshot(t *testing.T) {
 	f := MustFixture(t)
 	if err := f.store.BeginSlot(context.Background(), "slot"); err != nil {
 		t.Fatal(err)
 	}
 	for _, snapshot := range []string{"", "00000003-00000002-1", "x'; DROP TABLE integration_outbox; --"} {
-		if _, err := f.store.MarkForClaim(context.Background(), "slot", snapshot, 0x1_00000000); err == nil {
-			t.Errorf("MarkForClaim(%q) = nil, want an error", snapshot)
+		if h, err := f.store.OpenHandOver(context.Background(), snapshot); err == nil {
+			h.Close()
+			t.Errorf("OpenHandOver(%q) = nil, want an error", snapshot)
 		} else if snapshot != "" && !strings.Contains(err.Error(), "import snapshot") {
-			t.Errorf("MarkForClaim(%q) = %v, want the import error", snapshot, err)
+			t.Errorf("OpenHandOver(%q) = %v, want the import error", snapshot, err)
 		}
 	}
 	if n := f.MustCount(t, "SELECT count(*) FROM integration_outbox"); n != 0 {
@@ -269,7 +351,7 @@ func TestMarkDeliveredDoneChunksAndSkipsLocked(t *testing.T) {
 }
 
 // TestHandOverRecord: BeginSlot records that a slot's hand-over has not
-// happened (HandedOver false) until MarkForClaim records it; checkpoints
+// happened (HandedOver false) until the hand-over records it; checkpoints
 // saved since keep the record; a BeginSlot for a new slot of the same name
 // clears it again without moving the confirmed position back.
 func TestHandOverRecord(t *testing.T) {
@@ -293,16 +375,16 @@ func TestHandOverRecord(t *testing.T) {
 	}
 
 	created := f.MustCreateSlot(t)
-	if _, err := f.store.MarkForClaim(ctx, slot, created.snapshot, created.consistent); err != nil {
-		t.Fatalf("MarkForClaim: %v", err)
+	if _, _, err := f.handOver(ctx, slot, created); err != nil {
+		t.Fatalf("hand-over: %v", err)
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
-		t.Fatalf("HandedOver after MarkForClaim = %v, %v; want true", done, err)
+		t.Fatalf("HandedOver after the hand-over = %v, %v; want true", done, err)
 	}
 	// The confirmed position starts at the consistent point: the slot
 	// never streams anything before it.
 	if lsn, err := f.store.LoadCheckpoint(ctx, slot); err != nil || lsn != created.consistent {
-		t.Errorf("LoadCheckpoint after MarkForClaim = %v, %v; want the consistent point %s", lsn, err, created.consistent)
+		t.Errorf("LoadCheckpoint after the hand-over = %v, %v; want the consistent point %s", lsn, err, created.consistent)
 	}
 
 	ahead := created.consistent + 0x1000
@@ -317,7 +399,7 @@ func TestHandOverRecord(t *testing.T) {
 	}
 
 	// The slot is made again (dropped, lost): not handed over until the
-	// new slot's MarkForClaim, and the checkpoint does not move back.
+	// new slot's hand-over, and the checkpoint does not move back.
 	if err := f.store.BeginSlot(ctx, slot); err != nil {
 		t.Fatalf("BeginSlot: %v", err)
 	}

@@ -1136,3 +1136,67 @@ func TestEngine_HaltStopsAClaimRun(t *testing.T) {
 		}
 	}
 }
+
+// TestEngine_DivertedUntilTheHandOverIsMarked: the aggregates of a new
+// slot's hand-over (Consumer.Divert) stay diverted while its rows are
+// being marked, even when the claim store says they have nothing at the
+// claim path (it cannot see rows not marked yet): the stream's events of
+// such an aggregate are handed off, not sent ahead of its backlog. Once
+// released, the next settlement gives the aggregate back to the stream;
+// a Restart ends a pin its session left.
+func TestEngine_DivertedUntilTheHandOverIsMarked(t *testing.T) {
+	store := newFakeStore()
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	claims := &fakeClaimStore{settleClaim: rec.settle,
+		settledAggregates: func(_ context.Context, aggs []relay.AggregateKey) ([]relay.AggregateKey, error) { return aggs, nil }}
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
+	ctx := context.Background()
+	c := e.Stream()
+	backlog := relay.AggregateKey{Type: "order", ID: "backlog"}
+	release := c.Divert([]relay.AggregateKey{backlog})
+
+	// The claim path settles a marked row of the aggregate: the store says
+	// the aggregate has nothing left, but its other rows are not marked yet.
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(1, "backlog")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 1 settled", func() bool { _, ok := rec.decision(1); return ok })
+	submit(t, c, event(2, "backlog"), event(3, "other"))
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	if sent := sink.sentIDs(); slices.Contains(sent, 2) || !slices.Contains(sent, 3) {
+		t.Fatalf("sent %v: want the hand-over's aggregate diverted (2 handed off) and the other streamed (3)", sent)
+	}
+
+	// Marked: the next settlement of the aggregate gives it back.
+	release()
+	release() // safe twice
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(2, "backlog")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 2 settled by the claim path", func() bool { _, ok := rec.decision(2); return ok })
+	submit(t, c, event(4, "backlog"))
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	if !slices.Contains(sink.sentIDs(), 4) {
+		t.Fatalf("sent %v: want event 4 streamed once the hand-over is marked and its aggregate settled", sink.sentIDs())
+	}
+
+	// A pin left by a session that ended before its marking is ended by
+	// the next session's Restart.
+	c.Divert([]relay.AggregateKey{{Type: "order", ID: "left"}})
+	if err := c.Restart(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(5, "left")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 5 settled", func() bool { _, ok := rec.decision(5); return ok })
+	submit(t, c, event(6, "left"))
+	c.Commit(300)
+	waitSettledAt(t, c, 300)
+	if !slices.Contains(sink.sentIDs(), 6) {
+		t.Fatalf("sent %v: want event 6 streamed: the pin ended with the Restart", sink.sentIDs())
+	}
+}

@@ -79,6 +79,9 @@ type Engine struct {
 	idle     *sync.Cond // broadcast when inflight empties
 
 	divertSeq atomic.Uint64 // orders diverts against the claim path's checks
+	// pinned holds the aggregates of a hand-over still being marked
+	// (Consumer.Divert): they stay diverted whatever the claim store says.
+	pinned atomic.Pointer[map[AggregateKey]struct{}]
 	// settledCount counts works settled, per path (Progress).
 	settledCount map[Path]*atomic.Uint64
 	draining     atomic.Bool // stop retrying inline: hand waiting retries off
@@ -349,6 +352,29 @@ func (e *Engine) loadDiverted(ctx context.Context) error {
 	return nil
 }
 
+// divertPinned diverts aggs in every lane and keeps them diverted until
+// release: see Consumer.Divert.
+func (e *Engine) divertPinned(aggs []AggregateKey) (release func()) {
+	set := make(map[AggregateKey]struct{}, len(aggs))
+	for _, a := range aggs {
+		set[a] = struct{}{}
+	}
+	// Pinned before the lanes divert: a check that reads the sequence
+	// after the divert finds the pin.
+	e.pinned.Store(&set)
+	for _, l := range e.lanes {
+		l.mu.Lock()
+		for _, a := range aggs {
+			l.diverted[a] = e.divertSeq.Add(1)
+		}
+		l.mu.Unlock()
+	}
+	if len(aggs) > 0 {
+		e.log.Info().Int("aggregates", len(aggs)).Msg("aggregates of the new slot's hand-over: their new events go to the claim path, behind the rows being handed over")
+	}
+	return func() { e.pinned.CompareAndSwap(&set, nil) }
+}
+
 // loadDivertedRetrying is loadDiverted, retried while the database is
 // unreachable; it fails only when ctx ends.
 func (e *Engine) loadDivertedRetrying(ctx context.Context) error {
@@ -397,6 +423,11 @@ func (e *Engine) DivertSeq() uint64 { return e.divertSeq.Load() }
 // that, or one not yet written, keeps the aggregate diverted, so a later
 // event never overtakes it.
 func (e *Engine) undiverted(a AggregateKey, seq uint64) {
+	if p := e.pinned.Load(); p != nil {
+		if _, ok := (*p)[a]; ok {
+			return
+		}
+	}
 	for _, l := range e.lanes {
 		l.mu.Lock()
 		if at, ok := l.diverted[a]; ok && at <= seq && l.unwritten[a] == 0 {

@@ -217,6 +217,25 @@ type Checkpoint interface {
 	SaveCheckpoint(ctx context.Context, slot string, lsn LSN) error
 }
 
+// HandOverRows is a new slot's hand-over in progress (docs/architecture.md,
+// "slot creation"): the rows pending in the slot's exported snapshot, read
+// in a transaction that imported it and stays open until Mark or Close, so
+// that the replication connection is free to stream meanwhile.
+type HandOverRows interface {
+	// Aggregates returns the aggregates of the rows to hand over: the
+	// stream diverts their events (Consumer.Divert) until Mark returns.
+	Aggregates(ctx context.Context) ([]AggregateKey, error)
+	// Mark hands the rows to the claim path, in transactions of a slice of
+	// rows each, then records the hand-over of slot as done at
+	// consistent; it returns how many rows it marked, and ends the
+	// snapshot's transaction. Rows marked before an error stay marked
+	// (harmless: they are the claim path's); without the record, the slot
+	// is made again.
+	Mark(ctx context.Context, slot string, consistent LSN) (int64, error)
+	// Close ends the snapshot's transaction; safe after Mark and twice.
+	Close()
+}
+
 // Consumer is what the stream source feeds. Submit, Commit and Keepalive
 // are called from one goroutine, in stream order; Settled may be called
 // concurrently with them (acknowledgements keep flowing while Submit
@@ -249,6 +268,14 @@ type Consumer interface {
 	// times by the server's clock): how far behind the walsender's
 	// decoding is. It may be called concurrently with the others.
 	Sent(lag time.Duration)
+	// Divert sends the events of aggs to the claim path, and keeps them
+	// there whatever the claim store says until release is called: the
+	// aggregates of a new slot's hand-over, whose rows are being marked for
+	// the claim path while the slot streams (docs/architecture.md, "slot
+	// creation"). Until a row is marked, the store cannot tell that its
+	// aggregate is still the claim path's. Called before the first Submit
+	// of a session; release is safe to call more than once.
+	Divert(aggs []AggregateKey) (release func())
 	// PositionWanted reports whether the consumer waits to learn how far
 	// the walsender has decoded (its write-back is paced by it): the source
 	// then asks the server for its position (a keepalive) more often than

@@ -157,6 +157,11 @@ func (f *streamFeed) PositionWanted() bool {
 	return f.e.marks.waitingForWalsender.Load() || f.e.marks.waiting() > 0
 }
 
+// Divert implements Consumer.
+func (f *streamFeed) Divert(aggs []AggregateKey) (release func()) {
+	return f.e.divertPinned(aggs)
+}
+
 // Restart implements Consumer. It also reloads the diverted aggregates: a
 // new slot's hand-over has just given the claim path every row pending
 // before it, and the stream must not overtake those.
@@ -166,5 +171,9 @@ func (f *streamFeed) Restart(ctx context.Context, horizon LSN) error {
 	}
 	f.tracker.reset()
 	f.horizon.Store(uint64(horizon))
+	// A pin left by a session whose hand-over did not finish ends here: a
+	// new session either hands over again (and pins again, after this) or
+	// resumes a slot whose hand-over is recorded, every row of it marked.
+	f.e.pinned.Store(nil)
 	return f.e.loadDivertedRetrying(ctx)
 }

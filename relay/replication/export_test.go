@@ -52,3 +52,4 @@ func (r *recordingConsumer) Settled() (relay.LSN, bool)               { return 0
 func (r *recordingConsumer) Restart(context.Context, relay.LSN) error { return nil }
 func (r *recordingConsumer) PositionWanted() bool                     { return false }
 func (r *recordingConsumer) Sent(time.Duration)                       {}
+func (r *recordingConsumer) Divert([]relay.AggregateKey) func()       { return func() {} }

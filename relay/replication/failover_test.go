@@ -54,7 +54,7 @@ func TestCreatesFailoverSlot(t *testing.T) {
 	if !slotFailover(t, e) {
 		t.Error("the new slot has failover disabled")
 	}
-	if _, counts := claim.calls(); len(counts) != 1 || counts[0] != 1 {
+	if _, counts := claim.waitCalls(t, 1); len(counts) != 1 || counts[0] != 1 {
 		t.Errorf("hand-over marked %v rows, want [1]: the exported snapshot was not handed over", counts)
 	}
 }
@@ -89,8 +89,12 @@ func TestEnablesFailoverOnExistingSlot(t *testing.T) {
 func TestWaitsForSlotHeldByAnotherProcess(t *testing.T) {
 	e := newEnv(t)
 	c1 := &fakeConsumer{}
-	r := start(t, e.config(t, c1, &fakeCheckpoint{}, &claimRecorder{url: e.url}))
+	claim := &claimRecorder{url: e.url}
+	r := start(t, e.config(t, c1, &fakeCheckpoint{}, claim))
 	waitStreaming(t, c1, 1)
+	// The hand-over finishes beside the stream; a slot left without its
+	// record would be made again rather than waited for.
+	claim.waitCalls(t, 1)
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
 	}

@@ -2,9 +2,12 @@ package replication_test
 
 import (
 	"context"
+	"errors"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // TestSlotRecreatedOnlyAfterConsumerSettled: when the slot is dropped while
@@ -27,6 +30,7 @@ func TestSlotRecreatedOnlyAfterConsumerSettled(t *testing.T) {
 	}
 	start(t, cfg)
 	waitStreaming(t, c, 1)
+	claim.waitCalls(t, 1) // the first hand-over finishes beside the stream
 	e.insert(t, "inflight")
 	waitFor(t, 10*time.Second, "the event", func() bool { return c.commitOf("inflight") != 0 })
 
@@ -37,7 +41,7 @@ func TestSlotRecreatedOnlyAfterConsumerSettled(t *testing.T) {
 		return err == nil
 	})
 	waitStreaming(t, c, 2)
-	if snapshots, _ := claim.calls(); len(snapshots) != 2 || waits.Load() < 2 {
+	if snapshots, _ := claim.waitCalls(t, 2); len(snapshots) != 2 || waits.Load() < 2 {
 		t.Fatalf("%d hand-overs, %d waits: want the slot recreated, after a wait", len(snapshots), waits.Load())
 	}
 	var handedOff bool
@@ -47,4 +51,94 @@ func TestSlotRecreatedOnlyAfterConsumerSettled(t *testing.T) {
 	if handedOff {
 		t.Fatal("the new slot's hand-over gave the claim path a row the consumer was still delivering")
 	}
+}
+
+// TestStreamsWhileTheHandOverMarks: a new slot streams while its hand-over
+// marks the rows pending in its snapshot (docs/architecture.md, "slot
+// creation"): an event committed after the slot reaches the consumer while
+// the marking has not even begun. Before the first event the consumer is
+// told to divert the backlog's aggregates, and released from it once every
+// row is marked.
+func TestStreamsWhileTheHandOverMarks(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		SELECT 'old-' || g, 'x', 'order', '1' FROM generate_series(1, 3) g`)
+	c := &fakeConsumer{}
+	claim := &claimRecorder{url: e.url}
+	var divertsAtMark atomic.Int32
+	claim.beforeMark = func(ctx context.Context) error {
+		d, _ := c.divertCalls()
+		divertsAtMark.Store(int32(len(d)))
+		// The marking waits for the stream to deliver a fresh event.
+		for c.commitOf("fresh") == 0 {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+		return nil
+	}
+	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
+	waitStreaming(t, c, 1)
+	e.insert(t, "fresh")
+	waitFor(t, 10*time.Second, "the fresh event streamed before the hand-over's marking", func() bool { return c.commitOf("fresh") != 0 })
+
+	_, counts := claim.waitCalls(t, 1)
+	if counts[0] != 3 {
+		t.Errorf("the hand-over marked %d rows, want 3", counts[0])
+	}
+	if divertsAtMark.Load() != 1 {
+		t.Errorf("%d Divert calls when the marking began, want 1 (before the stream's first event)", divertsAtMark.Load())
+	}
+	waitFor(t, 5*time.Second, "the diversion released", func() bool { _, released := c.divertCalls(); return released == 1 })
+	diverts, _ := c.divertCalls()
+	if len(diverts) != 1 || len(diverts[0]) != 1 || diverts[0][0] != (relay.AggregateKey{Type: "order", ID: "1"}) {
+		t.Errorf("Divert calls %v, want one of the backlog's aggregate order/1", diverts)
+	}
+	if c.restartCount() != 1 {
+		t.Errorf("%d sessions, want 1", c.restartCount())
+	}
+}
+
+// TestFailedHandOverMakesTheSlotAgain: when the marking fails while the
+// slot streams, the session ends; the next one finds the slot without its
+// hand-over record, makes it again and hands every pending row over, so
+// nothing pending before the first slot is left to a slot that will never
+// stream it. The first diversion is not released (the next session's
+// Restart ends it).
+func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
+	c := &fakeConsumer{}
+	claim := &claimRecorder{url: e.url}
+	var marks atomic.Int32
+	claim.beforeMark = func(context.Context) error {
+		if marks.Add(1) == 1 {
+			return errors.New("injected marking failure")
+		}
+		return nil
+	}
+	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
+	_, counts := claim.waitCalls(t, 1)
+	if counts[0] != 4 || marks.Load() != 2 {
+		t.Errorf("hand-overs: %d Mark calls, the finished one marked %v; want 2 calls, 4 rows", marks.Load(), counts)
+	}
+	if n := c.restartCount(); n != 2 {
+		t.Errorf("%d sessions, want 2", n)
+	}
+	var handedOff int
+	if err := e.conn.QueryRow(context.Background(), `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`).Scan(&handedOff); err != nil {
+		t.Fatal(err)
+	}
+	if handedOff != 4 {
+		t.Errorf("%d rows handed off, want 4", handedOff)
+	}
+	diverts, released := c.divertCalls()
+	if len(diverts) != 2 || released != 1 {
+		t.Errorf("%d Divert calls, %d released; want 2 and 1", len(diverts), released)
+	}
+	e.insert(t, "fresh")
+	waitFor(t, 10*time.Second, "the fresh event", func() bool { return c.commitOf("fresh") != 0 })
 }

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -47,6 +48,8 @@ type fakeConsumer struct {
 	sent       int           // Sent calls
 	sentSum    time.Duration // their lags
 	restarts   []relay.LSN
+	diverts    [][]relay.AggregateKey // Divert calls, in order
+	releases   int                    // their releases
 	// eventsAtCommit[i] is how many events had been submitted when commits[i] came.
 	eventsAtCommit []int
 
@@ -123,6 +126,26 @@ func (c *fakeConsumer) sentLags() (int, time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return c.sent, c.sentSum
+}
+
+// Divert implements relay.Consumer: it records the aggregates, and each
+// release.
+func (c *fakeConsumer) Divert(aggs []relay.AggregateKey) (release func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.diverts = append(c.diverts, aggs)
+	return func() {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.releases++
+	}
+}
+
+// divertCalls returns the Divert calls and how many were released.
+func (c *fakeConsumer) divertCalls() ([][]relay.AggregateKey, int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([][]relay.AggregateKey(nil), c.diverts...), c.releases
 }
 
 // PositionWanted implements relay.Consumer: positionWanted, when set.
@@ -244,11 +267,15 @@ func (f *fakeCheckpoint) snapshot() (saves []savedCheckpoint, failures int) {
 }
 
 // claimRecorder is the slot-creation hand-over of ledger.Store, on a pool
-// of its own for each call, recording each MarkForClaim: in the slot's
-// exported snapshot it marks every pending row of integration_outbox for
-// the claim path, and keeps the hand-over record in relay_checkpoint.
+// of its own for each call (each hand-over's lasting until it is closed),
+// recording each finished Mark: in the slot's exported snapshot it marks
+// every pending row of integration_outbox for the claim path, and keeps the
+// hand-over record in relay_checkpoint.
 type claimRecorder struct {
 	url string
+	// beforeMark, when set, runs at the start of each Mark; its error
+	// fails the Mark.
+	beforeMark func(ctx context.Context) error
 
 	mu        sync.Mutex
 	snapshots []string
@@ -282,20 +309,53 @@ func (c *claimRecorder) HandedOver(ctx context.Context, slot string) (done bool,
 	return done, err
 }
 
-func (c *claimRecorder) MarkForClaim(ctx context.Context, slot, snapshot string, consistent relay.LSN) (int64, error) {
-	var n int64
-	err := c.withStore(ctx, func(s *ledger.Store) (err error) {
-		n, err = s.MarkForClaim(ctx, slot, snapshot, consistent)
-		return err
-	})
+func (c *claimRecorder) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOverRows, error) {
+	pool, err := pgxpool.New(ctx, c.url)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.snapshots = append(c.snapshots, snapshot)
-	c.counts = append(c.counts, n)
+	store, err := ledger.New(pool, ledger.DefaultConfig())
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	rows, err := store.OpenHandOver(ctx, snapshot)
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return &recordedHandOver{HandOverRows: rows, c: c, pool: pool, snapshot: snapshot}, nil
+}
+
+// recordedHandOver is a claimRecorder's hand-over in progress.
+type recordedHandOver struct {
+	relay.HandOverRows
+	c        *claimRecorder
+	pool     *pgxpool.Pool
+	snapshot string
+}
+
+func (r *recordedHandOver) Mark(ctx context.Context, slot string, consistent relay.LSN) (int64, error) {
+	if r.c.beforeMark != nil {
+		if err := r.c.beforeMark(ctx); err != nil {
+			r.HandOverRows.Close()
+			return 0, err
+		}
+	}
+	n, err := r.HandOverRows.Mark(ctx, slot, consistent)
+	if err != nil {
+		return n, err
+	}
+	r.c.mu.Lock()
+	defer r.c.mu.Unlock()
+	r.c.snapshots = append(r.c.snapshots, r.snapshot)
+	r.c.counts = append(r.c.counts, n)
 	return n, nil
+}
+
+func (r *recordedHandOver) Close() {
+	r.HandOverRows.Close()
+	r.pool.Close()
 }
 
 func (c *claimRecorder) calls() (snapshots []string, counts []int64) {
@@ -304,16 +364,34 @@ func (c *claimRecorder) calls() (snapshots []string, counts []int64) {
 	return append([]string(nil), c.snapshots...), append([]int64(nil), c.counts...)
 }
 
+// waitCalls waits until n hand-overs have been marked and returns them:
+// the marking runs beside the stream.
+func (c *claimRecorder) waitCalls(t *testing.T, n int) (snapshots []string, counts []int64) {
+	t.Helper()
+	waitFor(t, 30*time.Second, fmt.Sprintf("%d hand-overs marked", n), func() bool {
+		s, _ := c.calls()
+		return len(s) >= n
+	})
+	return c.calls()
+}
+
 // handOverStub is a hand-over for configurations that never make a slot,
 // or of an outbox without rows: it marks nothing, and every slot counts as
 // handed over.
 type handOverStub struct{}
 
 func (handOverStub) BeginSlot(context.Context, string) error { return nil }
-func (handOverStub) MarkForClaim(context.Context, string, string, relay.LSN) (int64, error) {
-	return 0, nil
+func (handOverStub) OpenHandOver(context.Context, string) (relay.HandOverRows, error) {
+	return noRows{}, nil
 }
 func (handOverStub) HandedOver(context.Context, string) (bool, error) { return true, nil }
+
+// noRows is a hand-over of nothing.
+type noRows struct{}
+
+func (noRows) Aggregates(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
+func (noRows) Mark(context.Context, string, relay.LSN) (int64, error)   { return 0, nil }
+func (noRows) Close()                                                   {}
 
 // testEnv is a migrated database with a fresh slot name.
 type testEnv struct {

@@ -41,8 +41,10 @@ func TestRecreatesSlotInvalidatedByIdleTimeout(t *testing.T) {
 	}
 
 	c1 := &fakeConsumer{}
-	r := start(t, e.config(t, c1, &fakeCheckpoint{}, &claimRecorder{url: e.url}))
+	claim1 := &claimRecorder{url: e.url}
+	r := start(t, e.config(t, c1, &fakeCheckpoint{}, claim1))
 	waitStreaming(t, c1, 1)
+	claim1.waitCalls(t, 1) // the hand-over finishes beside the stream
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -81,7 +83,7 @@ func TestRecreatesSlotInvalidatedByIdleTimeout(t *testing.T) {
 	cfg.Logger = zerolog.New(zerolog.MultiLevelWriter(zerolog.SyncWriter(logs), zerolog.NewTestWriter(t)))
 	start(t, cfg)
 	waitStreaming(t, c2, 1)
-	if _, counts := claim.calls(); len(counts) != 1 || counts[0] != 4 {
+	if _, counts := claim.waitCalls(t, 1); len(counts) != 1 || counts[0] != 4 {
 		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 4 rows", counts)
 	}
 	if got := logs.String(); !strings.Contains(got, "replication slot was invalidated") || !strings.Contains(got, `"reason":"idle_timeout"`) {

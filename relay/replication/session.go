@@ -71,9 +71,14 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 		return false, err
 	}
 
-	startLSN, err := s.ensureSlot(ctx, qconn, rconn, version, onStandby)
+	startLSN, handOver, err := s.ensureSlot(ctx, qconn, rconn, version, onStandby)
 	if err != nil {
 		return false, err
+	}
+	if handOver != nil {
+		// Closed by its Mark in the stream; here only if the session ends
+		// before.
+		defer handOver.rows.Close()
 	}
 
 	// Always 0/0: the server starts at the slot's confirmed position, which
@@ -117,6 +122,11 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	if err := s.cfg.Consumer.Restart(ctx, horizon); err != nil {
 		return false, fmt.Errorf("restart consumer: %w", err)
 	}
+	if handOver != nil {
+		// Before the first event: the stream must not overtake the rows
+		// being handed over.
+		handOver.release = s.cfg.Consumer.Divert(handOver.aggs)
+	}
 
 	every := s.cfg.StatusInterval
 	if senderTimeout > 0 && senderTimeout/3 < every {
@@ -124,7 +134,42 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	}
 	s.log.Info().Str("publication", s.cfg.Publication).Str("from", startLSN.String()).
 		Str("horizon", horizon.String()).Dur("status_interval", every).Msg("streaming")
-	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout, onStandby)
+	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout, onStandby, handOver)
+}
+
+// handOver is a new slot's hand-over still to mark, which the session
+// finishes while it streams (docs/architecture.md, "slot creation").
+type handOver struct {
+	rows       relay.HandOverRows
+	aggs       []relay.AggregateKey // the aggregates of its rows
+	consistent relay.LSN
+	foreign    bool   // the slot it replaces had no hand-over record
+	release    func() // ends the stream's diversion of aggs
+}
+
+// finish marks the hand-over's rows for the claim path, beside the stream.
+// It returns nil when ctx ends first (the session ends for another reason;
+// the slot, without its hand-over record, is made again by the next one)
+// and an error that ends the session when the marking fails.
+func (s *Source) finish(ctx context.Context, h *handOver) error {
+	n, err := h.rows.Mark(ctx, s.cfg.Slot, h.consistent)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		// The rows marked stay the claim path's; without the record the
+		// next session drops the slot and hands over again.
+		return fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
+	}
+	// Every row is marked: the claim store answers for their aggregates.
+	h.release()
+	s.log.Info().Str("consistent_point", h.consistent.String()).Int64("rows_handed_to_claim_path", n).
+		Int("aggregates", len(h.aggs)).Msg("hand-over done: the rows pending in the new slot's snapshot are the claim path's")
+	if h.foreign && n > 0 {
+		s.log.Warn().Int64("rows", n).Dur("expected_drain", relay.ClaimDrainEstimate(n)).Int("at_rows_per_second", relay.ClaimPathRowsPerSecond).
+			Msg("the slot found without its hand-over record was recreated: the claim path delivers the rows pending before it, in runs per aggregate; each aggregate's new events follow its rows there until the claim path has caught up with it")
+	}
+	return nil
 }
 
 func closeConn(conn *pgx.Conn) {
@@ -330,29 +375,29 @@ func SlotInfo(ctx context.Context, conn *pgx.Conn, slot string) (exists bool, wa
 
 // ensureSlot returns the position streaming will start from, creating the
 // slot (through the snapshot hand-over) when it is missing or lost.
-func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.PgConn, version int, onStandby bool) (relay.LSN, error) {
+func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.PgConn, version int, onStandby bool) (relay.LSN, *handOver, error) {
 	if onStandby {
 		s.dropPrimarySlot(ctx)
 	}
 	slot, err := lookUpSlot(ctx, qconn, s.cfg.Slot)
 	if err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	foreign := false // the slot exists without the relay's hand-over record
 	if slot.exists {
 		switch {
 		case onStandby && slot.synced:
-			return 0, errSyncedCopy
+			return 0, nil, errSyncedCopy
 		case slot.slotType != "logical":
-			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q is a %s slot; choose another slot name", s.cfg.Slot, slot.slotType)}
+			return 0, nil, &UnavailableError{Reason: fmt.Sprintf("replication slot %q is a %s slot; choose another slot name", s.cfg.Slot, slot.slotType)}
 		case !slot.sameDatabase:
-			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q belongs to database %q; choose another slot name", s.cfg.Slot, slot.database)}
+			return 0, nil, &UnavailableError{Reason: fmt.Sprintf("replication slot %q belongs to database %q; choose another slot name", s.cfg.Slot, slot.database)}
 		case slot.plugin != "pgoutput":
-			return 0, &UnavailableError{Reason: fmt.Sprintf("replication slot %q uses plugin %q, not pgoutput; drop it or choose another slot name", s.cfg.Slot, slot.plugin)}
+			return 0, nil, &UnavailableError{Reason: fmt.Sprintf("replication slot %q uses plugin %q, not pgoutput; drop it or choose another slot name", s.cfg.Slot, slot.plugin)}
 		}
 		handedOver, err := s.cfg.HandOver.HandedOver(ctx, s.cfg.Slot)
 		if err != nil {
-			return 0, err
+			return 0, nil, err
 		}
 		invalidated, reason := slot.invalidated()
 		foreign = !invalidated && !handedOver
@@ -377,27 +422,27 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			if version >= failoverVersion && !slot.failover && s.cfg.Primary == nil {
 				s.enableFailover(ctx, rconn, slot.activePID)
 			}
-			return slot.confirmedFlush, nil
+			return slot.confirmedFlush, nil, nil
 		}
 		if err := pglogrepl.DropReplicationSlot(ctx, rconn, s.cfg.Slot, pglogrepl.DropReplicationSlotOptions{}); err != nil {
-			return 0, fmt.Errorf("drop replication slot: %w", err)
+			return 0, nil, fmt.Errorf("drop replication slot: %w", err)
 		}
 	}
 
 	if s.cfg.WaitSettled != nil {
 		if err := s.cfg.WaitSettled(ctx); err != nil {
-			return 0, fmt.Errorf("wait for the consumer to settle before creating the slot: %w", err)
+			return 0, nil, fmt.Errorf("wait for the consumer to settle before creating the slot: %w", err)
 		}
 	}
 	if err := s.cfg.HandOver.BeginSlot(ctx, s.cfg.Slot); err != nil {
-		return 0, err
+		return 0, nil, err
 	}
 	var res pglogrepl.CreateReplicationSlotResult
 	if onStandby {
 		// The slot's consistent point must come after every write the
 		// relay made before (BeginSlot included): docs/standby.md.
 		if _, err := s.waitReplayed(ctx, qconn); err != nil {
-			return 0, err
+			return 0, nil, err
 		}
 		res, err = s.createStandbySlot(ctx, rconn)
 	} else {
@@ -405,39 +450,49 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	}
 	if err != nil {
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "53400" {
-			return 0, &UnavailableError{Reason: "all replication slots are in use (raise max_replication_slots, or drop an unused slot)", Err: err}
+			return 0, nil, &UnavailableError{Reason: "all replication slots are in use (raise max_replication_slots, or drop an unused slot)", Err: err}
 		}
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && onStandby && pgErr.Code == "55000" && strings.Contains(pgErr.Message, "primary") {
-			return 0, &UnavailableError{Reason: "the primary's wal_level is not logical: decoding on a standby needs wal_level = logical on the primary (ALTER SYSTEM SET wal_level = logical there, then restart it)", Err: err}
+			return 0, nil, &UnavailableError{Reason: "the primary's wal_level is not logical: decoding on a standby needs wal_level = logical on the primary (ALTER SYSTEM SET wal_level = logical there, then restart it)", Err: err}
 		}
-		return 0, fmt.Errorf("create replication slot: %w", err)
+		return 0, nil, fmt.Errorf("create replication slot: %w", err)
 	}
 	consistent, err := relay.ParseLSN(res.ConsistentPoint)
 	if err != nil {
-		return 0, fmt.Errorf("create replication slot: consistent point: %w", err)
+		return 0, nil, fmt.Errorf("create replication slot: consistent point: %w", err)
 	}
 
 	// The snapshot stays valid while rconn runs no other command: the rows
 	// pending in it are exactly the rows the new slot will never stream.
-	var n int64
 	if s.cfg.Primary != nil {
-		n, err = s.cfg.Primary.MarkForClaimFromStandby(ctx, qconn, s.cfg.Slot, res.SnapshotName, consistent)
-	} else {
-		n, err = s.cfg.HandOver.MarkForClaim(ctx, s.cfg.Slot, res.SnapshotName, consistent)
+		n, err := s.cfg.Primary.MarkForClaimFromStandby(ctx, qconn, s.cfg.Slot, res.SnapshotName, consistent)
+		if err != nil {
+			// Without the hand-over those rows would stay pending unseen:
+			// drop the slot so that the next attempt repeats it.
+			s.dropAfterFailedHandOver(rconn)
+			return 0, nil, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
+		}
+		s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("on_standby", true).
+			Msg("created replication slot; rows pending in its snapshot go to the claim path")
+		return consistent, nil, nil
+	}
+	// On the primary the snapshot is imported into a transaction that
+	// holds it, the aggregates of its rows are read, and the slot streams
+	// while the rows are marked (Source.finish).
+	rows, err := s.cfg.HandOver.OpenHandOver(ctx, res.SnapshotName)
+	var aggs []relay.AggregateKey
+	if err == nil {
+		if aggs, err = rows.Aggregates(ctx); err != nil {
+			rows.Close()
+		}
 	}
 	if err != nil {
-		// Without the hand-over those rows would stay pending unseen: drop
-		// the slot so that the next attempt repeats it.
 		s.dropAfterFailedHandOver(rconn)
-		return 0, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
+		return 0, nil, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
 	}
-	s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("failover", version >= failoverVersion && !onStandby).
-		Bool("on_standby", onStandby).Msg("created replication slot; rows pending in its snapshot go to the claim path")
-	if foreign && n > 0 {
-		s.log.Warn().Int64("rows", n).Dur("expected_drain", relay.ClaimDrainEstimate(n)).Int("at_rows_per_second", relay.ClaimPathRowsPerSecond).
-			Msg("the slot found without its hand-over record was recreated: the claim path delivers the rows pending before it, in runs per aggregate; each aggregate's new events follow its rows there until the claim path has caught up with it")
-	}
-	return consistent, nil
+	s.log.Info().Str("consistent_point", consistent.String()).Int("aggregates", len(aggs)).Bool("failover", version >= failoverVersion).
+		Msg("created replication slot; rows pending in its snapshot go to the claim path while it streams")
+	return consistent, &handOver{rows: rows, aggs: aggs, consistent: consistent, foreign: foreign}, nil
 }
 
 func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {

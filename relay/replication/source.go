@@ -64,8 +64,8 @@ type Config struct {
 	// WaitSettled, when set, is called before a slot is created (after a
 	// drop or an invalidation, the consumer may still be delivering events
 	// of the old slot): it waits until the consumer has settled everything
-	// submitted, so that MarkForClaim does not hand those rows to the claim
-	// path as well.
+	// submitted, so that the hand-over does not give those rows to the
+	// claim path as well.
 	WaitSettled func(ctx context.Context) error
 
 	// StreamFrom, when set, is told at the start of every session which
@@ -106,13 +106,12 @@ type HandOver interface {
 	// BeginSlot records, before the slot is created, that its hand-over
 	// has not happened yet.
 	BeginSlot(ctx context.Context, slot string) error
-	// MarkForClaim hands every row pending in the exported snapshot of the
-	// newly created slot to the claim path, and records the hand-over as
-	// done at consistent, in one transaction; it returns how many rows it
-	// marked. It must import the snapshot (SET TRANSACTION SNAPSHOT) in a
-	// REPEATABLE READ transaction: those rows are exactly the ones the slot
-	// will never stream.
-	MarkForClaim(ctx context.Context, slot, snapshot string, consistent relay.LSN) (int64, error)
+	// OpenHandOver imports the exported snapshot of the newly created slot
+	// (SET TRANSACTION SNAPSHOT, in a REPEATABLE READ transaction it keeps
+	// open): the rows pending there are exactly the ones the slot will never
+	// stream. Once it returns, the replication connection may stream while
+	// the returned hand-over marks them.
+	OpenHandOver(ctx context.Context, snapshot string) (relay.HandOverRows, error)
 	// HandedOver reports whether the hand-over of the existing slot was
 	// recorded as done. A slot without the record (a crash between its
 	// creation and the hand-over) is dropped and made again.

@@ -378,7 +378,7 @@ func TestNewSlotHandsPendingRowsToClaimPath(t *testing.T) {
 	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	waitStreaming(t, c, 1)
 
-	snapshots, counts := claim.calls()
+	snapshots, counts := claim.waitCalls(t, 1)
 	if len(snapshots) != 1 || snapshots[0] == "" || counts[0] != 5 {
 		t.Fatalf("MarkForClaim calls: snapshots %q, counts %v; want one call marking the 5 pending rows", snapshots, counts)
 	}
@@ -435,7 +435,7 @@ func TestReconnectsAfterWalsenderTerminated(t *testing.T) {
 		t.Errorf("second Restart horizon %s is before the acknowledged %s", restarts[1], end)
 	}
 	// The slot has its hand-over record: it is kept, not made again.
-	if snapshots, _ := claim.calls(); len(snapshots) != 1 {
+	if snapshots, _ := claim.waitCalls(t, 1); len(snapshots) != 1 {
 		t.Errorf("%d hand-overs, want 1: the slot was made again after a reconnect", len(snapshots))
 	}
 }
@@ -446,6 +446,7 @@ func TestRecreatesDroppedSlot(t *testing.T) {
 	claim1 := &claimRecorder{url: e.url}
 	r := start(t, e.config(t, c1, &fakeCheckpoint{}, claim1))
 	waitStreaming(t, c1, 1)
+	claim1.waitCalls(t, 1) // the hand-over finishes beside the stream
 	if err := r.stop(); err != nil {
 		t.Fatalf("Run: %v", err)
 	}
@@ -461,7 +462,7 @@ func TestRecreatesDroppedSlot(t *testing.T) {
 	claim2 := &claimRecorder{url: e.url}
 	start(t, e.config(t, c2, &fakeCheckpoint{}, claim2))
 	waitStreaming(t, c2, 1)
-	if _, counts := claim2.calls(); len(counts) != 1 || counts[0] != 3 {
+	if _, counts := claim2.waitCalls(t, 1); len(counts) != 1 || counts[0] != 3 {
 		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 3 rows inserted while the slot was missing", counts)
 	}
 	if exists, _, _, _ := slotState(t, e); !exists {
@@ -502,7 +503,7 @@ func TestSourceRecreatesSlotWithoutHandOverRecord(t *testing.T) {
 	c := &fakeConsumer{}
 	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	waitStreaming(t, c, 1)
-	if _, counts := claim.calls(); len(counts) != 1 || counts[0] != 5 {
+	if _, counts := claim.waitCalls(t, 1); len(counts) != 1 || counts[0] != 5 {
 		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 5 pending rows", counts)
 	}
 	if _, _, _, confirmed := slotState(t, e); confirmed < since {
@@ -816,8 +817,10 @@ func TestRecreatesLostSlot(t *testing.T) {
 	}
 
 	c1 := &fakeConsumer{}
-	r := start(t, e.config(t, c1, &fakeCheckpoint{}, &claimRecorder{url: e.url}))
+	claim1 := &claimRecorder{url: e.url}
+	r := start(t, e.config(t, c1, &fakeCheckpoint{}, claim1))
 	waitStreaming(t, c1, 1)
+	claim1.waitCalls(t, 1) // the hand-over finishes beside the stream
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -838,7 +841,7 @@ func TestRecreatesLostSlot(t *testing.T) {
 	claim := &claimRecorder{url: e.url}
 	start(t, e.config(t, c2, &fakeCheckpoint{}, claim))
 	waitStreaming(t, c2, 1)
-	if _, counts := claim.calls(); len(counts) != 1 || counts[0] != 4 {
+	if _, counts := claim.waitCalls(t, 1); len(counts) != 1 || counts[0] != 4 {
 		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 4 rows", counts)
 	}
 	if _, status, _, _ := slotState(t, e); status == "lost" {

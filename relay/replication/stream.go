@@ -166,12 +166,16 @@ func (q *queue) newGroup() *group {
 // stream runs the receiver and the decoder on conn, which is in copy-both
 // mode, until either fails or ctx is done. acked is the slot's confirmed
 // position; every is the status interval.
-func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LSN, every, senderTimeout time.Duration, onStandby bool) error {
+func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LSN, every, senderTimeout time.Duration, onStandby bool, handOver *handOver) error {
 	// The decoder and the checkpointer run beside the receiver (relay.Group):
-	// one that fails, or returns, ends the session.
+	// one that fails, or returns, ends the session. So does a new slot's
+	// hand-over that fails; one that finishes does not.
 	workers, sctx := relay.NewGroup(ctx)
 	q := newQueue()
 	workers.Go("decoder", func(ctx context.Context) error { return newDecoder(s.cfg.Consumer, s.outbox).run(ctx, q) })
+	if handOver != nil {
+		workers.GoTask("hand-over", func(ctx context.Context) error { return s.finish(ctx, handOver) })
+	}
 
 	saveTimeout := maxSaveTimeout
 	if senderTimeout > 0 {
