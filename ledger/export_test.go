@@ -6,6 +6,14 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+// SetHandOverSlice sets how many rows a hand-over marks per transaction,
+// until restore.
+func SetHandOverSlice(n int) (restore func()) {
+	old := handOverSlice
+	handOverSlice = n
+	return func() { handOverSlice = old }
+}
+
 // GlobToRegex exposes globToRegex to the tests.
 var GlobToRegex = globToRegex
 

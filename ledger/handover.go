@@ -1,14 +1,14 @@
 package ledger
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
-	"time"
+	"slices"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -17,17 +17,19 @@ import (
 // slice is a transaction the slot's walsender decodes before the events
 // committed after it, so slices keep it from holding fresh events back for
 // the whole backlog (docs/architecture.md, "slot creation").
-const handOverSlice = 5_000
+var handOverSlice = 5_000
 
 // OpenHandOver begins the slot-creation hand-over of a new slot
 // (docs/architecture.md, "slot creation"). In a REPEATABLE READ, read-only
-// transaction on a connection of its own it imports the snapshot that
-// CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported, and keeps it open: the
-// rows pending in it and not handed off (and not delivered everywhere) are
-// exactly the rows committed before the slot's consistent point, which the
-// new slot will never stream. Once it returns, the replication connection
-// that created the slot is free to stream; the transaction holds the
-// snapshot until Mark or Close.
+// transaction it imports the snapshot that CREATE_REPLICATION_SLOT …
+// EXPORT_SNAPSHOT exported and reads the rows pending there and not handed
+// off (and not delivered everywhere) — exactly the rows committed before
+// the slot's consistent point, which the new slot will never stream: their
+// ids and aggregates, held in memory (8 bytes and an index a row), so that
+// no transaction stays open while they are marked (an open snapshot would
+// keep every row version the claim path and the marking leave behind from
+// being pruned). Once it returns, the replication connection that created
+// the slot is free to stream.
 //
 // The replication connection must run nothing else until OpenHandOver
 // returns: the snapshot exists only until then.
@@ -35,21 +37,52 @@ func (s *Store) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOv
 	if snapshot == "" {
 		return nil, errors.New("hand rows to the claim path: empty snapshot name")
 	}
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("hand rows to the claim path: %w", err)
-	}
-	h := &handOverRows{s: s, conn: conn, snapshot: snapshot}
-	h.tx, err = conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
-	if err == nil {
+	setSnapshot := "SET TRANSACTION SNAPSHOT " + relay.QuoteLiteral(snapshot)
+	h := &handOverRows{s: s, snapshot: snapshot}
+	s.handingOver.Add(1)
+	readOnly := pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
+	err := pgx.BeginTxFunc(ctx, s.pool, readOnly, func(tx pgx.Tx) error {
 		// SET TRANSACTION SNAPSHOT takes no parameters and must be the
 		// transaction's first statement; the simple protocol keeps this
 		// one-off text out of the connection's statement cache.
-		_, err = h.tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+relay.QuoteLiteral(snapshot), pgx.QueryExecModeSimpleProtocol)
-	}
+		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
+			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
+		}
+		rows, err := tx.Query(ctx, s.sql.pendingUnmarked)
+		if err != nil {
+			return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
+		}
+		defer rows.Close()
+		index := map[relay.AggregateKey]int32{}
+		for rows.Next() {
+			var (
+				id     int64
+				at, ai *string
+			)
+			if err := rows.Scan(&id, &at, &ai); err != nil {
+				return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
+			}
+			agg := int32(-1) // not ordered
+			if at != nil && ai != nil {
+				k := relay.AggregateKey{Type: *at, ID: *ai}
+				n, ok := index[k]
+				if !ok {
+					n = int32(len(h.aggs))
+					index[k] = n
+					h.aggs = append(h.aggs, k)
+				}
+				agg = n
+			}
+			h.rows = append(h.rows, pendingRow{id: id, agg: agg})
+		}
+		if err := rows.Err(); err != nil {
+			return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
+		}
+		return nil
+	})
 	if err != nil {
 		h.Close()
-		return nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
+		return nil, err
 	}
 	return h, nil
 }
@@ -58,75 +91,66 @@ func (s *Store) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOv
 type handOverRows struct {
 	s        *Store
 	snapshot string
-	conn     *pgxpool.Conn
-	tx       pgx.Tx // in the imported snapshot; nil once closed
+	aggs     []relay.AggregateKey // the rows' aggregates
+	rows     []pendingRow         // the rows to mark
+	closed   bool
+}
+
+// pendingRow is a row to hand over: its id and its aggregate (an index in
+// aggs, -1 for a row without one).
+type pendingRow struct {
+	id  int64
+	agg int32
 }
 
 // Aggregates implements relay.HandOverRows.
-func (h *handOverRows) Aggregates(ctx context.Context) ([]relay.AggregateKey, error) {
-	rows, err := h.tx.Query(ctx, h.s.sql.pendingAggregates)
-	if err != nil {
-		return nil, fmt.Errorf("read the aggregates pending in snapshot %s: %w", h.snapshot, err)
-	}
-	aggs, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (relay.AggregateKey, error) {
-		var a relay.AggregateKey
-		err := row.Scan(&a.Type, &a.ID)
-		return a, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("read the aggregates pending in snapshot %s: %w", h.snapshot, err)
-	}
-	return aggs, nil
+func (h *handOverRows) Aggregates(context.Context) ([]relay.AggregateKey, error) {
+	return h.aggs, nil
 }
 
-// Mark implements relay.HandOverRows. It reads the ids pending in the
-// snapshot in one pass and marks each slice of handOverSlice ids as it
-// comes, by id at READ COMMITTED in a transaction of its own on another
-// connection (handoff_at = now(), due now when the row had no
-// available_at), rechecking that the row is still pending, not handed off
-// and not delivered everywhere: a row that changed after the snapshot (a
-// poller still running claimed it) is left to whoever changed it. Then it
-// records the hand-over of slot as done at consistent (see BeginSlot and
-// HandedOver): a slot whose hand-over was cut short by a crash or an error
-// is recognised and made again, and the rows marked before stay the claim
-// path's, which is harmless for any later slot.
+// Mark implements relay.HandOverRows. It marks the rows in slices of
+// handOverSlice, by id at READ COMMITTED, each slice a transaction of its
+// own (handoff_at = now(), due now when the row had no available_at),
+// rechecking that the row is still pending, not handed off and not
+// delivered everywhere: a row that changed after the snapshot (a poller
+// still running claimed it) is left to whoever changed it. The aggregates
+// with the fewest rows go first, each in id order: the last row or two of
+// the live aggregates, whose new events the stream diverts behind them,
+// before an old backlog, whose aggregates are marked from their oldest
+// rows, where the claim path's runs start. Then it records the hand-over of
+// slot as done at consistent (see BeginSlot and HandedOver): a slot whose
+// hand-over was cut short by a crash or an error is recognised and made
+// again, and the rows marked before stay the claim path's, which is
+// harmless for any later slot.
 func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.LSN) (int64, error) {
 	defer h.Close()
+	count := make([]int, len(h.aggs))
+	for _, r := range h.rows {
+		if r.agg >= 0 {
+			count[r.agg]++
+		}
+	}
+	rowsOf := func(r pendingRow) int {
+		if r.agg < 0 {
+			return 0 // not ordered: nothing waits behind it
+		}
+		return count[r.agg]
+	}
+	slices.SortFunc(h.rows, func(a, b pendingRow) int {
+		return cmp.Or(cmp.Compare(rowsOf(a), rowsOf(b)), cmp.Compare(a.id, b.id))
+	})
 	var marked int64
 	ids := make([]int64, 0, handOverSlice)
-	mark := func() error {
-		if len(ids) == 0 {
-			return nil
+	for chunk := range slices.Chunk(h.rows, handOverSlice) {
+		ids = ids[:0]
+		for _, r := range chunk {
+			ids = append(ids, r.id)
 		}
 		tag, err := h.s.pool.Exec(ctx, h.s.sql.markForClaimByID, ids)
 		if err != nil {
-			return fmt.Errorf("mark %d rows of snapshot %s for the claim path (ids %d to %d): %w", len(ids), h.snapshot, ids[0], ids[len(ids)-1], err)
+			return marked, fmt.Errorf("mark %d rows of snapshot %s for the claim path: %w", len(ids), h.snapshot, err)
 		}
 		marked += tag.RowsAffected()
-		ids = ids[:0]
-		return nil
-	}
-	rows, err := h.tx.Query(ctx, h.s.sql.pendingUnmarked)
-	if err != nil {
-		return 0, fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
-	}
-	defer rows.Close()
-	for rows.Next() {
-		var id int64
-		if err := rows.Scan(&id); err != nil {
-			return marked, fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
-		}
-		if ids = append(ids, id); len(ids) == handOverSlice {
-			if err := mark(); err != nil {
-				return marked, err
-			}
-		}
-	}
-	if err := rows.Err(); err != nil {
-		return marked, fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
-	}
-	if err := mark(); err != nil {
-		return marked, err
 	}
 	if _, err := h.s.pool.Exec(ctx, h.s.sql.handedOver, slot, consistent); err != nil {
 		return marked, fmt.Errorf("record the hand-over of slot %s: %w", slot, err)
@@ -134,19 +158,15 @@ func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.L
 	return marked, nil
 }
 
-// Close implements relay.HandOverRows.
+// Close implements relay.HandOverRows: it lets the rows go, and the
+// pending scan resume.
 func (h *handOverRows) Close() {
-	if h.tx == nil {
+	if h.closed {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	if err := h.tx.Rollback(ctx); err != nil {
-		// The connection's state is unknown: it does not go back to the pool.
-		_ = h.conn.Conn().Close(ctx)
-	}
-	h.conn.Release()
-	h.tx = nil
+	h.closed = true
+	h.rows, h.aggs = nil, nil
+	h.s.handingOver.Add(-1)
 }
 
 // markSnapshotIDs reads on db, in the exported snapshot, the ids of the
@@ -167,7 +187,12 @@ func (s *Store) markSnapshotIDs(ctx context.Context, db beginner, slot, snapshot
 		if err != nil {
 			return err
 		}
-		ids, err = pgx.CollectRows(rows, pgx.RowTo[int64])
+		ids, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) (int64, error) {
+			var id int64
+			var aggType, aggID *string // the primary's own hand-over orders by them
+			err := row.Scan(&id, &aggType, &aggID)
+			return id, err
+		})
 		return err
 	})
 	if err != nil {

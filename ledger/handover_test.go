@@ -203,8 +203,8 @@ func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
 		t.Fatalf("OpenHandOver: %v", err)
 	}
 	defer h.Close()
-	// The exporting connection runs another command: its snapshot is gone,
-	// the hand-over's transaction keeps it.
+	// The exporting connection runs another command: its snapshot is gone;
+	// the hand-over has read what it needs.
 	if _, err := pglogrepl.IdentifySystem(ctx, created.repl); err != nil {
 		t.Fatalf("IDENTIFY_SYSTEM on the slot's connection: %v", err)
 	}
@@ -238,6 +238,41 @@ func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
 		t.Errorf("HandedOver after Mark = %v, %v; want true", done, err)
+	}
+}
+
+// TestHandOverMarksTheSmallestAggregatesFirst: the hand-over marks the
+// aggregates with the fewest rows first (a live aggregate's last row, which
+// its new events wait behind), each from its oldest row (where the claim
+// path's runs start), and rows without an aggregate before them all.
+func TestHandOverMarksTheSmallestAggregatesFirst(t *testing.T) {
+	defer ledger.SetHandOverSlice(1)()
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t,
+		row{Key: "big-1", AggType: ptr("order"), AggID: ptr("big")},
+		row{Key: "big-2", AggType: ptr("order"), AggID: ptr("big")},
+		row{Key: "small", AggType: ptr("order"), AggID: ptr("small")},
+		row{Key: "big-3", AggType: ptr("order"), AggID: ptr("big")},
+		row{Key: "unordered"},
+	)
+	slot := f.MustSlotName(t)
+	if err := f.store.BeginSlot(ctx, slot); err != nil {
+		t.Fatal(err)
+	}
+	if _, marked, err := f.handOver(ctx, slot, f.MustCreateSlot(t)); err != nil || marked != 5 {
+		t.Fatalf("hand-over: %d marked, %v; want 5", marked, err)
+	}
+	rows, err := f.pool.Query(ctx, `SELECT id FROM integration_outbox WHERE handoff_at IS NOT NULL ORDER BY xmin::text::bigint`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []int64{ids[4], ids[2], ids[0], ids[1], ids[3]}; !slices.Equal(got, want) {
+		t.Errorf("marked in the order %v, want %v (unordered, small, then big from its oldest)", got, want)
 	}
 }
 
@@ -443,5 +478,41 @@ func TestHandOverRecordBackfilled(t *testing.T) {
 	}
 	if handover, confirmed := f.handOverRecord(t, "old_slot"); handover != confirmed || confirmed != 0x16_B374D848 {
 		t.Errorf("handover_lsn %s, confirmed_lsn %s; want both 16/B374D848", handover, confirmed)
+	}
+}
+
+// TestPendingScanWaitsForAHandOver: while a new slot's hand-over marks the
+// rows pending before it, the pending scan reports none of them stuck (they
+// are on their way to the claim path; during a long marking the alarm told
+// the operator to run reconcile), and it resumes once the hand-over ends.
+func TestPendingScanWaitsForAHandOver(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	store := f.storeFor(t, ledger.Sink{Name: "nats"})
+	f.MustInsert(t, row{Key: "backlog-1"}, row{Key: "backlog-2"})
+	time.Sleep(10 * time.Millisecond)
+	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 2 {
+		t.Fatalf("Stuck before the hand-over = %d, %v; want the 2 rows", n, err)
+	}
+	slot := f.MustSlotName(t)
+	if err := store.BeginSlot(ctx, slot); err != nil {
+		t.Fatal(err)
+	}
+	created := f.MustCreateSlot(t)
+	h, err := store.OpenHandOver(ctx, created.snapshot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 0 {
+		t.Errorf("Stuck while the hand-over marks = %d, %v; want 0", n, err)
+	}
+	if _, err := h.Mark(ctx, slot, created.consistent); err != nil {
+		t.Fatal(err)
+	}
+	h.Close() // after Mark: a no-op
+	f.MustInsert(t, row{Key: "after"})
+	time.Sleep(10 * time.Millisecond)
+	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 1 {
+		t.Errorf("Stuck after the hand-over = %d, %v; want 1 (the row after it; the backlog is the claim path's)", n, err)
 	}
 }

@@ -89,7 +89,10 @@ type Store struct {
 	// decodes on streams through (SetDecodingStandby).
 	decodingStandbySlot atomic.Pointer[string]
 	scan                scanState
-	tables              tables
+	// handingOver counts the slot hand-overs between OpenHandOver and
+	// Close: the pending scan waits for them (scan.go).
+	handingOver atomic.Int32
+	tables      tables
 
 	// claimSQL is the claim query for the table's shape, chosen once.
 	claimMu    sync.Mutex
@@ -118,7 +121,6 @@ type statements struct {
 	beginSlot            string
 	handoverDone         string
 	pendingUnmarked      string
-	pendingAggregates    string
 	markForClaimByID     string
 	pendingRange         string
 	markDeliveredDone    string
@@ -241,16 +243,9 @@ UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirme
 		// claim path's, due now when they had no available_at. Rows the
 		// ledger shows delivered everywhere are done, their status not
 		// marked yet (mark_done: off, or the marking trails).
-		// Newest first: a slot's hand-over marks the rows of live
-		// aggregates, whose new events the stream diverts behind them,
-		// before an old backlog (docs/architecture.md, "slot creation").
 		pendingUnmarked: fmt.Sprintf(`
-SELECT o.id FROM %s AS o WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s
- ORDER BY o.id DESC`, outbox, t.deliveredEverywhere("o")),
-		pendingAggregates: fmt.Sprintf(`
-SELECT DISTINCT o.aggregate_type, o.aggregate_id FROM %s AS o
- WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s
-   AND o.aggregate_type IS NOT NULL AND o.aggregate_id IS NOT NULL`, outbox, t.deliveredEverywhere("o")),
+SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
+ WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
 		markForClaimByID: fmt.Sprintf(`
 UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
  WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),

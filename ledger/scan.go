@@ -74,6 +74,15 @@ func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
 	if sc.watch == nil {
 		sc.watch = map[int64]watchEntry{}
 	}
+	if s.handingOver.Load() > 0 {
+		// A new slot's hand-over is marking every row pending before the
+		// slot: whatever the scan watches now, or would read, is on its way
+		// to the claim path, and not stuck (docs/architecture.md, "slot
+		// creation"). The scan resumes from its floor afterwards, where
+		// those rows read as handed off.
+		clear(sc.watch)
+		return nil, nil
+	}
 	if err := s.scanStep(ctx); err != nil {
 		return nil, err
 	}

@@ -219,20 +219,19 @@ type Checkpoint interface {
 
 // HandOverRows is a new slot's hand-over in progress (docs/architecture.md,
 // "slot creation"): the rows pending in the slot's exported snapshot, read
-// in a transaction that imported it and stays open until Mark or Close, so
-// that the replication connection is free to stream meanwhile.
+// in a transaction that imported it, so that the replication connection is
+// free to stream while they are marked.
 type HandOverRows interface {
 	// Aggregates returns the aggregates of the rows to hand over: the
 	// stream diverts their events (Consumer.Divert) until Mark returns.
 	Aggregates(ctx context.Context) ([]AggregateKey, error)
 	// Mark hands the rows to the claim path, in transactions of a slice of
 	// rows each, then records the hand-over of slot as done at
-	// consistent; it returns how many rows it marked, and ends the
-	// snapshot's transaction. Rows marked before an error stay marked
+	// consistent; it returns how many rows it marked. Rows marked before an error stay marked
 	// (harmless: they are the claim path's); without the record, the slot
 	// is made again.
 	Mark(ctx context.Context, slot string, consistent LSN) (int64, error)
-	// Close ends the snapshot's transaction; safe after Mark and twice.
+	// Close lets the hand-over go; safe after Mark and twice.
 	Close()
 }
 

@@ -84,7 +84,7 @@ func TestRecreatesSlotInvalidatedByIdleTimeout(t *testing.T) {
 	start(t, cfg)
 	waitStreaming(t, c2, 1)
 	if _, counts := claim.waitCalls(t, 1); len(counts) != 1 || counts[0] != 4 {
-		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 4 rows", counts)
+		t.Fatalf("hand-over counts %v, want one hand-over of the 4 rows", counts)
 	}
 	if got := logs.String(); !strings.Contains(got, "replication slot was invalidated") || !strings.Contains(got, `"reason":"idle_timeout"`) {
 		t.Errorf("the log does not report the invalidation and its reason idle_timeout:\n%s", got)

@@ -472,7 +472,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			s.dropAfterFailedHandOver(rconn)
 			return 0, nil, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
 		}
-		s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("on_standby", true).
+		s.log.Info().Str("consistent_point", consistent.String()).Int64("rows_handed_to_claim_path", n).Bool("on_standby", onStandby).
 			Msg("created replication slot; rows pending in its snapshot go to the claim path")
 		return consistent, nil, nil
 	}

@@ -380,7 +380,7 @@ func TestNewSlotHandsPendingRowsToClaimPath(t *testing.T) {
 
 	snapshots, counts := claim.waitCalls(t, 1)
 	if len(snapshots) != 1 || snapshots[0] == "" || counts[0] != 5 {
-		t.Fatalf("MarkForClaim calls: snapshots %q, counts %v; want one call marking the 5 pending rows", snapshots, counts)
+		t.Fatalf("hand-overs: snapshots %q, counts %v; want one call marking the 5 pending rows", snapshots, counts)
 	}
 	var marked int
 	if err := e.conn.QueryRow(context.Background(),
@@ -463,7 +463,7 @@ func TestRecreatesDroppedSlot(t *testing.T) {
 	start(t, e.config(t, c2, &fakeCheckpoint{}, claim2))
 	waitStreaming(t, c2, 1)
 	if _, counts := claim2.waitCalls(t, 1); len(counts) != 1 || counts[0] != 3 {
-		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 3 rows inserted while the slot was missing", counts)
+		t.Fatalf("hand-over counts %v, want one hand-over of the 3 rows inserted while the slot was missing", counts)
 	}
 	if exists, _, _, _ := slotState(t, e); !exists {
 		t.Fatal("slot not recreated")
@@ -504,7 +504,7 @@ func TestSourceRecreatesSlotWithoutHandOverRecord(t *testing.T) {
 	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	waitStreaming(t, c, 1)
 	if _, counts := claim.waitCalls(t, 1); len(counts) != 1 || counts[0] != 5 {
-		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 5 pending rows", counts)
+		t.Fatalf("hand-over counts %v, want one hand-over of the 5 pending rows", counts)
 	}
 	if _, _, _, confirmed := slotState(t, e); confirmed < since {
 		t.Errorf("slot confirmed at %s, before %s: the slot made at %s was kept", confirmed, since, first)
@@ -842,7 +842,7 @@ func TestRecreatesLostSlot(t *testing.T) {
 	start(t, e.config(t, c2, &fakeCheckpoint{}, claim))
 	waitStreaming(t, c2, 1)
 	if _, counts := claim.waitCalls(t, 1); len(counts) != 1 || counts[0] != 4 {
-		t.Fatalf("MarkForClaim counts %v, want one hand-over of the 4 rows", counts)
+		t.Fatalf("hand-over counts %v, want one hand-over of the 4 rows", counts)
 	}
 	if _, status, _, _ := slotState(t, e); status == "lost" {
 		t.Fatal("the slot is still lost")
