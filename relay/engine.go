@@ -339,17 +339,23 @@ func (e *Engine) loadDiverted(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("load diverted aggregates: %w", err)
 	}
-	for _, l := range e.lanes {
-		l.mu.Lock()
-		for _, a := range diverted {
-			l.diverted[a] = e.divertSeq.Add(1)
-		}
-		l.mu.Unlock()
-	}
+	e.divertAll(diverted)
 	if len(diverted) > 0 {
 		e.log.Info().Int("aggregates", len(diverted)).Msg("aggregates with handed-off or held events: their new events go to the claim path until those settle")
 	}
 	return nil
+}
+
+// divertAll diverts aggs in every lane: their new stream events are
+// handed to the claim path.
+func (e *Engine) divertAll(aggs []AggregateKey) {
+	for _, l := range e.lanes {
+		l.mu.Lock()
+		for _, a := range aggs {
+			l.diverted[a] = e.divertSeq.Add(1)
+		}
+		l.mu.Unlock()
+	}
 }
 
 // divertPinned diverts aggs in every lane and keeps them diverted until
@@ -362,13 +368,7 @@ func (e *Engine) divertPinned(aggs []AggregateKey) (release func()) {
 	// Pinned before the lanes divert: a check that reads the sequence
 	// after the divert finds the pin.
 	e.pinned.Store(&set)
-	for _, l := range e.lanes {
-		l.mu.Lock()
-		for _, a := range aggs {
-			l.diverted[a] = e.divertSeq.Add(1)
-		}
-		l.mu.Unlock()
-	}
+	e.divertAll(aggs)
 	if len(aggs) > 0 {
 		e.log.Info().Int("aggregates", len(aggs)).Msg("aggregates of the new slot's hand-over: their new events go to the claim path, behind the rows being handed over")
 	}
