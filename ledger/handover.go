@@ -25,8 +25,8 @@ var handOverSlice = 5_000
 // EXPORT_SNAPSHOT exported and reads the rows pending there and not handed
 // off (and not delivered everywhere) — exactly the rows committed before
 // the slot's consistent point, which the new slot will never stream: their
-// ids and aggregates, held in memory (8 bytes and an index a row), so that
-// no transaction stays open while they are marked (an open snapshot would
+// ids and aggregates, held in memory (16 bytes a row, and each aggregate
+// once), so that no transaction stays open while they are marked (an open snapshot would
 // keep every row version the claim path and the marking leave behind from
 // being pruned). Once it returns, the replication connection that created
 // the slot is free to stream.
@@ -123,6 +123,11 @@ func (h *handOverRows) Aggregates(context.Context) ([]relay.AggregateKey, error)
 // again, and the rows marked before stay the claim path's, which is
 // harmless for any later slot.
 func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.LSN) (int64, error) {
+	if h.closed {
+		// Its rows are gone: recording the hand-over now would leave them
+		// to a slot that never streams them.
+		return 0, errors.New("mark rows for the claim path: the hand-over was closed")
+	}
 	defer h.Close()
 	count := make([]int, len(h.aggs))
 	for _, r := range h.rows {

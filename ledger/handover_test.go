@@ -516,3 +516,27 @@ func TestPendingScanWaitsForAHandOver(t *testing.T) {
 		t.Errorf("Stuck after the hand-over = %d, %v; want 1 (the row after it; the backlog is the claim path's)", n, err)
 	}
 }
+
+// TestHandOverClosedMarksNothing: a hand-over closed before its Mark (its
+// session ended) cannot record itself as done without its rows.
+func TestHandOverClosedMarksNothing(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustInsert(t, row{Key: "backlog"})
+	slot := f.MustSlotName(t)
+	if err := f.store.BeginSlot(ctx, slot); err != nil {
+		t.Fatal(err)
+	}
+	created := f.MustCreateSlot(t)
+	h, err := f.store.OpenHandOver(ctx, created.snapshot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Close()
+	if n, err := h.Mark(ctx, slot, created.consistent); err == nil {
+		t.Errorf("Mark after Close = %d, nil; want an error", n)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+		t.Errorf("HandedOver = %v, %v; want false", done, err)
+	}
+}
