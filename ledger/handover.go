@@ -26,9 +26,9 @@ var handOverSlice = 5_000
 // off (and not delivered everywhere) — exactly the rows committed before
 // the slot's consistent point, which the new slot will never stream: their
 // ids and aggregates, held in memory (16 bytes a row, and each aggregate
-// once), so that no transaction stays open while they are marked (an open snapshot would
-// keep every row version the claim path and the marking leave behind from
-// being pruned). Once it returns, the replication connection that created
+// once), so that no transaction stays open while they are marked (an open
+// snapshot would keep every row version the claim path and the marking
+// leave behind from being pruned). Once it returns, the replication connection that created
 // the slot is free to stream.
 //
 // The replication connection must run nothing else until OpenHandOver
