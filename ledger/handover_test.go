@@ -63,6 +63,24 @@ func (f *fixture) MustSlotName(tb testing.TB) string {
 	return "ledger_test_" + db[len(db)-12:]
 }
 
+// mustOpenHandOver makes a new slot for the fixture the way the stream
+// source does (BeginSlot, then the slot with its exported snapshot) and
+// opens its hand-over on store.
+func (f *fixture) mustOpenHandOver(tb testing.TB, store *ledger.Store) (slot string, created createdSlot, h relay.HandOverRows) {
+	tb.Helper()
+	ctx := context.Background()
+	slot = f.MustSlotName(tb)
+	if err := store.BeginSlot(ctx, slot); err != nil {
+		tb.Fatalf("BeginSlot: %v", err)
+	}
+	created = f.MustCreateSlot(tb)
+	h, err := store.OpenHandOver(ctx, created.snapshot)
+	if err != nil {
+		tb.Fatalf("OpenHandOver: %v", err)
+	}
+	return slot, created, h
+}
+
 // handOverRecord is the checkpoint row of slot: handover_lsn (0 when NULL)
 // and confirmed_lsn.
 func (f *fixture) handOverRecord(tb testing.TB, slot string) (handover, confirmed relay.LSN) {
@@ -193,15 +211,7 @@ func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
 	const n = 12_000 // more than two slices
 	f.MustExec(t, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
 		SELECT 'test.event', 'order', (g % 7)::text, 'backlog-' || g, '{}' FROM generate_series(1, $1::int) AS g`, n)
-	slot := f.MustSlotName(t)
-	if err := f.store.BeginSlot(ctx, slot); err != nil {
-		t.Fatal(err)
-	}
-	created := f.MustCreateSlot(t)
-	h, err := f.store.OpenHandOver(ctx, created.snapshot)
-	if err != nil {
-		t.Fatalf("OpenHandOver: %v", err)
-	}
+	slot, created, h := f.mustOpenHandOver(t, f.store)
 	defer h.Close()
 	// The exporting connection runs another command: its snapshot is gone;
 	// the hand-over has read what it needs.
@@ -494,15 +504,7 @@ func TestPendingScanWaitsForAHandOver(t *testing.T) {
 	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 2 {
 		t.Fatalf("Stuck before the hand-over = %d, %v; want the 2 rows", n, err)
 	}
-	slot := f.MustSlotName(t)
-	if err := store.BeginSlot(ctx, slot); err != nil {
-		t.Fatal(err)
-	}
-	created := f.MustCreateSlot(t)
-	h, err := store.OpenHandOver(ctx, created.snapshot)
-	if err != nil {
-		t.Fatal(err)
-	}
+	slot, created, h := f.mustOpenHandOver(t, store)
 	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 0 {
 		t.Errorf("Stuck while the hand-over marks = %d, %v; want 0", n, err)
 	}
@@ -523,15 +525,7 @@ func TestHandOverClosedMarksNothing(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	f.MustInsert(t, row{Key: "backlog"})
-	slot := f.MustSlotName(t)
-	if err := f.store.BeginSlot(ctx, slot); err != nil {
-		t.Fatal(err)
-	}
-	created := f.MustCreateSlot(t)
-	h, err := f.store.OpenHandOver(ctx, created.snapshot)
-	if err != nil {
-		t.Fatal(err)
-	}
+	slot, created, h := f.mustOpenHandOver(t, f.store)
 	h.Close()
 	if n, err := h.Mark(ctx, slot, created.consistent); err == nil {
 		t.Errorf("Mark after Close = %d, nil; want an error", n)
