@@ -811,11 +811,15 @@ func (s *Store) ReleaseOwned(ctx context.Context, owner string) (int64, error) {
 	return n, nil
 }
 
-// ExtendLeases implements relay.ClaimStore.
+// ExtendLeases implements relay.ClaimStore. It renews the ledger claims
+// before the rows, in the order every transaction of the relay's that
+// writes both takes them (docs/architecture.md, "Lock order"): a renewal
+// holding a row while it waited for the pair a settlement held, the
+// settlement waiting for that row, was a deadlock.
 func (s *Store) ExtendLeases(ctx context.Context, ids []int64, owner string) error {
 	_, err := s.runSteps(ctx, "", []step{
-		exec("renew row leases", s.sql.claim.extendRows, ids, owner),
 		exec("renew ledger claims", s.sql.claim.extendClaims, ids, owner),
+		exec("renew row leases", s.sql.claim.extendRows, ids, owner),
 	})
 	if err != nil {
 		return fmt.Errorf("extend the leases of %d rows: %w", len(ids), err)
