@@ -15,9 +15,12 @@ import (
 
 // handOverSlice is how many rows one transaction of a hand-over marks: each
 // slice is a transaction the slot's walsender decodes before the events
-// committed after it, so slices keep it from holding fresh events back for
-// the whole backlog (docs/architecture.md, "slot creation").
-var handOverSlice = 5_000
+// committed after it, and the next slice waits for it (Mark's pace), so a
+// slice is what a fresh event can wait behind: about 2.4 MB of WAL (a
+// row's mark is not a HOT update; with full-page images) and 0.2 s of the
+// walsender's time on the bench machine (docs/architecture.md, "slot
+// creation").
+var handOverSlice = 1_000
 
 // OpenHandOver begins the slot-creation hand-over of a new slot
 // (docs/architecture.md, "slot creation"). In a REPEATABLE READ, read-only
@@ -117,12 +120,20 @@ func (h *handOverRows) Aggregates(context.Context) ([]relay.AggregateKey, error)
 // with the fewest rows go first, each in id order: the last row or two of
 // the live aggregates, whose new events the stream diverts behind them,
 // before an old backlog, whose aggregates are marked from their oldest
-// rows, where the claim path's runs start. Then it records the hand-over of
+// rows, where the claim path's runs start. After each slice, done gets the
+// aggregates whose last row it marked: the stream's pin on them can end
+// (relay.Consumer.Divert), so a live aggregate whose last row or two were
+// pending goes back to the usual diversion, which ends when the claim path
+// has delivered them, not when the whole backlog is marked. Each slice is written once pace
+// reports that the stream has decoded past the previous one: the marks are
+// WAL the walsender decodes before every event committed after them, and
+// unpaced they put seconds of it in front of fresh events
+// (docs/architecture.md, "Slot creation"). Then it records the hand-over of
 // slot as done at consistent (see BeginSlot and HandedOver): a slot whose
 // hand-over was cut short by a crash or an error is recognised and made
 // again, and the rows marked before stay the claim path's, which is
 // harmless for any later slot.
-func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.LSN) (int64, error) {
+func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.LSN, pace func(context.Context, relay.LSN) bool, done func([]relay.AggregateKey)) (int64, error) {
 	if h.closed {
 		// Its rows are gone: recording the hand-over now would leave them
 		// to a slot that never streams them.
@@ -144,23 +155,57 @@ func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.L
 	slices.SortFunc(h.rows, func(a, b pendingRow) int {
 		return cmp.Or(cmp.Compare(rowsOf(a), rowsOf(b)), cmp.Compare(a.id, b.id))
 	})
+	left := slices.Clone(count) // each aggregate's rows not marked yet
 	var marked int64
+	var at relay.LSN // where the last slice's WAL ends
 	ids := make([]int64, 0, handOverSlice)
+	var complete []relay.AggregateKey
 	for chunk := range slices.Chunk(h.rows, handOverSlice) {
-		ids = ids[:0]
+		if at != 0 && !pace(ctx, at) {
+			return marked, fmt.Errorf("mark rows for the claim path: %w", cmp.Or(ctx.Err(), context.Canceled))
+		}
+		ids, complete = ids[:0], complete[:0]
 		for _, r := range chunk {
 			ids = append(ids, r.id)
+			if r.agg >= 0 {
+				if left[r.agg]--; left[r.agg] == 0 {
+					complete = append(complete, h.aggs[r.agg])
+				}
+			}
 		}
-		tag, err := h.s.pool.Exec(ctx, h.s.sql.markForClaimByID, ids)
+		n, end, err := h.markSlice(ctx, ids)
 		if err != nil {
 			return marked, fmt.Errorf("mark %d rows of snapshot %s for the claim path: %w", len(ids), h.snapshot, err)
 		}
-		marked += tag.RowsAffected()
+		marked, at = marked+n, end
+		// Committed: the claim store answers for these aggregates now.
+		done(complete)
 	}
 	if _, err := h.s.pool.Exec(ctx, h.s.sql.handedOver, slot, consistent); err != nil {
 		return marked, fmt.Errorf("record the hand-over of slot %s: %w", slot, err)
 	}
 	return marked, nil
+}
+
+// markSlice marks ids for the claim path in one synchronous transaction
+// (the walsender decodes only flushed WAL: an asynchronous commit would hold
+// the pace back by the WAL writer's delay) and returns how many it marked
+// and the WAL position the transaction wrote up to.
+func (h *handOverRows) markSlice(ctx context.Context, ids []int64) (int64, relay.LSN, error) {
+	var n int64
+	var at relay.LSN
+	err := h.s.inTx(ctx, h.s.sql.setSynchronousCommit, func(b *pgx.Batch) {
+		b.Queue(h.s.sql.markForClaimByID, ids)
+		b.Queue(h.s.sql.stream.walPosition)
+	}, func(br pgx.BatchResults) error {
+		tag, err := br.Exec()
+		if err != nil {
+			return err
+		}
+		n = tag.RowsAffected()
+		return br.QueryRow().Scan(&at)
+	})
+	return n, at, err
 }
 
 // Close implements relay.HandOverRows: it lets the rows go, and the

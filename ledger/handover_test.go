@@ -110,7 +110,7 @@ func (f *fixture) handOver(ctx context.Context, slot string, created createdSlot
 	if aggs, err = h.Aggregates(ctx); err != nil {
 		return nil, 0, err
 	}
-	marked, err = h.Mark(ctx, slot, created.consistent)
+	marked, err = h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked)
 	return aggs, marked, err
 }
 
@@ -206,6 +206,7 @@ func TestHandOver(t *testing.T) {
 // slice each, so that the walsender decodes no single transaction of the
 // whole backlog — and records the hand-over last.
 func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
+	defer ledger.SetHandOverSlice(5_000)()
 	f := MustFixture(t)
 	ctx := context.Background()
 	const n = 12_000 // more than two slices
@@ -230,7 +231,7 @@ func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
 		t.Fatalf("HandedOver before Mark = %v, %v; want false", done, err)
 	}
-	marked, err := h.Mark(ctx, slot, created.consistent)
+	marked, err := h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked)
 	if err != nil {
 		t.Fatalf("Mark: %v", err)
 	}
@@ -508,7 +509,7 @@ func TestPendingScanWaitsForAHandOver(t *testing.T) {
 	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 0 {
 		t.Errorf("Stuck while the hand-over marks = %d, %v; want 0", n, err)
 	}
-	if _, err := h.Mark(ctx, slot, created.consistent); err != nil {
+	if _, err := h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked); err != nil {
 		t.Fatal(err)
 	}
 	h.Close() // after Mark: a no-op
@@ -527,10 +528,106 @@ func TestHandOverClosedMarksNothing(t *testing.T) {
 	f.MustInsert(t, row{Key: "backlog"})
 	slot, created, h := f.mustOpenHandOver(t, f.store)
 	h.Close()
-	if n, err := h.Mark(ctx, slot, created.consistent); err == nil {
+	if n, err := h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked); err == nil {
 		t.Errorf("Mark after Close = %d, nil; want an error", n)
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
 		t.Errorf("HandedOver = %v, %v; want false", done, err)
+	}
+}
+
+// noPace lets every slice of a hand-over follow the last at once.
+func noPace(context.Context, relay.LSN) bool { return true }
+
+// ignoreMarked is a hand-over's report of aggregates marked, unread.
+func ignoreMarked([]relay.AggregateKey) {}
+
+// TestHandOverPacesItsSlices: Mark writes a slice only once its pace (the
+// stream's decoded position, relay.Consumer.WaitDecoded) has passed where
+// the last slice's WAL ended, and none after the last slice; after each
+// slice it reports the aggregates whose every row is now marked, so the
+// stream's pin on them ends then, not with the whole marking
+// (docs/architecture.md, "Slot creation").
+func TestHandOverPacesItsSlices(t *testing.T) {
+	defer ledger.SetHandOverSlice(2)()
+	f := MustFixture(t)
+	ctx := context.Background()
+	// Aggregates a and b of a row each, c of three: slices a1 b1 | c1 c2 | c3.
+	f.MustExec(t, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'test.event', 'order', a, 'backlog-' || g, '{}'
+		  FROM unnest(ARRAY['c', 'a', 'c', 'b', 'c']) WITH ORDINALITY AS u(a, g)`)
+	slot, created, h := f.mustOpenHandOver(t, f.store)
+	defer h.Close()
+	type call struct {
+		at     relay.LSN
+		marked int
+		wal    relay.LSN
+	}
+	var calls []call
+	pace := func(_ context.Context, at relay.LSN) bool {
+		var wal relay.LSN
+		if err := f.pool.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&wal); err != nil {
+			t.Error(err)
+		}
+		marked := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`)
+		calls = append(calls, call{at: at, marked: marked, wal: wal})
+		return true
+	}
+	var reports [][]string
+	done := func(aggs []relay.AggregateKey) {
+		var ids []string
+		for _, a := range aggs {
+			ids = append(ids, a.ID)
+			if left := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE aggregate_id = $1 AND handoff_at IS NULL`, a.ID); left != 0 {
+				t.Errorf("aggregate %s reported marked with %d rows unmarked", a.ID, left)
+			}
+		}
+		slices.Sort(ids)
+		reports = append(reports, ids)
+	}
+	if n, err := h.Mark(ctx, slot, created.consistent, pace, done); err != nil || n != 5 {
+		t.Fatalf("Mark = %d, %v; want 5 rows", n, err)
+	}
+	if want := [][]string{{"a", "b"}, nil, {"c"}}; !slices.EqualFunc(reports, want, slices.Equal) {
+		t.Errorf("aggregates reported marked after each slice: %q, want %q", reports, want)
+	}
+	// Slices of 2, 2 and 1: a pace before the second and the third.
+	if len(calls) != 2 {
+		t.Fatalf("pace called %d times (%+v), want 2: between the three slices", len(calls), calls)
+	}
+	for i, c := range calls {
+		if want := 2 * (i + 1); c.marked != want {
+			t.Errorf("pace %d: %d rows marked when it was asked, want %d (the slices before it, none after)", i, c.marked, want)
+		}
+		if c.at == 0 || c.at > c.wal || (i > 0 && c.at <= calls[i-1].at) {
+			t.Errorf("pace %d at %s: want a WAL position after the last pace's %+v and at most the server's %s", i, c.at, calls, c.wal)
+		}
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
+		t.Errorf("HandedOver after Mark = %v, %v; want true", done, err)
+	}
+}
+
+// TestHandOverEndsWhenItsPaceGivesUp: a pace that gives up (the session's
+// context ended) ends the marking after the slice written, without the
+// hand-over's record, so the next session makes the slot again.
+func TestHandOverEndsWhenItsPaceGivesUp(t *testing.T) {
+	defer ledger.SetHandOverSlice(2)()
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustExec(t, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'test.event', 'order', g::text, 'backlog-' || g, '{}' FROM generate_series(1, 5) AS g`)
+	slot, created, h := f.mustOpenHandOver(t, f.store)
+	defer h.Close()
+	stop, cancel := context.WithCancel(ctx)
+	n, err := h.Mark(stop, slot, created.consistent, func(context.Context, relay.LSN) bool { cancel(); return false }, ignoreMarked)
+	if err == nil || n != 2 {
+		t.Errorf("Mark with a pace that gave up = %d, %v; want the first slice (2) and an error", n, err)
+	}
+	if got := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`); got != 2 {
+		t.Errorf("%d rows marked, want the first slice's 2", got)
+	}
+	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+		t.Errorf("HandedOver after a marking that gave up = %v, %v; want false", done, err)
 	}
 }

@@ -1142,8 +1142,9 @@ func TestEngine_HaltStopsAClaimRun(t *testing.T) {
 // being marked, even when the claim store says they have nothing at the
 // claim path (it cannot see rows not marked yet): the stream's events of
 // such an aggregate are handed off, not sent ahead of its backlog. Once
-// released, the next settlement gives the aggregate back to the stream;
-// a Restart ends a pin its session left.
+// released (its rows marked), the next settlement gives that aggregate back
+// to the stream while the others stay pinned; a Restart ends a pin its
+// session left.
 func TestEngine_DivertedUntilTheHandOverIsMarked(t *testing.T) {
 	store := newFakeStore()
 	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
@@ -1154,7 +1155,8 @@ func TestEngine_DivertedUntilTheHandOverIsMarked(t *testing.T) {
 	ctx := context.Background()
 	c := e.Stream()
 	backlog := relay.AggregateKey{Type: "order", ID: "backlog"}
-	release := c.Divert([]relay.AggregateKey{backlog})
+	unmarked := relay.AggregateKey{Type: "order", ID: "unmarked"}
+	release := c.Divert([]relay.AggregateKey{backlog, unmarked})
 
 	// The claim path settles a marked row of the aggregate: the store says
 	// the aggregate has nothing left, but its other rows are not marked yet.
@@ -1169,19 +1171,25 @@ func TestEngine_DivertedUntilTheHandOverIsMarked(t *testing.T) {
 		t.Fatalf("sent %v: want the hand-over's aggregate diverted (2 handed off) and the other streamed (3)", sent)
 	}
 
-	// Marked: the next settlement of the aggregate gives it back.
-	release()
-	release() // safe twice
-	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(2, "backlog")}); err != nil {
+	// Its rows marked: the next settlement of the aggregate gives it back;
+	// an aggregate whose rows are still being marked stays pinned.
+	release([]relay.AggregateKey{backlog})
+	release([]relay.AggregateKey{backlog}) // safe twice
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(2, "backlog"), claimWork(10, "unmarked")}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "row 2 settled by the claim path", func() bool { _, ok := rec.decision(2); return ok })
-	submit(t, c, event(4, "backlog"))
+	waitFor(t, "rows 2 and 10 settled by the claim path", func() bool {
+		_, ok2 := rec.decision(2)
+		_, ok10 := rec.decision(10)
+		return ok2 && ok10
+	})
+	submit(t, c, event(4, "backlog"), event(11, "unmarked"))
 	c.Commit(200)
 	waitSettledAt(t, c, 200)
-	if !slices.Contains(sink.sentIDs(), 4) {
-		t.Fatalf("sent %v: want event 4 streamed once the hand-over is marked and its aggregate settled", sink.sentIDs())
+	if sent := sink.sentIDs(); !slices.Contains(sent, 4) || slices.Contains(sent, 11) {
+		t.Fatalf("sent %v: want event 4 streamed once its aggregate's rows are marked and settled, and 11 handed off (its aggregate still pinned)", sent)
 	}
+	release([]relay.AggregateKey{backlog, unmarked})
 
 	// A pin left by a session that ended before its marking is ended by
 	// the next session's Restart.

@@ -79,9 +79,10 @@ type Engine struct {
 	idle     *sync.Cond // broadcast when inflight empties
 
 	divertSeq atomic.Uint64 // orders diverts against the claim path's checks
-	// pinned holds the aggregates of a hand-over still being marked
-	// (Consumer.Divert): they stay diverted whatever the claim store says.
-	pinned atomic.Pointer[map[AggregateKey]struct{}]
+	// pinned holds the aggregates of a hand-over whose rows are still being
+	// marked (Consumer.Divert): they stay diverted whatever the claim store
+	// says, each until its rows are marked.
+	pinned atomic.Pointer[pinSet]
 	// settledCount counts works settled, per path (Progress).
 	settledCount map[Path]*atomic.Uint64
 	draining     atomic.Bool // stop retrying inline: hand waiting retries off
@@ -360,19 +361,43 @@ func (e *Engine) divertAll(aggs []AggregateKey) {
 
 // divertPinned diverts aggs in every lane and keeps them diverted until
 // release: see Consumer.Divert.
-func (e *Engine) divertPinned(aggs []AggregateKey) (release func()) {
-	set := make(map[AggregateKey]struct{}, len(aggs))
+func (e *Engine) divertPinned(aggs []AggregateKey) (release func([]AggregateKey)) {
+	set := &pinSet{set: make(map[AggregateKey]struct{}, len(aggs))}
 	for _, a := range aggs {
-		set[a] = struct{}{}
+		set.set[a] = struct{}{}
 	}
 	// Pinned before the lanes divert: a check that reads the sequence
 	// after the divert finds the pin.
-	e.pinned.Store(&set)
+	e.pinned.Store(set)
 	e.divertAll(aggs)
 	if len(aggs) > 0 {
 		e.log.Info().Int("aggregates", len(aggs)).Msg("aggregates of the new slot's hand-over: their new events go to the claim path, behind the rows being handed over")
 	}
-	return func() { e.pinned.CompareAndSwap(&set, nil) }
+	// A pin replaced since (the next session's Restart) is no longer
+	// read: releasing from it is harmless.
+	return set.release
+}
+
+// pinSet is a hand-over's pinned aggregates; each leaves it when its rows
+// are marked.
+type pinSet struct {
+	mu  sync.Mutex
+	set map[AggregateKey]struct{}
+}
+
+func (p *pinSet) has(a AggregateKey) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	_, ok := p.set[a]
+	return ok
+}
+
+func (p *pinSet) release(aggs []AggregateKey) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, a := range aggs {
+		delete(p.set, a)
+	}
 }
 
 // loadDivertedRetrying is loadDiverted, retried while the database is
@@ -423,10 +448,8 @@ func (e *Engine) DivertSeq() uint64 { return e.divertSeq.Load() }
 // that, or one not yet written, keeps the aggregate diverted, so a later
 // event never overtakes it.
 func (e *Engine) undiverted(a AggregateKey, seq uint64) {
-	if p := e.pinned.Load(); p != nil {
-		if _, ok := (*p)[a]; ok {
-			return
-		}
+	if p := e.pinned.Load(); p != nil && p.has(a) {
+		return
 	}
 	for _, l := range e.lanes {
 		l.mu.Lock()

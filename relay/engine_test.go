@@ -619,3 +619,41 @@ func TestEngine_RestreamedSkipsStillNeedACheckpoint(t *testing.T) {
 		t.Fatalf("%d sends of events the database shows settled", n)
 	}
 }
+
+// TestEngine_WaitDecodedFollowsTheStream: WaitDecoded returns once the
+// stream reports a position at or past its own, and while anyone waits —
+// the done marks or a new slot's hand-over, which may wait at the same time
+// — the consumer asks for positions (PositionWanted). With one flag for
+// both, the first waiter to finish cleared it under the other.
+func TestEngine_WaitDecodedFollowsTheStream(t *testing.T) {
+	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}})
+	c := e.Stream()
+	if err := c.Restart(context.Background(), 0); err != nil {
+		t.Fatal(err)
+	}
+	wait := func(at relay.LSN) <-chan bool {
+		done := make(chan bool, 1)
+		go func() { done <- c.WaitDecoded(context.Background(), at) }()
+		return done
+	}
+	first, second := wait(500), wait(1000)
+	waitFor(t, "a position wanted", c.PositionWanted)
+	c.Keepalive(400)
+	select {
+	case <-first:
+		t.Fatal("WaitDecoded(500) returned at position 400")
+	case <-time.After(50 * time.Millisecond):
+	}
+	c.Keepalive(600)
+	if ok := <-first; !ok {
+		t.Error("WaitDecoded(500) = false at 600")
+	}
+	if !c.PositionWanted() {
+		t.Error("no position wanted while WaitDecoded(1000) still waits")
+	}
+	c.Commit(1000)
+	if ok := <-second; !ok {
+		t.Error("WaitDecoded(1000) = false at 1000")
+	}
+	waitFor(t, "no position wanted once nobody waits", func() bool { return !c.PositionWanted() })
+}

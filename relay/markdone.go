@@ -53,9 +53,10 @@ type markQueue struct {
 	// stop's flush (Drain) both write batches, so it is read under mu
 	// (last).
 	lastAt LSN
-	// waitingForWalsender is set while the loop waits for the stream to
-	// decode past lastAt (Consumer.PositionWanted).
-	waitingForWalsender atomic.Bool
+	// waitingForWalsender counts the writers waiting for the stream to
+	// decode past their last write (Consumer.PositionWanted): this loop, and
+	// a new slot's hand-over (Consumer.WaitDecoded).
+	waitingForWalsender atomic.Int32
 }
 
 func newMarkQueue() *markQueue { return &markQueue{tries: map[int64]int{}} }
@@ -113,7 +114,9 @@ func (e *Engine) markDoneLoop(ctx context.Context) {
 }
 
 // waitDecodedPast waits until the stream has decoded past at, or
-// markWaitMax passed; it reports false when ctx ended first.
+// markWaitMax passed; it reports false when ctx ended first. Every writer of
+// WAL the stream must decode before fresh events, but does not need,
+// paces itself by it: the done marks and a new slot's hand-over.
 func (e *Engine) waitDecodedPast(ctx context.Context, at LSN) bool {
 	if at == 0 || e.stream.decodedPast(at) {
 		return ctx.Err() == nil
@@ -121,8 +124,8 @@ func (e *Engine) waitDecodedPast(ctx context.Context, at LSN) bool {
 	deadline := time.Now().Add(markWaitMax)
 	tick := time.NewTicker(markPoll)
 	defer tick.Stop()
-	e.marks.waitingForWalsender.Store(true)
-	defer e.marks.waitingForWalsender.Store(false)
+	e.marks.waitingForWalsender.Add(1)
+	defer e.marks.waitingForWalsender.Add(-1)
 	for !e.stream.decodedPast(at) && time.Now().Before(deadline) {
 		select {
 		case <-ctx.Done():

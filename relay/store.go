@@ -227,10 +227,14 @@ type HandOverRows interface {
 	Aggregates(ctx context.Context) ([]AggregateKey, error)
 	// Mark hands the rows to the claim path, in transactions of a slice of
 	// rows each, then records the hand-over of slot as done at
-	// consistent; it returns how many rows it marked. Rows marked before an error stay marked
-	// (harmless: they are the claim path's); without the record, the slot
-	// is made again.
-	Mark(ctx context.Context, slot string, consistent LSN) (int64, error)
+	// consistent; it returns how many rows it marked. After each slice it
+	// calls marked with the aggregates whose every row is now marked, and
+	// pace with the WAL position the slice ended at; it writes the next
+	// slice when pace returns, and pace reporting false (its context ended)
+	// ends the marking with ctx's error. Rows marked before an error stay
+	// marked (harmless: they are the claim path's); without the record, the
+	// slot is made again.
+	Mark(ctx context.Context, slot string, consistent LSN, pace func(context.Context, LSN) bool, marked func([]AggregateKey)) (int64, error)
 	// Close lets the hand-over go; safe after Mark and twice.
 	Close()
 }
@@ -267,14 +271,22 @@ type Consumer interface {
 	// times by the server's clock): how far behind the walsender's
 	// decoding is. It may be called concurrently with the others.
 	Sent(lag time.Duration)
-	// Divert sends the events of aggs to the claim path, and keeps them
-	// there whatever the claim store says until release is called: the
-	// aggregates of a new slot's hand-over, whose rows are being marked for
-	// the claim path while the slot streams (docs/architecture.md, "slot
-	// creation"). Until a row is marked, the store cannot tell that its
-	// aggregate is still the claim path's. Called before the first Submit
-	// of a session; release is safe to call more than once.
-	Divert(aggs []AggregateKey) (release func())
+	// Divert sends the events of aggs to the claim path, and keeps each
+	// there whatever the claim store says until release is called with it:
+	// the aggregates of a new slot's hand-over, whose rows are being marked
+	// for the claim path while the slot streams (docs/architecture.md,
+	// "slot creation"). Until a row is marked, the store cannot tell that
+	// its aggregate is still the claim path's; once all of an aggregate's
+	// rows are, it can, and the aggregate is released. Called before the
+	// first Submit of a session; releasing an aggregate twice is harmless.
+	Divert(aggs []AggregateKey) (release func([]AggregateKey))
+	// WaitDecoded waits until the stream has decoded past at (a commit or
+	// keepalive at or beyond it), at most a few seconds; it reports false
+	// when ctx ended first. A writer of WAL the stream must decode before
+	// the events committed after it paces itself by it: a new slot's
+	// hand-over writes its next slice of marks only once the walsender has
+	// passed the last (docs/architecture.md, "slot creation").
+	WaitDecoded(ctx context.Context, at LSN) bool
 	// PositionWanted reports whether the consumer waits to learn how far
 	// the walsender has decoded (its write-back is paced by it): the source
 	// then asks the server for its position (a keepalive) more often than

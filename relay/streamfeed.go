@@ -154,11 +154,16 @@ func (f *streamFeed) Settled() (LSN, bool) { return f.tracker.position() }
 // previous one. Asked from the moment rows wait, not only while the loop
 // waits: the stream schedules its next request when it sends one.
 func (f *streamFeed) PositionWanted() bool {
-	return f.e.marks.waitingForWalsender.Load() || f.e.marks.waiting() > 0
+	return f.e.marks.waitingForWalsender.Load() > 0 || f.e.marks.waiting() > 0
+}
+
+// WaitDecoded implements Consumer.
+func (f *streamFeed) WaitDecoded(ctx context.Context, at LSN) bool {
+	return f.e.waitDecodedPast(ctx, at)
 }
 
 // Divert implements Consumer.
-func (f *streamFeed) Divert(aggs []AggregateKey) (release func()) {
+func (f *streamFeed) Divert(aggs []AggregateKey) (release func([]AggregateKey)) {
 	return f.e.divertPinned(aggs)
 }
 

@@ -3,6 +3,7 @@ package replication_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -98,6 +99,49 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 	}
 	if c.restartCount() != 1 {
 		t.Errorf("%d sessions, want 1", c.restartCount())
+	}
+}
+
+// TestHandOverPacedByTheStream: the session gives the hand-over the
+// consumer's decoded position as its pace (relay.Consumer.WaitDecoded), so
+// each slice of marks after the first waits for the walsender to pass the
+// last; with no fresh events the stream's keepalives, asked for while the
+// consumer waits, carry the position (docs/architecture.md, "Slot
+// creation"). 2,501 rows are three slices of 1,000. The aggregate of one
+// row is marked in the first slice and its pin released then; the ten of
+// 250 rows each, in the last.
+func TestHandOverPacedByTheStream(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		SELECT 'old-' || g, 'x', 'order', (g % 10)::text FROM generate_series(1, 2500) g`)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		VALUES ('live-1', 'x', 'order', 'live')`)
+	c := &fakeConsumer{}
+	claim := &claimRecorder{url: e.url}
+	began := time.Now()
+	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
+	_, counts := claim.waitCalls(t, 1)
+	if counts[0] != 2501 {
+		t.Errorf("the hand-over marked %d rows, want 2501", counts[0])
+	}
+	waits := c.paced()
+	if len(waits) != 2 || waits[0] == 0 || waits[1] <= waits[0] {
+		t.Fatalf("the hand-over waited for the stream at %v, want two rising positions (between three slices)", waits)
+	}
+	c.mu.Lock()
+	decoded, releasedAtWait := c.decoded, c.releasedAtWait
+	c.mu.Unlock()
+	if !slices.Equal(releasedAtWait, []int{1, 1}) {
+		t.Errorf("aggregates released at each wait: %v, want [1 1] (the one-row aggregate, after the first slice)", releasedAtWait)
+	}
+	if _, released := c.divertCalls(); released != 1 {
+		t.Errorf("%d diversions fully released, want 1", released)
+	}
+	if decoded < waits[1] {
+		t.Errorf("the stream reported %s, short of the last slice's end %s: the pace timed out instead of following it", decoded, waits[1])
+	}
+	if took := time.Since(began); took > 8*time.Second {
+		t.Errorf("the hand-over took %s: a pace waited out its 5 s instead of following the keepalives", took)
 	}
 }
 

@@ -48,10 +48,17 @@ type fakeConsumer struct {
 	sent       int           // Sent calls
 	sentSum    time.Duration // their lags
 	restarts   []relay.LSN
-	diverts    [][]relay.AggregateKey // Divert calls, in order
-	releases   int                    // their releases
+	diverts    [][]relay.AggregateKey        // Divert calls, in order
+	undiverted []map[relay.AggregateKey]bool // of each Divert call, the aggregates released
 	// eventsAtCommit[i] is how many events had been submitted when commits[i] came.
 	eventsAtCommit []int
+
+	decoded relay.LSN   // the highest commit or keepalive position
+	waits   []relay.LSN // WaitDecoded calls, in order
+	// releasedAtWait: at each WaitDecoded, how many aggregates of the last
+	// Divert had been released.
+	releasedAtWait []int
+	waiting        atomic.Int32
 
 	openEvents int        // events of the transaction being submitted
 	pending    []position // committed or reported, not yet settled
@@ -84,6 +91,7 @@ func (c *fakeConsumer) Commit(endLSN relay.LSN) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.commits = append(c.commits, endLSN)
+	c.decoded = max(c.decoded, endLSN)
 	c.eventsAtCommit = append(c.eventsAtCommit, len(c.events))
 	c.pending = append(c.pending, position{lsn: endLSN, events: c.openEvents > 0})
 	c.openEvents = 0
@@ -93,6 +101,7 @@ func (c *fakeConsumer) Keepalive(walEnd relay.LSN) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.keepalives++
+	c.decoded = max(c.decoded, walEnd)
 	c.pending = append(c.pending, position{lsn: walEnd})
 }
 
@@ -128,28 +137,77 @@ func (c *fakeConsumer) sentLags() (int, time.Duration) {
 	return c.sent, c.sentSum
 }
 
-// Divert implements relay.Consumer: it records the aggregates, and each
-// release.
-func (c *fakeConsumer) Divert(aggs []relay.AggregateKey) (release func()) {
+// Divert implements relay.Consumer: it records the aggregates, and those
+// released.
+func (c *fakeConsumer) Divert(aggs []relay.AggregateKey) (release func([]relay.AggregateKey)) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.diverts = append(c.diverts, aggs)
-	return func() {
+	released := map[relay.AggregateKey]bool{}
+	c.undiverted = append(c.undiverted, released)
+	return func(done []relay.AggregateKey) {
 		c.mu.Lock()
 		defer c.mu.Unlock()
-		c.releases++
+		for _, a := range done {
+			released[a] = true
+		}
 	}
 }
 
-// divertCalls returns the Divert calls and how many were released.
+// divertCalls returns the Divert calls and how many of them had every
+// aggregate released.
 func (c *fakeConsumer) divertCalls() ([][]relay.AggregateKey, int) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return append([][]relay.AggregateKey(nil), c.diverts...), c.releases
+	n := 0
+	for i, aggs := range c.diverts {
+		all := true
+		for _, a := range aggs {
+			all = all && c.undiverted[i][a]
+		}
+		if all {
+			n++
+		}
+	}
+	return append([][]relay.AggregateKey(nil), c.diverts...), n
 }
 
-// PositionWanted implements relay.Consumer: positionWanted, when set.
-func (c *fakeConsumer) PositionWanted() bool { return c.positionWanted.Load() }
+// PositionWanted implements relay.Consumer: positionWanted, when set, and
+// while WaitDecoded waits, as the engine does.
+func (c *fakeConsumer) PositionWanted() bool {
+	return c.positionWanted.Load() || c.waiting.Load() > 0
+}
+
+// WaitDecoded implements relay.Consumer: it records at and waits, like the
+// engine, until a commit or keepalive at or past it came, at most 5 s.
+func (c *fakeConsumer) WaitDecoded(ctx context.Context, at relay.LSN) bool {
+	c.waiting.Add(1)
+	defer c.waiting.Add(-1)
+	c.mu.Lock()
+	c.waits = append(c.waits, at)
+	if n := len(c.undiverted); n > 0 {
+		c.releasedAtWait = append(c.releasedAtWait, len(c.undiverted[n-1]))
+	}
+	c.mu.Unlock()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) && ctx.Err() == nil {
+		c.mu.Lock()
+		passed := c.decoded >= at
+		c.mu.Unlock()
+		if passed {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	return ctx.Err() == nil
+}
+
+// paced returns the positions WaitDecoded was asked for.
+func (c *fakeConsumer) paced() []relay.LSN {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]relay.LSN(nil), c.waits...)
+}
 
 func (c *fakeConsumer) Restart(ctx context.Context, horizon relay.LSN) error {
 	if c.restartHook != nil {
@@ -335,14 +393,14 @@ type recordedHandOver struct {
 	snapshot string
 }
 
-func (r *recordedHandOver) Mark(ctx context.Context, slot string, consistent relay.LSN) (int64, error) {
+func (r *recordedHandOver) Mark(ctx context.Context, slot string, consistent relay.LSN, pace func(context.Context, relay.LSN) bool, done func([]relay.AggregateKey)) (int64, error) {
 	if r.c.beforeMark != nil {
 		if err := r.c.beforeMark(ctx); err != nil {
 			r.HandOverRows.Close()
 			return 0, err
 		}
 	}
-	n, err := r.HandOverRows.Mark(ctx, slot, consistent)
+	n, err := r.HandOverRows.Mark(ctx, slot, consistent, pace, done)
 	if err != nil {
 		return n, err
 	}
@@ -390,8 +448,10 @@ func (handOverStub) HandedOver(context.Context, string) (bool, error) { return t
 type noRows struct{}
 
 func (noRows) Aggregates(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
-func (noRows) Mark(context.Context, string, relay.LSN) (int64, error)   { return 0, nil }
-func (noRows) Close()                                                   {}
+func (noRows) Mark(context.Context, string, relay.LSN, func(context.Context, relay.LSN) bool, func([]relay.AggregateKey)) (int64, error) {
+	return 0, nil
+}
+func (noRows) Close() {}
 
 // testEnv is a migrated database with a fresh slot name.
 type testEnv struct {

@@ -143,8 +143,8 @@ type handOver struct {
 	rows       relay.HandOverRows
 	aggs       []relay.AggregateKey // the aggregates of its rows
 	consistent relay.LSN
-	foreign    bool   // the slot it replaces had no hand-over record
-	release    func() // ends the stream's diversion of aggs
+	foreign    bool                       // the slot it replaces had no hand-over record
+	release    func([]relay.AggregateKey) // ends the stream's pin on aggregates of aggs
 }
 
 // finish marks the hand-over's rows for the claim path, beside the stream.
@@ -152,7 +152,10 @@ type handOver struct {
 // the slot, without its hand-over record, is made again by the next one)
 // and an error that ends the session when the marking fails.
 func (s *Source) finish(ctx context.Context, h *handOver) error {
-	n, err := h.rows.Mark(ctx, s.cfg.Slot, h.consistent)
+	// Each slice of marks waits for the walsender to pass the last one, so
+	// fresh events never queue behind more than one slice of them.
+	// An aggregate leaves the pin as soon as its rows are marked.
+	n, err := h.rows.Mark(ctx, s.cfg.Slot, h.consistent, s.cfg.Consumer.WaitDecoded, h.release)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil
@@ -162,7 +165,7 @@ func (s *Source) finish(ctx context.Context, h *handOver) error {
 		return fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
 	}
 	// Every row is marked: the claim store answers for their aggregates.
-	h.release()
+	h.release(h.aggs)
 	s.log.Info().Str("consistent_point", h.consistent.String()).Int64("rows_handed_to_claim_path", n).
 		Int("aggregates", len(h.aggs)).Msg("hand-over done: the rows pending in the new slot's snapshot are the claim path's")
 	if h.foreign && n > 0 {
