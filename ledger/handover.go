@@ -159,12 +159,12 @@ func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.L
 	var marked int64
 	var at relay.LSN // where the last slice's WAL ends
 	ids := make([]int64, 0, handOverSlice)
-	var complete []relay.AggregateKey
 	for chunk := range slices.Chunk(h.rows, handOverSlice) {
 		if at != 0 && !pace(ctx, at) {
 			return marked, fmt.Errorf("mark rows for the claim path: %w", cmp.Or(ctx.Err(), context.Canceled))
 		}
-		ids, complete = ids[:0], complete[:0]
+		ids = ids[:0]
+		var complete []relay.AggregateKey // done may keep it
 		for _, r := range chunk {
 			ids = append(ids, r.id)
 			if r.agg >= 0 {
