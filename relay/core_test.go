@@ -1208,3 +1208,52 @@ func TestEngine_DivertedUntilTheHandOverIsMarked(t *testing.T) {
 		t.Fatalf("sent %v: want event 6 streamed: the pin ended with the Restart", sink.sentIDs())
 	}
 }
+
+// TestEngine_PinReleasedDuringACheckStillHolds: an aggregate's pin is
+// released once its last rows are marked, and a claim-path check of the
+// table that began before that release may have read the table before
+// those marks were committed (and called the aggregate settled, blind to
+// its unmarked rows): its answer must not give the aggregate back to the
+// stream. A check that begins after the release may.
+func TestEngine_PinReleasedDuringACheckStillHolds(t *testing.T) {
+	store := newFakeStore()
+	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
+	var release func([]relay.AggregateKey)
+	var releaseInCheck atomic.Bool
+	agg := relay.AggregateKey{Type: "order", ID: "a"}
+	claims := &fakeClaimStore{settleClaim: rec.settle,
+		settledAggregates: func(_ context.Context, aggs []relay.AggregateKey) ([]relay.AggregateKey, error) {
+			if releaseInCheck.Swap(false) {
+				release([]relay.AggregateKey{agg}) // the last slice committed meanwhile
+			}
+			return aggs, nil
+		}}
+	sink := newFakeSink("s", nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
+	ctx := context.Background()
+	c := e.Stream()
+	release = c.Divert([]relay.AggregateKey{agg})
+
+	releaseInCheck.Store(true)
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(1, "a")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 1 settled", func() bool { _, ok := rec.decision(1); return ok && !releaseInCheck.Load() })
+	submit(t, c, event(2, "a"))
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	if slices.Contains(sink.sentIDs(), 2) {
+		t.Fatalf("sent %v: event 2 streamed on the answer of a check that began before the pin's release", sink.sentIDs())
+	}
+
+	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(3, "a")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "row 3 settled", func() bool { _, ok := rec.decision(3); return ok })
+	submit(t, c, event(4, "a"))
+	c.Commit(200)
+	waitSettledAt(t, c, 200)
+	if !slices.Contains(sink.sentIDs(), 4) {
+		t.Fatalf("sent %v: want event 4 streamed after a check that began after the release", sink.sentIDs())
+	}
+}

@@ -362,9 +362,9 @@ func (e *Engine) divertAll(aggs []AggregateKey) {
 // divertPinned diverts aggs in every lane and keeps them diverted until
 // release: see Consumer.Divert.
 func (e *Engine) divertPinned(aggs []AggregateKey) (release func([]AggregateKey)) {
-	set := &pinSet{set: make(map[AggregateKey]struct{}, len(aggs))}
+	set := &pinSet{set: make(map[AggregateKey]uint64, len(aggs))}
 	for _, a := range aggs {
-		set.set[a] = struct{}{}
+		set.set[a] = 0
 	}
 	// Pinned before the lanes divert: a check that reads the sequence
 	// after the divert finds the pin.
@@ -375,28 +375,36 @@ func (e *Engine) divertPinned(aggs []AggregateKey) (release func([]AggregateKey)
 	}
 	// A pin replaced since (the next session's Restart) is no longer
 	// read: releasing from it is harmless.
-	return set.release
+	return func(done []AggregateKey) { set.release(done, e.divertSeq.Add(1)) }
 }
 
-// pinSet is a hand-over's pinned aggregates; each leaves it when its rows
-// are marked.
+// pinSet is a hand-over's pinned aggregates. Each is released when its rows
+// are marked, at a divert sequence number: a claim-path check that began
+// before that (its seq is lower) may have read the table before the marks
+// were committed, seen none of the aggregate's unmarked rows and called it
+// settled, so it still holds the aggregate (holds).
 type pinSet struct {
-	mu  sync.Mutex
-	set map[AggregateKey]struct{}
+	mu sync.Mutex
+	// set: 0 while pinned, then the sequence number of the release.
+	set map[AggregateKey]uint64
 }
 
-func (p *pinSet) has(a AggregateKey) bool {
+// holds reports whether a's pin keeps it diverted for a check that read
+// the divert sequence at seq.
+func (p *pinSet) holds(a AggregateKey, seq uint64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	_, ok := p.set[a]
-	return ok
+	at, ok := p.set[a]
+	return ok && (at == 0 || seq < at)
 }
 
-func (p *pinSet) release(aggs []AggregateKey) {
+func (p *pinSet) release(aggs []AggregateKey, seq uint64) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, a := range aggs {
-		delete(p.set, a)
+		if at, ok := p.set[a]; ok && at == 0 {
+			p.set[a] = seq
+		}
 	}
 }
 
@@ -448,7 +456,7 @@ func (e *Engine) DivertSeq() uint64 { return e.divertSeq.Load() }
 // that, or one not yet written, keeps the aggregate diverted, so a later
 // event never overtakes it.
 func (e *Engine) undiverted(a AggregateKey, seq uint64) {
-	if p := e.pinned.Load(); p != nil && p.has(a) {
+	if p := e.pinned.Load(); p != nil && p.holds(a, seq) {
 		return
 	}
 	for _, l := range e.lanes {
