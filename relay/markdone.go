@@ -3,7 +3,6 @@ package relay
 import (
 	"context"
 	"sync"
-	"sync/atomic"
 	"time"
 )
 
@@ -53,10 +52,6 @@ type markQueue struct {
 	// stop's flush (Drain) both write batches, so it is read under mu
 	// (last).
 	lastAt LSN
-	// waitingForWalsender counts the writers waiting for the stream to
-	// decode past their last write (Consumer.PositionWanted): this loop, and
-	// a new slot's hand-over (Consumer.WaitDecoded).
-	waitingForWalsender atomic.Int32
 }
 
 func newMarkQueue() *markQueue { return &markQueue{tries: map[int64]int{}} }
@@ -124,8 +119,8 @@ func (e *Engine) waitDecodedPast(ctx context.Context, at LSN) bool {
 	deadline := time.Now().Add(markWaitMax)
 	tick := time.NewTicker(markPoll)
 	defer tick.Stop()
-	e.marks.waitingForWalsender.Add(1)
-	defer e.marks.waitingForWalsender.Add(-1)
+	e.stream.waiters.Add(1)
+	defer e.stream.waiters.Add(-1)
 	for !e.stream.decodedPast(at) && time.Now().Before(deadline) {
 		select {
 		case <-ctx.Done():

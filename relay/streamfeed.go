@@ -20,6 +20,10 @@ type streamFeed struct {
 	// transaction's end, a keepalive): the walsender has decoded the WAL
 	// up to it. The mark-done loop paces itself by it.
 	decoded atomic.Uint64
+	// waiters counts the writers waiting for decoded to pass their last
+	// write (PositionWanted): the mark-done loop, and a new slot's
+	// hand-over (WaitDecoded).
+	waiters atomic.Int32
 	// sentLag and sentAt are the last lag Sent reported and when
 	// (UnixNano; 0: never).
 	sentLag, sentAt atomic.Int64
@@ -154,7 +158,7 @@ func (f *streamFeed) Settled() (LSN, bool) { return f.tracker.position() }
 // previous one. Asked from the moment rows wait, not only while the loop
 // waits: the stream schedules its next request when it sends one.
 func (f *streamFeed) PositionWanted() bool {
-	return f.e.marks.waitingForWalsender.Load() > 0 || f.e.marks.waiting() > 0
+	return f.waiters.Load() > 0 || f.e.marks.waiting() > 0
 }
 
 // WaitDecoded implements Consumer.
