@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"net/http"
+	"os"
 	"runtime"
 	"slices"
 	"sort"
@@ -214,13 +215,30 @@ func TestQuietRelayRunsOnOneP(t *testing.T) {
 	cfg, _ := readFile(cfgPath)
 	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
 	var logs syncBuffer
-	s.startProcess(t, cfgPath, &logs)
+	proc := s.startProcess(t, cfgPath, &logs)
 	defer func() {
 		if t.Failed() {
 			t.Logf("relay log:\n%s", logs.String())
 		}
 	}()
 	s.waitSlot(t)
+	// The relay runs with the runtime's system monitor kept in its loop
+	// (docs/performance.md, "The system monitor"): the process executed
+	// itself again, same process id, with the setting in GODEBUG.
+	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", proc.Process.Pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var godebug string
+	for kv := range strings.SplitSeq(string(environ), "\x00") {
+		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok {
+			godebug = v
+			break
+		}
+	}
+	if !slices.Contains(strings.Split(godebug, ","), procs.SysmonSetting) {
+		t.Errorf("the running relay's GODEBUG = %q, want it to hold %s", godebug, procs.SysmonSetting)
+	}
 	procsNow := func() float64 {
 		v, _ := sample(scrapeFamilies(t, addr)["go_sched_gomaxprocs_threads"])
 		return v
