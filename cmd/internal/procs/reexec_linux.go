@@ -6,6 +6,10 @@ import (
 	"syscall"
 )
 
+// selfExe is the running binary even if its file was replaced or removed
+// since it started. Tests point it elsewhere.
+var selfExe = "/proc/self/exe"
+
 // KeepSysmonAwake runs the rest of the process with SysmonSetting (see
 // sysmon.go): the runtime reads GODEBUG's scheduler settings only when the
 // process starts, so it executes the same binary again, same arguments and
@@ -17,9 +21,7 @@ func KeepSysmonAwake() error {
 	if !changed {
 		return nil
 	}
-	// /proc/self/exe is the running binary even if its file was replaced
-	// or removed since it started.
-	if err := syscall.Exec("/proc/self/exe", os.Args, env); err != nil {
+	if err := syscall.Exec(selfExe, os.Args, env); err != nil {
 		return fmt.Errorf("execute the relay again with GODEBUG=%s: %w", SysmonSetting, err)
 	}
 	return nil // not reached

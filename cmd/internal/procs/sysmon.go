@@ -42,8 +42,10 @@ func WithSysmonSetting(env []string) ([]string, bool) {
 		if added {
 			continue // a later duplicate: the runtime reads the first
 		}
+		// Read as the runtime reads it: comma-separated key=value, no
+		// spaces (" schedtrace=0" is an unknown key to the runtime).
 		for _, field := range strings.Split(v, ",") {
-			if strings.HasPrefix(strings.TrimSpace(field), "schedtrace=") {
+			if strings.HasPrefix(field, "schedtrace=") {
 				return env, false
 			}
 		}
