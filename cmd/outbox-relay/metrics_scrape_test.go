@@ -201,30 +201,20 @@ func TestMetricsScrape(t *testing.T) {
 	}
 }
 
-// TestQuietRelayRunsOnOneP: a relay that has little to do runs its
-// scheduler on one P after procs.DefaultNarrowAfter quiet seconds
-// (docs/performance.md, "The scheduler"), seen on the Go collector's
-// go_sched_gomaxprocs_threads, and still delivers.
-func TestQuietRelayRunsOnOneP(t *testing.T) {
-	if runtime.NumCPU() < 2 {
-		t.Skip("one CPU: the relay runs on one P anyway")
-	}
+// TestRunKeepsSysmonInItsLoop: run executes itself again at start, same
+// process id, with the runtime's system monitor kept out of its deep sleep
+// (docs/performance.md, "The system monitor"): the running relay's
+// environment holds the setting in GODEBUG.
+func TestRunKeepsSysmonInItsLoop(t *testing.T) {
 	s := newSetup(t, pgtest.NewDatabase(t))
-	addr := freeAddr(t)
-	cfgPath := s.configFileWith(t, "", fmt.Sprintf("http: {listen: %q}\n", addr))
-	cfg, _ := readFile(cfgPath)
-	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
 	var logs syncBuffer
-	proc := s.startProcess(t, cfgPath, &logs)
+	proc := s.startProcess(t, s.configFile(t, ""), &logs)
 	defer func() {
 		if t.Failed() {
 			t.Logf("relay log:\n%s", logs.String())
 		}
 	}()
 	s.waitSlot(t)
-	// The relay runs with the runtime's system monitor kept in its loop
-	// (docs/performance.md, "The system monitor"): the process executed
-	// itself again, same process id, with the setting in GODEBUG.
 	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", proc.Process.Pid))
 	if err != nil {
 		t.Fatal(err)
@@ -239,6 +229,29 @@ func TestQuietRelayRunsOnOneP(t *testing.T) {
 	if !slices.Contains(strings.Split(godebug, ","), procs.SysmonSetting) {
 		t.Errorf("the running relay's GODEBUG = %q, want it to hold %s", godebug, procs.SysmonSetting)
 	}
+}
+
+// TestQuietRelayRunsOnOneP: a relay that has little to do runs its
+// scheduler on one P after procs.DefaultNarrowAfter quiet seconds
+// (docs/performance.md, "The scheduler"), seen on the Go collector's
+// go_sched_gomaxprocs_threads, and still delivers.
+func TestQuietRelayRunsOnOneP(t *testing.T) {
+	if runtime.NumCPU() < 2 {
+		t.Skip("one CPU: the relay runs on one P anyway")
+	}
+	s := newSetup(t, pgtest.NewDatabase(t))
+	addr := freeAddr(t)
+	cfgPath := s.configFileWith(t, "", fmt.Sprintf("http: {listen: %q}\n", addr))
+	cfg, _ := readFile(cfgPath)
+	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
+	var logs syncBuffer
+	s.startProcess(t, cfgPath, &logs)
+	defer func() {
+		if t.Failed() {
+			t.Logf("relay log:\n%s", logs.String())
+		}
+	}()
+	s.waitSlot(t)
 	procsNow := func() float64 {
 		v, _ := sample(scrapeFamilies(t, addr)["go_sched_gomaxprocs_threads"])
 		return v
