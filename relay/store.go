@@ -247,7 +247,8 @@ type Consumer interface {
 	// Submit hands over events of the transaction being decoded, in order.
 	// It blocks while the engine applies back-pressure, and returns early
 	// only with ctx's error; events it did not take are not counted, and
-	// the slot will send them again.
+	// the slot will send them again. The events are the consumer's to
+	// keep; the slice is not: the stream reuses it.
 	Submit(ctx context.Context, events []*Event) error
 	// Commit closes the transaction whose events were submitted since the
 	// last Commit; endLSN is its TransactionEndLSN. A transaction with no

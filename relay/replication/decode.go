@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/jackc/pglogrepl"
 
@@ -34,8 +35,9 @@ type decoder struct {
 	commitLSN  relay.LSN
 	commitTime time.Time
 	xid        uint32
-	batch      []*relay.Event
+	batch      []*relay.Event // reused: Submit does not keep the slice
 	batchBytes int
+	tuples     tupleReader
 }
 
 func newDecoder(c relay.Consumer, outbox relay.QualifiedName) *decoder {
@@ -58,61 +60,73 @@ func (d *decoder) run(ctx context.Context, q *queue) error {
 }
 
 func (d *decoder) handle(ctx context.Context, it streamItem) error {
-	if it.msg == nil {
+	switch it.kind {
+	case itemKeepalive:
 		if !d.inTxn {
-			d.consumer.Keepalive(it.walEnd)
+			d.consumer.Keepalive(it.lsn)
 		}
 		return nil
-	}
-	switch m := it.msg.(type) {
-	case *pglogrepl.RelationMessage:
-		d.relations[m.RelationID] = newRelation(m, d.outbox)
-	case *pglogrepl.BeginMessage:
+	case itemBegin:
 		if d.inTxn {
 			return errors.New("decode: BEGIN inside a transaction")
 		}
 		d.inTxn = true
-		d.commitLSN = relay.LSN(m.FinalLSN)
-		d.commitTime = m.CommitTime
-		d.xid = m.Xid
-	case *pglogrepl.InsertMessage:
-		rel, ok := d.relations[m.RelationID]
-		if !ok {
-			return fmt.Errorf("decode: INSERT into relation %d before its RELATION message", m.RelationID)
-		}
-		if !rel.outbox {
-			return nil
-		}
-		if !d.inTxn {
-			return fmt.Errorf("decode: INSERT into %s outside a transaction", rel.name)
-		}
-		ev, err := rel.event(m.Tuple)
-		if err != nil {
-			return err
-		}
-		ev.CommitLSN = d.commitLSN
-		ev.CommitTime = d.commitTime
-		ev.Xid = d.xid
-		d.batch = append(d.batch, ev)
-		d.batchBytes += len(ev.Payload)
-		if len(d.batch) >= maxBatch || d.batchBytes >= maxBatchBytes {
-			return d.submit(ctx)
-		}
-	case *pglogrepl.CommitMessage:
+		d.commitLSN = it.lsn
+		d.commitTime = it.time
+		d.xid = it.xid
+		return nil
+	case itemCommit:
 		if !d.inTxn {
 			return errors.New("decode: COMMIT outside a transaction")
 		}
 		// The end of the commit record, not its start (CommitLSN): a slot
 		// restarted at CommitLSN would stream the transaction again.
-		end := relay.LSN(m.TransactionEndLSN)
 		if err := d.submit(ctx); err != nil {
 			return err
 		}
-		d.consumer.Commit(end)
+		d.consumer.Commit(it.lsn)
 		d.inTxn = false
+		return nil
+	case itemInsert:
+		return d.insert(ctx, it)
+	}
+	switch m := it.msg.(type) {
+	case *pglogrepl.RelationMessage:
+		d.relations[m.RelationID] = newRelation(m, d.outbox)
 	}
 	// Update, Delete, Truncate, Type and Origin messages do not concern the
 	// stream path.
+	return nil
+}
+
+// insert decodes an Insert into the outbox into an event of the batch.
+func (d *decoder) insert(ctx context.Context, it streamItem) error {
+	rel, ok := d.relations[it.rel]
+	if !ok {
+		return fmt.Errorf("decode: INSERT into relation %d before its RELATION message", it.rel)
+	}
+	if !rel.outbox {
+		return nil
+	}
+	if !d.inTxn {
+		return fmt.Errorf("decode: INSERT into %s outside a transaction", rel.name)
+	}
+	t, err := d.tuples.read(it.tuple)
+	if err != nil {
+		return fmt.Errorf("decode INSERT into %s: %w", rel.name, err)
+	}
+	ev, err := rel.event(t)
+	if err != nil {
+		return err
+	}
+	ev.CommitLSN = d.commitLSN
+	ev.CommitTime = d.commitTime
+	ev.Xid = d.xid
+	d.batch = append(d.batch, ev)
+	d.batchBytes += len(ev.Payload)
+	if len(d.batch) >= maxBatch || d.batchBytes >= maxBatchBytes {
+		return d.submit(ctx)
+	}
 	return nil
 }
 
@@ -120,12 +134,81 @@ func (d *decoder) submit(ctx context.Context) error {
 	if len(d.batch) == 0 {
 		return nil
 	}
-	batch := d.batch
-	d.batch, d.batchBytes = nil, 0 // the consumer may keep the slice
-	if err := d.consumer.Submit(ctx, batch); err != nil {
+	err := d.consumer.Submit(ctx, d.batch)
+	clear(d.batch) // the events are the consumer's now
+	d.batch, d.batchBytes = d.batch[:0], 0
+	if err != nil {
 		return fmt.Errorf("submit: %w", err)
 	}
 	return nil
+}
+
+// parseItem reads a pgoutput message into a stream item. A Begin or a
+// Commit is read into the item itself, where pglogrepl allocates it, and an
+// Insert's tuple is copied once out of pgconn's read buffer (its values,
+// the payload among them, are slices of that copy) and read by the
+// decoder's tupleReader, where pglogrepl makes two allocations per column:
+// a single-event transaction allocates nothing on its way to the consumer
+// but the event itself (docs/performance.md, "Hand-offs"). FuzzParseItem
+// and FuzzDecodeMessages check that they read as pglogrepl reads them.
+func parseItem(data []byte) (streamItem, error) {
+	it := streamItem{size: int64(len(data))}
+	if len(data) == 0 {
+		return it, errors.New("empty message")
+	}
+	switch pglogrepl.MessageType(data[0]) {
+	case pglogrepl.MessageTypeBegin:
+		// The final LSN, the commit time and the xid.
+		if len(data) < 1+20 {
+			return it, fmt.Errorf("BeginMessage must have 20 bytes, got %d bytes", len(data)-1)
+		}
+		it.kind = itemBegin
+		it.lsn = relay.LSN(binary.BigEndian.Uint64(data[1:]))
+		it.time = pgTime(data[9:])
+		it.xid = binary.BigEndian.Uint32(data[17:])
+	case pglogrepl.MessageTypeCommit:
+		// Flags, the commit LSN, the transaction's end LSN, the commit time.
+		if len(data) < 1+25 {
+			return it, fmt.Errorf("CommitMessage must have 25 bytes, got %d bytes", len(data)-1)
+		}
+		it.kind = itemCommit
+		it.lsn = relay.LSN(binary.BigEndian.Uint64(data[10:]))
+		it.time = pgTime(data[18:])
+	case pglogrepl.MessageTypeInsert:
+		// The relation id, 'N' (a new tuple), the tuple; pglogrepl asks
+		// for 8 bytes after the type. An Insert pglogrepl would refuse is
+		// left to it and its error.
+		if len(data) < 9 || data[5] != 'N' {
+			return parseOther(it, data)
+		}
+		if err := checkClaimedLengths(data); err != nil {
+			return it, err
+		}
+		it.kind = itemInsert
+		it.rel = binary.BigEndian.Uint32(data[1:])
+		it.tuple = bytes.Clone(data[6:])
+	default:
+		return parseOther(it, data)
+	}
+	return it, nil
+}
+
+// parseOther reads a message other than Begin, Commit and a well-formed
+// Insert into it.
+func parseOther(it streamItem, data []byte) (streamItem, error) {
+	m, err := parseMessage(data)
+	if err != nil {
+		return it, err
+	}
+	it.kind, it.msg = itemMessage, m
+	return it, nil
+}
+
+// pgTime reads a protocol timestamp, microseconds since 2000-01-01 UTC, as
+// pglogrepl does.
+func pgTime(b []byte) time.Time {
+	const unixToY2K = 946_684_800 * 1_000_000 // microseconds
+	return time.Unix(0, (unixToY2K+int64(binary.BigEndian.Uint64(b)))*1000)
 }
 
 // parseMessage is pglogrepl.Parse for messages that may be truncated or
@@ -147,59 +230,58 @@ func parseMessage(data []byte) (m pglogrepl.Message, err error) {
 			m, err = nil, fmt.Errorf("truncated or malformed (%d bytes)", len(data))
 		}
 	}()
-	if m := parseInsert(data); m != nil {
-		return &m.msg, nil
-	}
 	return pglogrepl.Parse(data)
 }
 
-// insertMessage is an Insert message and its tuple in one allocation.
-type insertMessage struct {
-	msg   pglogrepl.InsertMessage
+// tupleReader reads an Insert's TupleData as pglogrepl does, into slices it
+// reuses for every row: each value is a slice of the tuple's bytes, which
+// the event keeps (its payload). read returns an error where tupleSize
+// would; parseItem has run tupleSize on every tuple it passes on.
+type tupleReader struct {
 	tuple pglogrepl.TupleData
+	cols  []pglogrepl.TupleDataColumn
+	ptrs  []*pglogrepl.TupleDataColumn
 }
 
-// parseInsert decodes a well-formed Insert message as pglogrepl does, in
-// four allocations where pglogrepl makes two per column and grows the
-// column list as it goes: the tuple's bytes are copied once (data is
-// pgconn's read buffer) and each value is a slice of that copy
-// (docs/performance.md, "Hand-offs"). It returns nil for any other message
-// and for an Insert whose header pglogrepl would refuse, which is then
-// left to pglogrepl.Parse and its error. checkClaimedLengths has checked
-// every claimed length; parseMessage recovers from any other bad index.
-func parseInsert(data []byte) *insertMessage {
-	// 'I', the relation id (4 bytes), 'N', the column count (2 bytes):
-	// pglogrepl asks for 8 bytes after the type.
-	if len(data) < 9 || data[0] != byte(pglogrepl.MessageTypeInsert) || data[5] != 'N' {
-		return nil
+func (r *tupleReader) read(b []byte) (*pglogrepl.TupleData, error) {
+	if len(b) < 2 {
+		return nil, errors.New("tuple cut before its column count")
 	}
-	ncols := int(binary.BigEndian.Uint16(data[6:]))
-	buf := bytes.Clone(data[8:])
-	m := &insertMessage{}
-	m.msg.SetType(pglogrepl.MessageTypeInsert)
-	m.msg.RelationID = binary.BigEndian.Uint32(data[1:])
-	m.msg.Tuple = &m.tuple
-	m.tuple.ColumnNum = uint16(ncols)
-	if ncols == 0 {
-		return m // pglogrepl leaves Columns nil
+	ncols, off := int(binary.BigEndian.Uint16(b)), 2
+	if cap(r.cols) < ncols {
+		r.cols = make([]pglogrepl.TupleDataColumn, ncols)
+		r.ptrs = make([]*pglogrepl.TupleDataColumn, ncols)
 	}
-	cols := make([]pglogrepl.TupleDataColumn, ncols)
-	m.tuple.Columns = make([]*pglogrepl.TupleDataColumn, ncols)
-	off := 0
-	for i := range cols {
-		c := &cols[i]
-		c.DataType = buf[off]
-		off++
-		if c.DataType == pglogrepl.TupleDataTypeText || c.DataType == pglogrepl.TupleDataTypeBinary {
-			c.Length = binary.BigEndian.Uint32(buf[off:])
-			off += 4
-			end := off + int(c.Length)
-			c.Data = buf[off:end:end]
-			off = end
+	r.cols, r.ptrs = r.cols[:ncols], r.ptrs[:ncols]
+	for i := range r.cols {
+		c := &r.cols[i]
+		*c = pglogrepl.TupleDataColumn{}
+		r.ptrs[i] = c
+		if off >= len(b) {
+			return nil, fmt.Errorf("tuple cut at column %d of %d", i+1, ncols)
 		}
-		m.tuple.Columns[i] = c
+		c.DataType = b[off]
+		off++
+		if c.DataType != pglogrepl.TupleDataTypeText && c.DataType != pglogrepl.TupleDataTypeBinary {
+			continue
+		}
+		if len(b)-off < 4 {
+			return nil, fmt.Errorf("tuple cut in the length of column %d", i+1)
+		}
+		c.Length = binary.BigEndian.Uint32(b[off:])
+		off += 4
+		if uint64(c.Length) > uint64(len(b)-off) {
+			return nil, fmt.Errorf("tuple column %d claims %d bytes, %d are left", i+1, c.Length, len(b)-off)
+		}
+		end := off + int(c.Length)
+		c.Data = b[off:end:end]
+		off = end
 	}
-	return m
+	r.tuple = pglogrepl.TupleData{ColumnNum: uint16(ncols), Columns: r.ptrs}
+	if ncols == 0 {
+		r.tuple.Columns = nil // as pglogrepl leaves it
+	}
+	return &r.tuple, nil
 }
 
 // checkClaimedLengths reports an error when an Insert, Update, Delete or
@@ -341,7 +423,11 @@ func (r *relation) timestamp(t *pglogrepl.TupleData, c int) (time.Time, error) {
 	if err != nil || null {
 		return time.Time{}, err
 	}
-	ts, err := parseTimestamptz(string(data))
+	// data is a slice of the tuple's copy, which nothing writes, and the
+	// string does not outlive this call: read in place rather than copied
+	// into a string that time.Parse's error makes escape
+	// (docs/performance.md, "Hand-offs").
+	ts, err := parseTimestamptz(unsafe.String(unsafe.SliceData(data), len(data)))
 	if err != nil {
 		return time.Time{}, r.errorf(c, "%v", err)
 	}

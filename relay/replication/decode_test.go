@@ -2,7 +2,6 @@ package replication_test
 
 import (
 	"encoding/binary"
-	"fmt"
 	"runtime"
 	"slices"
 	"strings"
@@ -110,24 +109,40 @@ func TestTraceContextColumnIsOptional(t *testing.T) {
 	}
 }
 
-// TestInsertParsedInFourAllocations: pglogrepl allocates two objects per
-// column of an Insert and grows the column list as it goes (about thirty
-// allocations for an outbox row); the stream's parser copies the tuple once
-// and slices it (docs/performance.md, "Hand-offs"). FuzzDecodeMessages
-// checks that both read the same.
-func TestInsertParsedInFourAllocations(t *testing.T) {
+// TestSingleEventTransactionAllocatesOnlyItsEvent: a single-row
+// transaction (Begin, Insert, Commit) goes through the stream's parser and
+// decoder allocating only what the event keeps: the copy of the tuple (its
+// payload is a slice of it), the event and its text values
+// (docs/performance.md, "Hand-offs"). pglogrepl allocates the Begin, the
+// Commit, the Insert and two objects per column; FuzzParseItem and
+// FuzzDecodeMessages check that both read the same.
+func TestSingleEventTransactionAllocatesOnlyItsEvent(t *testing.T) {
 	row := make([]tupleValue, len(outboxColumns))
-	for i := range row {
-		row[i] = textValue(fmt.Sprintf("value %d", i))
+	for i, c := range outboxColumns {
+		switch c.name {
+		case "id", "attempts":
+			row[i] = textValue("42")
+		case "created_at", "available_at":
+			row[i] = textValue("2026-12-02 16:17:36.123456+00")
+		case "status":
+			row[i] = textValue("pending")
+		default:
+			row[i] = textValue(c.name + " value")
+		}
 	}
-	ins := insertMessage(outboxRelID, row)
-	var err error
-	allocs := testing.AllocsPerRun(100, func() { _, err = replication.ParseMessage(ins) })
-	if err != nil {
+	d := replication.NewDecoder(outboxName)
+	if _, err := d.Feed(relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)); err != nil {
 		t.Fatal(err)
 	}
-	if allocs > 4 {
-		t.Fatalf("%.0f allocations to parse an Insert of %d columns, want at most 4", allocs, len(row))
+	begin, ins, commit := beginMessage(finalLSN, commitTime, 7), insertMessage(outboxRelID, row), commitMessage(finalLSN, endLSN, commitTime)
+	var n int
+	var err error
+	allocs := testing.AllocsPerRun(100, func() { n, err = d.Feed(begin, ins, commit) })
+	if err != nil || n != 1 {
+		t.Fatalf("%d events, %v", n, err)
+	}
+	if allocs > 3 {
+		t.Fatalf("%.0f allocations per single-event transaction, want at most 3 (the tuple's copy, the event, its texts)", allocs)
 	}
 }
 
@@ -167,13 +182,16 @@ func BenchmarkDecodeEvent(b *testing.B) {
 		insertMessage(outboxRelID, row),
 		commitMessage(finalLSN, endLSN, commitTime),
 	}
-	rel := relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)
+	d := replication.NewDecoder(outboxName)
+	if _, err := d.Feed(relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)); err != nil {
+		b.Fatal(err)
+	}
 	b.ReportAllocs()
 	b.ResetTimer()
 	for b.Loop() {
-		events, err := replication.DecodeMessages(outboxName, append([][]byte{rel}, msgs...)...)
-		if err != nil || len(events) != 1 {
-			b.Fatalf("%d events, err %v", len(events), err)
+		n, err := d.Feed(msgs...)
+		if err != nil || n != 1 {
+			b.Fatalf("%d events, err %v", n, err)
 		}
 	}
 }

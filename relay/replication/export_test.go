@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pglogrepl"
+
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -13,8 +15,74 @@ import (
 var (
 	ParseServerDuration = parseServerDuration
 	ParseTimestamptz    = parseTimestamptz
-	ParseMessage        = parseMessage
 )
+
+// ParseInsert reads an Insert message as the stream does (parseItem, then
+// the decoder's tupleReader), for comparison with pglogrepl; nil for any
+// other message.
+func ParseInsert(data []byte) (*pglogrepl.InsertMessage, error) {
+	it, err := parseItem(data)
+	if err != nil || it.kind != itemInsert {
+		return nil, err
+	}
+	var r tupleReader
+	t, err := r.read(it.tuple)
+	if err != nil {
+		return nil, err
+	}
+	m := &pglogrepl.InsertMessage{RelationID: it.rel, Tuple: t}
+	m.SetType(pglogrepl.MessageTypeInsert)
+	return m, nil
+}
+
+// Item is what parseItem reads of a Begin or a Commit.
+type Item struct {
+	Begin, Commit bool
+	LSN           relay.LSN // a Begin's final LSN, a Commit's end LSN
+	Time          time.Time
+	Xid           uint32
+}
+
+// ParseItem runs parseItem on a Begin or a Commit.
+func ParseItem(data []byte) (Item, error) {
+	it, err := parseItem(data)
+	return Item{Begin: it.kind == itemBegin, Commit: it.kind == itemCommit, LSN: it.lsn, Time: it.time, Xid: it.xid}, err
+}
+
+// Decoder is the parser and the decoder of a session streaming outbox, as
+// the receiver and the decoder run them, with a consumer that drops what
+// it is given.
+type Decoder struct{ d *decoder }
+
+func NewDecoder(outbox relay.QualifiedName) *Decoder {
+	return &Decoder{newDecoder(&droppingConsumer{}, outbox)}
+}
+
+// Feed decodes pgoutput messages and returns the events submitted.
+func (d *Decoder) Feed(msgs ...[]byte) (events int, err error) {
+	c := d.d.consumer.(*droppingConsumer)
+	c.events = 0
+	for _, data := range msgs {
+		it, err := parseItem(data)
+		if err != nil {
+			return c.events, err
+		}
+		if err := d.d.handle(context.Background(), it); err != nil {
+			return c.events, err
+		}
+	}
+	return c.events, nil
+}
+
+type droppingConsumer struct {
+	recordingConsumer
+	events int
+}
+
+func (c *droppingConsumer) Submit(_ context.Context, events []*relay.Event) error {
+	c.events += len(events)
+	return nil
+}
 
 // DecodeMessages runs pgoutput messages (XLogData payloads) through the
 // parser and the decoder of a session streaming outbox, and returns the
@@ -26,11 +94,11 @@ func DecodeMessages(outbox relay.QualifiedName, msgs ...[]byte) ([]*relay.Event,
 		if len(data) == 0 {
 			return rec.events, errors.New("empty XLogData")
 		}
-		m, err := parseMessage(data)
+		it, err := parseItem(data)
 		if err != nil {
 			return rec.events, fmt.Errorf("parse pgoutput message %q: %w", data[0], err)
 		}
-		if err := d.handle(context.Background(), streamItem{msg: m, size: int64(len(data))}); err != nil {
+		if err := d.handle(context.Background(), it); err != nil {
 			return rec.events, err
 		}
 	}

@@ -200,12 +200,10 @@ func FuzzDecodeMessages(f *testing.F) {
 	f.Add(rel, []byte{'U', 0, 0, 0x40, 0x06, 'N', 0, 1, 't', 0xFF, 0xFF, 0xFF, 0xFF})
 	f.Fuzz(func(t *testing.T, rel, ins []byte) {
 		// The decoder's own Insert parsing reads what pglogrepl reads.
-		if got, err := replication.ParseMessage(ins); err == nil {
-			if got, ok := got.(*pglogrepl.InsertMessage); ok {
-				want, err := pglogrepl.Parse(ins)
-				if err != nil || !reflect.DeepEqual(got, want) {
-					t.Fatalf("Insert parsed as %+v, pglogrepl: %+v, %v", got, want, err)
-				}
+		if got, err := replication.ParseInsert(ins); err == nil && got != nil {
+			want, err := pglogrepl.Parse(ins)
+			if err != nil || !reflect.DeepEqual(got, want) {
+				t.Fatalf("Insert parsed as %+v, pglogrepl: %+v, %v", got, want, err)
 			}
 		}
 		events, err := replication.DecodeMessages(outboxName, rel, beginMessage(finalLSN, commitTime, 7), ins, commitMessage(finalLSN, endLSN, commitTime))
@@ -414,4 +412,43 @@ func show(s *string) string {
 		return "NULL"
 	}
 	return strconv.Quote(*s)
+}
+
+// FuzzParseItem: the stream reads a Begin and a Commit into its own items,
+// not pglogrepl's messages (docs/performance.md, "Hand-offs"); it must read
+// the same values as pglogrepl, and refuse what pglogrepl refuses.
+func FuzzParseItem(f *testing.F) {
+	f.Add(beginMessage(finalLSN, commitTime, 7))
+	f.Add(commitMessage(finalLSN, endLSN, commitTime))
+	f.Add(beginMessage(0, time.Unix(0, 0), 0)[:20])
+	f.Add(commitMessage(finalLSN, endLSN, time.Date(1999, 12, 31, 23, 59, 59, 999999000, time.UTC))[:25])
+	f.Add(append(commitMessage(relay.LSN(1<<62), relay.LSN(1<<63), time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC)), 1, 2, 3))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		if len(data) == 0 || (data[0] != 'B' && data[0] != 'C') {
+			return
+		}
+		got, err := replication.ParseItem(data)
+		want, wantErr := pglogrepl.Parse(data)
+		if (err == nil) != (wantErr == nil) {
+			t.Fatalf("parseItem: %v; pglogrepl: %v", err, wantErr)
+		}
+		if err != nil {
+			if err.Error() != wantErr.Error() {
+				t.Fatalf("parseItem: %q; pglogrepl: %q", err, wantErr)
+			}
+			return
+		}
+		switch m := want.(type) {
+		case *pglogrepl.BeginMessage:
+			if !got.Begin || got.LSN != relay.LSN(m.FinalLSN) || !got.Time.Equal(m.CommitTime) || got.Time != m.CommitTime || got.Xid != m.Xid {
+				t.Fatalf("Begin read as %+v, pglogrepl: %+v", got, m)
+			}
+		case *pglogrepl.CommitMessage:
+			if !got.Commit || got.LSN != relay.LSN(m.TransactionEndLSN) || got.Time != m.CommitTime {
+				t.Fatalf("Commit read as %+v, pglogrepl: %+v", got, m)
+			}
+		default:
+			t.Fatalf("pglogrepl read %T", want)
+		}
+	})
 }

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -25,9 +27,9 @@ import (
 //
 //   - The receiver (the session's own goroutine) owns the connection: it is
 //     the only goroutine that reads from it or writes to it, so no lock is
-//     needed. It reads with ReceiveMessage under a deadline at the next
-//     status time, parses each message (pglogrepl.Parse copies what it keeps
-//     out of pgconn's read buffer) and queues it, keepalive positions
+//     needed. It reads until the next status time (a read deadline on the
+//     connection, readDeadline), parses each message (parseItem copies what
+//     it keeps out of pgconn's read buffer) and queues it, keepalive positions
 //     included, on the channel: a transaction's messages go together once
 //     its Commit is read (or flushLen of them, in a large one), so that
 //     the decoder wakes once per transaction rather than once per message
@@ -78,13 +80,34 @@ const (
 // acknowledgement waits, and the status update still goes out.
 const maxSaveTimeout = 10 * time.Second
 
-// streamItem is one message of the stream, in order: a pgoutput message, or
-// (msg nil) a keepalive's WAL position.
+// streamItem is one message of the stream, in order: a transaction's Begin
+// or Commit, read into the item itself; another pgoutput message; or a
+// keepalive's WAL position.
 type streamItem struct {
-	msg    pglogrepl.Message
-	walEnd relay.LSN
-	size   int64 // bytes of pgoutput data, counted against queueBytes
+	kind itemKind
+	msg  pglogrepl.Message // itemMessage
+	// lsn is a Begin's final LSN (its commit record), a Commit's
+	// transaction end LSN, or a keepalive's WAL end.
+	lsn  relay.LSN
+	time time.Time // the commit time, of a Begin or a Commit
+	xid  uint32    // a Begin's transaction id
+	// rel and tuple are an Insert's relation id and its TupleData, copied
+	// out of pgconn's read buffer.
+	rel   uint32
+	tuple []byte
+	size  int64 // bytes of pgoutput data, counted against queueBytes
 }
+
+// itemKind says what a streamItem holds.
+type itemKind uint8
+
+const (
+	itemKeepalive itemKind = iota
+	itemBegin
+	itemCommit
+	itemInsert
+	itemMessage
+)
 
 // group is stream items queued together, in order, with their pgoutput
 // bytes.
@@ -285,8 +308,12 @@ func (r *receiver) publish(ctx context.Context) {
 }
 
 func (r *receiver) run(ctx context.Context) error {
-	var period periodContext
-	defer period.stop()
+	dl := &readDeadline{conn: r.conn.Conn()}
+	stopWatch := context.AfterFunc(ctx, dl.interrupt)
+	defer func() {
+		stopWatch()
+		dl.clear()
+	}()
 	// The first update goes out at once: it asks for the server's position.
 	r.next = time.Now()
 	for {
@@ -295,13 +322,15 @@ func (r *receiver) run(ctx context.Context) error {
 				return err
 			}
 		}
-		rctx := period.until(ctx, r.next)
-		msg, err := r.conn.ReceiveMessage(rctx)
+		dl.set(r.next)
+		// context.Background: the read is interrupted by dl, not by a
+		// context pgconn would watch for every message.
+		msg, err := r.conn.ReceiveMessage(context.Background())
 		if err != nil {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			if rctx.Err() != nil {
+			if pgconn.Timeout(err) {
 				// A status update is due. Unless the server has been silent
 				// too long, the connection is intact.
 				limit := r.silentMax
@@ -332,27 +361,50 @@ func silentLimit(senderTimeout time.Duration) time.Duration {
 	return max(senderTimeout, 10*time.Second)
 }
 
-// periodContext reuses one deadline context per status period rather than
-// creating one per message.
-type periodContext struct {
-	ctx    context.Context
-	cancel context.CancelFunc
-	at     time.Time
+// readDeadline ends the receiver's reads at the next status time, and at once
+// when the session ends, through the connection's read deadline: set once
+// per status period, where a read under a context costs pgconn a context
+// watch per message (an AfterFunc and a channel, three allocations;
+// docs/performance.md, "Hand-offs"). A read that times out leaves the
+// connection intact: pgconn keeps what it had read of a message. The mutex
+// keeps set from undoing interrupt.
+type readDeadline struct {
+	mu          sync.Mutex
+	conn        net.Conn
+	at          time.Time
+	interrupted bool
+	cleared     bool
 }
 
-func (p *periodContext) until(parent context.Context, at time.Time) context.Context {
-	if p.ctx == nil || !p.at.Equal(at) {
-		p.stop()
-		p.ctx, p.cancel = context.WithDeadline(parent, at)
-		p.at = at
+// set makes reads end at at, unless the session has ended.
+func (d *readDeadline) set(at time.Time) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.interrupted || at.Equal(d.at) {
+		return
 	}
-	return p.ctx
+	d.at = at
+	_ = d.conn.SetReadDeadline(at)
 }
 
-func (p *periodContext) stop() {
-	if p.cancel != nil {
-		p.cancel()
+// interrupt ends the pending read and every later one.
+func (d *readDeadline) interrupt() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cleared {
+		return
 	}
+	d.interrupted = true
+	_ = d.conn.SetReadDeadline(time.Unix(1, 0))
+}
+
+// clear leaves the connection without a read deadline, for whatever reads
+// it after the session; set and interrupt do nothing after it.
+func (d *readDeadline) clear() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.interrupted, d.cleared = true, true
+	_ = d.conn.SetReadDeadline(time.Time{})
 }
 
 func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) error {
@@ -370,7 +422,7 @@ func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) erro
 			// Inside a transaction the position is useless: its Commit
 			// will report a later one.
 			if !r.inTxn {
-				if err := r.push(ctx, streamItem{walEnd: relay.LSN(pkm.ServerWALEnd)}); err != nil {
+				if err := r.push(ctx, streamItem{kind: itemKeepalive, lsn: relay.LSN(pkm.ServerWALEnd)}); err != nil {
 					return err
 				}
 			}
@@ -386,22 +438,22 @@ func (r *receiver) handle(ctx context.Context, msg pgproto3.BackendMessage) erro
 				return fmt.Errorf("empty XLogData at %s", relay.LSN(xld.WALStart))
 			}
 			raise(&r.s.received, relay.LSN(xld.WALStart))
-			m, err := parseMessage(xld.WALData)
+			it, err := parseItem(xld.WALData)
 			if err != nil {
 				return fmt.Errorf("parse pgoutput message %q at %s: %w", xld.WALData[0], relay.LSN(xld.WALStart), err)
 			}
-			switch m := m.(type) {
-			case *pglogrepl.BeginMessage:
+			switch it.kind {
+			case itemBegin:
 				r.inTxn = true
-			case *pglogrepl.CommitMessage:
+			case itemCommit:
 				r.inTxn = false
-				if !m.CommitTime.IsZero() && !xld.ServerTime.IsZero() {
-					lag := max(xld.ServerTime.Sub(m.CommitTime), 0)
+				if !it.time.IsZero() && !xld.ServerTime.IsZero() {
+					lag := max(xld.ServerTime.Sub(it.time), 0)
 					relay.WalSenderLag.Observe(lag.Seconds())
 					r.s.cfg.Consumer.Sent(lag)
 				}
 			}
-			return r.push(ctx, streamItem{msg: m, size: int64(len(xld.WALData))})
+			return r.push(ctx, it)
 		}
 	case *pgproto3.ErrorResponse:
 		return fmt.Errorf("receive: %w", pgconn.ErrorResponseToPgError(msg))
