@@ -55,10 +55,10 @@ import (
 // pending read returns at once.
 //
 // The alternative, a status goroutine writing under a mutex while another
-// goroutine reads, does not fit pgconn: ReceiveMessage interrupts a read by
-// setting a deadline on the whole net.Conn, which would also fail a status
-// update being written at that moment, and a mutex held across a read
-// would delay the update until the read's deadline anyway.
+// goroutine reads, does not fit pgconn: it interrupts an operation under a
+// context by setting a deadline on the whole net.Conn, which would also fail
+// a status update being written at that moment, and a mutex held across a
+// read would delay the update until the read's deadline anyway.
 
 // queueLen and queueBytes bound the messages read but not yet decoded: with
 // one message per row, about four batches of small events, and less of large
