@@ -81,8 +81,8 @@ const (
 const maxSaveTimeout = 10 * time.Second
 
 // streamItem is one message of the stream, in order: a transaction's Begin
-// or Commit, read into the item itself; another pgoutput message; or a
-// keepalive's WAL position.
+// or Commit, read into the item itself; an Insert, its tuple copied; another
+// pgoutput message; or a keepalive's WAL position (parseItem).
 type streamItem struct {
 	kind itemKind
 	msg  pglogrepl.Message // itemMessage
