@@ -161,6 +161,7 @@ FUZZ_TARGETS := \
 	./relay:FuzzShortError \
 	./relay/replication:FuzzDecodeMessages \
 	./relay/replication:FuzzDecodeInsert \
+	./relay/replication:FuzzParseItem \
 	./ledger:FuzzGlobToRegex
 fuzz:
 	@out=$$(mktemp); trap 'rm -f "$$out"' EXIT; \
