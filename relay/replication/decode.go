@@ -116,6 +116,7 @@ func (d *decoder) insert(ctx context.Context, it streamItem) error {
 		return fmt.Errorf("decode INSERT into %s: %w", rel.name, err)
 	}
 	ev, err := rel.event(t)
+	d.tuples.forget() // what the event keeps of the tuple, it holds itself
 	if err != nil {
 		return err
 	}
@@ -282,6 +283,12 @@ func (r *tupleReader) read(b []byte) (*pglogrepl.TupleData, error) {
 		r.tuple.Columns = nil // as pglogrepl leaves it
 	}
 	return &r.tuple, nil
+}
+
+// forget drops the reader's references to the last tuple read, so that a
+// large payload is not kept alive by the reader after its event is gone.
+func (r *tupleReader) forget() {
+	clear(r.cols)
 }
 
 // checkClaimedLengths reports an error when an Insert, Update, Delete or
@@ -496,7 +503,7 @@ func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
 		}
 	}
 
-	// jsonb's text form, verbatim; pglogrepl allocated it for this message.
+	// jsonb's text form, verbatim: a slice of the tuple's copy (parseItem).
 	if ev.Payload, _, err = r.value(t, colPayload); err != nil {
 		return nil, err
 	}

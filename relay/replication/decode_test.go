@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"weak"
 
 	"github.com/outbox-relay/outbox-relay/relay/replication"
 )
@@ -144,6 +145,41 @@ func TestSingleEventTransactionAllocatesOnlyItsEvent(t *testing.T) {
 	if allocs > 3 {
 		t.Fatalf("%.0f allocations per single-event transaction, want at most 3 (the tuple's copy, the event, its texts)", allocs)
 	}
+}
+
+// TestDecoderKeepsNoEventAlive: the decoder reuses its batch and its
+// columns from one transaction to the next; once the consumer has let go of
+// an event, nothing of the decoder may keep its payload (a large one would
+// stay in memory until the next row) — the edge of that reused state.
+func TestDecoderKeepsNoEventAlive(t *testing.T) {
+	row := make([]tupleValue, len(outboxColumns))
+	for i, c := range outboxColumns {
+		switch c.name {
+		case "id":
+			row[i] = textValue("1")
+		case "event_key":
+			row[i] = textValue("big")
+		case "payload":
+			row[i] = textValue(`"` + strings.Repeat("x", 1<<20) + `"`)
+		default:
+			row[i] = nullValue
+		}
+	}
+	d := replication.NewDecoder(outboxName)
+	if _, err := d.Feed(relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)); err != nil {
+		t.Fatal(err)
+	}
+	payload, err := d.FeedAndWatch(beginMessage(finalLSN, commitTime, 7), insertMessage(outboxRelID, row), commitMessage(finalLSN, endLSN, commitTime))
+	if err != nil || payload == (weak.Pointer[byte]{}) {
+		t.Fatalf("no event decoded: %v", err)
+	}
+	for range 3 {
+		runtime.GC()
+	}
+	if payload.Value() != nil {
+		t.Fatal("the decoder still holds the last event's payload after the consumer let go of it")
+	}
+	runtime.KeepAlive(d)
 }
 
 // BenchmarkDecodeEvent: the allocations and time of one single-row

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"time"
+	"weak"
 
 	"github.com/jackc/pglogrepl"
 
@@ -77,11 +78,33 @@ func (d *Decoder) Feed(msgs ...[]byte) (events int, err error) {
 type droppingConsumer struct {
 	recordingConsumer
 	events int
+	seen   func(*relay.Event) // when set, sees each event before it is dropped
 }
 
 func (c *droppingConsumer) Submit(_ context.Context, events []*relay.Event) error {
 	c.events += len(events)
+	if c.seen != nil {
+		for _, ev := range events {
+			c.seen(ev)
+		}
+	}
 	return nil
+}
+
+// FeedAndWatch is Feed, and returns a weak pointer to the first event's
+// payload: it becomes nil once nothing keeps the payload, the decoder
+// included, and the garbage collector has run.
+func (d *Decoder) FeedAndWatch(msgs ...[]byte) (weak.Pointer[byte], error) {
+	c := d.d.consumer.(*droppingConsumer)
+	var payload weak.Pointer[byte]
+	c.seen = func(ev *relay.Event) {
+		if len(ev.Payload) > 0 && payload == (weak.Pointer[byte]{}) {
+			payload = weak.Make(&ev.Payload[0])
+		}
+	}
+	defer func() { c.seen = nil }()
+	_, err := d.Feed(msgs...)
+	return payload, err
 }
 
 // DecodeMessages runs pgoutput messages (XLogData payloads) through the
