@@ -77,6 +77,27 @@ func sample(f *dto.MetricFamily, labels ...string) (float64, bool) {
 	return 0, false
 }
 
+// startServingMetrics starts a relay process on a database of its own,
+// serving its metrics on the address it returns, and waits for its slot; a
+// failed test gets the relay's log.
+func startServingMetrics(t *testing.T) (*setup, string) {
+	t.Helper()
+	s := newSetup(t, pgtest.NewDatabase(t))
+	addr := freeAddr(t)
+	cfgPath := s.configFileWith(t, "", fmt.Sprintf("http: {listen: %q}\n", addr))
+	cfg, _ := readFile(cfgPath)
+	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
+	var logs syncBuffer
+	s.startProcess(t, cfgPath, &logs)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("relay log:\n%s", logs.String())
+		}
+	})
+	s.waitSlot(t)
+	return s, addr
+}
+
 // TestMetricsScrape: every metric the shipped alert rules and dashboard
 // query (deploy.Queries: deploy/prometheus/alerts.yml and
 // deploy/grafana/outbox-relay.json) is on a running relay's /metrics from
@@ -89,19 +110,7 @@ func sample(f *dto.MetricFamily, labels ...string) (float64, bool) {
 // has a webhook sink ("hook") and a NATS sink ("nats"). After one event,
 // the same series count it at both sinks.
 func TestMetricsScrape(t *testing.T) {
-	s := newSetup(t, pgtest.NewDatabase(t))
-	addr := freeAddr(t)
-	cfgPath := s.configFileWith(t, "", fmt.Sprintf("http: {listen: %q}\n", addr))
-	cfg, _ := readFile(cfgPath)
-	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
-	var logs syncBuffer
-	s.startProcess(t, cfgPath, &logs)
-	defer func() {
-		if t.Failed() {
-			t.Logf("relay log:\n%s", logs.String())
-		}
-	}()
-	s.waitSlot(t)
+	s, addr := startServingMetrics(t)
 
 	var fams map[string]*dto.MetricFamily
 	eventually(t, 20*time.Second, "the relay streaming (mode replication 1) with its table gauges published", func() bool {
@@ -239,19 +248,7 @@ func TestQuietRelayRunsOnOneP(t *testing.T) {
 	if runtime.NumCPU() < 2 {
 		t.Skip("one CPU: the relay runs on one P anyway")
 	}
-	s := newSetup(t, pgtest.NewDatabase(t))
-	addr := freeAddr(t)
-	cfgPath := s.configFileWith(t, "", fmt.Sprintf("http: {listen: %q}\n", addr))
-	cfg, _ := readFile(cfgPath)
-	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
-	var logs syncBuffer
-	s.startProcess(t, cfgPath, &logs)
-	defer func() {
-		if t.Failed() {
-			t.Logf("relay log:\n%s", logs.String())
-		}
-	}()
-	s.waitSlot(t)
+	s, addr := startServingMetrics(t)
 	procsNow := func() float64 {
 		v, _ := sample(scrapeFamilies(t, addr)["go_sched_gomaxprocs_threads"])
 		return v

@@ -110,6 +110,30 @@ func TestTraceContextColumnIsOptional(t *testing.T) {
 	}
 }
 
+// newOutboxDecoder returns the stream's parser and decoder, fed the outbox's
+// RELATION message.
+func newOutboxDecoder(tb testing.TB) *replication.Decoder {
+	tb.Helper()
+	d := replication.NewDecoder(outboxName)
+	if _, err := d.Feed(relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)); err != nil {
+		tb.Fatal(err)
+	}
+	return d
+}
+
+// outboxRow is an outbox row with the values in set, NULL elsewhere.
+func outboxRow(set map[string]tupleValue) []tupleValue {
+	out := make([]tupleValue, len(outboxColumns))
+	for i, c := range outboxColumns {
+		if v, ok := set[c.name]; ok {
+			out[i] = v
+		} else {
+			out[i] = nullValue
+		}
+	}
+	return out
+}
+
 // TestSingleEventTransactionAllocatesOnlyItsEvent: a single-row
 // transaction (Begin, Insert, Commit) goes through the stream's parser and
 // decoder allocating only what the event keeps: the copy of the tuple (its
@@ -131,10 +155,7 @@ func TestSingleEventTransactionAllocatesOnlyItsEvent(t *testing.T) {
 			row[i] = textValue(c.name + " value")
 		}
 	}
-	d := replication.NewDecoder(outboxName)
-	if _, err := d.Feed(relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)); err != nil {
-		t.Fatal(err)
-	}
+	d := newOutboxDecoder(t)
 	begin, ins, commit := beginMessage(finalLSN, commitTime, 7), insertMessage(outboxRelID, row), commitMessage(finalLSN, endLSN, commitTime)
 	var n int
 	var err error
@@ -152,23 +173,10 @@ func TestSingleEventTransactionAllocatesOnlyItsEvent(t *testing.T) {
 // an event, nothing of the decoder may keep its payload (a large one would
 // stay in memory until the next row) — the edge of that reused state.
 func TestDecoderKeepsNoEventAlive(t *testing.T) {
-	row := make([]tupleValue, len(outboxColumns))
-	for i, c := range outboxColumns {
-		switch c.name {
-		case "id":
-			row[i] = textValue("1")
-		case "event_key":
-			row[i] = textValue("big")
-		case "payload":
-			row[i] = textValue(`"` + strings.Repeat("x", 1<<20) + `"`)
-		default:
-			row[i] = nullValue
-		}
-	}
-	d := replication.NewDecoder(outboxName)
-	if _, err := d.Feed(relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)); err != nil {
-		t.Fatal(err)
-	}
+	row := outboxRow(map[string]tupleValue{
+		"id": textValue("1"), "event_key": textValue("big"), "payload": textValue(`"` + strings.Repeat("x", 1<<20) + `"`),
+	})
+	d := newOutboxDecoder(t)
 	payload, err := d.FeedAndWatch(beginMessage(finalLSN, commitTime, 7), insertMessage(outboxRelID, row), commitMessage(finalLSN, endLSN, commitTime))
 	if err != nil || payload == (weak.Pointer[byte]{}) {
 		t.Fatalf("no event decoded: %v", err)
@@ -218,10 +226,7 @@ func BenchmarkDecodeEvent(b *testing.B) {
 		insertMessage(outboxRelID, row),
 		commitMessage(finalLSN, endLSN, commitTime),
 	}
-	d := replication.NewDecoder(outboxName)
-	if _, err := d.Feed(relationMessage(outboxRelID, "public", "integration_outbox", outboxColumns)); err != nil {
-		b.Fatal(err)
-	}
+	d := newOutboxDecoder(b)
 	b.ReportAllocs()
 	b.ResetTimer()
 	for b.Loop() {

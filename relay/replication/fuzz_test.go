@@ -166,17 +166,7 @@ var decodeErr = regexp.MustCompile(`(?s)^(?:` +
 // INSERT yields an event exactly when it is into the outbox relation, and
 // the event holds the tuple's values.
 func FuzzDecodeMessages(f *testing.F) {
-	values := func(set map[string]tupleValue) []tupleValue {
-		out := make([]tupleValue, len(outboxColumns))
-		for i, c := range outboxColumns {
-			if v, ok := set[c.name]; ok {
-				out[i] = v
-			} else {
-				out[i] = nullValue
-			}
-		}
-		return out
-	}
+	values := outboxRow
 	row := map[string]tupleValue{
 		"id": textValue("42"), "event_key": textValue("order-42-placed"), "event_type": textValue("order.placed"),
 		"aggregate_type": textValue("order"), "aggregate_id": textValue("42"), "payload": textValue(`{"total": 12.50}`),
