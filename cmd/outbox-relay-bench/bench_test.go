@@ -7,6 +7,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestPayloadSize(t *testing.T) {
@@ -85,5 +86,24 @@ outbox_relay_other_bucket{le="0.01"} 5
 	over, total := h.since(earlier).over(0.01)
 	if over != 2 || total != 52 {
 		t.Fatalf("over 10 ms %v of %v, want 2 of 52", over, total)
+	}
+}
+
+// TestTailSourcesComparesTheFloorsWalsender: the tail row counts the floor
+// client's walsender's late transactions beside the relay's, against the
+// same 10 ms and 25 ms bounds.
+func TestTailSourcesComparesTheFloorsWalsender(t *testing.T) {
+	var floor sendLag
+	for _, ms := range []int{1, 9, 10, 11, 24, 26, 40} {
+		floor.observe(time.Duration(ms) * time.Millisecond)
+	}
+	sent := histogram{0.01: 90, 0.025: 97, inf: 100}
+	decoded := histogram{0.01: 80, 0.025: 95, inf: 100}
+	got := tailSources(sent, decoded, []float64{1, 12, 30}, &floor)
+	for _, want := range []string{"its send time): 10 / 3 of 100", "before any sink): 20 / 5 of 100", "at NATS: 2 / 1 of 3",
+		"the floor client's walsender, for comparison: 4 / 2 of 7"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("tail sources %q lack %q", got, want)
+		}
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pglogrepl"
@@ -55,6 +56,8 @@ func phaseFloor(ctx context.Context, e *env, r *report) error {
 // (tracker.floor). Its walsender's application_name starts with
 // benchAppName.
 type floorClient struct {
+	// sent counts how late its walsender sent the load's transactions.
+	sent   sendLag
 	conn   *pgconn.PgConn
 	cancel context.CancelFunc
 	done   chan error
@@ -87,7 +90,7 @@ func (e *env) startFloor(ctx context.Context, url, slot string, t *tracker) (*fl
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	f := &floorClient{conn: conn, cancel: cancel, done: make(chan error, 1)}
-	go func() { f.done <- e.consumeFloor(cctx, conn, t) }()
+	go func() { f.done <- e.consumeFloor(cctx, conn, t, &f.sent) }()
 	return f, nil
 }
 
@@ -104,10 +107,29 @@ func (f *floorClient) close() error {
 	return f.err
 }
 
+// sendLag counts the transactions a walsender sent more than 10 ms and
+// 25 ms after their commit (PostgreSQL's commit timestamp → the send time of
+// the Commit's XLogData), as the relay's walsender_lag_seconds does for the
+// relay's walsender: the two walsenders decode the same WAL, so a tail that
+// both show is PostgreSQL's and the machine's, not the relay's.
+type sendLag struct{ over10, over25, total atomic.Int64 }
+
+func (l *sendLag) observe(lag time.Duration) {
+	l.total.Add(1)
+	if lag > 10*time.Millisecond {
+		l.over10.Add(1)
+	}
+	if lag > 25*time.Millisecond {
+		l.over25.Add(1)
+	}
+}
+
 // consumeFloor reads the stream, recording when each inserted event_key is
-// decoded, and acknowledges what it received once a second.
-func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker) error {
+// decoded and how late the walsender sent each transaction with one (sent),
+// and acknowledges what it received once a second.
+func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker, sent *sendLag) error {
 	keyCol := map[uint32]int{} // relation id → column of event_key
+	tracked := false           // the open transaction inserted an event of t
 	var pos pglogrepl.LSN
 	next := time.Now().Add(time.Second)
 	for {
@@ -160,6 +182,12 @@ func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker)
 					return err
 				}
 				switch lm := lm.(type) {
+				case *pglogrepl.BeginMessage:
+					tracked = false
+				case *pglogrepl.CommitMessage:
+					if tracked && !x.ServerTime.IsZero() {
+						sent.observe(max(x.ServerTime.Sub(lm.CommitTime), 0))
+					}
 				case *pglogrepl.RelationMessage:
 					for i, c := range lm.Columns {
 						if c.Name == "event_key" {
@@ -168,7 +196,10 @@ func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker)
 					}
 				case *pglogrepl.InsertMessage:
 					if i, ok := keyCol[lm.RelationID]; ok && lm.Tuple != nil && i < len(lm.Tuple.Columns) {
-						t.floor.record(t, string(lm.Tuple.Columns[i].Data), at)
+						key := string(lm.Tuple.Columns[i].Data)
+						t.floor.record(t, key, at)
+						_, in := t.index(key)
+						tracked = tracked || in
 					}
 				}
 			}

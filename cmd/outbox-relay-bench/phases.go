@@ -593,7 +593,7 @@ func phaseSteady(ctx context.Context, e *env, r *report, hook bool) error {
 	if err != nil || err2 != nil || before == nil || senderBefore == nil {
 		e.say("warning: decode latency not measured: %v %v", err, err2)
 	} else {
-		r.add(phase, "where the tail comes from: events over 10 ms / over 25 ms", tailSources(senderAfter.since(senderBefore), after.since(before), o.nats), "", "info", o.usage)
+		r.add(phase, "where the tail comes from: events over 10 ms / over 25 ms", tailSources(senderAfter.since(senderBefore), after.since(before), o.nats, &f.sent), "", "info", o.usage)
 	}
 	r.addCPU(phase, o.usage, "")
 	if hook {
@@ -618,8 +618,10 @@ const (
 // tailSources says how many transactions the walsender sent late (sent),
 // how many events were late when the relay had decoded them (decoded), and
 // how many were late at NATS (natsMS, sorted latencies in ms): which stage
-// the tail comes from. One event per transaction, as the steady load writes.
-func tailSources(sent, decoded histogram, natsMS []float64) string {
+// the tail comes from; and how many the floor client's own walsender sent
+// late (floor), for the same load. One event per transaction, as the
+// steady load writes.
+func tailSources(sent, decoded histogram, natsMS []float64, floor *sendLag) string {
 	late := func(ms float64) int {
 		i, _ := slices.BinarySearch(natsMS, ms)
 		return len(natsMS) - i
@@ -629,9 +631,11 @@ func tailSources(sent, decoded histogram, natsMS []float64) string {
 	d10, dTotal := decoded.over(0.01)
 	d25, _ := decoded.over(0.025)
 	return fmt.Sprintf("sent by the walsender (PostgreSQL's commit timestamp → its send time): %s / %s of %s; "+
-		"decoded in the relay (commit timestamp → engine, before any sink): %s / %s of %s; at NATS: %s / %s of %s",
+		"decoded in the relay (commit timestamp → engine, before any sink): %s / %s of %s; at NATS: %s / %s of %s; "+
+		"the floor client's walsender, for comparison: %s / %s of %s",
 		thousands(int(s10)), thousands(int(s25)), thousands(int(sTotal)),
-		thousands(int(d10)), thousands(int(d25)), thousands(int(dTotal)), thousands(late(10)), thousands(late(25)), thousands(len(natsMS)))
+		thousands(int(d10)), thousands(int(d25)), thousands(int(dTotal)), thousands(late(10)), thousands(late(25)), thousands(len(natsMS)),
+		thousands(int(floor.over10.Load())), thousands(int(floor.over25.Load())), thousands(int(floor.total.Load())))
 }
 
 // phasePoller measures the seed poller under the same load.
