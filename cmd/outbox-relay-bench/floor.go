@@ -196,10 +196,9 @@ func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker,
 					}
 				case *pglogrepl.InsertMessage:
 					if i, ok := keyCol[lm.RelationID]; ok && lm.Tuple != nil && i < len(lm.Tuple.Columns) {
-						key := string(lm.Tuple.Columns[i].Data)
-						t.floor.record(t, key, at)
-						_, in := t.index(key)
-						tracked = tracked || in
+						if t.floor.record(t, string(lm.Tuple.Columns[i].Data), at) {
+							tracked = true
+						}
 					}
 				}
 			}

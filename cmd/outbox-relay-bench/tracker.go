@@ -50,18 +50,19 @@ func (t *tracker) index(key string) (int, bool) {
 	return i, true
 }
 
-// record notes that key arrived at time at; keys of other trackers are
-// ignored.
-func (a *arrivals) record(t *tracker, key string, at int64) {
+// record notes that key arrived at time at and reports whether key is
+// the tracker's; keys of other trackers are ignored.
+func (a *arrivals) record(t *tracker, key string, at int64) (tracked bool) {
 	i, ok := t.index(key)
 	if !ok {
-		return
+		return false
 	}
 	if a.at[i].CompareAndSwap(0, at) {
 		a.unique.Add(1)
 	} else {
 		a.repeats.Add(1)
 	}
+	return true
 }
 
 // latencies returns arrival − commit in milliseconds for every event that
