@@ -44,7 +44,7 @@ func phaseSteadyAfterDrain(ctx context.Context, e *env, r *report) error {
 	if err := e.bulkInsert(ctx, url, backlog.prefix, n, e.o.drainBatch, 4); err != nil {
 		return err
 	}
-	f, err := e.startFloor(ctx, url, "bench_floor_after_drain", t)
+	f, err := e.startFloor(ctx, url, "bench_floor_after_drain", t, &t.floor)
 	if err != nil {
 		return err
 	}

@@ -26,7 +26,7 @@ func phaseFloor(ctx context.Context, e *env, r *report) error {
 	defer e.dropDatabase(db)
 	d := min(e.o.duration/2, 10*time.Second)
 	t := newTracker("fl-", int(e.o.rate*d.Seconds()))
-	f, err := e.startFloor(ctx, url, "bench_floor", t)
+	f, err := e.startFloor(ctx, url, "bench_floor", t, &t.floor)
 	if err != nil {
 		return err
 	}
@@ -51,6 +51,69 @@ func phaseFloor(ctx context.Context, e *env, r *report) error {
 	return nil
 }
 
+// phaseFloorPair runs two bare clients and no relay under the steady load,
+// in -floor-pair-rounds rounds of -duration with new slots each round, the
+// first client's created and streaming before the second's, as the relay's
+// are before the floor client's in the steady phases. The two run the same
+// code on the same WAL, so how far apart they are at the tail is
+// PostgreSQL's and the machine's: the spread that "within 2× of the bare
+// client" (docs/performance.md) measures against.
+func phaseFloorPair(ctx context.Context, e *env, r *report) error {
+	const phase, db = "floor-pair", "bench_floor_pair"
+	url, err := e.newDatabase(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer e.dropDatabase(db)
+	for round := 1; round <= e.o.floorPairRounds; round++ {
+		if err := floorPairRound(ctx, e, r, url, round); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func floorPairRound(ctx context.Context, e *env, r *report, url string, round int) error {
+	const phase = "floor-pair"
+	t := newTracker(fmt.Sprintf("fp%d-", round), int(e.o.rate*e.o.duration.Seconds()))
+	second := arrivals{at: make([]atomic.Int64, len(t.commit))}
+	a, err := e.startFloor(ctx, url, fmt.Sprintf("bench_floor_pair_%d_a", round), t, &t.floor)
+	if err != nil {
+		return err
+	}
+	defer a.close()
+	b, err := e.startFloor(ctx, url, fmt.Sprintf("bench_floor_pair_%d_b", round), t, &second)
+	if err != nil {
+		return err
+	}
+	defer b.close()
+	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: url, t: t, floor: true, warmup: round == 1,
+		duration: e.o.duration, settle: 10 * time.Second})
+	if err != nil {
+		return err
+	}
+	for deadline := time.Now().Add(10 * time.Second); second.unique.Load() < int64(o.load.sent) && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+	}
+	secondMS, secondMissing := t.latencies(&second)
+	for _, c := range []*floorClient{a, b} {
+		if err := c.close(); err != nil {
+			return err
+		}
+	}
+	row := func(ms []float64, missing int, l *sendLag) string {
+		return fmt.Sprintf("%s / %s / %s (%s decoded, %d missing); its walsender sent %s / %s of %s transactions more than 10 / 25 ms late",
+			fmtMS(percentile(ms, 0.5)), fmtMS(percentile(ms, 0.99)), fmtMS(percentile(ms, 0.999)), thousands(len(ms)), missing,
+			thousands(int(l.over10.Load())), thousands(int(l.over25.Load())), thousands(int(l.total.Load())))
+	}
+	r.add(phase, fmt.Sprintf("round %d, the client started first: commit→decode p50 / p99 / p99.9", round), row(o.floor, o.floorMissing, &a.sent), "—", "info", o.usage)
+	r.add(phase, fmt.Sprintf("round %d, the client started second", round), row(secondMS, secondMissing, &b.sent), "—", "info", o.usage)
+	r.add(phase, fmt.Sprintf("round %d, p99 of the first ÷ p99 of the second", round),
+		fmt.Sprintf("%.2f×", percentile(o.floor, 0.99)/percentile(secondMS, 0.99)), "—", "info", o.usage)
+	r.addCPU(fmt.Sprintf("%s round %d", phase, round), o.usage, "")
+	return nil
+}
+
 // floorClient is a bare pglogrepl client on a temporary slot of its own: it
 // decodes pgoutput and records when each event of its tracker is decoded
 // (tracker.floor). Its walsender's application_name starts with
@@ -67,8 +130,9 @@ type floorClient struct {
 }
 
 // startFloor creates the temporary slot (it streams what is committed
-// from now on) and starts consuming it.
-func (e *env) startFloor(ctx context.Context, url, slot string, t *tracker) (*floorClient, error) {
+// from now on) and starts consuming it, recording t's events' decodes in
+// into (t.floor, but for the floor-pair phase's second client).
+func (e *env) startFloor(ctx context.Context, url, slot string, t *tracker, into *arrivals) (*floorClient, error) {
 	cfg, err := pgconn.ParseConfig(url)
 	if err != nil {
 		return nil, err
@@ -90,7 +154,7 @@ func (e *env) startFloor(ctx context.Context, url, slot string, t *tracker) (*fl
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	f := &floorClient{conn: conn, cancel: cancel, done: make(chan error, 1)}
-	go func() { f.done <- e.consumeFloor(cctx, conn, t, &f.sent) }()
+	go func() { f.done <- e.consumeFloor(cctx, conn, t, into, &f.sent) }()
 	return f, nil
 }
 
@@ -124,10 +188,10 @@ func (l *sendLag) observe(lag time.Duration) {
 	}
 }
 
-// consumeFloor reads the stream, recording when each inserted event_key is
-// decoded and how late the walsender sent each transaction with one (sent),
+// consumeFloor reads the stream, recording in into when each of t's
+// inserted event_keys is decoded and how late the walsender sent each transaction with one (sent),
 // and acknowledges what it received once a second.
-func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker, sent *sendLag) error {
+func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker, into *arrivals, sent *sendLag) error {
 	keyCol := map[uint32]int{} // relation id → column of event_key
 	tracked := false           // the open transaction inserted an event of t
 	var pos pglogrepl.LSN
@@ -196,7 +260,7 @@ func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker,
 					}
 				case *pglogrepl.InsertMessage:
 					if i, ok := keyCol[lm.RelationID]; ok && lm.Tuple != nil && i < len(lm.Tuple.Columns) {
-						if t.floor.record(t, string(lm.Tuple.Columns[i].Data), at) {
+						if into.record(t, string(lm.Tuple.Columns[i].Data), at) {
 							tracked = true
 						}
 					}

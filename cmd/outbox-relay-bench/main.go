@@ -76,6 +76,11 @@
 //	            -duration: commit→NATS and commit→webhook p50/p99,
 //	            PostgreSQL CPU per event on the primary and on the
 //	            standby, and the standby's replay lag (docs/standby.md).
+//	floor-pair  two bare pglogrepl clients and no relay under -rate
+//	            events/s for -duration, -floor-pair-rounds rounds with new
+//	            slots, the first client started before the second (as the
+//	            relay is before the floor client): how far apart two
+//	            identical clients of one server are at the tail.
 //
 // Every steady phase (steady-js, steady, steady-after-drain) also runs the bare
 // pglogrepl client beside the relay, on its own temporary slot in the same
@@ -123,6 +128,7 @@ type options struct {
 	drainRuns         int
 	rate              float64
 	duration          time.Duration
+	floorPairRounds   int
 	warmup            time.Duration
 	pollerDuration    time.Duration
 	pollerInterval    time.Duration
@@ -173,6 +179,7 @@ func main() {
 	fs.IntVar(&o.drainRuns, "drain-runs", 3, "relay drains per drain phase, each on fresh rows (the median is reported; this shared VM varies by ±30% from one run to the next)")
 	fs.Float64Var(&o.rate, "rate", 1000, "steady load in events/s")
 	fs.DurationVar(&o.duration, "duration", 60*time.Second, "measured duration of the steady load")
+	fs.IntVar(&o.floorPairRounds, "floor-pair-rounds", 3, "rounds of the floor-pair phase")
 	fs.DurationVar(&o.warmup, "warmup", 2*time.Second, "unmeasured load before each measured load")
 	fs.DurationVar(&o.pollerDuration, "poller-duration", 60*time.Second, "load duration for the seed poller and the relay's poll mode")
 	fs.DurationVar(&o.pollerInterval, "poller-interval", 10*time.Second, "the seed poller's interval")

@@ -25,7 +25,7 @@ import (
 var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated"}
 
 // extraPhases run only when -phases names them.
-var extraPhases = []string{"partitions", "standby"}
+var extraPhases = []string{"partitions", "standby", "floor-pair"}
 
 func isPhase(p string) bool {
 	for _, q := range append(allPhases, extraPhases...) {
@@ -53,6 +53,7 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"rss-bigtx":          func(ctx context.Context, e *env, r *report) error { return phaseRSS(ctx, e, r, true) },
 	"partitions":         phasePartitions,
 	"standby":            phaseStandby,
+	"floor-pair":         phaseFloorPair,     // floor.go
 	"drain-claim":        phaseDrainClaim,    // claim.go
 	"slot-recreated":     phaseSlotRecreated, // claim.go
 }
@@ -553,7 +554,7 @@ func phaseSteady(ctx context.Context, e *env, r *report, hook bool) error {
 		return err
 	}
 	defer sub.Unsubscribe()
-	f, err := e.startFloor(ctx, url, "bench_floor_steady", t)
+	f, err := e.startFloor(ctx, url, "bench_floor_steady", t, &t.floor)
 	if err != nil {
 		return err
 	}
