@@ -162,7 +162,10 @@ func phaseDrainClaim(ctx context.Context, e *env, r *report) error {
 // pg_create_logical_replication_slot (no hand-over record), then the relay
 // starts while fresh events arrive at -rate: the time until every backlog
 // row is delivered, against the stream's drain of the same rows, and the
-// fresh events' latency meanwhile.
+// fresh events' latency meanwhile. The same rows behind the relay's own
+// slot with the same fresh load beside them tell what the stream itself
+// does in the phase's conditions (an info row: the target stays against
+// the stream's drain alone).
 func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 	const name = "slot-recreated"
 	n := claimOptions.n
@@ -182,51 +185,97 @@ func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 	}
 	streamTook := d.elapsed
 
-	s := relaySetup{name: name}
-	cfg, done, err := e.setUpRelay(ctx, "bench_slot_recreated", &s)
+	// The same behind the relay's own slot, with the fresh load beside it.
+	loaded, err := e.backlogUnderLoad(ctx, r, name+"-stream-loaded", "bench_slot_recreated_loaded", false)
 	if err != nil {
 		return err
+	}
+	r.addCPU(name+" (the stream, loaded)", loaded.usage, "")
+
+	o, err := e.backlogUnderLoad(ctx, r, name, "bench_slot_recreated", true)
+	if err != nil {
+		return err
+	}
+	r.addCPU(name, o.usage, "")
+	ratio := o.took.Seconds() / streamTook.Seconds()
+	r.add(name, fmt.Sprintf("%s rows behind a slot without the relay's hand-over record: all delivered (fresh events at %s/s meanwhile)", thousands(n), thousands(int(e.o.rate))),
+		fmt.Sprintf("%.1f s; the stream drains the same rows in %.1f s: %.2f×", o.took.Seconds(), streamTook.Seconds(), ratio), "≤ 2× the stream", passMiss(ratio <= 2), o.usage)
+	r.add(name, "fresh events meanwhile (other aggregates than the backlog's): commit→NATS p50 / p99", fmt.Sprintf("%s / %s (%s arrived, %d missing)", fmtMS(percentile(o.fresh, 0.5)), fmtMS(percentile(o.fresh, 0.99)), thousands(len(o.fresh)), o.missing),
+		"p99 < 1 s", passMiss(percentile(o.fresh, 0.99) < 1000 && o.missing == 0), o.usage)
+	r.add(name, "the same rows behind the relay's own slot, with the same fresh load: all delivered; fresh p50 / p99",
+		fmt.Sprintf("%.1f s (%.2f× the stream's drain alone; the phase took %.2f× this); %s / %s (%s arrived, %d missing)", loaded.took.Seconds(), loaded.took.Seconds()/streamTook.Seconds(),
+			o.took.Seconds()/loaded.took.Seconds(), fmtMS(percentile(loaded.fresh, 0.5)), fmtMS(percentile(loaded.fresh, 0.99)), thousands(len(loaded.fresh)), loaded.missing), "—", "info", loaded.usage)
+	return nil
+}
+
+// backlogOutcome is what backlogUnderLoad measured.
+type backlogOutcome struct {
+	took    time.Duration // relay start → every backlog row at JetStream
+	fresh   []float64     // the fresh events' commit→NATS, sorted, ms
+	missing int           // fresh events not arrived
+	usage   cpuUsage
+}
+
+// backlogUnderLoad writes -claim-n rows over -aggregates aggregates behind
+// a slot — one made with pg_create_logical_replication_slot, without the
+// relay's hand-over record (foreign), or the relay's own — and starts the
+// relay while fresh events on other aggregates arrive at -rate, until every
+// backlog row is at JetStream.
+func (e *env) backlogUnderLoad(ctx context.Context, r *report, name, db string, foreign bool) (backlogOutcome, error) {
+	var o backlogOutcome
+	n := claimOptions.n
+	s := relaySetup{name: name}
+	cfg, done, err := e.setUpRelay(ctx, db, &s)
+	if err != nil {
+		return o, err
 	}
 	defer done()
-	conn, err := pgx.Connect(ctx, s.url)
-	if err != nil {
-		return err
-	}
-	_, err = conn.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, s.slot())
-	conn.Close(context.Background())
-	if err != nil {
-		return fmt.Errorf("create the foreign slot: %w", err)
+	if foreign {
+		conn, err := pgx.Connect(ctx, s.url)
+		if err != nil {
+			return o, err
+		}
+		_, err = conn.Exec(ctx, `SELECT pg_create_logical_replication_slot($1, 'pgoutput')`, s.slot())
+		conn.Close(context.Background())
+		if err != nil {
+			return o, fmt.Errorf("create the foreign slot: %w", err)
+		}
+	} else {
+		e.say("%s: creating slot %s (start the relay, stop it with SIGTERM)", name, s.slot())
+		if err := e.createSlot(ctx, s, cfg); err != nil {
+			return o, err
+		}
 	}
 	backlog := newTracker(name+"-", n)
 	sub, err := e.subscribe(s, backlog)
 	if err != nil {
-		return err
+		return o, err
 	}
 	defer sub.Unsubscribe()
 	// The backlog's aggregates are not the fresh events': a fresh event of
 	// an aggregate with rows in the backlog waits for them (per-aggregate
 	// order), whatever the claim path's speed.
-	e.say("%s: inserting %d rows behind slot %s, which has no hand-over record", name, n, s.slot())
+	e.say("%s: inserting %d rows behind slot %s (foreign: %v)", name, n, s.slot(), foreign)
 	if err := e.insertOver(ctx, s.url, backlog.prefix, n, e.o.aggregates, "backlog-"); err != nil {
-		return err
+		return o, err
 	}
 	fresh := newTracker(name+"-fresh-", int(e.o.rate*claimOptions.freshTimeout.Seconds()))
 	freshSub, err := e.subscribe(s, fresh)
 	if err != nil {
-		return err
+		return o, err
 	}
 	defer freshSub.Unsubscribe()
 	pool, err := e.newLoadPool(ctx, s.url)
 	if err != nil {
-		return err
+		return o, err
 	}
 	defer pool.Close()
 	if err := e.quiet(ctx, name, r, e.roots(nil)); err != nil {
-		return err
+		return o, err
 	}
 	rp, err := e.startRelay(s, cfg)
 	if err != nil {
-		return err
+		return o, err
 	}
 	defer rp.Stop(30 * time.Second)
 	start := time.Now()
@@ -238,12 +287,12 @@ func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 		_, err := e.runLoad(loadCtx, pool, "", fresh, e.o.rate, claimOptions.freshTimeout)
 		loaded <- err
 	}()
-	took, err := e.waitBacklog(ctx, name, backlog, n, rp, start)
+	o.took, err = e.waitBacklog(ctx, name, backlog, n, rp, start)
 	stopLoad()
 	<-loaded
-	u := meter.stop()
+	o.usage = meter.stop()
 	if err != nil {
-		return err
+		return o, err
 	}
 	// The fresh events committed while the backlog drained: wait for them.
 	deadline := time.Now().Add(60 * time.Second)
@@ -253,13 +302,7 @@ func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	ms, missing := fresh.latencies(&fresh.nats)
+	o.fresh, o.missing = fresh.latencies(&fresh.nats)
 	e.saySeries(name+" fresh", fresh)
-	r.addCPU(name, u, "")
-	ratio := took.Seconds() / streamTook.Seconds()
-	r.add(name, fmt.Sprintf("%s rows behind a slot without the relay's hand-over record: all delivered (fresh events at %s/s meanwhile)", thousands(n), thousands(int(e.o.rate))),
-		fmt.Sprintf("%.1f s; the stream drains the same rows in %.1f s: %.2f×", took.Seconds(), streamTook.Seconds(), ratio), "≤ 2× the stream", passMiss(ratio <= 2), u)
-	r.add(name, "fresh events meanwhile (other aggregates than the backlog's): commit→NATS p50 / p99", fmt.Sprintf("%s / %s (%s arrived, %d missing)", fmtMS(percentile(ms, 0.5)), fmtMS(percentile(ms, 0.99)), thousands(len(ms)), missing),
-		"p99 < 1 s", passMiss(percentile(ms, 0.99) < 1000 && missing == 0), u)
-	return nil
+	return o, nil
 }

@@ -210,7 +210,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
-	if sizer := procs.New(log); sizer != nil {
+	if sizer := procs.New(log, cfg.CPUScheduling == config.CPUSchedulingBatch); sizer != nil {
 		workers.Go("scheduler sizer", func(ctx context.Context) error { sizer.Run(ctx); return nil })
 	}
 	r.setReady()

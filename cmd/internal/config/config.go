@@ -78,13 +78,18 @@ type Config struct {
 	// missing configuration cannot send production events into a
 	// throwaway stream (docs/configuration.md, "Where settings come
 	// from").
-	EmbeddedNATS    bool            `yaml:"embedded_nats"`
-	HTTP            HTTPConfig      `yaml:"http"`
-	DataDir         string          `yaml:"data_dir"`
-	ShutdownTimeout Duration        `yaml:"shutdown_timeout"`
-	Log             LogConfig       `yaml:"log"`
-	Migrate         MigrateConfig   `yaml:"migrate"`
-	Retention       RetentionConfig `yaml:"retention"`
+	EmbeddedNATS    bool       `yaml:"embedded_nats"`
+	HTTP            HTTPConfig `yaml:"http"`
+	DataDir         string     `yaml:"data_dir"`
+	ShutdownTimeout Duration   `yaml:"shutdown_timeout"`
+	// CPUScheduling is the relay's threads' scheduling policy on Linux:
+	// "batch" (SCHED_BATCH: a relay thread that wakes up does not preempt
+	// the process running on its CPU, often the walsender feeding it) or
+	// "normal" (the policy it was started with; docs/configuration.md).
+	CPUScheduling CPUScheduling   `yaml:"cpu_scheduling"`
+	Log           LogConfig       `yaml:"log"`
+	Migrate       MigrateConfig   `yaml:"migrate"`
+	Retention     RetentionConfig `yaml:"retention"`
 
 	// origins maps a key path ("sinks[0].url") to where its value came
 	// from, so Validate can name the file line or variable.
@@ -165,6 +170,17 @@ const (
 )
 
 func (MarkDone) choices() []string { return strs(MarkDoneAsync, MarkDoneOff) }
+
+// CPUScheduling is the relay's threads' scheduling policy (Config.CPUScheduling).
+type CPUScheduling string
+
+// CPUScheduling policies.
+const (
+	CPUSchedulingBatch  CPUScheduling = "batch"
+	CPUSchedulingNormal CPUScheduling = "normal"
+)
+
+func (CPUScheduling) choices() []string { return strs(CPUSchedulingBatch, CPUSchedulingNormal) }
 
 // DeliveryConfig configures retries and ordering.
 type DeliveryConfig struct {
@@ -500,6 +516,7 @@ func Default() Config {
 		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187", StallAfter: Duration(5 * time.Minute)},
 		DataDir:         "./data",
 		ShutdownTimeout: Duration(30 * time.Second),
+		CPUScheduling:   CPUSchedulingBatch,
 		Log:             LogConfig{Level: "info", Format: "auto"},
 		Migrate: MigrateConfig{
 			LockTimeout: Duration(time.Second),

@@ -58,6 +58,10 @@ type Sizer struct {
 	cpu func() time.Duration
 	set func(n int)
 	now func() time.Time
+	// yield, when set, moves the process's threads to SCHED_BATCH (true)
+	// or back to the default policy (false) with the narrowing and the
+	// widening (batch_linux.go). Tests replace it.
+	yield func(on bool) error
 
 	wide  bool // running with the runtime's default
 	quiet int  // samples in a row below Narrow while wide
@@ -65,20 +69,40 @@ type Sizer struct {
 
 // New returns a Sizer with the defaults, or nil when the environment sets
 // GOMAXPROCS (the operator's choice stands), the machine has one CPU, or
-// the system has no getrusage.
-func New(log zerolog.Logger) *Sizer {
+// the system has no getrusage. With yieldWhenQuiet (cpu_scheduling:
+// batch) the process's threads run under SCHED_BATCH while it runs on one
+// P, unless the process was started under a policy other than the default
+// (the operator's choice stands).
+func New(log zerolog.Logger, yieldWhenQuiet bool) *Sizer {
 	if os.Getenv("GOMAXPROCS") != "" || runtime.GOMAXPROCS(0) < 2 || processCPU == nil {
 		return nil
 	}
-	return &Sizer{Every: DefaultEvery, Widen: DefaultWiden, Narrow: DefaultNarrow, NarrowAfter: DefaultNarrowAfter, Log: log,
+	s := &Sizer{Every: DefaultEvery, Widen: DefaultWiden, Narrow: DefaultNarrow, NarrowAfter: DefaultNarrowAfter, Log: log,
 		cpu: processCPU, set: setProcs, now: time.Now}
+	if yieldWhenQuiet && startedNormal() {
+		s.yield = setYield
+	}
+	return s
+}
+
+// setYield moves the process's threads to SCHED_BATCH or back.
+func setYield(on bool) error {
+	if on {
+		_, err := YieldOnWake()
+		return err
+	}
+	_, err := PreemptOnWake()
+	return err
 }
 
 // Run samples until ctx ends, then leaves the runtime's default in place.
 // It starts wide: a relay that starts behind drains first.
 func (s *Sizer) Run(ctx context.Context) {
 	s.wide = true
-	defer s.set(0)
+	defer func() {
+		s.set(0)
+		s.policy(false)
+	}()
 	tick := time.NewTicker(s.Every)
 	defer tick.Stop()
 	lastCPU, lastAt := s.cpu(), s.now()
@@ -102,15 +126,30 @@ func (s *Sizer) observe(cores float64) {
 	case !s.wide && cores >= s.Widen:
 		s.wide, s.quiet = true, 0
 		s.set(0)
+		s.policy(false)
 		s.Log.Debug().Float64("cores", cores).Int("gomaxprocs", runtime.GOMAXPROCS(0)).Msg("busy: the scheduler runs wide")
 	case s.wide && cores < s.Narrow:
 		if s.quiet++; s.quiet >= s.NarrowAfter {
 			s.wide, s.quiet = false, 0
 			s.set(1)
+			s.policy(true)
 			s.Log.Debug().Float64("cores", cores).Msg("quiet: the scheduler runs on one thread")
 		}
 	case s.wide:
 		s.quiet = 0
+	}
+}
+
+// policy moves the threads to SCHED_BATCH (yield) or back, when the Sizer
+// manages the policy. A failure (a seccomp filter refusing sched_setattr)
+// is logged and ends the management: the threads keep what they have.
+func (s *Sizer) policy(yield bool) {
+	if s.yield == nil {
+		return
+	}
+	if err := s.yield(yield); err != nil {
+		s.Log.Warn().Err(err).Msg("cpu_scheduling: batch: the scheduling policy cannot be changed; the relay's threads keep theirs (cpu_scheduling: normal skips this)")
+		s.yield = nil
 	}
 }
 

@@ -2,6 +2,8 @@ package procs
 
 import (
 	"context"
+	"errors"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -109,7 +111,50 @@ func TestSizer_RunMeasuresTheProcessAndRestoresTheDefault(t *testing.T) {
 
 func TestNew_TheEnvironmentsGOMAXPROCSStands(t *testing.T) {
 	t.Setenv("GOMAXPROCS", "2")
-	if s := New(zerolog.Nop()); s != nil {
+	if s := New(zerolog.Nop(), true); s != nil {
 		t.Fatal("New returned a Sizer although GOMAXPROCS is set")
+	}
+}
+
+// TestSizer_YieldsWhileNarrow: with the policy managed, the threads move
+// to SCHED_BATCH with the narrowing and back with the widening; a failure
+// ends the management instead of being retried at every change.
+func TestSizer_YieldsWhileNarrow(t *testing.T) {
+	f := &fakeProcess{}
+	s := f.sizer()
+	var calls []bool
+	fail := false
+	s.yield = func(on bool) error {
+		calls = append(calls, on)
+		if fail {
+			return errors.New("operation not permitted")
+		}
+		return nil
+	}
+	s.wide = true
+	for i, step := range []struct {
+		cores float64
+		want  []bool
+	}{
+		{0.2, nil}, {0.2, nil}, {0.2, []bool{true}}, // narrow: SCHED_BATCH
+		{0.6, []bool{true}},
+		{0.9, []bool{true, false}}, // wide: the default policy at once
+		{0.2, []bool{true, false}}, {0.2, []bool{true, false}}, {0.2, []bool{true, false, true}},
+	} {
+		s.observe(step.cores)
+		if !slices.Equal(calls, step.want) {
+			t.Fatalf("step %d (%.1f cores): policy changes %v, want %v", i, step.cores, calls, step.want)
+		}
+	}
+	fail = true
+	s.observe(0.9)
+	s.observe(0.2)
+	s.observe(0.2)
+	s.observe(0.2)
+	if want := []bool{true, false, true, false}; !slices.Equal(calls, want) {
+		t.Fatalf("after a failure: policy changes %v, want %v (no further attempt)", calls, want)
+	}
+	if len(f.sets) != 5 {
+		t.Fatalf("GOMAXPROCS settings %v: the sizing goes on without the policy", f.sets)
 	}
 }
