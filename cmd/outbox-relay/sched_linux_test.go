@@ -73,11 +73,13 @@ func TestRun_CPUSchedulingFollowsTheLoad(t *testing.T) {
 	var defLogs, normalLogs syncBuffer
 	defPid := def.startNormal(t, def.configFile(t, ""), &defLogs)
 	normalPid := normal.startNormal(t, normal.configFileWith(t, "", "cpu_scheduling: normal"), &normalLogs)
-	def.publishWriters(t, 1, 5, 5, "sched-a")
-	def.waitDone(t, "event_key LIKE 'sched-a%'", 5)
+	// Wide at the start, for the first NarrowAfter seconds at least.
+	eventually(t, 5*time.Second, "the relay's threads", func() bool { return len(threadPolicies(t, defPid)) > 1 })
 	if ok, got := allUnder(t, defPid, unix.SCHED_NORMAL); !ok {
 		t.Fatalf("right after the start (wide): relay threads %v, want all SCHED_NORMAL\n%s", got, defLogs.String())
 	}
+	def.publishWriters(t, 1, 5, 5, "sched-a")
+	def.waitDone(t, "event_key LIKE 'sched-a%'", 5)
 	eventually(t, time.Duration(procs.DefaultNarrowAfter+30)*time.Second, "the quiet relay's threads under SCHED_BATCH", func() bool {
 		ok, _ := allUnder(t, defPid, unix.SCHED_BATCH)
 		return ok
