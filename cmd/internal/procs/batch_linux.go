@@ -27,9 +27,10 @@ import (
 // still runs at once. Nothing else changes: its share of the CPUs, its
 // nice value and its limits are those of the default policy. A drain is
 // different: with every CPU busy, each of the relay's wake-ups would wait
-// for another process's slice, and the drains ran at half their rate and
-// less. So the policy follows the Sizer (procs.go): SCHED_BATCH while the
-// relay runs on one P, quiet; the default policy as soon as it is busy.
+// for another process's slice: in one of two measured pairs the drains
+// ran at half their rate or less. So the policy follows the Sizer
+// (procs.go): SCHED_BATCH while the relay runs on one P, quiet; the
+// default policy as soon as it is busy.
 //
 // YieldOnWake moves every thread of the process that runs under the
 // default policy (SCHED_OTHER) to SCHED_BATCH, keeping its nice value.
