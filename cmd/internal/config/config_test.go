@@ -865,6 +865,8 @@ func TestLoad_InvalidValues(t *testing.T) {
 	}{
 		{"bad enum", "source:\n  mode: pol\n", nil,
 			[]string{`relay.yaml:2: source.mode: "pol" is not one of auto, replication, poll`}},
+		{"bad cpu_scheduling", "cpu_scheduling: idle\n", nil,
+			[]string{`relay.yaml:1: cpu_scheduling: "idle" is not one of batch, normal`}},
 		{"bad enum in list element", hook + "    body: json\n    on_unknown: drop\n", nil, []string{
 			`relay.yaml:5: sinks[0].body: "json" is not one of envelope, nudge`,
 			`relay.yaml:6: sinks[0].on_unknown: "drop" is not one of retry, hold`,
