@@ -158,3 +158,37 @@ func TestSizer_YieldsWhileNarrow(t *testing.T) {
 		t.Fatalf("GOMAXPROCS settings %v: the sizing goes on without the policy", f.sets)
 	}
 }
+
+// TestSizer_RunEndsUnderTheDefaultPolicy: a Run that ends while narrow
+// (SCHED_BATCH) moves the threads back, so that what follows it in the
+// process — the end of run — is not scheduled as the quiet relay was.
+func TestSizer_RunEndsUnderTheDefaultPolicy(t *testing.T) {
+	f := &fakeProcess{cores: 0.1}
+	s := f.sizer()
+	var mu sync.Mutex
+	var calls []bool
+	s.yield = func(on bool) error { mu.Lock(); defer mu.Unlock(); calls = append(calls, on); return nil }
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { s.Run(ctx); close(done) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		mu.Lock()
+		n := len(calls)
+		mu.Unlock()
+		if n > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("a quiet process never moved to SCHED_BATCH")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	<-done
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(calls, []bool{true, false}) {
+		t.Fatalf("policy changes %v, want SCHED_BATCH and the default policy at the end", calls)
+	}
+}
