@@ -59,7 +59,7 @@ func phaseFloor(ctx context.Context, e *env, r *report) error {
 // PostgreSQL's and the machine's: the spread that "within 2× of the bare
 // client" (docs/performance.md) measures against.
 func phaseFloorPair(ctx context.Context, e *env, r *report) error {
-	const phase, db = "floor-pair", "bench_floor_pair"
+	const db = "bench_floor_pair"
 	url, err := e.newDatabase(ctx, db)
 	if err != nil {
 		return err
@@ -189,7 +189,8 @@ func (l *sendLag) observe(lag time.Duration) {
 }
 
 // consumeFloor reads the stream, recording in into when each of t's
-// inserted event_keys is decoded and how late the walsender sent each transaction with one (sent),
+// inserted event_keys is decoded and how late the walsender sent each
+// transaction with one (sent),
 // and acknowledges what it received once a second.
 func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker, into *arrivals, sent *sendLag) error {
 	keyCol := map[uint32]int{} // relation id → column of event_key

@@ -68,16 +68,12 @@ func moveThreads(from, to uint32) (int, error) {
 }
 
 func movePass(from, to uint32) (int, error) {
-	entries, err := os.ReadDir("/proc/self/task")
+	tids, err := threadIDs(os.Getpid())
 	if err != nil {
-		return 0, fmt.Errorf("list the process's threads: %w", err)
+		return 0, err
 	}
 	moved := 0
-	for _, e := range entries {
-		tid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
+	for _, tid := range tids {
 		attr, err := unix.SchedGetAttr(tid, 0)
 		if errors.Is(err, unix.ESRCH) {
 			continue // the thread has exited
@@ -98,4 +94,35 @@ func movePass(from, to uint32) (int, error) {
 		moved++
 	}
 	return moved, nil
+}
+
+// threadIDs lists the threads of process pid.
+func threadIDs(pid int) ([]int, error) {
+	entries, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return nil, fmt.Errorf("list process %d's threads: %w", pid, err)
+	}
+	tids := make([]int, 0, len(entries))
+	for _, e := range entries {
+		if tid, err := strconv.Atoi(e.Name()); err == nil {
+			tids = append(tids, tid)
+		}
+	}
+	return tids, nil
+}
+
+// ThreadPolicies returns the scheduling policy of each thread of process
+// pid that still runs (what `ps -L -o cls` shows), for tests and checks.
+func ThreadPolicies(pid int) (map[int]uint32, error) {
+	tids, err := threadIDs(pid)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[int]uint32, len(tids))
+	for _, tid := range tids {
+		if attr, err := unix.SchedGetAttr(tid, 0); err == nil {
+			out[tid] = attr.Policy
+		}
+	}
+	return out, nil
 }

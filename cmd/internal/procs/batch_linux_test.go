@@ -3,7 +3,6 @@ package procs
 import (
 	"os"
 	"runtime"
-	"strconv"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -12,18 +11,11 @@ import (
 // policies returns the scheduling policy of every thread of the process.
 func policies(t *testing.T) map[int]uint32 {
 	t.Helper()
-	entries, err := os.ReadDir("/proc/self/task")
+	got, err := ThreadPolicies(os.Getpid())
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := map[int]uint32{}
-	for _, e := range entries {
-		tid, _ := strconv.Atoi(e.Name())
-		if attr, err := unix.SchedGetAttr(tid, 0); err == nil {
-			out[tid] = attr.Policy
-		}
-	}
-	return out
+	return got
 }
 
 // YieldOnWake moves every thread, and the threads created after it run

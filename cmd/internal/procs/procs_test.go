@@ -73,33 +73,12 @@ func TestSizer_RunMeasuresTheProcessAndRestoresTheDefault(t *testing.T) {
 	done := make(chan struct{})
 	go func() { s.Run(ctx); close(done) }()
 	deadline := time.Now().Add(5 * time.Second)
-	for {
-		f.mu.Lock()
-		n := len(f.sets)
-		f.mu.Unlock()
-		if n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("a quiet process was never narrowed")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	sets := func() int { f.mu.Lock(); defer f.mu.Unlock(); return len(f.sets) }
+	waitUntil(t, deadline, "a quiet process was never narrowed", func() bool { return sets() > 0 })
 	f.mu.Lock()
 	f.cores = 1.5
 	f.mu.Unlock()
-	for {
-		f.mu.Lock()
-		n := len(f.sets)
-		f.mu.Unlock()
-		if n > 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("a busy process was never widened")
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitUntil(t, deadline, "a busy process was never widened", func() bool { return sets() > 1 })
 	cancel()
 	<-done
 	f.mu.Lock()
@@ -171,24 +150,27 @@ func TestSizer_RunEndsUnderTheDefaultPolicy(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { s.Run(ctx); close(done) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for {
+	waitUntil(t, time.Now().Add(5*time.Second), "a quiet process never moved to SCHED_BATCH", func() bool {
 		mu.Lock()
-		n := len(calls)
-		mu.Unlock()
-		if n > 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("a quiet process never moved to SCHED_BATCH")
-		}
-		time.Sleep(time.Millisecond)
-	}
+		defer mu.Unlock()
+		return len(calls) > 0
+	})
 	cancel()
 	<-done
 	mu.Lock()
 	defer mu.Unlock()
 	if !slices.Equal(calls, []bool{true, false}) {
 		t.Fatalf("policy changes %v, want SCHED_BATCH and the default policy at the end", calls)
+	}
+}
+
+// waitUntil polls cond until it holds, failing with what after deadline.
+func waitUntil(t *testing.T, deadline time.Time, what string, cond func() bool) {
+	t.Helper()
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal(what)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
