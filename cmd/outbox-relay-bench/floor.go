@@ -190,8 +190,8 @@ func (l *sendLag) observe(lag time.Duration) {
 
 // consumeFloor reads the stream, recording in into when each of t's
 // inserted event_keys is decoded and how late the walsender sent each
-// transaction with one (sent),
-// and acknowledges what it received once a second.
+// transaction with one (sent), and acknowledges what it received once a
+// second.
 func (e *env) consumeFloor(ctx context.Context, conn *pgconn.PgConn, t *tracker, into *arrivals, sent *sendLag) error {
 	keyCol := map[uint32]int{} // relation id → column of event_key
 	tracked := false           // the open transaction inserted an event of t
