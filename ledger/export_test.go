@@ -6,7 +6,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// SetHandOverSlice sets how many rows a hand-over marks per transaction,
+// SetHandOverSlice sets how many rows a hand-over reads at a time,
 // until restore.
 func SetHandOverSlice(n int) (restore func()) {
 	old := handOverSlice

@@ -3,9 +3,11 @@ package ledger
 import (
 	"cmp"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -13,26 +15,23 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// handOverSlice is how many rows one transaction of a hand-over marks: each
-// slice is a transaction the slot's walsender decodes before the events
-// committed after it, and the next slice waits for it (Mark's pace), so a
-// slice is what a fresh event can wait behind: about 2.4 MB of WAL (a
-// row's mark is not a HOT update; with full-page images) and 0.2 s of the
-// walsender's time on the bench machine (docs/architecture.md, "slot
-// creation").
-var handOverSlice = 1_000
+// handOverSlice is how many rows of a hand-over one read takes: half the
+// engine's window for them (relay.HandOverWindow), so that the next slice
+// is read while the last is delivered.
+var handOverSlice = relay.HandOverWindow / 2
 
 // OpenHandOver begins the slot-creation hand-over of a new slot
 // (docs/architecture.md, "slot creation"). In a REPEATABLE READ, read-only
 // transaction it imports the snapshot that CREATE_REPLICATION_SLOT …
 // EXPORT_SNAPSHOT exported and reads the rows pending there and not handed
-// off (and not delivered everywhere) — exactly the rows committed before
-// the slot's consistent point, which the new slot will never stream: their
-// ids and aggregates, held in memory (16 bytes a row, and each aggregate
-// once), so that no transaction stays open while they are marked (an open
-// snapshot would keep every row version the claim path and the marking
-// leave behind from being pruned). Once it returns, the replication connection that created
-// the slot is free to stream.
+// off — exactly the rows committed before the slot's consistent point,
+// which the new slot will never stream: their ids and aggregates, held in
+// memory (16 bytes a row, and each aggregate once), so that no transaction
+// stays open while they are delivered (an open snapshot would keep every
+// row version left behind meanwhile from being pruned). Rows the ledger
+// shows delivered everywhere are left out by Deliver's reads. Once it
+// returns, the replication connection that created the slot is free to
+// stream.
 //
 // The replication connection must run nothing else until OpenHandOver
 // returns: the snapshot exists only until then.
@@ -51,28 +50,30 @@ func (s *Store) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOv
 		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
 			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
 		}
-		rows, err := tx.Query(ctx, s.sql.pendingUnmarked)
+		rows, err := tx.Query(ctx, s.sql.snapshotPending)
 		if err != nil {
 			return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
 		}
 		defer rows.Close()
-		index := map[relay.AggregateKey]int32{}
+		// The stream waits for this read (it needs the aggregates to pin
+		// before its first event): each row is read from its wire bytes,
+		// and an aggregate's key is built only the first time it is seen.
+		index := map[string]int32{}
+		var key []byte
 		for rows.Next() {
-			var (
-				id     int64
-				at, ai *string
-			)
-			if err := rows.Scan(&id, &at, &ai); err != nil {
+			raw := rows.RawValues()
+			id, err := rawInt8(raw[0], rows.FieldDescriptions()[0].Format)
+			if err != nil {
 				return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
 			}
 			agg := int32(-1) // not ordered
-			if at != nil && ai != nil {
-				k := relay.AggregateKey{Type: *at, ID: *ai}
-				n, ok := index[k]
+			if raw[1] != nil && raw[2] != nil {
+				key = append(append(append(key[:0], raw[1]...), 0), raw[2]...)
+				n, ok := index[string(key)]
 				if !ok {
 					n = int32(len(h.aggs))
-					index[k] = n
-					h.aggs = append(h.aggs, k)
+					index[string(key)] = n
+					h.aggs = append(h.aggs, relay.AggregateKey{Type: string(raw[1]), ID: string(raw[2])})
 				}
 				agg = n
 			}
@@ -88,6 +89,18 @@ func (s *Store) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOv
 		return nil, err
 	}
 	return h, nil
+}
+
+// rawInt8 decodes a bigint column's wire bytes, in the format the server
+// sent.
+func rawInt8(b []byte, format int16) (int64, error) {
+	if format == pgx.BinaryFormatCode {
+		if len(b) != 8 {
+			return 0, fmt.Errorf("bigint of %d bytes", len(b))
+		}
+		return int64(binary.BigEndian.Uint64(b)), nil
+	}
+	return strconv.ParseInt(string(b), 10, 64)
 }
 
 // handOverRows is a hand-over in progress: see relay.HandOverRows.
@@ -106,40 +119,39 @@ type pendingRow struct {
 	agg int32
 }
 
+// Len implements relay.HandOverRows.
+func (h *handOverRows) Len() int { return len(h.rows) }
+
 // Aggregates implements relay.HandOverRows.
 func (h *handOverRows) Aggregates(context.Context) ([]relay.AggregateKey, error) {
 	return h.aggs, nil
 }
 
-// Mark implements relay.HandOverRows. It marks the rows in slices of
-// handOverSlice, by id at READ COMMITTED, each slice a transaction of its
-// own (handoff_at = now(), due now when the row had no available_at),
-// rechecking that the row is still pending, not handed off and not
-// delivered everywhere: a row that changed after the snapshot (a poller
-// still running claimed it) is left to whoever changed it. The aggregates
-// with the fewest rows go first, each in id order: the last row or two of
-// the live aggregates, whose new events the stream diverts behind them,
-// before an old backlog, whose aggregates are marked from their oldest
-// rows, where the claim path's runs start. After each slice, done gets the
-// aggregates whose last row it marked: the stream's pin on them can end
-// (relay.Consumer.Divert), so a live aggregate whose last row or two were
-// pending goes back to the usual diversion, which ends when the claim path
-// has delivered them, not when the whole backlog is marked. Each slice is written once pace
-// reports that the stream has decoded past the previous one: the marks are
-// WAL the walsender decodes before every event committed after them, and
-// unpaced they put seconds of it in front of fresh events
-// (docs/architecture.md, "Slot creation"). Then it records the hand-over of
-// slot as done at consistent (see BeginSlot and HandedOver): a slot whose
-// hand-over was cut short by a crash or an error is recognised and made
-// again, and the rows marked before stay the claim path's, which is
-// harmless for any later slot.
-func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.LSN, pace func(context.Context, relay.LSN) bool, done func([]relay.AggregateKey)) (int64, error) {
+// Deliver implements relay.HandOverRows. It reads the rows again by id, a
+// slice of handOverSlice at a time at READ COMMITTED, keeping only those
+// still pending, not handed off and not delivered everywhere (a poller
+// still running may have claimed one since the snapshot), and gives them
+// to feed. The aggregates with the fewest rows go first, each in id order:
+// the last row or two of the live aggregates, whose streamed events the
+// pin diverts until their rows are fed, before an old backlog. After each
+// slice, fed gets the aggregates whose last row it held: their pins end
+// (relay.Consumer.Divert). Once settled returns it records the hand-over
+// of slot as done at consistent, with a synchronous commit that makes the
+// settlements before it durable too (see BeginSlot and HandedOver): a slot
+// whose hand-over was cut short by a crash or an error is recognised and
+// made again, and hands over what is still pending then
+// (docs/architecture.md, "Slot creation").
+func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent relay.LSN, feed func(context.Context, []*relay.Event) error, fed func([]relay.AggregateKey), settled func(context.Context) error) (int64, error) {
 	if h.closed {
 		// Its rows are gone: recording the hand-over now would leave them
 		// to a slot that never streams them.
-		return 0, errors.New("mark rows for the claim path: the hand-over was closed")
+		return 0, errors.New("deliver the hand-over's rows: the hand-over was closed")
 	}
 	defer h.Close()
+	readSQL, err := h.s.handOverReadStatement(ctx)
+	if err != nil {
+		return 0, err
+	}
 	count := make([]int, len(h.aggs))
 	for _, r := range h.rows {
 		if r.agg >= 0 {
@@ -155,16 +167,12 @@ func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.L
 	slices.SortFunc(h.rows, func(a, b pendingRow) int {
 		return cmp.Or(cmp.Compare(rowsOf(a), rowsOf(b)), cmp.Compare(a.id, b.id))
 	})
-	left := slices.Clone(count) // each aggregate's rows not marked yet
-	var marked int64
-	var at relay.LSN // where the last slice's WAL ends
+	left := slices.Clone(count) // each aggregate's rows not fed yet
+	var total int64
 	ids := make([]int64, 0, handOverSlice)
 	for chunk := range slices.Chunk(h.rows, handOverSlice) {
-		if at != 0 && !pace(ctx, at) {
-			return marked, fmt.Errorf("mark rows for the claim path: %w", cmp.Or(ctx.Err(), context.Canceled))
-		}
 		ids = ids[:0]
-		var complete []relay.AggregateKey // done may keep it
+		var complete []relay.AggregateKey // fed may keep it
 		for _, r := range chunk {
 			ids = append(ids, r.id)
 			if r.agg >= 0 {
@@ -173,39 +181,75 @@ func (h *handOverRows) Mark(ctx context.Context, slot string, consistent relay.L
 				}
 			}
 		}
-		n, end, err := h.markSlice(ctx, ids)
+		events, err := h.readSlice(ctx, readSQL, ids)
 		if err != nil {
-			return marked, fmt.Errorf("mark %d rows of snapshot %s for the claim path: %w", len(ids), h.snapshot, err)
+			return total, fmt.Errorf("read %d rows of snapshot %s to deliver: %w", len(ids), h.snapshot, err)
 		}
-		marked, at = marked+n, end
-		// Committed: the claim store answers for these aggregates now.
-		done(complete)
+		if err := feed(ctx, events); err != nil {
+			return total, fmt.Errorf("deliver %d rows of snapshot %s: %w", len(events), h.snapshot, err)
+		}
+		total += int64(len(events))
+		// Queued: the aggregates' streamed events follow them in the lanes.
+		fed(complete)
+	}
+	if err := settled(ctx); err != nil {
+		return total, fmt.Errorf("wait for the hand-over's rows to settle: %w", err)
 	}
 	if _, err := h.s.pool.Exec(ctx, h.s.sql.handedOver, slot, consistent); err != nil {
-		return marked, fmt.Errorf("record the hand-over of slot %s: %w", slot, err)
+		return total, fmt.Errorf("record the hand-over of slot %s: %w", slot, err)
 	}
-	return marked, nil
+	return total, nil
 }
 
-// markSlice marks ids for the claim path in one synchronous transaction
-// (the walsender decodes only flushed WAL: an asynchronous commit would hold
-// the pace back by the WAL writer's delay) and returns how many it marked
-// and the WAL position the transaction wrote up to.
-func (h *handOverRows) markSlice(ctx context.Context, ids []int64) (int64, relay.LSN, error) {
-	var n int64
-	var at relay.LSN
-	err := h.s.inTx(ctx, h.s.sql.setSynchronousCommit, func(b *pgx.Batch) {
-		b.Queue(h.s.sql.markForClaimByID, ids)
-		b.Queue(h.s.sql.stream.walPosition)
-	}, func(br pgx.BatchResults) error {
-		tag, err := br.Exec()
-		if err != nil {
-			return err
+// readSlice reads the rows of ids still to deliver, in the order of ids.
+func (h *handOverRows) readSlice(ctx context.Context, readSQL string, ids []int64) ([]*relay.Event, error) {
+	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	rows, err := h.s.pool.Query(dbCtx, readSQL, ids)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	byID := make(map[int64]*relay.Event, len(ids))
+	var (
+		created, availAt pgtype.Timestamptz
+		attempts         int32
+	)
+	for rows.Next() {
+		ev := &relay.Event{Status: "pending"}
+		if err := rows.Scan(&ev.ID, &ev.EventKey, &ev.EventType, &ev.AggregateType, &ev.AggregateID, &ev.Payload,
+			&created, &attempts, &availAt, &ev.TraceContext); err != nil {
+			return nil, err
 		}
-		n = tag.RowsAffected()
-		return br.QueryRow().Scan(&at)
-	})
-	return n, at, err
+		ev.CreatedAt, ev.AvailableAt, ev.Attempts = created.Time, availAt.Time, int(attempts)
+		byID[ev.ID] = ev
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	out := make([]*relay.Event, 0, len(byID))
+	for _, id := range ids {
+		if ev := byID[id]; ev != nil {
+			out = append(out, ev)
+		}
+	}
+	return out, nil
+}
+
+// handOverReadStatement returns the read of a slice of the hand-over's rows
+// for the outbox's shape (with or without trace_context).
+func (s *Store) handOverReadStatement(ctx context.Context) (string, error) {
+	s.claimMu.Lock()
+	defer s.claimMu.Unlock()
+	if !s.claimKnown {
+		if err := s.inspectClaimShape(ctx); err != nil {
+			return "", err
+		}
+	}
+	if s.claimShape == 2 {
+		return s.sql.handOverRead[1], nil
+	}
+	return s.sql.handOverRead[0], nil
 }
 
 // Close implements relay.HandOverRows: it lets the rows go, and the

@@ -2,6 +2,7 @@ package ledger_test
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -100,26 +101,94 @@ func (f *fixture) handOverRecord(tb testing.TB, slot string) (handover, confirme
 }
 
 // handOver runs a whole hand-over of the slot's snapshot: open, read the
-// aggregates, mark.
-func (f *fixture) handOver(ctx context.Context, slot string, created createdSlot) (aggs []relay.AggregateKey, marked int64, err error) {
+// aggregates, deliver into a feedLog.
+func (f *fixture) handOver(ctx context.Context, slot string, created createdSlot) (aggs []relay.AggregateKey, fed *feedLog, err error) {
 	h, err := f.store.OpenHandOver(ctx, created.snapshot)
 	if err != nil {
-		return nil, 0, err
+		return nil, nil, err
 	}
 	defer h.Close()
 	if aggs, err = h.Aggregates(ctx); err != nil {
-		return nil, 0, err
+		return nil, nil, err
 	}
-	marked, err = h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked)
-	return aggs, marked, err
+	fed = &feedLog{}
+	n, err := fed.deliver(ctx, h, slot, created.consistent)
+	if err == nil && n != int64(len(fed.events)) {
+		err = fmt.Errorf("Deliver reported %d rows, fed %d", n, len(fed.events))
+	}
+	return aggs, fed, err
+}
+
+// feedLog records what a hand-over's Deliver gives its consumer: the rows
+// fed, in order, the size of each feed, the aggregates reported fed after
+// each slice, and how many rows had been fed when settled was called.
+type feedLog struct {
+	events    []*relay.Event
+	feeds     []int
+	reports   [][]string
+	settledAt []int
+	// onFeed and onSettled, when set, run in feed and settled; an error
+	// fails the call.
+	onFeed    func([]*relay.Event) error
+	onSettled func() error
+}
+
+func (l *feedLog) deliver(ctx context.Context, h relay.HandOverRows, slot string, consistent relay.LSN) (int64, error) {
+	return h.Deliver(ctx, slot, consistent, l.feed, l.fed, l.settled)
+}
+
+func (l *feedLog) feed(_ context.Context, events []*relay.Event) error {
+	if l.onFeed != nil {
+		if err := l.onFeed(events); err != nil {
+			return err
+		}
+	}
+	l.events = append(l.events, events...)
+	l.feeds = append(l.feeds, len(events))
+	return nil
+}
+
+func (l *feedLog) fed(aggs []relay.AggregateKey) {
+	var ids []string
+	for _, a := range aggs {
+		ids = append(ids, a.ID)
+	}
+	slices.Sort(ids)
+	l.reports = append(l.reports, ids)
+}
+
+func (l *feedLog) settled(context.Context) error {
+	l.settledAt = append(l.settledAt, len(l.events))
+	if l.onSettled != nil {
+		return l.onSettled()
+	}
+	return nil
+}
+
+// keys returns the event keys fed, in order.
+func (l *feedLog) keys() []string {
+	var out []string
+	for _, ev := range l.events {
+		out = append(out, ev.EventKey)
+	}
+	return out
+}
+
+// ids returns the ids fed, in order.
+func (l *feedLog) ids() []int64 {
+	var out []int64
+	for _, ev := range l.events {
+		out = append(out, ev.ID)
+	}
+	return out
 }
 
 func TestHandOver(t *testing.T) {
 	tests := []struct {
 		name string
 		// changeAfterSlot updates a row that was pending before the slot, in
-		// a transaction that commits after the snapshot: it is marked all
-		// the same (by id, at READ COMMITTED).
+		// a transaction that commits after the snapshot: it is delivered
+		// all the same, as it reads then (by id, at READ COMMITTED).
 		changeAfterSlot bool
 	}{
 		{name: "in the snapshot"},
@@ -137,8 +206,7 @@ func TestHandOver(t *testing.T) {
 				row{Key: "done", Status: "done"},
 				row{Key: "processing", Status: "processing"},
 			)
-			pending, handedOff, untouched := before[:3], before[3], before[4:]
-			handedOffAt := f.MustRow(t, handedOff).HandoffAt
+			pending := before[:3]
 			availableAt := f.MustRow(t, pending[0]).AvailableAt
 
 			slot := f.MustSlotName(t)
@@ -154,38 +222,45 @@ func TestHandOver(t *testing.T) {
 				t.Fatalf("HandedOver before the hand-over = %v, %v; want false", done, err)
 			}
 
-			start := time.Now()
-			aggs, marked, err := f.handOver(ctx, slot, created)
+			aggs, fed, err := f.handOver(ctx, slot, created)
 			if err != nil {
 				t.Fatalf("hand-over: %v", err)
 			}
-			if marked != 3 {
-				t.Errorf("hand-over marked %d rows, want 3", marked)
+			// Exactly the rows pending before the slot, not handed off: in
+			// id order within their aggregate, the unordered one first.
+			if got, want := fed.keys(), []string{"pending-null-available", "pending-1", "pending-2"}; !slices.Equal(got, want) {
+				t.Errorf("rows fed %q, want %q", got, want)
+			}
+			if len(fed.settledAt) != 1 || fed.settledAt[0] != 3 {
+				t.Errorf("settled waited for at %v rows fed, want once, after all 3", fed.settledAt)
 			}
 			// The pending rows' aggregates; rows without one are not ordered.
 			if want := []relay.AggregateKey{{Type: "order", ID: "1"}}; !slices.Equal(aggs, want) {
 				t.Errorf("Aggregates = %v, want %v", aggs, want)
 			}
-			for _, id := range pending {
-				if got := f.MustRow(t, id); got.Status != "pending" || got.HandoffAt == nil {
-					t.Errorf("row %d pending before the slot = %+v, want pending and handed off", id, got)
+			for _, ev := range fed.events {
+				if ev.Status != "pending" || !ev.CommitTime.IsZero() || ev.Payload == nil || ev.CreatedAt.IsZero() {
+					t.Errorf("row fed %+v: want status pending, a payload, created_at, no commit time", ev)
+				}
+				switch ev.EventKey {
+				case "pending-1":
+					if !ev.AvailableAt.Equal(availableAt) || deref(ev.AggregateID) != "1" {
+						t.Errorf("row fed %+v: want available_at %v and aggregate 1", ev, availableAt)
+					}
+				case "pending-2":
+					if tt.changeAfterSlot && ev.Attempts != 1 {
+						t.Errorf("row changed after the snapshot fed with attempts %d, want 1 (read now)", ev.Attempts)
+					}
+				case "pending-null-available":
+					if !ev.AvailableAt.IsZero() {
+						t.Errorf("row without available_at fed with %v, want zero", ev.AvailableAt)
+					}
 				}
 			}
-			// A NULL available_at would keep the row from the claim query
-			// (it orders by available_at): it becomes due now; a set one is
-			// kept.
-			if got := f.MustRow(t, pending[2]).AvailableAt; got.Before(start.Add(-time.Minute)) || got.After(time.Now().Add(time.Minute)) {
-				t.Errorf("available_at of a row that had none = %v, want now", got)
-			}
-			if got := f.MustRow(t, pending[0]).AvailableAt; !got.Equal(availableAt) {
-				t.Errorf("available_at = %v, want %v kept", got, availableAt)
-			}
-			if got := f.MustRow(t, handedOff).HandoffAt; !got.Equal(*handedOffAt) {
-				t.Errorf("handed-off row re-marked: handoff_at %v, was %v", got, handedOffAt)
-			}
-			for _, id := range append(untouched, after...) {
+			// Nothing is marked for the claim path.
+			for _, id := range append(before[:3], after...) {
 				if got := f.MustRow(t, id); got.HandoffAt != nil {
-					t.Errorf("row %d (%s) marked, want untouched", id, got.Status)
+					t.Errorf("row %d marked for the claim path, want untouched", id)
 				}
 			}
 			// The hand-over is recorded at the consistent point.
@@ -199,13 +274,12 @@ func TestHandOver(t *testing.T) {
 	}
 }
 
-// TestHandOverFreesTheSlotAndMarksInSlices: once OpenHandOver returns, the
-// replication connection that exported the snapshot may run other commands
-// (the slot streams while the rows are marked), and Mark still marks
-// exactly the rows pending in the snapshot — in several transactions of a
-// slice each, so that the walsender decodes no single transaction of the
-// whole backlog — and records the hand-over last.
-func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
+// TestHandOverFreesTheSlotAndDeliversInSlices: once OpenHandOver returns,
+// the replication connection that exported the snapshot may run other
+// commands (the slot streams while the rows are delivered), and Deliver
+// still feeds exactly the rows pending in the snapshot — a slice at a
+// time — and records the hand-over last.
+func TestHandOverFreesTheSlotAndDeliversInSlices(t *testing.T) {
 	defer ledger.SetHandOverSlice(5_000)()
 	f := MustFixture(t)
 	ctx := context.Background()
@@ -229,34 +303,40 @@ func TestHandOverFreesTheSlotAndMarksInSlices(t *testing.T) {
 		t.Errorf("Aggregates = %v, want the 7 aggregates of the backlog", aggs)
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
-		t.Fatalf("HandedOver before Mark = %v, %v; want false", done, err)
+		t.Fatalf("HandedOver before Deliver = %v, %v; want false", done, err)
 	}
-	marked, err := h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked)
+	fed := &feedLog{onSettled: func() error {
+		if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+			t.Errorf("HandedOver while the rows settle = %v, %v; want false", done, err)
+		}
+		return nil
+	}}
+	delivered, err := fed.deliver(ctx, h, slot, created.consistent)
 	if err != nil {
-		t.Fatalf("Mark: %v", err)
+		t.Fatalf("Deliver: %v", err)
 	}
-	if marked != n {
-		t.Errorf("Mark marked %d rows, want %d", marked, n)
+	if delivered != n || len(fed.events) != n {
+		t.Errorf("Deliver reported %d rows and fed %d, want %d", delivered, len(fed.events), n)
 	}
-	if got := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`); got != n {
-		t.Errorf("%d rows handed off, want %d", got, n)
+	if slices.Contains(fed.ids(), after[0]) {
+		t.Errorf("row committed after the slot fed")
 	}
-	if got := f.MustRow(t, after[0]); got.HandoffAt != nil {
-		t.Errorf("row committed after the slot marked: %+v", got)
+	if want := []int{5_000, 5_000, 2_000}; !slices.Equal(fed.feeds, want) {
+		t.Errorf("fed in slices of %v, want %v", fed.feeds, want)
 	}
-	if got := f.MustCount(t, `SELECT count(DISTINCT xmin::text) FROM integration_outbox WHERE handoff_at IS NOT NULL`); got < 3 {
-		t.Errorf("the %d rows were marked in %d transactions, want one per slice (3)", n, got)
+	if got := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`); got != 0 {
+		t.Errorf("%d rows marked for the claim path, want none", got)
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
-		t.Errorf("HandedOver after Mark = %v, %v; want true", done, err)
+		t.Errorf("HandedOver after Deliver = %v, %v; want true", done, err)
 	}
 }
 
-// TestHandOverMarksTheSmallestAggregatesFirst: the hand-over marks the
+// TestHandOverFeedsTheSmallestAggregatesFirst: the hand-over feeds the
 // aggregates with the fewest rows first (a live aggregate's last row, which
-// its new events wait behind), each from its oldest row (where the claim
-// path's runs start), and rows without an aggregate before them all.
-func TestHandOverMarksTheSmallestAggregatesFirst(t *testing.T) {
+// its new events wait behind), each from its oldest row, and rows without
+// an aggregate before them all.
+func TestHandOverFeedsTheSmallestAggregatesFirst(t *testing.T) {
 	defer ledger.SetHandOverSlice(1)()
 	f := MustFixture(t)
 	ctx := context.Background()
@@ -271,19 +351,12 @@ func TestHandOverMarksTheSmallestAggregatesFirst(t *testing.T) {
 	if err := f.store.BeginSlot(ctx, slot); err != nil {
 		t.Fatal(err)
 	}
-	if _, marked, err := f.handOver(ctx, slot, f.MustCreateSlot(t)); err != nil || marked != 5 {
-		t.Fatalf("hand-over: %d marked, %v; want 5", marked, err)
-	}
-	rows, err := f.pool.Query(ctx, `SELECT id FROM integration_outbox WHERE handoff_at IS NOT NULL ORDER BY xmin::text::bigint`)
+	_, fed, err := f.handOver(ctx, slot, f.MustCreateSlot(t))
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("hand-over: %v", err)
 	}
-	got, err := pgx.CollectRows(rows, pgx.RowTo[int64])
-	if err != nil {
-		t.Fatal(err)
-	}
-	if want := []int64{ids[4], ids[2], ids[0], ids[1], ids[3]}; !slices.Equal(got, want) {
-		t.Errorf("marked in the order %v, want %v (unordered, small, then big from its oldest)", got, want)
+	if want := []int64{ids[4], ids[2], ids[0], ids[1], ids[3]}; !slices.Equal(fed.ids(), want) {
+		t.Errorf("fed in the order %v, want %v (unordered, small, then big from its oldest)", fed.ids(), want)
 	}
 }
 
@@ -492,10 +565,10 @@ func TestHandOverRecordBackfilled(t *testing.T) {
 	}
 }
 
-// TestPendingScanWaitsForAHandOver: while a new slot's hand-over marks the
-// rows pending before it, the pending scan reports none of them stuck (they
-// are on their way to the claim path; during a long marking the alarm told
-// the operator to run reconcile), and it resumes once the hand-over ends.
+// TestPendingScanWaitsForAHandOver: while a new slot's hand-over delivers
+// the rows pending before it, the pending scan reports none of them stuck
+// (they are being delivered; during a long hand-over the alarm told the
+// operator to run reconcile), and it resumes once the hand-over ends.
 func TestPendingScanWaitsForAHandOver(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
@@ -507,48 +580,51 @@ func TestPendingScanWaitsForAHandOver(t *testing.T) {
 	}
 	slot, created, h := f.mustOpenHandOver(t, store)
 	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 0 {
-		t.Errorf("Stuck while the hand-over marks = %d, %v; want 0", n, err)
+		t.Errorf("Stuck while the hand-over delivers = %d, %v; want 0", n, err)
 	}
-	if _, err := h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked); err != nil {
+	fed := &feedLog{}
+	fed.onSettled = func() error {
+		if n, _, err := store.Stuck(ctx, 0); err != nil || n != 0 {
+			t.Errorf("Stuck while the hand-over's rows settle = %d, %v; want 0", n, err)
+		}
+		// As the engine settles them: delivered and marked done.
+		f.MustExec(t, `UPDATE integration_outbox SET status = 'done' WHERE id = ANY($1)`, fed.ids())
+		return nil
+	}
+	if _, err := fed.deliver(ctx, h, slot, created.consistent); err != nil {
 		t.Fatal(err)
 	}
-	h.Close() // after Mark: a no-op
+	h.Close() // after Deliver: a no-op
 	f.MustInsert(t, row{Key: "after"})
 	time.Sleep(10 * time.Millisecond)
 	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 1 {
-		t.Errorf("Stuck after the hand-over = %d, %v; want 1 (the row after it; the backlog is the claim path's)", n, err)
+		t.Errorf("Stuck after the hand-over = %d, %v; want 1 (the row after it; the backlog is delivered)", n, err)
 	}
 }
 
-// TestHandOverClosedMarksNothing: a hand-over closed before its Mark (its
-// session ended) cannot record itself as done without its rows.
-func TestHandOverClosedMarksNothing(t *testing.T) {
+// TestHandOverClosedFeedsNothing: a hand-over closed before its Deliver
+// (its session ended) cannot record itself as done without its rows.
+func TestHandOverClosedFeedsNothing(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	f.MustInsert(t, row{Key: "backlog"})
 	slot, created, h := f.mustOpenHandOver(t, f.store)
 	h.Close()
-	if n, err := h.Mark(ctx, slot, created.consistent, noPace, ignoreMarked); err == nil {
-		t.Errorf("Mark after Close = %d, nil; want an error", n)
+	fed := &feedLog{}
+	if n, err := fed.deliver(ctx, h, slot, created.consistent); err == nil || len(fed.events) != 0 {
+		t.Errorf("Deliver after Close = %d, nil, %d rows fed; want an error and none", n, len(fed.events))
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
 		t.Errorf("HandedOver = %v, %v; want false", done, err)
 	}
 }
 
-// noPace lets every slice of a hand-over follow the last at once.
-func noPace(context.Context, relay.LSN) bool { return true }
-
-// ignoreMarked is a hand-over's report of aggregates marked, unread.
-func ignoreMarked([]relay.AggregateKey) {}
-
-// TestHandOverPacesItsSlices: Mark writes a slice only once its pace (the
-// stream's decoded position, relay.Consumer.WaitDecoded) has passed where
-// the last slice's WAL ended, and none after the last slice; after each
-// slice it reports the aggregates whose every row is now marked, so the
-// stream's pin on them ends then, not with the whole marking
+// TestHandOverReportsEachAggregateOnceFed: after each slice Deliver
+// reports the aggregates whose every row it has now fed, so the stream's
+// pin on them ends then, not with the whole hand-over; it waits for the
+// rows to settle once, after the last slice, before the record
 // (docs/architecture.md, "Slot creation").
-func TestHandOverPacesItsSlices(t *testing.T) {
+func TestHandOverReportsEachAggregateOnceFed(t *testing.T) {
 	defer ledger.SetHandOverSlice(2)()
 	f := MustFixture(t)
 	ctx := context.Background()
@@ -558,76 +634,83 @@ func TestHandOverPacesItsSlices(t *testing.T) {
 		  FROM unnest(ARRAY['c', 'a', 'c', 'b', 'c']) WITH ORDINALITY AS u(a, g)`)
 	slot, created, h := f.mustOpenHandOver(t, f.store)
 	defer h.Close()
-	type call struct {
-		at     relay.LSN
-		marked int
-		wal    relay.LSN
+	fed := &feedLog{}
+	if n, err := fed.deliver(ctx, h, slot, created.consistent); err != nil || n != 5 {
+		t.Fatalf("Deliver = %d, %v; want 5 rows", n, err)
 	}
-	var calls []call
-	pace := func(_ context.Context, at relay.LSN) bool {
-		var wal relay.LSN
-		if err := f.pool.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&wal); err != nil {
-			t.Error(err)
-		}
-		marked := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`)
-		calls = append(calls, call{at: at, marked: marked, wal: wal})
-		return true
+	if want := []int{2, 2, 1}; !slices.Equal(fed.feeds, want) {
+		t.Errorf("fed %v rows at a time, want %v", fed.feeds, want)
 	}
-	var reports [][]string
-	done := func(aggs []relay.AggregateKey) {
-		var ids []string
-		for _, a := range aggs {
-			ids = append(ids, a.ID)
-			if left := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE aggregate_id = $1 AND handoff_at IS NULL`, a.ID); left != 0 {
-				t.Errorf("aggregate %s reported marked with %d rows unmarked", a.ID, left)
-			}
-		}
-		slices.Sort(ids)
-		reports = append(reports, ids)
+	if want := [][]string{{"a", "b"}, nil, {"c"}}; !slices.EqualFunc(fed.reports, want, slices.Equal) {
+		t.Errorf("aggregates reported fed after each slice: %q, want %q", fed.reports, want)
 	}
-	if n, err := h.Mark(ctx, slot, created.consistent, pace, done); err != nil || n != 5 {
-		t.Fatalf("Mark = %d, %v; want 5 rows", n, err)
+	if want := []string{"backlog-2", "backlog-4", "backlog-1", "backlog-3", "backlog-5"}; !slices.Equal(fed.keys(), want) {
+		t.Errorf("fed %q, want %q", fed.keys(), want)
 	}
-	if want := [][]string{{"a", "b"}, nil, {"c"}}; !slices.EqualFunc(reports, want, slices.Equal) {
-		t.Errorf("aggregates reported marked after each slice: %q, want %q", reports, want)
-	}
-	// Slices of 2, 2 and 1: a pace before the second and the third.
-	if len(calls) != 2 {
-		t.Fatalf("pace called %d times (%+v), want 2: between the three slices", len(calls), calls)
-	}
-	for i, c := range calls {
-		if want := 2 * (i + 1); c.marked != want {
-			t.Errorf("pace %d: %d rows marked when it was asked, want %d (the slices before it, none after)", i, c.marked, want)
-		}
-		if c.at == 0 || c.at > c.wal || (i > 0 && c.at <= calls[i-1].at) {
-			t.Errorf("pace %d at %s: want a WAL position after the last pace's %+v and at most the server's %s", i, c.at, calls, c.wal)
-		}
+	if !slices.Equal(fed.settledAt, []int{5}) {
+		t.Errorf("settled waited for at %v rows fed, want once after all 5", fed.settledAt)
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || !done {
-		t.Errorf("HandedOver after Mark = %v, %v; want true", done, err)
+		t.Errorf("HandedOver after Deliver = %v, %v; want true", done, err)
 	}
 }
 
-// TestHandOverEndsWhenItsPaceGivesUp: a pace that gives up (the session's
-// context ended) ends the marking after the slice written, without the
-// hand-over's record, so the next session makes the slot again.
-func TestHandOverEndsWhenItsPaceGivesUp(t *testing.T) {
-	defer ledger.SetHandOverSlice(2)()
+// TestHandOverLeavesOutRowsSettledSinceTheSnapshot: a row of the snapshot
+// that another relay delivered everywhere, handed off or claimed before its
+// slice is read is not fed again.
+func TestHandOverLeavesOutRowsSettledSinceTheSnapshot(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	f.MustExec(t, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
-		SELECT 'test.event', 'order', g::text, 'backlog-' || g, '{}' FROM generate_series(1, 5) AS g`)
-	slot, created, h := f.mustOpenHandOver(t, f.store)
+	store := f.storeFor(t, ledger.Sink{Name: "nats"})
+	ids := f.MustInsert(t, row{Key: "delivered"}, row{Key: "handed-off"}, row{Key: "claimed"}, row{Key: "kept"})
+	slot, created, h := f.mustOpenHandOver(t, store)
 	defer h.Close()
-	stop, cancel := context.WithCancel(ctx)
-	n, err := h.Mark(stop, slot, created.consistent, func(context.Context, relay.LSN) bool { cancel(); return false }, ignoreMarked)
-	if err == nil || n != 2 {
-		t.Errorf("Mark with a pace that gave up = %d, %v; want the first slice (2) and an error", n, err)
+	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES ('delivered', 'nats', 'delivered', 1)`)
+	f.MustExec(t, `UPDATE integration_outbox SET handoff_at = now() WHERE id = $1`, ids[1])
+	f.MustExec(t, `UPDATE integration_outbox SET status = 'processing' WHERE id = $1`, ids[2])
+	fed := &feedLog{}
+	if n, err := fed.deliver(ctx, h, slot, created.consistent); err != nil || n != 1 {
+		t.Fatalf("Deliver = %d, %v; want 1 row", n, err)
 	}
-	if got := f.MustCount(t, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`); got != 2 {
-		t.Errorf("%d rows marked, want the first slice's 2", got)
+	if want := []string{"kept"}; !slices.Equal(fed.keys(), want) {
+		t.Errorf("fed %q, want %q", fed.keys(), want)
 	}
-	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
-		t.Errorf("HandedOver after a marking that gave up = %v, %v; want false", done, err)
+}
+
+// TestHandOverEndsWhenItsFeedFails: a feed that fails (the session's
+// context ended, the engine stopped) or a settlement that does not finish
+// ends the hand-over without its record, so the next session makes the
+// slot again.
+func TestHandOverEndsWhenItsFeedFails(t *testing.T) {
+	defer ledger.SetHandOverSlice(2)()
+	for _, failSettled := range []bool{false, true} {
+		t.Run(fmt.Sprintf("settled fails %v", failSettled), func(t *testing.T) {
+			f := MustFixture(t)
+			ctx := context.Background()
+			f.MustExec(t, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+				SELECT 'test.event', 'order', g::text, 'backlog-' || g, '{}' FROM generate_series(1, 5) AS g`)
+			slot, created, h := f.mustOpenHandOver(t, f.store)
+			defer h.Close()
+			fed := &feedLog{}
+			want := 5
+			if failSettled {
+				fed.onSettled = func() error { return relay.ErrEngineStopped }
+			} else {
+				want = 2
+				fed.onFeed = func([]*relay.Event) error {
+					if len(fed.events) == 2 {
+						return context.Canceled
+					}
+					return nil
+				}
+			}
+			n, err := fed.deliver(ctx, h, slot, created.consistent)
+			if err == nil || n != int64(want) {
+				t.Errorf("Deliver = %d, %v; want %d rows and an error", n, err, want)
+			}
+			if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
+				t.Errorf("HandedOver after a hand-over that failed = %v, %v; want false", done, err)
+			}
+		})
 	}
 }

@@ -121,7 +121,9 @@ type statements struct {
 	beginSlot            string
 	handoverDone         string
 	pendingUnmarked      string
+	snapshotPending      string
 	markForClaimByID     string
+	handOverRead         [2]string // without, with trace_context
 	pendingRange         string
 	markDeliveredDone    string
 	setAsyncCommit       string
@@ -246,6 +248,16 @@ UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirme
 		pendingUnmarked: fmt.Sprintf(`
 SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
  WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
+		// A slice of a hand-over's rows, read again to be delivered: those
+		// still the stream's (pending, not handed off) and not delivered
+		// everywhere.
+		handOverRead: [2]string{handOverRead(t, "NULL::text"), handOverRead(t, "o.trace_context::text")},
+		// The rows pending in a new slot's snapshot, to deliver: the read
+		// the stream waits for, so it leaves the ledger to Deliver's reads
+		// of each slice (a row delivered everywhere is left out there).
+		snapshotPending: fmt.Sprintf(`
+SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
+ WHERE o.status = 'pending' AND o.handoff_at IS NULL`, outbox),
 		markForClaimByID: fmt.Sprintf(`
 UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
  WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
@@ -394,4 +406,12 @@ func rowDataError(err error) error {
 		return fmt.Errorf("%w: %w", relay.ErrRowData, err)
 	}
 	return err
+}
+
+func handOverRead(t tables, trace string) string {
+	return fmt.Sprintf(`
+SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,
+       o.created_at, COALESCE(o.attempts, 0), o.available_at, %s
+  FROM %s AS o
+ WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, trace, t.outbox, t.deliveredEverywhere("o"))
 }

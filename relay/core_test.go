@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/prometheus/client_golang/prometheus"
 	"runtime"
 	"slices"
 	"strings"
@@ -1137,123 +1138,164 @@ func TestEngine_HaltStopsAClaimRun(t *testing.T) {
 	}
 }
 
-// TestEngine_DivertedUntilTheHandOverIsMarked: the aggregates of a new
-// slot's hand-over (Consumer.Divert) stay diverted while its rows are
-// being marked, even when the claim store says they have nothing at the
-// claim path (it cannot see rows not marked yet): the stream's events of
-// such an aggregate are handed off, not sent ahead of its backlog. Once
-// released (its rows marked), the next settlement gives that aggregate back
-// to the stream while the others stay pinned; a Restart ends a pin its
+// TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents: the rows
+// of a new slot's hand-over (Consumer.HandOver) are delivered through the
+// lanes, their aggregates pinned (Consumer.Divert) until they are queued:
+// a streamed event of a pinned aggregate is handed off (it follows in the
+// claim path, whose ordering check waits for the rows before it), one of an
+// aggregate released after its rows were queued goes out behind them, and
+// the hand-over's rows pass the pin. They hold back no slot position, and
+// HandOverSettled returns once they are settled. A Restart ends a pin its
 // session left.
-func TestEngine_DivertedUntilTheHandOverIsMarked(t *testing.T) {
+func TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents(t *testing.T) {
 	store := newFakeStore()
-	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
-	claims := &fakeClaimStore{settleClaim: rec.settle,
-		settledAggregates: func(_ context.Context, aggs []relay.AggregateKey) ([]relay.AggregateKey, error) { return aggs, nil }}
-	sink := newFakeSink("s", nil)
-	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
+	gate := make(chan struct{})
+	sink := newFakeSink("s", func(d *relay.Delivery) error {
+		if d.Event.ID < 10 {
+			<-gate // the hand-over's rows wait until the test lets them go
+		}
+		return nil
+	})
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
 	ctx := context.Background()
 	c := e.Stream()
-	backlog := relay.AggregateKey{Type: "order", ID: "backlog"}
-	unmarked := relay.AggregateKey{Type: "order", ID: "unmarked"}
-	release := c.Divert([]relay.AggregateKey{backlog, unmarked})
+	x, y := relay.AggregateKey{Type: "order", ID: "x"}, relay.AggregateKey{Type: "order", ID: "y"}
+	release := c.Divert([]relay.AggregateKey{x, y})
 
-	// The claim path settles a marked row of the aggregate: the store says
-	// the aggregate has nothing left, but its other rows are not marked yet.
-	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(1, "backlog")}); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "row 1 settled", func() bool { _, ok := rec.decision(1); return ok })
-	submit(t, c, event(2, "backlog"), event(3, "other"))
+	// Streamed before any row is queued: x's event is handed off, the
+	// other aggregate's goes out.
+	submit(t, c, event(100, "x"), event(101, "other"))
 	c.Commit(100)
 	waitSettledAt(t, c, 100)
-	if sent := sink.sentIDs(); slices.Contains(sent, 2) || !slices.Contains(sent, 3) {
-		t.Fatalf("sent %v: want the hand-over's aggregate diverted (2 handed off) and the other streamed (3)", sent)
+	if sent := sink.sentIDs(); !slices.Equal(sent, []int64{101}) {
+		t.Fatalf("sent %v: want only 101 (100's aggregate is pinned)", sent)
+	}
+	if _, handOffs, _ := store.snapshot(); handOffs[100].Kind != relay.Later {
+		t.Fatalf("event 100 of a pinned aggregate: hand-offs %v, want it handed to the claim path", handOffs)
 	}
 
-	// Its rows marked: the next settlement of the aggregate gives it back;
-	// an aggregate whose rows are still being marked stays pinned.
-	release([]relay.AggregateKey{backlog})
-	release([]relay.AggregateKey{backlog}) // safe twice
-	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(2, "backlog"), claimWork(10, "unmarked")}); err != nil {
+	// The hand-over's rows pass the pin, x's too.
+	if err := c.HandOver(ctx, []*relay.Event{event(1, "x"), event(2, "x"), event(3, "y")}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "rows 2 and 10 settled by the claim path", func() bool {
-		_, ok2 := rec.decision(2)
-		_, ok10 := rec.decision(10)
-		return ok2 && ok10
-	})
-	submit(t, c, event(4, "backlog"), event(11, "unmarked"))
+	release([]relay.AggregateKey{x, y})
+	// y's next streamed event queues behind y's row; x's follows event 100
+	// to the claim path. The slot's position passes them all although the
+	// hand-over's rows are not settled.
+	submit(t, c, event(102, "y"), event(103, "x"))
 	c.Commit(200)
-	waitSettledAt(t, c, 200)
-	if sent := sink.sentIDs(); !slices.Contains(sent, 4) || slices.Contains(sent, 11) {
-		t.Fatalf("sent %v: want event 4 streamed once its aggregate's rows are marked and settled, and 11 handed off (its aggregate still pinned)", sent)
+	waitFor(t, "rows 1 and 3 sent", func() bool { s := sink.sentIDs(); return slices.Contains(s, 1) && slices.Contains(s, 3) })
+	if slices.Contains(sink.sentIDs(), 102) {
+		t.Fatalf("sent %v: 102 overtook its aggregate's row 3", sink.sentIDs())
 	}
-	release([]relay.AggregateKey{backlog, unmarked})
+	if err := func() error {
+		short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+		defer cancel()
+		return c.HandOverSettled(short)
+	}(); err == nil {
+		t.Fatal("HandOverSettled returned while the rows were in flight")
+	}
+	close(gate)
+	waitSettledAt(t, c, 200)
+	if err := c.HandOverSettled(ctx); err != nil {
+		t.Fatal(err)
+	}
+	sent := sink.sentIDs()
+	if i1, i2, i3, i102 := slices.Index(sent, 1), slices.Index(sent, 2), slices.Index(sent, 3), slices.Index(sent, 102); i1 < 0 || i2 < i1 || i3 < 0 || i102 < i3 {
+		t.Errorf("sent %v: want 1 before 2, and 3 before 102", sent)
+	}
+	if slices.Contains(sent, 103) {
+		t.Errorf("sent %v: 103 overtook event 100, handed to the claim path", sent)
+	}
+	delivered, handOffs, _ := store.snapshot()
+	for _, id := range []int64{1, 2, 3} {
+		if delivered[relay.LedgerKey{EventKey: fmt.Sprintf("k%d", id), Action: "s"}] != 1 {
+			t.Errorf("row %d: no delivered ledger row written (%v)", id, delivered)
+		}
+	}
+	if handOffs[103].Kind != relay.Later {
+		t.Errorf("event 103: hand-offs %v, want it to follow 100", handOffs)
+	}
 
-	// A pin left by a session that ended before its marking is ended by
+	// A pin left by a session that ended before its hand-over is ended by
 	// the next session's Restart.
 	c.Divert([]relay.AggregateKey{{Type: "order", ID: "left"}})
 	if err := c.Restart(ctx, 0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(5, "left")}); err != nil {
-		t.Fatal(err)
-	}
-	waitFor(t, "row 5 settled", func() bool { _, ok := rec.decision(5); return ok })
-	submit(t, c, event(6, "left"))
+	submit(t, c, event(104, "left"))
 	c.Commit(300)
 	waitSettledAt(t, c, 300)
-	if !slices.Contains(sink.sentIDs(), 6) {
-		t.Fatalf("sent %v: want event 6 streamed: the pin ended with the Restart", sink.sentIDs())
+	if !slices.Contains(sink.sentIDs(), 104) {
+		t.Fatalf("sent %v: want event 104 streamed: the pin ended with the Restart", sink.sentIDs())
 	}
 }
 
-// TestEngine_PinReleasedDuringACheckStillHolds: an aggregate's pin is
-// released once its last rows are marked, and a claim-path check of the
-// table that began before that release may have read the table before
-// those marks were committed (and called the aggregate settled, blind to
-// its unmarked rows): its answer must not give the aggregate back to the
-// stream. A check that begins after the release may.
-func TestEngine_PinReleasedDuringACheckStillHolds(t *testing.T) {
+// TestEngine_HandOverWaitsForItsLane: a hand-over's row waits for room in a
+// full lane, however long, instead of being handed to the claim path after
+// lane_block_max as a streamed event is: nothing acknowledges the slot
+// behind it.
+func TestEngine_HandOverWaitsForItsLane(t *testing.T) {
 	store := newFakeStore()
-	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
-	var release func([]relay.AggregateKey)
-	var releaseInCheck atomic.Bool
-	agg := relay.AggregateKey{Type: "order", ID: "a"}
-	claims := &fakeClaimStore{settleClaim: rec.settle,
-		settledAggregates: func(_ context.Context, aggs []relay.AggregateKey) ([]relay.AggregateKey, error) {
-			if releaseInCheck.Swap(false) {
-				release([]relay.AggregateKey{agg}) // the last slice committed meanwhile
-			}
-			return aggs, nil
-		}}
-	sink := newFakeSink("s", nil)
-	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: claims, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
-	ctx := context.Background()
+	gate := make(chan struct{})
+	sink := newFakeSink("s", func(*relay.Delivery) error { <-gate; return nil })
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}, LaneCapacity: 1, MaxUnsettled: 100,
+		Policy: relay.Policy{LaneBlockMax: 20 * time.Millisecond}})
 	c := e.Stream()
-	release = c.Divert([]relay.AggregateKey{agg})
-
-	releaseInCheck.Store(true)
-	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(1, "a")}); err != nil {
+	done := make(chan error, 1)
+	go func() {
+		done <- c.HandOver(context.Background(), []*relay.Event{event(1, "a"), event(2, "b"), event(3, "c")})
+	}()
+	time.Sleep(200 * time.Millisecond) // ten times lane_block_max
+	close(gate)
+	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "row 1 settled", func() bool { _, ok := rec.decision(1); return ok && !releaseInCheck.Load() })
-	submit(t, c, event(2, "a"))
-	c.Commit(100)
-	waitSettledAt(t, c, 100)
-	if slices.Contains(sink.sentIDs(), 2) {
-		t.Fatalf("sent %v: event 2 streamed on the answer of a check that began before the pin's release", sink.sentIDs())
-	}
-
-	if _, err := e.SubmitClaimed(ctx, []*relay.Work{claimWork(3, "a")}); err != nil {
+	if err := c.HandOverSettled(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "row 3 settled", func() bool { _, ok := rec.decision(3); return ok })
-	submit(t, c, event(4, "a"))
-	c.Commit(200)
-	waitSettledAt(t, c, 200)
-	if !slices.Contains(sink.sentIDs(), 4) {
-		t.Fatalf("sent %v: want event 4 streamed after a check that began after the release", sink.sentIDs())
+	delivered, handOffs, _ := store.snapshot()
+	if len(handOffs) != 0 || len(delivered) != 3 {
+		t.Errorf("delivered %v, handed off %v: want all three delivered, none handed off", delivered, handOffs)
+	}
+}
+
+// TestEngine_HandOverLatencyFromCreation: a hand-over's row has no commit
+// time (it was read, not decoded): its delivery latency counts from its
+// created_at, not from the zero time.
+func TestEngine_HandOverLatencyFromCreation(t *testing.T) {
+	const sinkName = "hand-over-latency"
+	store := newFakeStore()
+	sink := newFakeSink(sinkName, nil)
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
+	ev := event(1, "a")
+	ev.CreatedAt = time.Now().Add(-2 * time.Second)
+	c := e.Stream()
+	if err := c.HandOver(context.Background(), []*relay.Event{ev}); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.HandOverSettled(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	families, err := prometheus.DefaultGatherer.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum float64
+	var count uint64
+	for _, f := range families {
+		if f.GetName() != "outbox_relay_delivery_latency_seconds" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "sink" && l.GetValue() == sinkName {
+					sum, count = sum+m.GetHistogram().GetSampleSum(), count+m.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+	}
+	if count != 1 || sum < 2 || sum > 60 {
+		t.Errorf("delivery latency of the hand-over's row: %d samples summing to %.0f s, want one of about 2 s", count, sum)
 	}
 }

@@ -80,9 +80,13 @@ type Engine struct {
 
 	divertSeq atomic.Uint64 // orders diverts against the claim path's checks
 	// pinned holds the aggregates of a hand-over whose rows are still being
-	// marked (Consumer.Divert): they stay diverted whatever the claim store
-	// says, each until its rows are marked.
+	// given to the engine (Consumer.Divert): their streamed events go to
+	// the claim path, each aggregate's until its last row is queued.
 	pinned atomic.Pointer[pinSet]
+	// handOverRoom bounds the hand-over's rows taken and not settled
+	// (HandOverWindow); handOvers counts them, guarded by mu.
+	handOverRoom *semaphore.Weighted
+	handOvers    int
 	// settledCount counts works settled, per path (Progress).
 	settledCount map[Path]*atomic.Uint64
 	draining     atomic.Bool // stop retrying inline: hand waiting retries off
@@ -134,6 +138,7 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		cfg:          cfg,
 		log:          cfg.Logger,
 		unsettled:    semaphore.NewWeighted(int64(cfg.MaxUnsettled)),
+		handOverRoom: semaphore.NewWeighted(int64(handOverWindow(cfg.MaxUnsettled))),
 		inflight:     map[Path]map[int64]*Work{PathStream: {}, PathClaim: {}},
 		settledCount: map[Path]*atomic.Uint64{PathStream: new(atomic.Uint64), PathClaim: new(atomic.Uint64)},
 		started:      make(chan struct{}),
@@ -166,6 +171,11 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 	e.stream = newStreamFeed(e)
 	return e, nil
 }
+
+// handOverWindow is how many of a hand-over's rows an engine holding at most
+// maxUnsettled works takes unsettled: HandOverWindow, and at most half its
+// room, so that streamed events always find some.
+func handOverWindow(maxUnsettled int) int { return max(min(HandOverWindow, maxUnsettled/2), 1) }
 
 // Stream returns the Consumer the replication source feeds.
 func (e *Engine) Stream() Consumer { return e.stream }
@@ -359,53 +369,54 @@ func (e *Engine) divertAll(aggs []AggregateKey) {
 	}
 }
 
-// divertPinned diverts aggs in every lane and keeps them diverted until
-// release: see Consumer.Divert.
+// divertPinned pins aggs until release: see Consumer.Divert.
 func (e *Engine) divertPinned(aggs []AggregateKey) (release func([]AggregateKey)) {
-	set := &pinSet{set: make(map[AggregateKey]uint64, len(aggs))}
+	set := &pinSet{set: make(map[AggregateKey]bool, len(aggs))}
 	for _, a := range aggs {
-		set.set[a] = 0
+		set.set[a] = true
 	}
-	// Pinned before the lanes divert: a check that reads the sequence
-	// after the divert finds the pin.
+	// The lanes read the pin for streamed events (pinnedNow): the rows
+	// of the hand-over pass it, and a streamed event that meets it is
+	// handed off, which diverts its aggregate as any hand-off does.
 	e.pinned.Store(set)
-	e.divertAll(aggs)
 	if len(aggs) > 0 {
-		e.log.Info().Int("aggregates", len(aggs)).Msg("aggregates of the new slot's hand-over: their new events go to the claim path, behind the rows being handed over")
+		e.log.Info().Int("aggregates", len(aggs)).Msg("aggregates of the new slot's hand-over: their streamed events go to the claim path until the rows committed before the slot are queued")
 	}
 	// A pin replaced since (the next session's Restart) is no longer
 	// read: releasing from it is harmless.
-	return func(done []AggregateKey) { set.release(done, e.divertSeq.Add(1)) }
+	return set.release
 }
 
-// pinSet is a hand-over's pinned aggregates. Each is released when its rows
-// are marked, at a divert sequence number: a claim-path check that began
-// before that (its seq is lower) may have read the table before the marks
-// were committed, seen none of the aggregate's unmarked rows and called it
-// settled, so it still holds the aggregate (holds).
+// pinSet is a hand-over's pinned aggregates, each until its rows are
+// queued. A streamed event it hands off diverts its aggregate in the lanes
+// as any hand-off does, until the claim path has delivered it, which the
+// claim path does only after the hand-over's rows before it (its ordering
+// check waits for them in the table).
 type pinSet struct {
-	mu sync.Mutex
-	// set: 0 while pinned, then the sequence number of the release.
-	set map[AggregateKey]uint64
+	mu  sync.Mutex
+	set map[AggregateKey]bool
 }
 
-// holds reports whether a's pin keeps it diverted for a check that read
-// the divert sequence at seq.
-func (p *pinSet) holds(a AggregateKey, seq uint64) bool {
+// pinnedNow reports whether a's pin has not been released yet.
+func (p *pinSet) pinnedNow(a AggregateKey) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	at, ok := p.set[a]
-	return ok && (at == 0 || seq < at)
+	return p.set[a]
 }
 
-func (p *pinSet) release(aggs []AggregateKey, seq uint64) {
+func (p *pinSet) release(aggs []AggregateKey) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, a := range aggs {
-		if at, ok := p.set[a]; ok && at == 0 {
-			p.set[a] = seq
-		}
+		delete(p.set, a)
 	}
+}
+
+// pinnedNow reports whether a is an aggregate of a hand-over whose rows are
+// not all queued yet.
+func (e *Engine) pinnedNow(a AggregateKey) bool {
+	p := e.pinned.Load()
+	return p != nil && p.pinnedNow(a)
 }
 
 // loadDivertedRetrying is loadDiverted, retried while the database is
@@ -456,9 +467,6 @@ func (e *Engine) DivertSeq() uint64 { return e.divertSeq.Load() }
 // that, or one not yet written, keeps the aggregate diverted, so a later
 // event never overtakes it.
 func (e *Engine) undiverted(a AggregateKey, seq uint64) {
-	if p := e.pinned.Load(); p != nil && p.holds(a, seq) {
-		return
-	}
 	for _, l := range e.lanes {
 		l.mu.Lock()
 		if at, ok := l.diverted[a]; ok && at <= seq && l.unwritten[a] == 0 {
@@ -511,12 +519,15 @@ func (e *Engine) take(ctx context.Context, n int) error {
 }
 
 // admit registers w as in flight. For the stream it counts w in ticket's
-// transaction first.
+// transaction first; a hand-over's row is counted among the hand-over's.
 func (e *Engine) admit(w *Work, ticket *txnEntry) {
 	e.mu.Lock()
 	if ticket != nil {
 		e.stream.tracker.count(ticket)
 		w.tickets = append(w.tickets, ticket)
+	}
+	if w.handOver {
+		e.handOvers++
 	}
 	e.inflight[w.path][w.Event.ID] = w
 	e.mu.Unlock()
@@ -625,7 +636,11 @@ func (e *Engine) settled(w *Work) {
 	for _, t := range tickets {
 		e.stream.tracker.done(t)
 	}
-	if len(e.inflight[w.path]) == 0 {
+	if w.handOver {
+		e.handOvers--
+		e.handOverRoom.Release(1)
+	}
+	if len(e.inflight[w.path]) == 0 || w.handOver && e.handOvers == 0 {
 		e.idle.Broadcast()
 	}
 	e.mu.Unlock()

@@ -620,11 +620,11 @@ func TestEngine_RestreamedSkipsStillNeedACheckpoint(t *testing.T) {
 	}
 }
 
-// TestEngine_WaitDecodedFollowsTheStream: WaitDecoded returns once the
-// stream reports a position at or past its own, and while anyone waits —
-// the done marks or a new slot's hand-over, which may wait at the same time
-// — the consumer asks for positions (PositionWanted). With one flag for
-// both, the first waiter to finish cleared it under the other.
+// TestEngine_WaitDecodedFollowsTheStream: waitDecodedPast returns once the
+// stream reports a position at or past its own, and while anyone waits
+// the consumer asks for positions (PositionWanted); two may wait at once.
+// With one flag for both, the first waiter to finish cleared it under the
+// other.
 func TestEngine_WaitDecodedFollowsTheStream(t *testing.T) {
 	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}})
 	c := e.Stream()
@@ -633,7 +633,7 @@ func TestEngine_WaitDecodedFollowsTheStream(t *testing.T) {
 	}
 	wait := func(at relay.LSN) <-chan bool {
 		done := make(chan bool, 1)
-		go func() { done <- c.WaitDecoded(context.Background(), at) }()
+		go func() { done <- e.WaitDecodedPast(context.Background(), at) }()
 		return done
 	}
 	first, second := wait(500), wait(1000)

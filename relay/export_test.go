@@ -1,6 +1,9 @@
 package relay
 
-import "time"
+import (
+	"context"
+	"time"
+)
 
 // Hooks for the relay_test package: unexported pieces the tests drive
 // directly.
@@ -11,6 +14,10 @@ func (p Policy) Decide(now time.Time, attempts int, outcomes []Outcome, sinks []
 	p.setDefaults()
 	return p.decide(now, attempts, outcomes, sinks)
 }
+
+// WaitDecodedPast is Engine.waitDecodedPast: what the mark-done loop waits
+// with before its next batch.
+func (e *Engine) WaitDecodedPast(ctx context.Context, at LSN) bool { return e.waitDecodedPast(ctx, at) }
 
 // Undiverted is Engine.undiverted: what the claim path's settlement calls
 // once an aggregate has nothing left at the claim path.

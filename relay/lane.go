@@ -102,7 +102,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 		agg := ev.AggregateKey()
 		_, diverted := l.diverted[agg]
 		switch {
-		case t.w.path == PathStream && diverted:
+		case t.w.path == PathStream && !t.w.handOver && (diverted || l.e.pinnedNow(agg)):
 			l.mu.Unlock()
 			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is with the claim path", Until: now, Why: "ordering"}, true)
 			return
@@ -139,7 +139,7 @@ func (l *lane) acquire(ctx context.Context, t *task) bool {
 	default:
 	}
 	var timeout <-chan time.Time
-	if t.w.path == PathStream {
+	if t.w.path == PathStream && !t.w.handOver {
 		timer := time.NewTimer(l.e.cfg.Policy.LaneBlockMax)
 		defer timer.Stop()
 		timeout = timer.C
@@ -383,8 +383,8 @@ func (l *lane) record(t *task, o Outcome) {
 		if p.State != PairDelivered {
 			l.e.Stats.Delivered.Add(1)
 			since := w.Event.CommitTime
-			if w.path == PathClaim {
-				since = w.Event.CreatedAt
+			if w.path == PathClaim || since.IsZero() {
+				since = w.Event.CreatedAt // a hand-over's row: read, not decoded
 			}
 			m.observeDelivered(since)
 		}

@@ -21,6 +21,12 @@ const (
 	DefaultLaneCapacity   = 4096
 )
 
+// HandOverWindow is how many rows of a new slot's hand-over the engine holds
+// unsettled at most (Consumer.HandOver): enough to keep the sinks' windows
+// full, few enough that a streamed event queued behind them in a lane
+// waits a fraction of a second (docs/architecture.md, "Slot creation").
+const HandOverWindow = 2_000
+
 // DefaultBackoff is the claim path's schedule: the delay after n counted
 // attempts is DefaultBackoff[n-1] (the last entry repeats), plus 0–10%.
 func DefaultBackoff() []time.Duration {

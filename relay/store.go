@@ -77,9 +77,13 @@ type Work struct {
 	// Decision is set by the engine before Settle.
 	Decision Decision
 
-	path  Path
-	lanes []*lane   // the lane of each pair
-	run   *claimRun // the claimed run it belongs to, if any
+	path Path
+	// handOver: a row of a new slot's hand-over, read from the table
+	// (Consumer.HandOver): on the stream path, ahead of every streamed
+	// event of its aggregate, acknowledging no slot position.
+	handOver bool
+	lanes    []*lane   // the lane of each pair
+	run      *claimRun // the claimed run it belongs to, if any
 	// ClaimedAt is when the claim path's lease on the row began, at the
 	// latest: the store's Claim sets it to a moment before its statement
 	// (zero: SubmitClaimed's time). The engine sends a claimed row only
@@ -218,24 +222,28 @@ type Checkpoint interface {
 }
 
 // HandOverRows is a new slot's hand-over in progress (docs/architecture.md,
-// "slot creation"): the rows pending in the slot's exported snapshot, read
+// "Slot creation"): the rows pending in the slot's exported snapshot, read
 // in a transaction that imported it, so that the replication connection is
-// free to stream while they are marked.
+// free to stream while they are delivered.
 type HandOverRows interface {
 	// Aggregates returns the aggregates of the rows to hand over: the
-	// stream diverts their events (Consumer.Divert) until Mark returns.
+	// stream diverts their events (Consumer.Divert) until their rows are
+	// fed.
 	Aggregates(ctx context.Context) ([]AggregateKey, error)
-	// Mark hands the rows to the claim path, in transactions of a slice of
-	// rows each, then records the hand-over of slot as done at
-	// consistent; it returns how many rows it marked. After each slice it
-	// calls marked with the aggregates whose every row is now marked, and
-	// pace with the WAL position the slice ended at; it writes the next
-	// slice when pace returns, and pace reporting false (its context ended)
-	// ends the marking with ctx's error. Rows marked before an error stay
-	// marked (harmless: they are the claim path's); without the record, the
-	// slot is made again.
-	Mark(ctx context.Context, slot string, consistent LSN, pace func(context.Context, LSN) bool, marked func([]AggregateKey)) (int64, error)
-	// Close lets the hand-over go; safe after Mark and twice.
+	// Len returns how many rows there are to hand over.
+	Len() int
+	// Deliver reads the rows again, a slice at a time, and gives them to
+	// feed (Consumer.HandOver), each aggregate's in id order; rows no
+	// longer pending, or handed off, or delivered everywhere since the
+	// snapshot are left out. After each slice it calls fed with the
+	// aggregates whose every row is now fed. Once every slice is fed it
+	// waits for settled (Consumer.HandOverSettled), then records the
+	// hand-over of slot as done at consistent, and returns how many rows
+	// it fed. An error, or ctx's end, leaves the record unwritten: the
+	// next session makes the slot again, and hands over what is still
+	// pending then.
+	Deliver(ctx context.Context, slot string, consistent LSN, feed func(context.Context, []*Event) error, fed func([]AggregateKey), settled func(context.Context) error) (int64, error)
+	// Close lets the hand-over go; safe after Deliver and twice.
 	Close()
 }
 
@@ -272,22 +280,28 @@ type Consumer interface {
 	// times by the server's clock): how far behind the walsender's
 	// decoding is. It may be called concurrently with the others.
 	Sent(lag time.Duration)
-	// Divert sends the events of aggs to the claim path, and keeps each
-	// there whatever the claim store says until release is called with it:
-	// the aggregates of a new slot's hand-over, whose rows are being marked
-	// for the claim path while the slot streams (docs/architecture.md,
-	// "slot creation"). Until a row is marked, the store cannot tell that
-	// its aggregate is still the claim path's; once all of an aggregate's
-	// rows are, it can, and the aggregate is released. Called before the
-	// first Submit of a session; releasing an aggregate twice is harmless.
+	// Divert sends the streamed events of aggs to the claim path until
+	// release is called with the aggregate: the aggregates of a new slot's
+	// hand-over, whose rows (committed before the slot) are being given to
+	// HandOver while the slot streams (docs/architecture.md, "Slot
+	// creation"). An aggregate is released once HandOver has queued its
+	// last row: its later streamed events queue behind them. Called before
+	// the first Submit of a session; releasing an aggregate twice is
+	// harmless.
 	Divert(aggs []AggregateKey) (release func([]AggregateKey))
-	// WaitDecoded waits until the stream has decoded past at (a commit or
-	// keepalive at or beyond it), at most a few seconds; it reports false
-	// when ctx ended first. A writer of WAL the stream must decode before
-	// the events committed after it paces itself by it: a new slot's
-	// hand-over writes its next slice of marks only once the walsender has
-	// passed the last (docs/architecture.md, "slot creation").
-	WaitDecoded(ctx context.Context, at LSN) bool
+	// HandOver takes rows of a new slot's hand-over, read from the table:
+	// they are delivered like streamed events — checked against the ledger
+	// first, settled in the stream's batches, handed to the claim path
+	// when they cannot be delivered — but acknowledge no slot position,
+	// and go into their lanes even while their aggregate is diverted by
+	// Divert's pin. Each aggregate's rows come in id order. It blocks
+	// while HandOverWindow of them are unsettled, so that streamed events
+	// never queue behind more; it may be called concurrently with Submit.
+	HandOver(ctx context.Context, events []*Event) error
+	// HandOverSettled waits until every row given to HandOver is settled
+	// (delivered and recorded, or handed to the claim path), or ctx ends,
+	// or the engine stops (ErrEngineStopped).
+	HandOverSettled(ctx context.Context) error
 	// PositionWanted reports whether the consumer waits to learn how far
 	// the walsender has decoded (its write-back is paced by it): the source
 	// then asks the server for its position (a keepalive) more often than

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"context"
+	"slices"
 	"sync/atomic"
 	"time"
 )
@@ -21,8 +22,7 @@ type streamFeed struct {
 	// up to it. The mark-done loop paces itself by it.
 	decoded atomic.Uint64
 	// waiters counts the writers waiting for decoded to pass their last
-	// write (PositionWanted): the mark-done loop, and a new slot's
-	// hand-over (WaitDecoded).
+	// write (PositionWanted): the mark-done loop.
 	waiters atomic.Int32
 	// sentLag and sentAt are the last lag Sent reported and when
 	// (UnixNano; 0: never).
@@ -103,16 +103,35 @@ func (f *streamFeed) Submit(ctx context.Context, events []*Event) error {
 	if len(works) == 0 {
 		return nil
 	}
+	return f.start(ctx, works, restreamed || hold, restreamed, ticket, now, "check decoded events against the ledger; retrying")
+}
+
+// start takes room for works, prepares them when prepare is set (checked
+// against the ledger when restreamed), and queues them in their lanes,
+// counted in ticket's transaction (none: nil). A work Prepare skips is
+// settled at once. Room it takes and gives back goes through the
+// semaphores: the engine's, and the hand-over's for its rows.
+func (f *streamFeed) start(ctx context.Context, works []*Work, prepare, restreamed bool, ticket *txnEntry, now time.Time, retrying string) error {
+	e := f.e
+	release := func(w *Work, n int) {
+		e.unsettled.Release(int64(n))
+		if w.handOver {
+			e.handOverRoom.Release(int64(n))
+		}
+	}
 	if err := e.take(ctx, len(works)); err != nil {
+		if works[0].handOver {
+			e.handOverRoom.Release(int64(len(works)))
+		}
 		return err
 	}
-	if restreamed || hold {
+	if prepare {
 		err := retry(ctx, func() error { return e.cfg.Stream.PrepareStream(ctx, works, restreamed, e.cfg.Owner) },
 			func(err error, wait time.Duration) {
-				e.log.Warn().Err(err).Dur("retry_in", wait).Msg("check decoded events against the ledger; retrying")
+				e.log.Warn().Err(err).Dur("retry_in", wait).Msg(retrying)
 			})
 		if err != nil {
-			e.unsettled.Release(int64(len(works)))
+			release(works[0], len(works))
 			return err
 		}
 	}
@@ -121,15 +140,54 @@ func (f *streamFeed) Submit(ctx context.Context, events []*Event) error {
 	// made is settled.
 	for _, w := range works {
 		if w.Skip {
-			// Settled, handed off or claimed before the restart.
+			// Settled, handed off or claimed before the restart, or since
+			// a hand-over's snapshot was read.
 			e.Stats.Skipped.Add(1)
-			e.unsettled.Release(1)
+			release(w, 1)
 			continue
 		}
 		e.admit(w, ticket)
 		e.dispatch(ctx, w, now)
 	}
 	return ctx.Err()
+}
+
+// HandOver implements Consumer. The rows go through the same steps as a
+// re-streamed transaction's events (Submit): checked against the ledger,
+// counted in flight, queued in their lanes, settled by the stream's settle
+// queue; they are counted in no transaction of the tracker, so the slot's
+// position never waits for them (docs/architecture.md, "Slot creation").
+func (f *streamFeed) HandOver(ctx context.Context, events []*Event) error {
+	e := f.e
+	if len(events) == 0 {
+		return nil
+	}
+	if err := e.waitStarted(ctx); err != nil {
+		return err
+	}
+	if n := handOverWindow(e.cfg.MaxUnsettled); len(events) > n {
+		for chunk := range slices.Chunk(events, n) {
+			if err := f.HandOver(ctx, chunk); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if err := e.handOverRoom.Acquire(ctx, int64(len(events))); err != nil {
+		return err
+	}
+	works := make([]*Work, 0, len(events))
+	for _, ev := range events {
+		w := e.route(PathStream, ev)
+		w.handOver = true
+		works = append(works, w)
+	}
+	return f.start(ctx, works, true, true, nil, time.Now(), "check the hand-over's rows against the ledger; retrying")
+}
+
+// HandOverSettled implements Consumer.
+func (f *streamFeed) HandOverSettled(ctx context.Context) error {
+	return f.e.waitInFlight(ctx, func() int { return f.e.handOvers })
 }
 
 // Commit implements Consumer.
@@ -159,11 +217,6 @@ func (f *streamFeed) Settled() (LSN, bool) { return f.tracker.position() }
 // waits: the stream schedules its next request when it sends one.
 func (f *streamFeed) PositionWanted() bool {
 	return f.waiters.Load() > 0 || f.e.marks.waiting() > 0
-}
-
-// WaitDecoded implements Consumer.
-func (f *streamFeed) WaitDecoded(ctx context.Context, at LSN) bool {
-	return f.e.waitDecodedPast(ctx, at)
 }
 
 // Divert implements Consumer.

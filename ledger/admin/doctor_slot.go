@@ -166,7 +166,7 @@ func (d *diagnosis) handOver(ctx context.Context) {
 		return
 	}
 	if recorded {
-		d.add(OK, name, "recorded: the relay made this slot and handed the rows pending then to the claim path", "")
+		d.add(OK, name, "recorded: the relay made this slot and delivered the rows pending then", "")
 		return
 	}
 	var pending int64
@@ -175,9 +175,9 @@ func (d *diagnosis) handOver(ctx context.Context) {
 		return
 	}
 	d.add(Warn, name, fmt.Sprintf("no record of the relay's hand-over for this slot (another process made it, or the relay stopped while making it): "+
-		"rows committed behind it may never be streamed, so run keeps the safe rule — it drops the slot, makes it again and hands the rows pending then "+
-		"to the claim path: %s rows now (those the ledger shows delivered are skipped), about %s at %s rows/s",
-		humanCount(pending), relay.ClaimDrainEstimate(pending), humanCount(relay.ClaimPathRowsPerSecond)),
+		"rows committed behind it may never be streamed, so run keeps the safe rule — it drops the slot, makes it again and delivers the rows pending then "+
+		"beside the stream, each aggregate's before its new events: %s rows now (those the ledger shows delivered are skipped), about %s at %s rows/s",
+		humanCount(pending), relay.HandOverDrainEstimate(pending), humanCount(relay.HandOverRowsPerSecond)),
 		`nothing is required (docs/failover.md, "A slot without its hand-over record"); to stream from the slot's position instead, let the relay create its slot`)
 }
 

@@ -137,13 +137,16 @@ func (r *recordingConsumer) Submit(_ context.Context, events []*relay.Event) err
 	r.events = append(r.events, events...)
 	return nil
 }
-func (r *recordingConsumer) Commit(relay.LSN)                            {}
-func (r *recordingConsumer) Keepalive(relay.LSN)                         {}
-func (r *recordingConsumer) Settled() (relay.LSN, bool)                  { return 0, false }
-func (r *recordingConsumer) Restart(context.Context, relay.LSN) error    { return nil }
-func (r *recordingConsumer) PositionWanted() bool                        { return false }
-func (r *recordingConsumer) WaitDecoded(context.Context, relay.LSN) bool { return true }
-func (r *recordingConsumer) Sent(time.Duration)                          {}
+func (r *recordingConsumer) Commit(relay.LSN)                         {}
+func (r *recordingConsumer) Keepalive(relay.LSN)                      {}
+func (r *recordingConsumer) Settled() (relay.LSN, bool)               { return 0, false }
+func (r *recordingConsumer) Restart(context.Context, relay.LSN) error { return nil }
+func (r *recordingConsumer) PositionWanted() bool                     { return false }
+func (r *recordingConsumer) Sent(time.Duration)                       {}
+func (r *recordingConsumer) HandOver(context.Context, []*relay.Event) error {
+	return nil
+}
+func (r *recordingConsumer) HandOverSettled(context.Context) error { return nil }
 func (r *recordingConsumer) Divert([]relay.AggregateKey) func([]relay.AggregateKey) {
 	return func([]relay.AggregateKey) {}
 }

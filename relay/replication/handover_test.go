@@ -3,7 +3,7 @@ package replication_test
 import (
 	"context"
 	"errors"
-	"slices"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -67,7 +67,7 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 	c := &fakeConsumer{}
 	claim := &claimRecorder{url: e.url}
 	var divertsAtMark atomic.Int32
-	claim.beforeMark = func(ctx context.Context) error {
+	claim.beforeDeliver = func(ctx context.Context) error {
 		d, _ := c.divertCalls()
 		divertsAtMark.Store(int32(len(d)))
 		// The marking waits for the stream to deliver a fresh event.
@@ -87,7 +87,10 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 
 	_, counts := claim.waitCalls(t, 1)
 	if counts[0] != 3 {
-		t.Errorf("the hand-over marked %d rows, want 3", counts[0])
+		t.Errorf("the hand-over delivered %d rows, want 3", counts[0])
+	}
+	if keys := keysOf(c.handedOver()); fmt.Sprint(keys) != "[old-1 old-2 old-3]" {
+		t.Errorf("rows given to the consumer's HandOver: %v, want [old-1 old-2 old-3]", keys)
 	}
 	if divertsAtMark.Load() != 1 {
 		t.Errorf("%d Divert calls when the marking began, want 1 (before the stream's first event)", divertsAtMark.Load())
@@ -99,49 +102,6 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 	}
 	if c.restartCount() != 1 {
 		t.Errorf("%d sessions, want 1", c.restartCount())
-	}
-}
-
-// TestHandOverPacedByTheStream: the session gives the hand-over the
-// consumer's decoded position as its pace (relay.Consumer.WaitDecoded), so
-// each slice of marks after the first waits for the walsender to pass the
-// last; with no fresh events the stream's keepalives, asked for while the
-// consumer waits, carry the position (docs/architecture.md, "Slot
-// creation"). 2,501 rows are three slices of 1,000. The aggregate of one
-// row is marked in the first slice and its pin released then; the ten of
-// 250 rows each, in the last.
-func TestHandOverPacedByTheStream(t *testing.T) {
-	e := newEnv(t)
-	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
-		SELECT 'old-' || g, 'x', 'order', (g % 10)::text FROM generate_series(1, 2500) g`)
-	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
-		VALUES ('live-1', 'x', 'order', 'live')`)
-	c := &fakeConsumer{}
-	claim := &claimRecorder{url: e.url}
-	began := time.Now()
-	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
-	_, counts := claim.waitCalls(t, 1)
-	if counts[0] != 2501 {
-		t.Errorf("the hand-over marked %d rows, want 2501", counts[0])
-	}
-	waits := c.paced()
-	if len(waits) != 2 || waits[0] == 0 || waits[1] <= waits[0] {
-		t.Fatalf("the hand-over waited for the stream at %v, want two rising positions (between three slices)", waits)
-	}
-	c.mu.Lock()
-	decoded, releasedAtWait := c.decoded, c.releasedAtWait
-	c.mu.Unlock()
-	if !slices.Equal(releasedAtWait, []int{1, 1}) {
-		t.Errorf("aggregates released at each wait: %v, want [1 1] (the one-row aggregate, after the first slice)", releasedAtWait)
-	}
-	if _, released := c.divertCalls(); released != 1 {
-		t.Errorf("%d diversions fully released, want 1", released)
-	}
-	if decoded < waits[1] {
-		t.Errorf("the stream reported %s, short of the last slice's end %s: the pace timed out instead of following it", decoded, waits[1])
-	}
-	if took := time.Since(began); took > 8*time.Second {
-		t.Errorf("the hand-over took %s: a pace waited out its 5 s instead of following the keepalives", took)
 	}
 }
 
@@ -158,26 +118,22 @@ func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
 	c := &fakeConsumer{}
 	claim := &claimRecorder{url: e.url}
 	var marks atomic.Int32
-	claim.beforeMark = func(context.Context) error {
+	claim.beforeDeliver = func(context.Context) error {
 		if marks.Add(1) == 1 {
-			return errors.New("injected marking failure")
+			return errors.New("injected hand-over failure")
 		}
 		return nil
 	}
 	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	_, counts := claim.waitCalls(t, 1)
 	if counts[0] != 4 || marks.Load() != 2 {
-		t.Errorf("hand-overs: %d Mark calls, the finished one marked %v; want 2 calls, 4 rows", marks.Load(), counts)
+		t.Errorf("hand-overs: %d Deliver calls, the finished one delivered %v; want 2 calls, 4 rows", marks.Load(), counts)
 	}
 	if n := c.restartCount(); n != 2 {
 		t.Errorf("%d sessions, want 2", n)
 	}
-	var handedOff int
-	if err := e.conn.QueryRow(context.Background(), `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL`).Scan(&handedOff); err != nil {
-		t.Fatal(err)
-	}
-	if handedOff != 4 {
-		t.Errorf("%d rows handed off, want 4", handedOff)
+	if n := len(c.handedOver()); n != 4 {
+		t.Errorf("%d rows given to the consumer's HandOver, want 4 (the second session's)", n)
 	}
 	diverts, released := c.divertCalls()
 	if len(diverts) != 2 || released != 1 {

@@ -48,17 +48,14 @@ type fakeConsumer struct {
 	sent       int           // Sent calls
 	sentSum    time.Duration // their lags
 	restarts   []relay.LSN
+	handOvers  []*relay.Event                // the rows given to HandOver, in order
 	diverts    [][]relay.AggregateKey        // Divert calls, in order
 	undiverted []map[relay.AggregateKey]bool // of each Divert call, the aggregates released
 	// eventsAtCommit[i] is how many events had been submitted when commits[i] came.
 	eventsAtCommit []int
 
-	decoded relay.LSN   // the highest commit or keepalive position
-	waits   []relay.LSN // WaitDecoded calls, in order
-	// releasedAtWait: at each WaitDecoded, how many aggregates of the last
-	// Divert had been released.
-	releasedAtWait []int
-	waiting        atomic.Int32
+	decoded relay.LSN // the highest commit or keepalive position
+	waiting atomic.Int32
 
 	openEvents int        // events of the transaction being submitted
 	pending    []position // committed or reported, not yet settled
@@ -137,6 +134,25 @@ func (c *fakeConsumer) sentLags() (int, time.Duration) {
 	return c.sent, c.sentSum
 }
 
+// HandOver implements relay.Consumer: it records the rows, settled at
+// once.
+func (c *fakeConsumer) HandOver(ctx context.Context, events []*relay.Event) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.handOvers = append(c.handOvers, events...)
+	return ctx.Err()
+}
+
+// HandOverSettled implements relay.Consumer.
+func (c *fakeConsumer) HandOverSettled(ctx context.Context) error { return ctx.Err() }
+
+// handedOver returns the rows given to HandOver.
+func (c *fakeConsumer) handedOver() []*relay.Event {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]*relay.Event(nil), c.handOvers...)
+}
+
 // Divert implements relay.Consumer: it records the aggregates, and those
 // released.
 func (c *fakeConsumer) Divert(aggs []relay.AggregateKey) (release func([]relay.AggregateKey)) {
@@ -176,37 +192,6 @@ func (c *fakeConsumer) divertCalls() ([][]relay.AggregateKey, int) {
 // while WaitDecoded waits, as the engine does.
 func (c *fakeConsumer) PositionWanted() bool {
 	return c.positionWanted.Load() || c.waiting.Load() > 0
-}
-
-// WaitDecoded implements relay.Consumer: it records at and waits, like the
-// engine, until a commit or keepalive at or past it came, at most 5 s.
-func (c *fakeConsumer) WaitDecoded(ctx context.Context, at relay.LSN) bool {
-	c.waiting.Add(1)
-	defer c.waiting.Add(-1)
-	c.mu.Lock()
-	c.waits = append(c.waits, at)
-	if n := len(c.undiverted); n > 0 {
-		c.releasedAtWait = append(c.releasedAtWait, len(c.undiverted[n-1]))
-	}
-	c.mu.Unlock()
-	deadline := time.Now().Add(5 * time.Second)
-	for time.Now().Before(deadline) && ctx.Err() == nil {
-		c.mu.Lock()
-		passed := c.decoded >= at
-		c.mu.Unlock()
-		if passed {
-			break
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	return ctx.Err() == nil
-}
-
-// paced returns the positions WaitDecoded was asked for.
-func (c *fakeConsumer) paced() []relay.LSN {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return append([]relay.LSN(nil), c.waits...)
 }
 
 func (c *fakeConsumer) Restart(ctx context.Context, horizon relay.LSN) error {
@@ -326,18 +311,22 @@ func (f *fakeCheckpoint) snapshot() (saves []savedCheckpoint, failures int) {
 
 // claimRecorder is the slot-creation hand-over of ledger.Store, on a pool
 // of its own for each call (each hand-over's lasting until it is closed),
-// recording each finished Mark: in the slot's exported snapshot it marks
-// every pending row of integration_outbox for the claim path, and keeps the
-// hand-over record in relay_checkpoint.
+// recording each finished Deliver: it reads the rows pending in the slot's
+// exported snapshot of integration_outbox and gives them to the consumer,
+// and keeps the hand-over record in relay_checkpoint.
 type claimRecorder struct {
 	url string
-	// beforeMark, when set, runs at the start of each Mark; its error
-	// fails the Mark.
-	beforeMark func(ctx context.Context) error
+	// beforeDeliver, when set, runs at the start of each Deliver; its
+	// error fails the Deliver.
+	beforeDeliver func(ctx context.Context) error
+	// afterOpen, when set, runs once OpenHandOver has read the snapshot,
+	// before the session starts streaming.
+	afterOpen func(ctx context.Context)
 
-	mu        sync.Mutex
-	snapshots []string
-	counts    []int64
+	mu          sync.Mutex
+	snapshots   []string
+	counts      []int64
+	consistents []relay.LSN // each finished Deliver's consistent point
 }
 
 var _ replication.HandOver = (*claimRecorder)(nil)
@@ -382,6 +371,9 @@ func (c *claimRecorder) OpenHandOver(ctx context.Context, snapshot string) (rela
 		pool.Close()
 		return nil, err
 	}
+	if c.afterOpen != nil {
+		c.afterOpen(ctx)
+	}
 	return &recordedHandOver{HandOverRows: rows, c: c, pool: pool, snapshot: snapshot}, nil
 }
 
@@ -393,14 +385,14 @@ type recordedHandOver struct {
 	snapshot string
 }
 
-func (r *recordedHandOver) Mark(ctx context.Context, slot string, consistent relay.LSN, pace func(context.Context, relay.LSN) bool, done func([]relay.AggregateKey)) (int64, error) {
-	if r.c.beforeMark != nil {
-		if err := r.c.beforeMark(ctx); err != nil {
+func (r *recordedHandOver) Deliver(ctx context.Context, slot string, consistent relay.LSN, feed func(context.Context, []*relay.Event) error, fed func([]relay.AggregateKey), settled func(context.Context) error) (int64, error) {
+	if r.c.beforeDeliver != nil {
+		if err := r.c.beforeDeliver(ctx); err != nil {
 			r.HandOverRows.Close()
 			return 0, err
 		}
 	}
-	n, err := r.HandOverRows.Mark(ctx, slot, consistent, pace, done)
+	n, err := r.HandOverRows.Deliver(ctx, slot, consistent, feed, fed, settled)
 	if err != nil {
 		return n, err
 	}
@@ -408,6 +400,7 @@ func (r *recordedHandOver) Mark(ctx context.Context, slot string, consistent rel
 	defer r.c.mu.Unlock()
 	r.c.snapshots = append(r.c.snapshots, r.snapshot)
 	r.c.counts = append(r.c.counts, n)
+	r.c.consistents = append(r.c.consistents, consistent)
 	return n, nil
 }
 
@@ -448,7 +441,8 @@ func (handOverStub) HandedOver(context.Context, string) (bool, error) { return t
 type noRows struct{}
 
 func (noRows) Aggregates(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
-func (noRows) Mark(context.Context, string, relay.LSN, func(context.Context, relay.LSN) bool, func([]relay.AggregateKey)) (int64, error) {
+func (noRows) Len() int                                                 { return 0 }
+func (noRows) Deliver(context.Context, string, relay.LSN, func(context.Context, []*relay.Event) error, func([]relay.AggregateKey), func(context.Context) error) (int64, error) {
 	return 0, nil
 }
 func (noRows) Close() {}

@@ -108,7 +108,18 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	// feeds delivering them. The server sends nothing we read before the
 	// consumer has restarted.
 	var horizon relay.LSN
-	if s.cfg.Primary != nil {
+	if handOver != nil {
+		// A slot this session made streams only transactions committed
+		// after its consistent point, and no slot streamed those before:
+		// the old slot was dropped, and its events settled (WaitSettled),
+		// before this one was made, and under this relay's leader lock no
+		// other walsender streams from it. Nothing is re-streamed, so no
+		// event waits for a check against the ledger of its own (one
+		// round trip per transaction: the first seconds' events, behind a
+		// slot that took a second to make, waited 2-4 s for those checks
+		// in make bench's slot-recreated).
+		horizon = startLSN
+	} else if s.cfg.Primary != nil {
 		// Decoding on a standby: nothing anywhere was sent past the
 		// primary's flushed position (a restarted standby may not have
 		// replayed again what its walsender sent before).
@@ -142,36 +153,35 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 type handOver struct {
 	rows       relay.HandOverRows
 	aggs       []relay.AggregateKey // the aggregates of its rows
+	count      int                  // its rows
 	consistent relay.LSN
 	foreign    bool                       // the slot it replaces had no hand-over record
 	release    func([]relay.AggregateKey) // ends the stream's pin on aggregates of aggs
 }
 
-// finish marks the hand-over's rows for the claim path, beside the stream.
-// It returns nil when ctx ends first (the session ends for another reason;
-// the slot, without its hand-over record, is made again by the next one)
-// and an error that ends the session when the marking fails.
+// finish delivers the hand-over's rows through the engine, beside the
+// stream (docs/architecture.md, "Slot creation"). It returns nil when ctx
+// ends first (the session ends for another reason; the slot, without its
+// hand-over record, is made again by the next one) and an error that ends
+// the session when the delivery fails.
 func (s *Source) finish(ctx context.Context, h *handOver) error {
-	// Each slice of marks waits for the walsender to pass the last one, so
-	// fresh events never queue behind more than one slice of them.
-	// An aggregate leaves the pin as soon as its rows are marked.
-	n, err := h.rows.Mark(ctx, s.cfg.Slot, h.consistent, s.cfg.Consumer.WaitDecoded, h.release)
+	if h.foreign && h.count > 0 {
+		s.log.Warn().Int("rows", h.count).Int("aggregates", len(h.aggs)).Dur("expected_drain", relay.HandOverDrainEstimate(int64(h.count))).
+			Int("at_rows_per_second", relay.HandOverRowsPerSecond).Msg("the slot found without its hand-over record was recreated: the rows pending before it are delivered now, each aggregate's before its new events, beside the stream")
+	}
+	// An aggregate leaves the pin as soon as its last row is queued.
+	n, err := h.rows.Deliver(ctx, s.cfg.Slot, h.consistent, s.cfg.Consumer.HandOver, h.release, s.cfg.Consumer.HandOverSettled)
 	if err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
-		// The rows marked stay the claim path's; without the record the
-		// next session drops the slot and hands over again.
-		return fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
+		// Without the record the next session drops the slot and hands
+		// over what is pending then.
+		return fmt.Errorf("deliver the rows pending at slot creation: %w", err)
 	}
-	// Every row is marked: the claim store answers for their aggregates.
 	h.release(h.aggs)
-	s.log.Info().Str("consistent_point", h.consistent.String()).Int64("rows_handed_to_claim_path", n).
-		Int("aggregates", len(h.aggs)).Msg("hand-over done: the rows pending in the new slot's snapshot are the claim path's")
-	if h.foreign && n > 0 {
-		s.log.Warn().Int64("rows", n).Dur("expected_drain", relay.ClaimDrainEstimate(n)).Int("at_rows_per_second", relay.ClaimPathRowsPerSecond).
-			Msg("the slot found without its hand-over record was recreated: the claim path delivers the rows pending before it, in runs per aggregate; each aggregate's new events follow its rows there until the claim path has caught up with it")
-	}
+	s.log.Info().Str("consistent_point", h.consistent.String()).Int64("rows_delivered", n).
+		Int("aggregates", len(h.aggs)).Msg("hand-over done: the rows pending in the new slot's snapshot are settled")
 	return nil
 }
 
@@ -411,8 +421,8 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 			s.log.Warn().Msg("replication slot on the standby has no record of its hand-over (delivery moved to the primary since, or the relay stopped between creating it and handing the rows pending then to the claim path): dropping and recreating it")
 		case !handedOver:
 			// docs/failover.md "A slot without its hand-over record"
-			s.log.Warn().Msg("replication slot has no record of its hand-over (another process created it, or the relay stopped between creating it and handing the rows pending then to the claim path): " +
-				"the rows committed behind it may never be streamed, so the safe rule applies: dropping and recreating it, and handing every row pending now to the claim path")
+			s.log.Warn().Msg("replication slot has no record of its hand-over (another process created it, or the relay stopped between creating it and delivering the rows pending then): " +
+				"the rows committed behind it may never be streamed, so the safe rule applies: dropping and recreating it, and delivering every row pending now beside the stream")
 		default:
 			if slot.walStatus == "unreserved" {
 				s.log.Warn().Msg("replication slot retains more WAL than max_slot_wal_keep_size; it will be invalidated unless it catches up")
@@ -494,8 +504,8 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		return 0, nil, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
 	}
 	s.log.Info().Str("consistent_point", consistent.String()).Int("aggregates", len(aggs)).Bool("failover", version >= failoverVersion).
-		Msg("created replication slot; rows pending in its snapshot go to the claim path while it streams")
-	return consistent, &handOver{rows: rows, aggs: aggs, consistent: consistent, foreign: foreign}, nil
+		Msg("created replication slot; the rows pending in its snapshot are delivered while it streams")
+	return consistent, &handOver{rows: rows, aggs: aggs, count: rows.Len(), consistent: consistent, foreign: foreign}, nil
 }
 
 func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {

@@ -368,7 +368,7 @@ func TestIdleOutboxLetsSlotAdvance(t *testing.T) {
 	}
 }
 
-func TestNewSlotHandsPendingRowsToClaimPath(t *testing.T) {
+func TestNewSlotDeliversThePendingRows(t *testing.T) {
 	e := newEnv(t)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type) SELECT 'old-' || g, 'x' FROM generate_series(1, 5) g`)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, status) VALUES ('old-done', 'x', 'done')`)
@@ -380,15 +380,10 @@ func TestNewSlotHandsPendingRowsToClaimPath(t *testing.T) {
 
 	snapshots, counts := claim.waitCalls(t, 1)
 	if len(snapshots) != 1 || snapshots[0] == "" || counts[0] != 5 {
-		t.Fatalf("hand-overs: snapshots %q, counts %v; want one call marking the 5 pending rows", snapshots, counts)
+		t.Fatalf("hand-overs: snapshots %q, counts %v; want one call delivering the 5 pending rows", snapshots, counts)
 	}
-	var marked int
-	if err := e.conn.QueryRow(context.Background(),
-		`SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL AND event_key LIKE 'old-%' AND status = 'pending'`).Scan(&marked); err != nil {
-		t.Fatal(err)
-	}
-	if marked != 5 {
-		t.Errorf("%d pending rows marked for the claim path, want 5", marked)
+	if keys := keysOf(c.handedOver()); fmt.Sprint(keys) != "[old-1 old-2 old-3 old-4 old-5]" {
+		t.Errorf("rows given to the consumer's HandOver: %v, want the 5 pending before the slot", keys)
 	}
 
 	e.insert(t, "new-1")
@@ -482,6 +477,45 @@ func TestRecreatesDroppedSlot(t *testing.T) {
 // every row pending in the new slot's snapshot to the claim path — the
 // rows from before the first slot and those committed since — and streams
 // only what comes after.
+// TestNewSlotStreamsNothingAsSeenBefore: a session that made its slot
+// restarts the consumer with the slot's consistent point as the horizon,
+// so an event committed after it — here while the hand-over read its
+// snapshot, before streaming began — is not taken as possibly delivered
+// before (each such transaction waited for a ledger check of its own).
+func TestNewSlotStreamsNothingAsSeenBefore(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type) VALUES ('before', 'x')`)
+	c := &fakeConsumer{}
+	claim := &claimRecorder{url: e.url}
+	var insertBetween func(ctx context.Context)
+	var once sync.Once
+	claim.afterOpen = func(ctx context.Context) { once.Do(func() { insertBetween(ctx) }) }
+	insertBetween = func(ctx context.Context) {
+		conn, err := pgx.Connect(ctx, e.url)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, `INSERT INTO integration_outbox (event_key, event_type) VALUES ('between', 'x')`); err != nil {
+			t.Error(err)
+		}
+	}
+	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
+	waitFor(t, 10*time.Second, "the event committed while the hand-over read", func() bool { return c.commitOf("between") != 0 })
+	claim.waitCalls(t, 1)
+	claim.mu.Lock()
+	consistent := claim.consistents[0]
+	claim.mu.Unlock()
+	_, _, _, restarts := c.snapshot()
+	if len(restarts) != 1 || restarts[0] != consistent {
+		t.Fatalf("consumer restarted with horizons %v, want the new slot's consistent point %s", restarts, consistent)
+	}
+	if ev := mustEvents(c)[0]; ev.EventKey != "between" || ev.CommitLSN < restarts[0] {
+		t.Errorf("first streamed event %s committed at %s, before the horizon %s: it would be checked as re-streamed", ev.EventKey, ev.CommitLSN, restarts[0])
+	}
+}
+
 func TestSourceRecreatesSlotWithoutHandOverRecord(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -512,18 +546,14 @@ func TestSourceRecreatesSlotWithoutHandOverRecord(t *testing.T) {
 	if done, err := claim.HandedOver(ctx, e.slot); err != nil || !done {
 		t.Errorf("HandedOver = %v, %v; want true after the Source made the slot again", done, err)
 	}
-	var marked int
-	if err := e.conn.QueryRow(ctx, `SELECT count(*) FROM integration_outbox WHERE status = 'pending' AND handoff_at IS NOT NULL`).Scan(&marked); err != nil {
-		t.Fatal(err)
-	}
-	if marked != 5 {
-		t.Errorf("%d rows handed to the claim path, want 5", marked)
+	if keys := keysOf(c.handedOver()); fmt.Sprint(keys) != "[before-1 before-2 before-3 since-1 since-2]" {
+		t.Errorf("rows given to the consumer's HandOver: %v, want the 5 pending when the slot was made again", keys)
 	}
 
 	e.insert(t, "after")
 	waitFor(t, 10*time.Second, "streaming on the new slot", func() bool { return c.commitOf("after") != 0 })
 	if keys := keysOf(mustEvents(c)); fmt.Sprint(keys) != "[after]" {
-		t.Errorf("streamed %v, want [after]: the rows handed to the claim path are not streamed too", keys)
+		t.Errorf("streamed %v, want [after]: the rows of the hand-over are not streamed too", keys)
 	}
 }
 
