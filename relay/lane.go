@@ -102,7 +102,12 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 		agg := ev.AggregateKey()
 		_, diverted := l.diverted[agg]
 		switch {
-		case t.w.path == PathStream && !t.w.handOver && (diverted || l.e.pinnedNow(agg)):
+		case t.w.path == PathStream && (diverted || !t.w.handOver && l.e.pinnedNow(agg)):
+			// A hand-over's row passes its own pin, not a diversion: an
+			// earlier row of its aggregate is with the claim path (handed
+			// off before, or by this hand-over), or a streamed event was
+			// handed off while the pin held, and the claim path delivers
+			// them all in id order.
 			l.mu.Unlock()
 			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is with the claim path", Until: now, Why: "ordering"}, true)
 			return
