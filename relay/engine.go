@@ -378,13 +378,21 @@ func (e *Engine) divertPinned(aggs []AggregateKey) (release func([]AggregateKey)
 	// The lanes read the pin for streamed events (pinnedNow): the rows
 	// of the hand-over pass it, and a streamed event that meets it is
 	// handed off, which diverts its aggregate as any hand-off does.
-	e.pinned.Store(set)
-	if len(aggs) > 0 {
-		e.log.Info().Int("aggregates", len(aggs)).Msg("aggregates of the new slot's hand-over: their streamed events go to the claim path until the rows committed before the slot are queued")
+	// With nothing pinned (or once everything is released) no set is
+	// kept: every streamed event's enqueue reads it.
+	if len(aggs) == 0 {
+		e.pinned.Store(nil)
+		return func([]AggregateKey) {}
 	}
+	e.pinned.Store(set)
+	e.log.Info().Int("aggregates", len(aggs)).Msg("aggregates of the new slot's hand-over: their streamed events go to the claim path until the rows committed before the slot are queued")
 	// A pin replaced since (the next session's Restart) is no longer
 	// read: releasing from it is harmless.
-	return set.release
+	return func(done []AggregateKey) {
+		if set.release(done) {
+			e.pinned.CompareAndSwap(set, nil)
+		}
+	}
 }
 
 // pinSet is a hand-over's pinned aggregates, each until its rows are
@@ -404,12 +412,14 @@ func (p *pinSet) pinnedNow(a AggregateKey) bool {
 	return p.set[a]
 }
 
-func (p *pinSet) release(aggs []AggregateKey) {
+// release ends the pins of aggs and reports whether none is left.
+func (p *pinSet) release(aggs []AggregateKey) (empty bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for _, a := range aggs {
 		delete(p.set, a)
 	}
+	return len(p.set) == 0
 }
 
 // pinnedNow reports whether a is an aggregate of a hand-over whose rows are
