@@ -61,7 +61,22 @@ func (s *setup) checkDeliveries(t *testing.T) {
 	}
 }
 
-var presumedDead = regexp.MustCompile(`no message from the server for ([0-9.]+m?s)`)
+// presumedDead matches the relay's give-up line; its silence is a Go
+// duration, which reads "1m0.045s" from a minute on (the mid-transaction
+// limit is wal_sender_timeout, 60 s by default).
+var presumedDead = regexp.MustCompile(`no message from the server for ((?:[0-9.]+[hm])*[0-9.]+m?s)`)
+
+// TestPresumedDeadMatchesEverySilence: CI's black-hole run gave the
+// connection up after 1m0.045s and the old pattern ([0-9.]+m?s) missed it.
+func TestPresumedDeadMatchesEverySilence(t *testing.T) {
+	for _, d := range []time.Duration{6500 * time.Millisecond, 900 * time.Millisecond, 60045 * time.Millisecond, 61 * time.Minute} {
+		line := "receive: no message from the server for " + d.String() + ": the connection is presumed dead"
+		m := presumedDead.FindStringSubmatch(line)
+		if m == nil || m[1] != d.String() {
+			t.Errorf("%q: matched %q, want %s", line, m, d)
+		}
+	}
+}
 
 // TestBlackHole_ReplicationConnection: the replication connection alone
 // turns into a black hole mid-stream while the leader lock and the pool
