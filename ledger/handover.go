@@ -21,17 +21,12 @@ import (
 var handOverSlice = relay.HandOverWindow / 2
 
 // OpenHandOver begins the slot-creation hand-over of a new slot
-// (docs/architecture.md, "slot creation"). In a REPEATABLE READ, read-only
-// transaction it imports the snapshot that CREATE_REPLICATION_SLOT …
-// EXPORT_SNAPSHOT exported and reads the rows pending there and not handed
-// off — exactly the rows committed before the slot's consistent point,
-// which the new slot will never stream: their ids and aggregates, held in
-// memory (16 bytes a row, and each aggregate once), so that no transaction
-// stays open while they are delivered (an open snapshot would keep every
-// row version left behind meanwhile from being pruned). Rows the ledger
-// shows delivered everywhere are left out by Deliver's reads. Once it
-// returns, the replication connection that created the slot is free to
-// stream.
+// (docs/architecture.md, "slot creation"): it imports the snapshot that
+// CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported into a REPEATABLE
+// READ, read-only transaction, which holds it until Aggregates has read
+// the rows pending there. Once it returns, the replication connection that
+// created the slot is free to stream: the read of a large backlog no longer
+// delays the stream's start.
 //
 // The replication connection must run nothing else until OpenHandOver
 // returns: the snapshot exists only until then.
@@ -39,56 +34,93 @@ func (s *Store) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOv
 	if snapshot == "" {
 		return nil, errors.New("hand rows to the claim path: empty snapshot name")
 	}
-	setSnapshot := "SET TRANSACTION SNAPSHOT " + relay.QuoteLiteral(snapshot)
 	h := &handOverRows{s: s, snapshot: snapshot}
 	s.handingOver.Add(1)
-	readOnly := pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
-	err := pgx.BeginTxFunc(ctx, s.pool, readOnly, func(tx pgx.Tx) error {
-		// SET TRANSACTION SNAPSHOT takes no parameters and must be the
-		// transaction's first statement; the simple protocol keeps this
-		// one-off text out of the connection's statement cache.
-		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
-			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
-		}
-		rows, err := tx.Query(ctx, s.sql.snapshotPending)
-		if err != nil {
-			return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
-		}
-		defer rows.Close()
-		// The stream waits for this read (it needs the aggregates to pin
-		// before its first event): each row is read from its wire bytes,
-		// and an aggregate's key is built only the first time it is seen.
-		index := map[string]int32{}
-		var key []byte
-		for rows.Next() {
-			raw := rows.RawValues()
-			id, err := rawInt8(raw[0], rows.FieldDescriptions()[0].Format)
-			if err != nil {
-				return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
-			}
-			agg := int32(-1) // not ordered
-			if raw[1] != nil && raw[2] != nil {
-				key = append(append(append(key[:0], raw[1]...), 0), raw[2]...)
-				n, ok := index[string(key)]
-				if !ok {
-					n = int32(len(h.aggs))
-					index[string(key)] = n
-					h.aggs = append(h.aggs, relay.AggregateKey{Type: string(raw[1]), ID: string(raw[2])})
-				}
-				agg = n
-			}
-			h.rows = append(h.rows, pendingRow{id: id, agg: agg})
-		}
-		if err := rows.Err(); err != nil {
-			return fmt.Errorf("read pending rows in snapshot %s: %w", snapshot, err)
-		}
-		return nil
-	})
+	tx, err := s.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly})
 	if err != nil {
 		h.Close()
-		return nil, err
+		return nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
+	}
+	h.tx = tx
+	// SET TRANSACTION SNAPSHOT takes no parameters and must be the
+	// transaction's first statement; the simple protocol keeps this one-off
+	// text out of the connection's statement cache.
+	if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+relay.QuoteLiteral(snapshot), pgx.QueryExecModeSimpleProtocol); err != nil {
+		h.Close()
+		return nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
 	}
 	return h, nil
+}
+
+// read reads, once, in the imported snapshot, the rows pending there and
+// not handed off — exactly the rows committed before the slot's consistent
+// point, which the new slot will never stream: their ids and aggregates,
+// held in memory (16 bytes a row, and each aggregate once), and ends the
+// snapshot's transaction, so that none stays open while they are delivered
+// (an open snapshot would keep every row version left behind meanwhile from
+// being pruned). Rows the ledger shows delivered everywhere are left out by
+// Deliver's reads.
+func (h *handOverRows) read(ctx context.Context) error {
+	if h.closed {
+		return errors.New("read the hand-over's rows: the hand-over was closed")
+	}
+	if h.tx == nil {
+		return h.readErr
+	}
+	tx := h.tx
+	h.tx = nil
+	err := h.scan(ctx, tx)
+	if err == nil {
+		err = tx.Commit(ctx)
+	}
+	if err != nil {
+		rollback(tx)
+		h.rows, h.aggs = nil, nil
+		h.readErr = fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
+	}
+	return h.readErr
+}
+
+// scan reads the snapshot's pending rows on tx.
+func (h *handOverRows) scan(ctx context.Context, tx pgx.Tx) error {
+	rows, err := tx.Query(ctx, h.s.sql.snapshotPending)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	// The stream's first events wait for this read (they need the
+	// aggregates to pin): each row is read from its wire bytes, and an
+	// aggregate's key is built only the first time it is seen.
+	index := map[string]int32{}
+	var key []byte
+	for rows.Next() {
+		raw := rows.RawValues()
+		id, err := rawInt8(raw[0], rows.FieldDescriptions()[0].Format)
+		if err != nil {
+			return err
+		}
+		agg := int32(-1) // not ordered
+		if raw[1] != nil && raw[2] != nil {
+			key = append(append(append(key[:0], raw[1]...), 0), raw[2]...)
+			n, ok := index[string(key)]
+			if !ok {
+				n = int32(len(h.aggs))
+				index[string(key)] = n
+				h.aggs = append(h.aggs, relay.AggregateKey{Type: string(raw[1]), ID: string(raw[2])})
+			}
+			agg = n
+		}
+		h.rows = append(h.rows, pendingRow{id: id, agg: agg})
+	}
+	return rows.Err()
+}
+
+// rollback ends tx, on a context of its own: the one that failed may be
+// done.
+func rollback(tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.Background(), dbTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx)
 }
 
 // rawInt8 decodes a bigint column's wire bytes, in the format the server
@@ -107,8 +139,10 @@ func rawInt8(b []byte, format int16) (int64, error) {
 type handOverRows struct {
 	s        *Store
 	snapshot string
+	tx       pgx.Tx               // holds the snapshot until read
+	readErr  error                // the read's, once it ran
 	aggs     []relay.AggregateKey // the rows' aggregates
-	rows     []pendingRow         // the rows to mark
+	rows     []pendingRow         // the rows to deliver
 	closed   bool
 }
 
@@ -122,8 +156,12 @@ type pendingRow struct {
 // Len implements relay.HandOverRows.
 func (h *handOverRows) Len() int { return len(h.rows) }
 
-// Aggregates implements relay.HandOverRows.
-func (h *handOverRows) Aggregates(context.Context) ([]relay.AggregateKey, error) {
+// Aggregates implements relay.HandOverRows: the first call reads the rows
+// (read).
+func (h *handOverRows) Aggregates(ctx context.Context) ([]relay.AggregateKey, error) {
+	if err := h.read(ctx); err != nil {
+		return nil, err
+	}
 	return h.aggs, nil
 }
 
@@ -148,6 +186,9 @@ func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent rela
 		return 0, errors.New("deliver the hand-over's rows: the hand-over was closed")
 	}
 	defer h.Close()
+	if err := h.read(ctx); err != nil {
+		return 0, err
+	}
 	readSQL, err := h.s.handOverReadStatement(ctx)
 	if err != nil {
 		return 0, err
@@ -259,6 +300,10 @@ func (h *handOverRows) Close() {
 		return
 	}
 	h.closed = true
+	if h.tx != nil {
+		rollback(h.tx)
+		h.tx = nil
+	}
 	h.rows, h.aggs = nil, nil
 	h.s.handingOver.Add(-1)
 }

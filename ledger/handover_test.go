@@ -609,13 +609,50 @@ func TestHandOverClosedFeedsNothing(t *testing.T) {
 	ctx := context.Background()
 	f.MustInsert(t, row{Key: "backlog"})
 	slot, created, h := f.mustOpenHandOver(t, f.store)
+	// Until its rows are read the hand-over holds the snapshot, in a
+	// transaction on a connection of the pool; Close ends it.
+	if n := f.pool.Stat().AcquiredConns(); n != 1 {
+		t.Errorf("%d connections acquired while the snapshot is held, want 1", n)
+	}
 	h.Close()
+	if n := f.pool.Stat().AcquiredConns(); n != 0 {
+		t.Errorf("%d connections acquired after Close, want 0: the snapshot's transaction is left open", n)
+	}
+	if aggs, err := h.Aggregates(ctx); err == nil {
+		t.Errorf("Aggregates after Close = %v, nil; want an error", aggs)
+	}
 	fed := &feedLog{}
 	if n, err := fed.deliver(ctx, h, slot, created.consistent); err == nil || len(fed.events) != 0 {
 		t.Errorf("Deliver after Close = %d, nil, %d rows fed; want an error and none", n, len(fed.events))
 	}
 	if done, err := f.store.HandedOver(ctx, slot); err != nil || done {
 		t.Errorf("HandedOver = %v, %v; want false", done, err)
+	}
+}
+
+// TestHandOverReadsItsSnapshotWhenAsked: OpenHandOver only imports the
+// snapshot (the slot streams while the rows are read); the rows Aggregates
+// reads later are still the snapshot's, not those committed since, and the
+// read lets the snapshot's transaction go.
+func TestHandOverReadsItsSnapshotWhenAsked(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustInsert(t, row{Key: "backlog", AggType: ptr("order"), AggID: ptr("1")})
+	_, _, h := f.mustOpenHandOver(t, f.store)
+	defer h.Close()
+	f.MustInsert(t, row{Key: "streamed", AggType: ptr("order"), AggID: ptr("2")})
+	aggs, err := h.Aggregates(ctx)
+	if err != nil {
+		t.Fatalf("Aggregates: %v", err)
+	}
+	if want := []relay.AggregateKey{{Type: "order", ID: "1"}}; !slices.Equal(aggs, want) || h.Len() != 1 {
+		t.Errorf("read %d rows of aggregates %v, want 1 of %v (the snapshot's)", h.Len(), aggs, want)
+	}
+	if n := f.pool.Stat().AcquiredConns(); n != 0 {
+		t.Errorf("%d connections acquired after the read, want 0: the snapshot's transaction is left open", n)
+	}
+	if again, err := h.Aggregates(ctx); err != nil || !slices.Equal(again, aggs) {
+		t.Errorf("Aggregates again = %v, %v; want the same, read once", again, err)
 	}
 }
 

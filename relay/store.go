@@ -228,9 +228,11 @@ type Checkpoint interface {
 type HandOverRows interface {
 	// Aggregates returns the aggregates of the rows to hand over: the
 	// stream diverts their events (Consumer.Divert) until their rows are
-	// fed.
+	// fed. The first call reads the rows in the snapshot and lets the
+	// snapshot go; it may run while the slot streams.
 	Aggregates(ctx context.Context) ([]AggregateKey, error)
-	// Len returns how many rows there are to hand over.
+	// Len returns how many rows there are to hand over, once Aggregates
+	// has read them.
 	Len() int
 	// Deliver reads the rows again, a slice at a time, and gives them to
 	// feed (Consumer.HandOver), each aggregate's in id order; rows no

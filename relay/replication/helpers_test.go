@@ -319,9 +319,12 @@ type claimRecorder struct {
 	// beforeDeliver, when set, runs at the start of each Deliver; its
 	// error fails the Deliver.
 	beforeDeliver func(ctx context.Context) error
-	// afterOpen, when set, runs once OpenHandOver has read the snapshot,
-	// before the session starts streaming.
+	// afterOpen, when set, runs once OpenHandOver has imported the
+	// snapshot, before the session starts streaming.
 	afterOpen func(ctx context.Context)
+	// beforeAggregates, when set, runs before the hand-over reads its rows;
+	// its error fails the read.
+	beforeAggregates func(ctx context.Context) error
 
 	mu          sync.Mutex
 	snapshots   []string
@@ -383,6 +386,15 @@ type recordedHandOver struct {
 	c        *claimRecorder
 	pool     *pgxpool.Pool
 	snapshot string
+}
+
+func (r *recordedHandOver) Aggregates(ctx context.Context) ([]relay.AggregateKey, error) {
+	if r.c.beforeAggregates != nil {
+		if err := r.c.beforeAggregates(ctx); err != nil {
+			return nil, err
+		}
+	}
+	return r.HandOverRows.Aggregates(ctx)
 }
 
 func (r *recordedHandOver) Deliver(ctx context.Context, slot string, consistent relay.LSN, feed func(context.Context, []*relay.Event) error, fed func([]relay.AggregateKey), settled func(context.Context) error) (int64, error) {

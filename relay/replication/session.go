@@ -133,11 +133,6 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	if err := s.cfg.Consumer.Restart(ctx, horizon); err != nil {
 		return false, fmt.Errorf("restart consumer: %w", err)
 	}
-	if handOver != nil {
-		// Before the first event: the stream must not overtake the rows
-		// being handed over.
-		handOver.release = s.cfg.Consumer.Divert(handOver.aggs)
-	}
 
 	every := s.cfg.StatusInterval
 	if senderTimeout > 0 && senderTimeout/3 < every {
@@ -148,23 +143,42 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 	return true, s.stream(ctx, rconn, startLSN, every, senderTimeout, onStandby, handOver)
 }
 
-// handOver is a new slot's hand-over still to mark, which the session
-// finishes while it streams (docs/architecture.md, "slot creation").
+// handOver is a new slot's hand-over, which the session finishes while it
+// streams (docs/architecture.md, "slot creation").
 type handOver struct {
 	rows       relay.HandOverRows
-	aggs       []relay.AggregateKey // the aggregates of its rows
-	count      int                  // its rows
 	consistent relay.LSN
-	foreign    bool                       // the slot it replaces had no hand-over record
-	release    func([]relay.AggregateKey) // ends the stream's pin on aggregates of aggs
+	foreign    bool // the slot it replaces had no hand-over record
+
+	// Set by finish before it closes pinned.
+	aggs    []relay.AggregateKey       // the rows' aggregates
+	count   int                        // its rows
+	release func([]relay.AggregateKey) // ends the stream's pin on aggregates of aggs
+	// pinned is closed once the rows' aggregates are pinned: the decoder
+	// gives the consumer nothing before (an event of such an aggregate
+	// must not overtake its rows).
+	pinned chan struct{}
 }
 
-// finish delivers the hand-over's rows through the engine, beside the
-// stream (docs/architecture.md, "Slot creation"). It returns nil when ctx
-// ends first (the session ends for another reason; the slot, without its
+// finish reads the hand-over's rows in the slot's snapshot, pins their
+// aggregates, and delivers them through the engine, beside the stream
+// (docs/architecture.md, "Slot creation"). It returns nil when ctx ends
+// first (the session ends for another reason; the slot, without its
 // hand-over record, is made again by the next one) and an error that ends
-// the session when the delivery fails.
+// the session when the read or the delivery fails.
 func (s *Source) finish(ctx context.Context, h *handOver) error {
+	aggs, err := h.rows.Aggregates(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("read the rows pending at slot creation: %w", err)
+	}
+	h.aggs, h.count = aggs, h.rows.Len()
+	h.release = s.cfg.Consumer.Divert(aggs)
+	close(h.pinned)
+	s.log.Info().Str("consistent_point", h.consistent.String()).Int("rows", h.count).Int("aggregates", len(aggs)).
+		Msg("read the rows pending in the new slot's snapshot: each aggregate's are delivered before its new events")
 	if h.foreign && h.count > 0 {
 		s.log.Warn().Int("rows", h.count).Int("aggregates", len(h.aggs)).Dur("expected_drain", relay.HandOverDrainEstimate(int64(h.count))).
 			Int("at_rows_per_second", relay.HandOverRowsPerSecond).Msg("the slot found without its hand-over record was recreated: the rows pending before it are delivered now, each aggregate's before its new events, beside the stream")
@@ -490,22 +504,16 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		return consistent, nil, nil
 	}
 	// On the primary the snapshot is imported into a transaction that
-	// holds it, the aggregates of its rows are read, and the slot streams
-	// while the rows are marked (Source.finish).
+	// holds it, and the slot streams while its rows are read and delivered
+	// (Source.finish); the decoder waits for their aggregates' pin.
 	rows, err := s.cfg.HandOver.OpenHandOver(ctx, res.SnapshotName)
-	var aggs []relay.AggregateKey
-	if err == nil {
-		if aggs, err = rows.Aggregates(ctx); err != nil {
-			rows.Close()
-		}
-	}
 	if err != nil {
 		s.dropAfterFailedHandOver(rconn)
-		return 0, nil, fmt.Errorf("hand the rows pending at slot creation to the claim path: %w", err)
+		return 0, nil, fmt.Errorf("import the new slot's snapshot: %w", err)
 	}
-	s.log.Info().Str("consistent_point", consistent.String()).Int("aggregates", len(aggs)).Bool("failover", version >= failoverVersion).
+	s.log.Info().Str("consistent_point", consistent.String()).Bool("failover", version >= failoverVersion).
 		Msg("created replication slot; the rows pending in its snapshot are delivered while it streams")
-	return consistent, &handOver{rows: rows, aggs: aggs, count: rows.Len(), consistent: consistent, foreign: foreign}, nil
+	return consistent, &handOver{rows: rows, consistent: consistent, foreign: foreign, pinned: make(chan struct{})}, nil
 }
 
 func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {

@@ -107,10 +107,10 @@ type HandOver interface {
 	// has not happened yet.
 	BeginSlot(ctx context.Context, slot string) error
 	// OpenHandOver imports the exported snapshot of the newly created slot
-	// (SET TRANSACTION SNAPSHOT, in a REPEATABLE READ transaction) and reads
-	// the rows pending there: exactly the ones the slot will never stream.
-	// Once it returns, the replication connection may stream while the
-	// returned hand-over marks them.
+	// (SET TRANSACTION SNAPSHOT, in a REPEATABLE READ transaction), which
+	// holds the rows pending there: exactly the ones the slot will never
+	// stream. Once it returns, the replication connection may stream while
+	// the returned hand-over reads those rows (Aggregates) and delivers them.
 	OpenHandOver(ctx context.Context, snapshot string) (relay.HandOverRows, error)
 	// HandedOver reports whether the hand-over of the existing slot was
 	// recorded as done. A slot without the record (a crash between its
