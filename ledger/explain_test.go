@@ -170,6 +170,51 @@ func TestClaimCostIndependentOfStreamedHistory(t *testing.T) {
 	}
 }
 
+// TestDivertedCostIndependentOfTheStreamsBacklog: every stream session
+// reads the diverted aggregates before its first event. Behind a recreated
+// slot 200,000 rows were pending, the stream's own; the read walked all of
+// them (the order index holds every pending row) and took 0.75 s in make
+// bench's slot-recreated, the fresh events waiting. It must read only the
+// handed-off, claimed and held rows, whatever the pending backlog.
+func TestDivertedCostIndependentOfTheStreamsBacklog(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustExec(t, `
+		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		SELECT 'e', 'order', (g % 2000)::text, 'backlog-' || g, '{}' FROM generate_series(1, 20000) AS g`)
+	f.MustInsert(t,
+		row{Key: "handed", AggType: ptr("order"), AggID: ptr("handed"), HandedOff: true},
+		row{Key: "held", AggType: ptr("order"), AggID: ptr("held"), Status: "held"},
+		row{Key: "claimed", AggType: ptr("order"), AggID: ptr("claimed"), Status: "processing", HandedOff: true})
+	f.MustExec(t, `VACUUM ANALYZE integration_outbox`)
+	rows, err := f.pool.Query(ctx, "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) "+f.store.DivertedStatement())
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := strings.Join(plan, "\n")
+	m := regexp.MustCompile(`Buffers: shared hit=(\d+)(?: read=(\d+))?`).FindStringSubmatch(text)
+	if m == nil {
+		t.Fatalf("no buffer count in the plan:\n%s", text)
+	}
+	hits, _ := strconv.Atoi(m[1])
+	read, _ := strconv.Atoi(m[2])
+	t.Logf("the diverted read touched %d buffers behind 20,000 pending rows", hits+read)
+	if hits+read > 50 {
+		t.Errorf("the diverted read touched %d buffers, want at most 50: it walks the pending backlog\n%s", hits+read, text)
+	}
+	got, err := f.store.Diverted(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 3 {
+		t.Errorf("Diverted = %v, want the handed-off, held and claimed aggregates", got)
+	}
+}
+
 // TestRestreamedCheckProbesTheLedger: after a reconnect every event
 // committed before it is checked against the ledger (PrepareStream's
 // re-stream check, a transaction's ids at a time). The check must probe

@@ -114,3 +114,7 @@ func (s *Store) ScanStatements() (rng, recheck string) { return s.sql.scanRange,
 // MarkDeliveredDoneStatement returns MarkDeliveredDone's statement for an
 // id range ($1, $2], for EXPLAIN.
 func (s *Store) MarkDeliveredDoneStatement() string { return s.sql.markDeliveredDone }
+
+// DivertedStatement returns the read of the diverted aggregates, for
+// EXPLAIN.
+func (s *Store) DivertedStatement() string { return s.sql.stream.diverted }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"slices"
 	"strconv"
+	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -42,14 +43,69 @@ func (s *Store) OpenHandOver(ctx context.Context, snapshot string) (relay.HandOv
 		return nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
 	}
 	h.tx = tx
-	// SET TRANSACTION SNAPSHOT takes no parameters and must be the
-	// transaction's first statement; the simple protocol keeps this one-off
-	// text out of the connection's statement cache.
-	if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+relay.QuoteLiteral(snapshot), pgx.QueryExecModeSimpleProtocol); err != nil {
+	// A second transaction holds the same snapshot for Pending, which the
+	// stream asks while the first reads.
+	if h.probe, err = s.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}); err != nil {
 		h.Close()
 		return nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
 	}
+	// SET TRANSACTION SNAPSHOT takes no parameters and must be the
+	// transaction's first statement; the simple protocol keeps this one-off
+	// text out of the connection's statement cache.
+	for _, tx := range []pgx.Tx{h.tx, h.probe} {
+		if _, err := tx.Exec(ctx, "SET TRANSACTION SNAPSHOT "+relay.QuoteLiteral(snapshot), pgx.QueryExecModeSimpleProtocol); err != nil {
+			h.Close()
+			return nil, fmt.Errorf("import snapshot %s: %w", snapshot, err)
+		}
+	}
 	return h, nil
+}
+
+// Pending implements relay.HandOverRows. Until the read is done it asks
+// the snapshot, on a transaction of its own, through the order index
+// (aggregate_type, aggregate_id, id); then it answers from the rows read.
+func (h *handOverRows) Pending(ctx context.Context, aggs []relay.AggregateKey) ([]relay.AggregateKey, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return nil, errors.New("ask the hand-over's aggregates: the hand-over was closed")
+	}
+	if h.readDone {
+		if h.readErr != nil {
+			return nil, h.readErr
+		}
+		if h.inSnapshot == nil {
+			h.inSnapshot = make(map[relay.AggregateKey]bool, len(h.aggs))
+			for _, a := range h.aggs {
+				h.inSnapshot[a] = true
+			}
+		}
+		var out []relay.AggregateKey
+		for _, a := range aggs {
+			if h.inSnapshot[a] {
+				out = append(out, a)
+			}
+		}
+		return out, nil
+	}
+	types, ids := make([]string, len(aggs)), make([]string, len(aggs))
+	for i, a := range aggs {
+		types[i], ids[i] = a.Type, a.ID
+	}
+	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	rows, err := h.probe.Query(dbCtx, h.s.sql.snapshotPendingAmong, types, ids)
+	if err != nil {
+		return nil, fmt.Errorf("ask snapshot %s for the rows of %d aggregates: %w", h.snapshot, len(aggs), err)
+	}
+	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (a relay.AggregateKey, err error) {
+		err = row.Scan(&a.Type, &a.ID)
+		return a, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ask snapshot %s for the rows of %d aggregates: %w", h.snapshot, len(aggs), err)
+	}
+	return out, nil
 }
 
 // read reads, once, in the imported snapshot, the rows pending there and
@@ -76,9 +132,16 @@ func (h *handOverRows) read(ctx context.Context) error {
 	if err != nil {
 		rollback(tx)
 		h.rows, h.aggs = nil, nil
-		h.readErr = fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
+		err = fmt.Errorf("read pending rows in snapshot %s: %w", h.snapshot, err)
 	}
-	return h.readErr
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.readErr, h.readDone = err, true
+	if h.probe != nil {
+		rollback(h.probe)
+		h.probe = nil
+	}
+	return err
 }
 
 // scan reads the snapshot's pending rows on tx.
@@ -139,11 +202,17 @@ func rawInt8(b []byte, format int16) (int64, error) {
 type handOverRows struct {
 	s        *Store
 	snapshot string
-	tx       pgx.Tx               // holds the snapshot until read
-	readErr  error                // the read's, once it ran
-	aggs     []relay.AggregateKey // the rows' aggregates
-	rows     []pendingRow         // the rows to deliver
-	closed   bool
+	tx       pgx.Tx // holds the snapshot until read
+
+	mu         sync.Mutex                  // guards the fields below, and closed
+	probe      pgx.Tx                      // holds the snapshot for Pending until read
+	readDone   bool                        // the read ran
+	readErr    error                       // the read's
+	inSnapshot map[relay.AggregateKey]bool // aggs as a set, made when Pending asks after the read
+
+	aggs   []relay.AggregateKey // the rows' aggregates
+	rows   []pendingRow         // the rows to deliver
+	closed bool
 }
 
 // pendingRow is a row to hand over: its id and its aggregate (an index in
@@ -296,15 +365,19 @@ func (s *Store) handOverReadStatement(ctx context.Context) (string, error) {
 // Close implements relay.HandOverRows: it lets the rows go, and the
 // pending scan resume.
 func (h *handOverRows) Close() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
 	if h.closed {
 		return
 	}
 	h.closed = true
-	if h.tx != nil {
-		rollback(h.tx)
-		h.tx = nil
+	for _, tx := range []pgx.Tx{h.tx, h.probe} {
+		if tx != nil {
+			rollback(tx)
+		}
 	}
-	h.rows, h.aggs = nil, nil
+	h.tx, h.probe = nil, nil
+	h.rows, h.aggs, h.inSnapshot = nil, nil, nil
 	h.s.handingOver.Add(-1)
 }
 

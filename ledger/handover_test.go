@@ -609,10 +609,11 @@ func TestHandOverClosedFeedsNothing(t *testing.T) {
 	ctx := context.Background()
 	f.MustInsert(t, row{Key: "backlog"})
 	slot, created, h := f.mustOpenHandOver(t, f.store)
-	// Until its rows are read the hand-over holds the snapshot, in a
-	// transaction on a connection of the pool; Close ends it.
-	if n := f.pool.Stat().AcquiredConns(); n != 1 {
-		t.Errorf("%d connections acquired while the snapshot is held, want 1", n)
+	// Until its rows are read the hand-over holds the snapshot, in two
+	// transactions on connections of the pool (the read's and Pending's);
+	// Close ends them.
+	if n := f.pool.Stat().AcquiredConns(); n != 2 {
+		t.Errorf("%d connections acquired while the snapshot is held, want 2", n)
 	}
 	h.Close()
 	if n := f.pool.Stat().AcquiredConns(); n != 0 {
@@ -653,6 +654,36 @@ func TestHandOverReadsItsSnapshotWhenAsked(t *testing.T) {
 	}
 	if again, err := h.Aggregates(ctx); err != nil || !slices.Equal(again, aggs) {
 		t.Errorf("Aggregates again = %v, %v; want the same, read once", again, err)
+	}
+}
+
+// TestHandOverPendingAsksTheSnapshot: while the rows are not read yet,
+// Pending answers from the snapshot (the stream's first events ask it);
+// after the read, from the rows read, with the same answer: the aggregates
+// with rows pending and not handed off in the snapshot.
+func TestHandOverPendingAsksTheSnapshot(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustInsert(t,
+		row{Key: "one", AggType: ptr("order"), AggID: ptr("1")},
+		row{Key: "handed", AggType: ptr("order"), AggID: ptr("2"), HandedOff: true})
+	_, _, h := f.mustOpenHandOver(t, f.store)
+	defer h.Close()
+	f.MustInsert(t, row{Key: "after", AggType: ptr("order"), AggID: ptr("3")})
+	ask := []relay.AggregateKey{{Type: "order", ID: "1"}, {Type: "order", ID: "2"}, {Type: "order", ID: "3"}, {Type: "order", ID: "4"}}
+	want := []relay.AggregateKey{{Type: "order", ID: "1"}}
+	if got, err := h.Pending(ctx, ask); err != nil || !slices.Equal(got, want) {
+		t.Errorf("Pending before the read = %v, %v; want %v", got, err, want)
+	}
+	if _, err := h.Aggregates(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := h.Pending(ctx, ask); err != nil || !slices.Equal(got, want) {
+		t.Errorf("Pending after the read = %v, %v; want %v", got, err, want)
+	}
+	h.Close()
+	if got, err := h.Pending(ctx, ask); err == nil {
+		t.Errorf("Pending after Close = %v, nil; want an error", got)
 	}
 }
 

@@ -122,6 +122,7 @@ type statements struct {
 	handoverDone         string
 	pendingUnmarked      string
 	snapshotPending      string
+	snapshotPendingAmong string
 	markForClaimByID     string
 	handOverRead         [2]string // without, with trace_context
 	pendingRange         string
@@ -258,6 +259,13 @@ SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
 		snapshotPending: fmt.Sprintf(`
 SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
  WHERE o.status = 'pending' AND o.handoff_at IS NULL`, outbox),
+		// Which of the aggregates $1, $2 (in pairs) have rows in a new
+		// slot's snapshot, asked by the stream while snapshotPending runs:
+		// the order index (aggregate_type, aggregate_id, id) answers.
+		snapshotPendingAmong: fmt.Sprintf(`
+SELECT DISTINCT o.aggregate_type, o.aggregate_id FROM %s AS o
+ WHERE (o.aggregate_type, o.aggregate_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+   AND o.status = 'pending' AND o.handoff_at IS NULL`, outbox),
 		markForClaimByID: fmt.Sprintf(`
 UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
  WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),

@@ -234,6 +234,11 @@ type HandOverRows interface {
 	// Len returns how many rows there are to hand over, once Aggregates
 	// has read them.
 	Len() int
+	// Pending returns those of aggs that have rows to hand over. It may
+	// be called while Aggregates reads (the stream asks it for its first
+	// events' aggregates, to deliver those with none at once), and from
+	// another goroutine.
+	Pending(ctx context.Context, aggs []AggregateKey) ([]AggregateKey, error)
 	// Deliver reads the rows again, a slice at a time, and gives them to
 	// feed (Consumer.HandOver), each aggregate's in id order; rows no
 	// longer pending, or handed off, or delivered everywhere since the

@@ -202,6 +202,10 @@ func phaseSlotRecreated(ctx context.Context, e *env, r *report) error {
 		fmt.Sprintf("%.1f s; the stream drains the same rows in %.1f s: %.2f×", o.took.Seconds(), streamTook.Seconds(), ratio), "≤ 2× the stream", passMiss(ratio <= 2), o.usage)
 	r.add(name, "fresh events meanwhile (other aggregates than the backlog's): commit→NATS p50 / p99", fmt.Sprintf("%s / %s (%s arrived, %d missing)", fmtMS(percentile(o.fresh, 0.5)), fmtMS(percentile(o.fresh, 0.99)), thousands(len(o.fresh)), o.missing),
 		"p99 < 1 s", passMiss(percentile(o.fresh, 0.99) < 1000 && o.missing == 0), o.usage)
+	r.add(name, "the relay's start: launch → streaming from the new slot; fresh events committed before it, and after it: p50 / p99",
+		fmt.Sprintf("%.2f s; before: %s / %s (%s); after: %s / %s (%s)", o.streaming.Seconds(),
+			fmtMS(percentile(o.freshBefore, 0.5)), fmtMS(percentile(o.freshBefore, 0.99)), thousands(len(o.freshBefore)),
+			fmtMS(percentile(o.freshStreamed, 0.5)), fmtMS(percentile(o.freshStreamed, 0.99)), thousands(len(o.freshStreamed))), "—", "info", o.usage)
 	r.add(name, "the same rows behind the relay's own slot, with the same fresh load: all delivered; fresh p50 / p99",
 		fmt.Sprintf("%.1f s (%.2f× the stream's drain alone; the phase took %.2f× this); %s / %s (%s arrived, %d missing)", loaded.took.Seconds(), loaded.took.Seconds()/streamTook.Seconds(),
 			o.took.Seconds()/loaded.took.Seconds(), fmtMS(percentile(loaded.fresh, 0.5)), fmtMS(percentile(loaded.fresh, 0.99)), thousands(len(loaded.fresh)), loaded.missing), "—", "info", loaded.usage)
@@ -214,6 +218,11 @@ type backlogOutcome struct {
 	fresh   []float64     // the fresh events' commit→NATS, sorted, ms
 	missing int           // fresh events not arrived
 	usage   cpuUsage
+
+	// The relay's start: from its launch until it streamed from the slot
+	// (0 when not seen), and the fresh events committed before and after.
+	streaming                  time.Duration
+	freshBefore, freshStreamed []float64
 }
 
 // backlogUnderLoad writes -claim-n rows over -aggregates aggregates behind
@@ -282,6 +291,22 @@ func (e *env) backlogUnderLoad(ctx context.Context, r *report, name, db string, 
 	meter := startCPU(e.roots(rp))
 	loadCtx, stopLoad := context.WithCancel(ctx)
 	defer stopLoad()
+	streamingAt := make(chan time.Time, 1)
+	go func() { // when the relay streams from the slot (the foreign one is never active)
+		defer close(streamingAt)
+		conn, err := pgx.Connect(loadCtx, s.url)
+		if err != nil {
+			return
+		}
+		defer conn.Close(context.Background())
+		for loadCtx.Err() == nil {
+			if active, err := harness.SlotStreaming(loadCtx, conn, s.slot()); err == nil && active {
+				streamingAt <- time.Now()
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
 	loaded := make(chan error, 1)
 	go func() {
 		_, err := e.runLoad(loadCtx, pool, "", fresh, e.o.rate, claimOptions.freshTimeout)
@@ -303,6 +328,10 @@ func (e *env) backlogUnderLoad(ctx context.Context, r *report, name, db string, 
 		time.Sleep(100 * time.Millisecond)
 	}
 	o.fresh, o.missing = fresh.latencies(&fresh.nats)
+	if at, ok := <-streamingAt; ok {
+		o.streaming = at.Sub(start)
+		o.freshBefore, o.freshStreamed = fresh.latenciesSplit(&fresh.nats, at)
+	}
 	e.saySeries(name+" fresh", fresh)
 	return o, nil
 }

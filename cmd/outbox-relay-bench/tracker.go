@@ -84,6 +84,27 @@ func (t *tracker) latencies(a *arrivals) (ms []float64, missing int) {
 	return ms, missing
 }
 
+// latenciesSplit returns, sorted, arrival − commit in milliseconds of the
+// events that have arrived, those committed before at and those committed
+// at or after it.
+func (t *tracker) latenciesSplit(a *arrivals, at time.Time) (before, after []float64) {
+	for i := range t.commit {
+		c, got := t.commit[i].Load(), a.at[i].Load()
+		if c == 0 || got == 0 {
+			continue
+		}
+		ms := float64(got-c) / float64(time.Millisecond)
+		if c < at.UnixNano() {
+			before = append(before, ms)
+		} else {
+			after = append(after, ms)
+		}
+	}
+	slices.Sort(before)
+	slices.Sort(after)
+	return before, after
+}
+
 // latenciesWithin returns, sorted, arrival − commit in milliseconds of the
 // events committed within d of the first commit that have arrived.
 func (t *tracker) latenciesWithin(a *arrivals, d time.Duration) []float64 {

@@ -110,9 +110,9 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 // TestStreamsWhileTheSnapshotIsRead: a new slot streams while its
 // hand-over reads the rows pending in its snapshot (reading a backlog of
 // 200,000 took 0.7 s in make bench's slot-recreated, and every fresh event
-// waited for it), and the consumer gets the stream's first event only once
-// the rows' aggregates are pinned: an event of such an aggregate, streamed
-// during the read, is held until then.
+// waited for it). An event of an aggregate without rows in the snapshot
+// reaches the consumer during the read; one of an aggregate with rows
+// there is held until the rows' aggregates are pinned.
 func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 	e := newEnv(t)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
@@ -137,6 +137,15 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 			return err
 		}
 		defer conn.Close(context.Background())
+		// An event of another aggregate goes on during the read.
+		if _, err := conn.Exec(ctx, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id) VALUES ('other', 'x', 'order', '2')`); err != nil {
+			return err
+		}
+		for deadline := time.Now().Add(10 * time.Second); c.commitOf("other") == 0; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				return errors.New("an event of an aggregate without rows in the snapshot did not reach the consumer during the read")
+			}
+		}
 		// The fresh event, on the backlog's aggregate, committed and sent
 		// to the relay while the snapshot is still unread.
 		var commit relay.LSN
@@ -180,6 +189,39 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 	if c.restartCount() != 1 {
 		t.Errorf("%d sessions, want 1", c.restartCount())
 	}
+}
+
+// TestFailedSnapshotReadMakesTheSlotAgain: the read of the snapshot's rows
+// runs while the slot streams; when it fails the session ends (its
+// events held at the gate are streamed again by the next session, from the
+// slot), and the next one finds the slot without its hand-over record,
+// makes it again and hands every pending row over.
+func TestFailedSnapshotReadMakesTheSlotAgain(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
+	c := &fakeConsumer{}
+	claim := &claimRecorder{url: e.url}
+	var reads atomic.Int32
+	claim.beforeAggregates = func(context.Context) error {
+		if reads.Add(1) == 1 {
+			return errors.New("injected read failure")
+		}
+		return nil
+	}
+	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
+	_, counts := claim.waitCalls(t, 1)
+	if counts[0] != 4 || reads.Load() != 2 {
+		t.Errorf("hand-overs: %d reads, the finished one delivered %v; want 2 reads, 4 rows", reads.Load(), counts)
+	}
+	if n := c.restartCount(); n != 2 {
+		t.Errorf("%d sessions, want 2", n)
+	}
+	if n := len(c.handedOver()); n != 4 {
+		t.Errorf("%d rows given to the consumer's HandOver, want 4 (the second session's)", n)
+	}
+	e.insert(t, "fresh")
+	waitFor(t, 10*time.Second, "the fresh event", func() bool { return c.commitOf("fresh") != 0 })
 }
 
 // TestFailedHandOverMakesTheSlotAgain: when the marking fails while the

@@ -454,6 +454,9 @@ type noRows struct{}
 
 func (noRows) Aggregates(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
 func (noRows) Len() int                                                 { return 0 }
+func (noRows) Pending(context.Context, []relay.AggregateKey) ([]relay.AggregateKey, error) {
+	return nil, nil
+}
 func (noRows) Deliver(context.Context, string, relay.LSN, func(context.Context, []*relay.Event) error, func([]relay.AggregateKey), func(context.Context) error) (int64, error) {
 	return 0, nil
 }

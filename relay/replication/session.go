@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -76,9 +77,11 @@ func (s *Source) session(ctx context.Context) (streamed bool, err error) {
 		return false, err
 	}
 	if handOver != nil {
-		// Closed by its Mark in the stream; here only if the session ends
-		// before.
-		defer handOver.rows.Close()
+		// The rows are read from now on, beside the stream's start; the
+		// hand-over is closed by its Deliver, or here when the session
+		// ends before.
+		handOver.startRead(ctx)
+		defer handOver.close()
 	}
 
 	// Always 0/0: the server starts at the slot's confirmed position, which
@@ -150,14 +153,100 @@ type handOver struct {
 	consistent relay.LSN
 	foreign    bool // the slot it replaces had no hand-over record
 
+	// Set by the read before it closes read.
+	read    chan struct{}
+	aggs    []relay.AggregateKey // the rows' aggregates
+	readErr error
+	stop    context.CancelFunc // ends the read
+
 	// Set by finish before it closes pinned.
-	aggs    []relay.AggregateKey       // the rows' aggregates
-	count   int                        // its rows
 	release func([]relay.AggregateKey) // ends the stream's pin on aggregates of aggs
 	// pinned is closed once the rows' aggregates are pinned: the decoder
 	// gives the consumer nothing before (an event of such an aggregate
 	// must not overtake its rows).
 	pinned chan struct{}
+}
+
+// startRead reads the hand-over's rows in the snapshot (Aggregates) until
+// ctx ends or close.
+func (h *handOver) startRead(ctx context.Context) {
+	ctx, h.stop = context.WithCancel(ctx)
+	h.read = make(chan struct{})
+	go func() {
+		defer close(h.read)
+		h.aggs, h.readErr = h.rows.Aggregates(ctx)
+	}()
+}
+
+// close ends the read, waits for it, and lets the hand-over go.
+func (h *handOver) close() {
+	h.stop()
+	<-h.read
+	h.rows.Close()
+}
+
+// gate is the consumer the decoder feeds while a new slot's rows are read
+// (docs/architecture.md, "Slot creation"): the stream starts before the
+// read ends, and an event must not reach the engine before the pin of its
+// aggregate, if that aggregate has rows in the snapshot. The gate asks the
+// snapshot about each transaction's aggregates it has not seen (one round
+// trip, through the order index): a transaction with none there goes on at
+// once; the first with one waits for the pin, and everything after it
+// follows in stream order. Once the pin is set every event goes on.
+type gate struct {
+	relay.Consumer
+	h      *handOver
+	clear  map[relay.AggregateKey]bool // aggregates without rows in the snapshot
+	ask    []relay.AggregateKey
+	passed bool // the pin is set
+}
+
+// Submit implements relay.Consumer.
+func (g *gate) Submit(ctx context.Context, events []*relay.Event) error {
+	if !g.passed {
+		if err := g.wait(ctx, events); err != nil {
+			return err
+		}
+	}
+	return g.Consumer.Submit(ctx, events)
+}
+
+// wait returns once events may go to the engine.
+func (g *gate) wait(ctx context.Context, events []*relay.Event) error {
+	select {
+	case <-g.h.pinned:
+		g.passed = true
+		return nil
+	default:
+	}
+	g.ask = g.ask[:0]
+	for _, ev := range events {
+		if !ev.Ordered() {
+			continue
+		}
+		if a := ev.AggregateKey(); !g.clear[a] && !slices.Contains(g.ask, a) {
+			g.ask = append(g.ask, a)
+		}
+	}
+	if len(g.ask) == 0 {
+		return nil
+	}
+	pending, err := g.h.rows.Pending(ctx, g.ask)
+	if err == nil && len(pending) == 0 {
+		for _, a := range g.ask {
+			g.clear[a] = true
+		}
+		return nil
+	}
+	// An aggregate with rows in the snapshot, or no answer: wait for the
+	// pin (a failed read ends the session).
+	select {
+	case <-g.h.pinned:
+		g.passed = true
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // finish reads the hand-over's rows in the slot's snapshot, pins their
@@ -167,20 +256,24 @@ type handOver struct {
 // hand-over record, is made again by the next one) and an error that ends
 // the session when the read or the delivery fails.
 func (s *Source) finish(ctx context.Context, h *handOver) error {
-	aggs, err := h.rows.Aggregates(ctx)
-	if err != nil {
+	select {
+	case <-h.read:
+	case <-ctx.Done():
+		return nil
+	}
+	if h.readErr != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
-		return fmt.Errorf("read the rows pending at slot creation: %w", err)
+		return fmt.Errorf("read the rows pending at slot creation: %w", h.readErr)
 	}
-	h.aggs, h.count = aggs, h.rows.Len()
+	aggs, count := h.aggs, h.rows.Len()
 	h.release = s.cfg.Consumer.Divert(aggs)
 	close(h.pinned)
-	s.log.Info().Str("consistent_point", h.consistent.String()).Int("rows", h.count).Int("aggregates", len(aggs)).
+	s.log.Info().Str("consistent_point", h.consistent.String()).Int("rows", count).Int("aggregates", len(aggs)).
 		Msg("read the rows pending in the new slot's snapshot: each aggregate's are delivered before its new events")
-	if h.foreign && h.count > 0 {
-		s.log.Warn().Int("rows", h.count).Int("aggregates", len(h.aggs)).Dur("expected_drain", relay.HandOverDrainEstimate(int64(h.count))).
+	if h.foreign && count > 0 {
+		s.log.Warn().Int("rows", count).Int("aggregates", len(h.aggs)).Dur("expected_drain", relay.HandOverDrainEstimate(int64(count))).
 			Int("at_rows_per_second", relay.HandOverRowsPerSecond).Msg("the slot found without its hand-over record was recreated: the rows pending before it are delivered now, each aggregate's before its new events, beside the stream")
 	}
 	// An aggregate leaves the pin as soon as its last row is queued.

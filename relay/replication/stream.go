@@ -195,18 +195,11 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	// hand-over that fails; one that finishes does not.
 	workers, sctx := relay.NewGroup(ctx)
 	q := newQueue()
-	workers.Go("decoder", func(ctx context.Context) error {
-		if handOver != nil {
-			// The stream starts while a new slot's rows are read; its
-			// events wait, queued, until their aggregates are pinned.
-			select {
-			case <-handOver.pinned:
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		}
-		return newDecoder(s.cfg.Consumer, s.outbox).run(ctx, q)
-	})
+	consumer := s.cfg.Consumer
+	if handOver != nil {
+		consumer = &gate{Consumer: consumer, h: handOver, clear: map[relay.AggregateKey]bool{}}
+	}
+	workers.Go("decoder", func(ctx context.Context) error { return newDecoder(consumer, s.outbox).run(ctx, q) })
 	if handOver != nil {
 		workers.GoTask("hand-over", func(ctx context.Context) error { return s.finish(ctx, handOver) })
 	}
