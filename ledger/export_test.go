@@ -118,3 +118,11 @@ func (s *Store) MarkDeliveredDoneStatement() string { return s.sql.markDelivered
 // DivertedStatement returns the read of the diverted aggregates, for
 // EXPLAIN.
 func (s *Store) DivertedStatement() string { return s.sql.stream.diverted }
+
+// SetEarlySlice sets how many of the newest rows Early looks at, until
+// restore.
+func SetEarlySlice(n int) (restore func()) {
+	old := earlySlice
+	earlySlice = n
+	return func() { earlySlice = old }
+}

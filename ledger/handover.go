@@ -21,6 +21,10 @@ import (
 // is read while the last is delivered.
 var handOverSlice = relay.HandOverWindow / 2
 
+// earlySlice is how many of the newest rows pending in the snapshot Early
+// looks at.
+var earlySlice = relay.HandOverWindow / 2
+
 // OpenHandOver begins the slot-creation hand-over of a new slot
 // (docs/architecture.md, "slot creation"): it imports the snapshot that
 // CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported into a REPEATABLE
@@ -106,6 +110,80 @@ func (h *handOverRows) Pending(ctx context.Context, aggs []relay.AggregateKey) (
 		return nil, fmt.Errorf("ask snapshot %s for the rows of %d aggregates: %w", h.snapshot, len(aggs), err)
 	}
 	return out, nil
+}
+
+// Early implements relay.HandOverRows. It reads, in the snapshot, the
+// newest earlySlice rows pending there and keeps those whose aggregate has
+// every pending row among them (and those without one): the events
+// committed just before the slot, of aggregates without a backlog, which
+// would otherwise wait for the whole read. It reads them again like a
+// slice of Deliver, gives them to feed, and returns their aggregates;
+// Deliver leaves them out. It does nothing once the read is done.
+func (h *handOverRows) Early(ctx context.Context, feed func(context.Context, []*relay.Event) error) ([]relay.AggregateKey, error) {
+	ids, aggs, err := h.earlyIDs(ctx)
+	if err != nil || len(ids) == 0 {
+		return nil, err
+	}
+	readSQL, err := h.s.handOverReadStatement(ctx)
+	if err != nil {
+		return nil, err
+	}
+	events, err := h.readSlice(ctx, readSQL, ids)
+	if err != nil {
+		return nil, fmt.Errorf("read the %d newest rows of snapshot %s to deliver: %w", len(ids), h.snapshot, err)
+	}
+	if err := feed(ctx, events); err != nil {
+		return nil, fmt.Errorf("deliver the %d newest rows of snapshot %s: %w", len(events), h.snapshot, err)
+	}
+	h.mu.Lock()
+	h.earlyFed += int64(len(events))
+	h.mu.Unlock()
+	return aggs, nil
+}
+
+// earlyIDs reads Early's rows on the second transaction and records them
+// for Deliver to leave out.
+func (h *handOverRows) earlyIDs(ctx context.Context) ([]int64, []relay.AggregateKey, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return nil, nil, errors.New("deliver the hand-over's newest rows: the hand-over was closed")
+	}
+	if h.readDone || h.probe == nil {
+		return nil, nil, nil
+	}
+	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	rows, err := h.probe.Query(dbCtx, h.s.sql.snapshotEarly, earlySlice)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+	}
+	defer rows.Close()
+	var ids []int64
+	var aggs []relay.AggregateKey
+	seen := map[relay.AggregateKey]bool{}
+	for rows.Next() {
+		var id int64
+		var typ, aggID *string
+		if err := rows.Scan(&id, &typ, &aggID); err != nil {
+			return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+		}
+		ids = append(ids, id)
+		if typ != nil && aggID != nil {
+			if a := (relay.AggregateKey{Type: *typ, ID: *aggID}); !seen[a] {
+				seen[a] = true
+				aggs = append(aggs, a)
+			}
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+	}
+	h.early = make(map[int64]bool, len(ids))
+	for _, id := range ids {
+		h.early[id] = true
+	}
+	return ids, aggs, nil
 }
 
 // read reads, once, in the imported snapshot, the rows pending there and
@@ -209,6 +287,8 @@ type handOverRows struct {
 	readDone   bool                        // the read ran
 	readErr    error                       // the read's
 	inSnapshot map[relay.AggregateKey]bool // aggs as a set, made when Pending asks after the read
+	early      map[int64]bool              // the rows Early took
+	earlyFed   int64                       // how many it fed
 
 	aggs   []relay.AggregateKey // the rows' aggregates
 	rows   []pendingRow         // the rows to deliver
@@ -258,6 +338,12 @@ func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent rela
 	if err := h.read(ctx); err != nil {
 		return 0, err
 	}
+	h.mu.Lock()
+	early, total := h.early, h.earlyFed
+	h.mu.Unlock()
+	if len(early) > 0 { // fed by Early
+		h.rows = slices.DeleteFunc(h.rows, func(r pendingRow) bool { return early[r.id] })
+	}
 	readSQL, err := h.s.handOverReadStatement(ctx)
 	if err != nil {
 		return 0, err
@@ -278,7 +364,6 @@ func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent rela
 		return cmp.Or(cmp.Compare(rowsOf(a), rowsOf(b)), cmp.Compare(a.id, b.id))
 	})
 	left := slices.Clone(count) // each aggregate's rows not fed yet
-	var total int64
 	ids := make([]int64, 0, handOverSlice)
 	for chunk := range slices.Chunk(h.rows, handOverSlice) {
 		ids = ids[:0]
@@ -377,7 +462,7 @@ func (h *handOverRows) Close() {
 		}
 	}
 	h.tx, h.probe = nil, nil
-	h.rows, h.aggs, h.inSnapshot = nil, nil, nil
+	h.rows, h.aggs, h.inSnapshot, h.early = nil, nil, nil, nil
 	h.s.handingOver.Add(-1)
 }
 

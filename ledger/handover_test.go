@@ -687,6 +687,68 @@ func TestHandOverPendingAsksTheSnapshot(t *testing.T) {
 	}
 }
 
+// TestHandOverEarlyFeedsTheNewestCompleteAggregates: before the read ends,
+// Early feeds the newest rows whose aggregates have no other row pending in
+// the snapshot (the events committed just before the slot), in id order,
+// with rows without an aggregate; an aggregate with an older row waits for
+// Deliver, which leaves Early's rows out and counts them.
+func TestHandOverEarlyFeedsTheNewestCompleteAggregates(t *testing.T) {
+	defer ledger.SetEarlySlice(4)()
+	f := MustFixture(t)
+	ctx := context.Background()
+	agg := func(key, id string) row { return row{Key: key, AggType: ptr("order"), AggID: ptr(id)} }
+	f.MustInsert(t, agg("big-1", "big"), agg("big-2", "big"), agg("big-3", "big"),
+		agg("s1", "s1"), agg("s2-1", "s2"), row{Key: "free"}, agg("s2-2", "s2"), agg("big-4", "big"))
+	slot, created, h := f.mustOpenHandOver(t, f.store)
+	defer h.Close()
+	early := &feedLog{}
+	aggs, err := h.Early(ctx, early.feed)
+	if err != nil {
+		t.Fatalf("Early: %v", err)
+	}
+	// The newest four: s2-1, free, s2-2, big-4; big has older rows.
+	if got := early.keys(); !slices.Equal(got, []string{"s2-1", "free", "s2-2"}) {
+		t.Errorf("Early fed %v, want [s2-1 free s2-2]", got)
+	}
+	if want := []relay.AggregateKey{{Type: "order", ID: "s2"}}; !slices.Equal(aggs, want) {
+		t.Errorf("Early's aggregates %v, want %v", aggs, want)
+	}
+	if _, err := h.Aggregates(ctx); err != nil {
+		t.Fatal(err)
+	}
+	fed := &feedLog{}
+	n, err := fed.deliver(ctx, h, slot, created.consistent)
+	if err != nil {
+		t.Fatalf("Deliver: %v", err)
+	}
+	if got := fed.keys(); !slices.Equal(got, []string{"s1", "big-1", "big-2", "big-3", "big-4"}) {
+		t.Errorf("Deliver fed %v, want [s1 big-1 big-2 big-3 big-4] (Early's rows left out)", got)
+	}
+	if n != 8 {
+		t.Errorf("Deliver reported %d rows, want 8 (Early's three counted)", n)
+	}
+}
+
+// TestHandOverEarlyAfterTheReadFeedsNothing: once the read is done Deliver
+// has every row; Early leaves them to it.
+func TestHandOverEarlyAfterTheReadFeedsNothing(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.MustInsert(t, row{Key: "s1", AggType: ptr("order"), AggID: ptr("s1")})
+	_, _, h := f.mustOpenHandOver(t, f.store)
+	defer h.Close()
+	if _, err := h.Aggregates(ctx); err != nil {
+		t.Fatal(err)
+	}
+	aggs, err := h.Early(ctx, func(context.Context, []*relay.Event) error {
+		t.Error("Early fed rows after the read")
+		return nil
+	})
+	if err != nil || len(aggs) != 0 {
+		t.Errorf("Early after the read = %v, %v; want nothing", aggs, err)
+	}
+}
+
 // TestHandOverReportsEachAggregateOnceFed: after each slice Deliver
 // reports the aggregates whose every row it has now fed, so the stream's
 // pin on them ends then, not with the whole hand-over; it waits for the

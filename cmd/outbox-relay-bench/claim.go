@@ -330,7 +330,7 @@ func (e *env) backlogUnderLoad(ctx context.Context, r *report, name, db string, 
 	o.fresh, o.missing = fresh.latencies(&fresh.nats)
 	if at, ok := <-streamingAt; ok {
 		o.streaming = at.Sub(start)
-		o.freshBefore, o.freshStreamed = fresh.latenciesSplit(&fresh.nats, at)
+		o.freshBefore, o.freshStreamed = fresh.latenciesSplit(&fresh.nats, int64(at.Sub(e.base))+1)
 	}
 	e.saySeries(name+" fresh", fresh)
 	return o, nil

@@ -86,15 +86,15 @@ func (t *tracker) latencies(a *arrivals) (ms []float64, missing int) {
 
 // latenciesSplit returns, sorted, arrival − commit in milliseconds of the
 // events that have arrived, those committed before at and those committed
-// at or after it.
-func (t *tracker) latenciesSplit(a *arrivals, at time.Time) (before, after []float64) {
+// at or after it (at on the clock of env.now).
+func (t *tracker) latenciesSplit(a *arrivals, at int64) (before, after []float64) {
 	for i := range t.commit {
 		c, got := t.commit[i].Load(), a.at[i].Load()
 		if c == 0 || got == 0 {
 			continue
 		}
 		ms := float64(got-c) / float64(time.Millisecond)
-		if c < at.UnixNano() {
+		if c < at {
 			before = append(before, ms)
 		} else {
 			after = append(after, ms)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -56,6 +58,27 @@ func TestSlotRecreatedOnlyAfterConsumerSettled(t *testing.T) {
 	}
 }
 
+// pushPastEarly writes 1,001 rows of aggregate bulk/1 after the test's
+// backlog: the rows before them are not among the newest 1,000 that the
+// hand-over feeds first (HandOverRows.Early), and bulk/1 has a row older
+// than those, so Early feeds nothing and Deliver everything.
+func (e *testEnv) pushPastEarly(t *testing.T) {
+	t.Helper()
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		SELECT 'bulk-' || g, 'x', 'bulk', '1' FROM generate_series(1, 1001) g`)
+}
+
+// olds returns the keys of events with the prefix old-.
+func olds(events []*relay.Event) []string {
+	var out []string
+	for _, k := range keysOf(events) {
+		if strings.HasPrefix(k, "old-") {
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
 // TestStreamsWhileTheHandOverMarks: a new slot streams while its hand-over
 // marks the rows pending in its snapshot (docs/architecture.md, "slot
 // creation"): an event committed after the slot reaches the consumer while
@@ -66,6 +89,7 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 	e := newEnv(t)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'old-' || g, 'x', 'order', '1' FROM generate_series(1, 3) g`)
+	e.pushPastEarly(t)
 	c := &fakeConsumer{}
 	claim := &claimRecorder{url: e.url}
 	var divertsAtMark atomic.Int32
@@ -88,19 +112,19 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 	waitFor(t, 10*time.Second, "the fresh event streamed before the hand-over's marking", func() bool { return c.commitOf("fresh") != 0 })
 
 	_, counts := claim.waitCalls(t, 1)
-	if counts[0] != 3 {
-		t.Errorf("the hand-over delivered %d rows, want 3", counts[0])
+	if counts[0] != 1004 {
+		t.Errorf("the hand-over delivered %d rows, want 1,004", counts[0])
 	}
-	if keys := keysOf(c.handedOver()); fmt.Sprint(keys) != "[old-1 old-2 old-3]" {
-		t.Errorf("rows given to the consumer's HandOver: %v, want [old-1 old-2 old-3]", keys)
+	if keys := olds(c.handedOver()); fmt.Sprint(keys) != "[old-1 old-2 old-3]" {
+		t.Errorf("rows of order/1 given to the consumer's HandOver: %v, want [old-1 old-2 old-3]", keys)
 	}
 	if divertsAtMark.Load() != 1 {
 		t.Errorf("%d Divert calls when the marking began, want 1 (before the stream's first event)", divertsAtMark.Load())
 	}
 	waitFor(t, 5*time.Second, "the diversion released", func() bool { _, released := c.divertCalls(); return released == 1 })
 	diverts, _ := c.divertCalls()
-	if len(diverts) != 1 || len(diverts[0]) != 1 || diverts[0][0] != (relay.AggregateKey{Type: "order", ID: "1"}) {
-		t.Errorf("Divert calls %v, want one of the backlog's aggregate order/1", diverts)
+	if len(diverts) != 1 || !slices.Equal(diverts[0], []relay.AggregateKey{{Type: "order", ID: "1"}, {Type: "bulk", ID: "1"}}) {
+		t.Errorf("Divert calls %v, want one of the backlog's aggregates order/1 and bulk/1", diverts)
 	}
 	if c.restartCount() != 1 {
 		t.Errorf("%d sessions, want 1", c.restartCount())
@@ -111,12 +135,19 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 // hand-over reads the rows pending in its snapshot (reading a backlog of
 // 200,000 took 0.7 s in make bench's slot-recreated, and every fresh event
 // waited for it). An event of an aggregate without rows in the snapshot
-// reaches the consumer during the read; one of an aggregate with rows
-// there is held until the rows' aggregates are pinned.
+// reaches the consumer during the read, and so does one of an aggregate
+// whose rows were all among the newest (Early fed them first); one of an
+// aggregate with older rows there is held until the rows' aggregates are
+// pinned.
 func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 	e := newEnv(t)
+	// order/1's rows are older than the newest 1,000 (Early's), order/3's
+	// one row is the newest.
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'old-' || g, 'x', 'order', '1' FROM generate_series(1, 3) g`)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		SELECT 'bulk-' || g, 'x', 'bulk', g::text FROM generate_series(1, 1000) g`)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id) VALUES ('recent', 'x', 'order', '3')`)
 	c := &fakeConsumer{}
 	var divertsAtFresh atomic.Int32
 	divertsAtFresh.Store(-1)
@@ -145,6 +176,18 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 			if time.Now().After(deadline) {
 				return errors.New("an event of an aggregate without rows in the snapshot did not reach the consumer during the read")
 			}
+		}
+		// And one of the aggregate whose one row Early fed.
+		if _, err := conn.Exec(ctx, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id) VALUES ('again', 'x', 'order', '3')`); err != nil {
+			return err
+		}
+		for deadline := time.Now().Add(10 * time.Second); c.commitOf("again") == 0; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				return errors.New("an event of an aggregate whose rows Early fed did not reach the consumer during the read")
+			}
+		}
+		if keys := keysOf(c.handedOver()); !slices.Contains(keys, "recent") || slices.Contains(keys, "old-1") {
+			return fmt.Errorf("rows given to HandOver during the read: %d, want the newest (recent) and not order/1's", len(keys))
 		}
 		// The fresh event, on the backlog's aggregate, committed and sent
 		// to the relay while the snapshot is still unread.
@@ -176,10 +219,13 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 	}
 	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	_, counts := claim.waitCalls(t, 1)
-	if counts[0] != 3 {
-		t.Errorf("the hand-over delivered %d rows, want 3", counts[0])
+	if counts[0] != 1004 {
+		t.Errorf("the hand-over delivered %d rows, want 1,004", counts[0])
 	}
 	waitFor(t, 10*time.Second, "the fresh event", func() bool { return c.commitOf("fresh") != 0 })
+	if keys := keysOf(c.handedOver()); len(keys) != 1004 || slices.Index(keys, "recent") > slices.Index(keys, "old-1") {
+		t.Errorf("rows given to HandOver: %d, recent at %d, old-1 at %d; want 1,004, the newest (recent) before order/1's", len(keys), slices.Index(keys, "recent"), slices.Index(keys, "old-1"))
+	}
 	if !held.Load() {
 		t.Error("the fresh event reached the consumer while the snapshot was unread")
 	}
@@ -200,6 +246,7 @@ func TestFailedSnapshotReadMakesTheSlotAgain(t *testing.T) {
 	e := newEnv(t)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
+	e.pushPastEarly(t)
 	c := &fakeConsumer{}
 	claim := &claimRecorder{url: e.url}
 	var reads atomic.Int32
@@ -211,14 +258,14 @@ func TestFailedSnapshotReadMakesTheSlotAgain(t *testing.T) {
 	}
 	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	_, counts := claim.waitCalls(t, 1)
-	if counts[0] != 4 || reads.Load() != 2 {
-		t.Errorf("hand-overs: %d reads, the finished one delivered %v; want 2 reads, 4 rows", reads.Load(), counts)
+	if counts[0] != 1005 || reads.Load() != 2 {
+		t.Errorf("hand-overs: %d reads, the finished one delivered %v; want 2 reads, 1,005 rows", reads.Load(), counts)
 	}
 	if n := c.restartCount(); n != 2 {
 		t.Errorf("%d sessions, want 2", n)
 	}
-	if n := len(c.handedOver()); n != 4 {
-		t.Errorf("%d rows given to the consumer's HandOver, want 4 (the second session's)", n)
+	if n := len(c.handedOver()); n != 1005 {
+		t.Errorf("%d rows given to the consumer's HandOver, want 1,005 (the second session's)", n)
 	}
 	e.insert(t, "fresh")
 	waitFor(t, 10*time.Second, "the fresh event", func() bool { return c.commitOf("fresh") != 0 })
@@ -234,6 +281,7 @@ func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
 	e := newEnv(t)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
+	e.pushPastEarly(t)
 	c := &fakeConsumer{}
 	claim := &claimRecorder{url: e.url}
 	var marks atomic.Int32
@@ -245,14 +293,14 @@ func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
 	}
 	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 	_, counts := claim.waitCalls(t, 1)
-	if counts[0] != 4 || marks.Load() != 2 {
-		t.Errorf("hand-overs: %d Deliver calls, the finished one delivered %v; want 2 calls, 4 rows", marks.Load(), counts)
+	if counts[0] != 1005 || marks.Load() != 2 {
+		t.Errorf("hand-overs: %d Deliver calls, the finished one delivered %v; want 2 calls, 1,005 rows", marks.Load(), counts)
 	}
 	if n := c.restartCount(); n != 2 {
 		t.Errorf("%d sessions, want 2", n)
 	}
-	if n := len(c.handedOver()); n != 4 {
-		t.Errorf("%d rows given to the consumer's HandOver, want 4 (the second session's)", n)
+	if n := len(c.handedOver()); n != 1005 {
+		t.Errorf("%d rows given to the consumer's HandOver, want 1,005 (the second session's)", n)
 	}
 	diverts, released := c.divertCalls()
 	if len(diverts) != 2 || released != 1 {

@@ -159,6 +159,11 @@ type handOver struct {
 	readErr error
 	stop    context.CancelFunc // ends the read
 
+	// Set by finish before it closes early: the aggregates whose every row
+	// Early has fed (their streamed events may follow).
+	earlyAggs map[relay.AggregateKey]bool
+	early     chan struct{}
+
 	// Set by finish before it closes pinned.
 	release func([]relay.AggregateKey) // ends the stream's pin on aggregates of aggs
 	// pinned is closed once the rows' aggregates are pinned: the decoder
@@ -190,9 +195,10 @@ func (h *handOver) close() {
 // read ends, and an event must not reach the engine before the pin of its
 // aggregate, if that aggregate has rows in the snapshot. The gate asks the
 // snapshot about each transaction's aggregates it has not seen (one round
-// trip, through the order index): a transaction with none there goes on at
-// once; the first with one waits for the pin, and everything after it
-// follows in stream order. Once the pin is set every event goes on.
+// trip, through the order index): a transaction with none there, or whose
+// aggregates' rows Early has all fed, goes on at once; the first with
+// another waits for the pin, and everything after it follows in stream
+// order. Once the pin is set every event goes on.
 type gate struct {
 	relay.Consumer
 	h      *handOver
@@ -232,21 +238,42 @@ func (g *gate) wait(ctx context.Context, events []*relay.Event) error {
 		return nil
 	}
 	pending, err := g.h.rows.Pending(ctx, g.ask)
-	if err == nil && len(pending) == 0 {
-		for _, a := range g.ask {
-			g.clear[a] = true
+	for early := g.h.early; ; {
+		if err == nil && !g.waitsFor(pending) {
+			for _, a := range g.ask {
+				g.clear[a] = true
+			}
+			return nil
 		}
-		return nil
+		// An aggregate with rows in the snapshot not fed yet, or no
+		// answer: wait for the pin (a failed read ends the session), or
+		// for Early's rows.
+		select {
+		case <-g.h.pinned:
+			g.passed = true
+			return nil
+		case <-early:
+			early = nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
-	// An aggregate with rows in the snapshot, or no answer: wait for the
-	// pin (a failed read ends the session).
+}
+
+// waitsFor reports whether an aggregate of pending has rows not fed yet.
+func (g *gate) waitsFor(pending []relay.AggregateKey) bool {
+	fed := false
 	select {
-	case <-g.h.pinned:
-		g.passed = true
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
+	case <-g.h.early:
+		fed = true
+	default:
 	}
+	for _, a := range pending {
+		if !fed || !g.h.earlyAggs[a] {
+			return true
+		}
+	}
+	return false
 }
 
 // finish reads the hand-over's rows in the slot's snapshot, pins their
@@ -256,6 +283,20 @@ func (g *gate) wait(ctx context.Context, events []*relay.Event) error {
 // hand-over record, is made again by the next one) and an error that ends
 // the session when the read or the delivery fails.
 func (s *Source) finish(ctx context.Context, h *handOver) error {
+	// The rows committed just before the slot, of aggregates without a
+	// backlog, go first, while the read runs.
+	earlyAggs, err := h.rows.Early(ctx, s.cfg.Consumer.HandOver)
+	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("deliver the newest rows pending at slot creation: %w", err)
+	}
+	h.earlyAggs = make(map[relay.AggregateKey]bool, len(earlyAggs))
+	for _, a := range earlyAggs {
+		h.earlyAggs[a] = true
+	}
+	close(h.early)
 	select {
 	case <-h.read:
 	case <-ctx.Done():
@@ -267,7 +308,9 @@ func (s *Source) finish(ctx context.Context, h *handOver) error {
 		}
 		return fmt.Errorf("read the rows pending at slot creation: %w", h.readErr)
 	}
-	aggs, count := h.aggs, h.rows.Len()
+	// Early's aggregates have no row left to deliver: not pinned.
+	aggs := slices.DeleteFunc(slices.Clone(h.aggs), func(a relay.AggregateKey) bool { return h.earlyAggs[a] })
+	count := h.rows.Len()
 	h.release = s.cfg.Consumer.Divert(aggs)
 	close(h.pinned)
 	s.log.Info().Str("consistent_point", h.consistent.String()).Int("rows", count).Int("aggregates", len(aggs)).
@@ -286,8 +329,8 @@ func (s *Source) finish(ctx context.Context, h *handOver) error {
 		// over what is pending then.
 		return fmt.Errorf("deliver the rows pending at slot creation: %w", err)
 	}
-	h.release(h.aggs)
-	s.log.Info().Str("consistent_point", h.consistent.String()).Int64("rows_delivered", n).
+	h.release(aggs)
+	s.log.Info().Str("consistent_point", h.consistent.String()).Int64("rows_delivered", n).Int("aggregates_first", len(earlyAggs)).
 		Int("aggregates", len(h.aggs)).Msg("hand-over done: the rows pending in the new slot's snapshot are settled")
 	return nil
 }
@@ -606,7 +649,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	}
 	s.log.Info().Str("consistent_point", consistent.String()).Bool("failover", version >= failoverVersion).
 		Msg("created replication slot; the rows pending in its snapshot are delivered while it streams")
-	return consistent, &handOver{rows: rows, consistent: consistent, foreign: foreign, pinned: make(chan struct{})}, nil
+	return consistent, &handOver{rows: rows, consistent: consistent, foreign: foreign, early: make(chan struct{}), pinned: make(chan struct{})}, nil
 }
 
 func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {
