@@ -126,3 +126,7 @@ func SetEarlySlice(n int) (restore func()) {
 	earlySlice = n
 	return func() { earlySlice = old }
 }
+
+// EarlyStatement returns the read of Early's rows (its arguments: the
+// range of ids, open below), for EXPLAIN.
+func (s *Store) EarlyStatement() string { return s.sql.snapshotEarly }

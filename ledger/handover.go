@@ -112,33 +112,31 @@ func (h *handOverRows) Pending(ctx context.Context, aggs []relay.AggregateKey) (
 	return out, nil
 }
 
-// Early implements relay.HandOverRows. It reads, in the snapshot, the
-// newest earlySlice rows pending there and keeps those whose aggregate has
-// every pending row among them (and those without one): the events
-// committed just before the slot, of aggregates without a backlog, which
-// would otherwise wait for the whole read. It reads them again like a
-// slice of Deliver, gives them to feed, and returns their aggregates;
-// Deliver leaves them out. It does nothing once the read is done.
-func (h *handOverRows) Early(ctx context.Context, feed func(context.Context, []*relay.Event) error) ([]relay.AggregateKey, error) {
+// Early implements relay.HandOverRows. It reads, in the snapshot, the rows
+// pending there among the newest earlySlice ids and keeps those whose
+// aggregate has every pending row among them (and those without one): the
+// events committed just before the slot, of aggregates without a backlog,
+// which would otherwise wait for the whole read. It reads them again like
+// a slice of Deliver and returns them with their aggregates, for the
+// caller to feed; Deliver leaves them out and counts them. It returns
+// nothing once the read is done.
+func (h *handOverRows) Early(ctx context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
 	ids, aggs, err := h.earlyIDs(ctx)
 	if err != nil || len(ids) == 0 {
-		return nil, err
+		return nil, nil, err
 	}
 	readSQL, err := h.s.handOverReadStatement(ctx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	events, err := h.readSlice(ctx, readSQL, ids)
 	if err != nil {
-		return nil, fmt.Errorf("read the %d newest rows of snapshot %s to deliver: %w", len(ids), h.snapshot, err)
-	}
-	if err := feed(ctx, events); err != nil {
-		return nil, fmt.Errorf("deliver the %d newest rows of snapshot %s: %w", len(events), h.snapshot, err)
+		return nil, nil, fmt.Errorf("read the %d newest rows of snapshot %s to deliver: %w", len(ids), h.snapshot, err)
 	}
 	h.mu.Lock()
 	h.earlyFed += int64(len(events))
 	h.mu.Unlock()
-	return aggs, nil
+	return events, aggs, nil
 }
 
 // earlyIDs reads Early's rows on the second transaction and records them
@@ -154,7 +152,11 @@ func (h *handOverRows) earlyIDs(ctx context.Context) ([]int64, []relay.Aggregate
 	}
 	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
-	rows, err := h.probe.Query(dbCtx, h.s.sql.snapshotEarly, earlySlice)
+	var maxID int64
+	if err := h.probe.QueryRow(dbCtx, h.s.sql.maxID).Scan(&maxID); err != nil {
+		return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+	}
+	rows, err := h.probe.Query(dbCtx, h.s.sql.snapshotEarly, maxID-int64(earlySlice), maxID)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
 	}
@@ -288,7 +290,7 @@ type handOverRows struct {
 	readErr    error                       // the read's
 	inSnapshot map[relay.AggregateKey]bool // aggs as a set, made when Pending asks after the read
 	early      map[int64]bool              // the rows Early took
-	earlyFed   int64                       // how many it fed
+	earlyFed   int64                       // how many it returned
 
 	aggs   []relay.AggregateKey // the rows' aggregates
 	rows   []pendingRow         // the rows to deliver

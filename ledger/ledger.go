@@ -124,6 +124,7 @@ type statements struct {
 	snapshotPending      string
 	snapshotPendingAmong string
 	snapshotEarly        string
+	maxID                string
 	markForClaimByID     string
 	handOverRead         [2]string // without, with trace_context
 	pendingRange         string
@@ -267,16 +268,23 @@ SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
 SELECT DISTINCT o.aggregate_type, o.aggregate_id FROM %s AS o
  WHERE (o.aggregate_type, o.aggregate_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
    AND o.status = 'pending' AND o.handoff_at IS NULL`, outbox),
-		// The newest $1 rows pending in a new slot's snapshot, of those
-		// whose aggregate has no other row pending there (or none): what
-		// Early feeds before the whole read ends. An aggregate's count
-		// stops one past its rows among the newest, so a long backlog
-		// costs no more than that.
+		maxID: fmt.Sprintf(`SELECT COALESCE(max(id), 0) FROM %s`, outbox),
+		// The rows pending in a new slot's snapshot with an id in ($1, $2]
+		// (the newest ids), of those whose aggregate has no other row
+		// pending there (or none): what Early feeds before the whole read
+		// ends. The ids are a range of the primary key, whatever the
+		// backlog: ORDER BY id DESC LIMIT was planned as a scan of every
+		// pending row and a sort, and a range open above with the claim
+		// index's predicate as a scan of that whole index (0.1 s behind
+		// 200,000 rows in make bench) or, without statistics (a backlog
+		// just written), of the table. A range closed on both sides is
+		// planned on the primary key either way, and the status is tested
+		// as IS TRUE, which no partial index's predicate matches. An
+		// aggregate's count stops one past its rows among them.
 		snapshotEarly: fmt.Sprintf(`
 WITH newest AS MATERIALIZED (
 SELECT o.id, o.aggregate_type, o.aggregate_id FROM %[1]s AS o
- WHERE o.status = 'pending' AND o.handoff_at IS NULL
- ORDER BY o.id DESC LIMIT $1),
+ WHERE o.id > $1 AND o.id <= $2 AND (o.status = 'pending' AND o.handoff_at IS NULL) IS TRUE),
 counts AS (
 SELECT aggregate_type, aggregate_id, count(*) AS n FROM newest
  WHERE aggregate_type IS NOT NULL AND aggregate_id IS NOT NULL

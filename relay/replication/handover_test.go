@@ -237,75 +237,53 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 	}
 }
 
-// TestFailedSnapshotReadMakesTheSlotAgain: the read of the snapshot's rows
-// runs while the slot streams; when it fails the session ends (its
-// events held at the gate are streamed again by the next session, from the
-// slot), and the next one finds the slot without its hand-over record,
-// makes it again and hands every pending row over.
-func TestFailedSnapshotReadMakesTheSlotAgain(t *testing.T) {
-	e := newEnv(t)
-	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
-		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
-	e.pushPastEarly(t)
-	c := &fakeConsumer{}
-	claim := &claimRecorder{url: e.url}
-	var reads atomic.Int32
-	claim.beforeAggregates = func(context.Context) error {
-		if reads.Add(1) == 1 {
-			return errors.New("injected read failure")
-		}
-		return nil
-	}
-	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
-	_, counts := claim.waitCalls(t, 1)
-	if counts[0] != 1005 || reads.Load() != 2 {
-		t.Errorf("hand-overs: %d reads, the finished one delivered %v; want 2 reads, 1,005 rows", reads.Load(), counts)
-	}
-	if n := c.restartCount(); n != 2 {
-		t.Errorf("%d sessions, want 2", n)
-	}
-	if n := len(c.handedOver()); n != 1005 {
-		t.Errorf("%d rows given to the consumer's HandOver, want 1,005 (the second session's)", n)
-	}
-	e.insert(t, "fresh")
-	waitFor(t, 10*time.Second, "the fresh event", func() bool { return c.commitOf("fresh") != 0 })
-}
-
-// TestFailedHandOverMakesTheSlotAgain: when the marking fails while the
-// slot streams, the session ends; the next one finds the slot without its
-// hand-over record, makes it again and hands every pending row over, so
-// nothing pending before the first slot is left to a slot that will never
-// stream it. The first diversion is not released (the next session's
-// Restart ends it).
+// TestFailedHandOverMakesTheSlotAgain: when the read of the snapshot's rows
+// or their delivery fails while the slot streams, the session ends (events
+// held at the gate are streamed again by the next session, from the slot);
+// the next one finds the slot without its hand-over record, makes it again
+// and hands every pending row over, so nothing pending before the first
+// slot is left to a slot that will never stream it. A diversion the first
+// session set is not released (the next session's Restart ends it).
 func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
-	e := newEnv(t)
-	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
-		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
-	e.pushPastEarly(t)
-	c := &fakeConsumer{}
-	claim := &claimRecorder{url: e.url}
-	var marks atomic.Int32
-	claim.beforeDeliver = func(context.Context) error {
-		if marks.Add(1) == 1 {
-			return errors.New("injected hand-over failure")
-		}
-		return nil
+	for _, step := range []string{"read", "deliver"} {
+		t.Run(step, func(t *testing.T) {
+			e := newEnv(t)
+			mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+				SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
+			e.pushPastEarly(t)
+			c := &fakeConsumer{}
+			claim := &claimRecorder{url: e.url}
+			var calls atomic.Int32
+			fail := func(context.Context) error {
+				if calls.Add(1) == 1 {
+					return errors.New("injected " + step + " failure")
+				}
+				return nil
+			}
+			wantDiverts := 2 // the failed session's, and the next one's
+			if step == "read" {
+				claim.beforeAggregates = fail
+				wantDiverts = 1 // the failed session never pinned
+			} else {
+				claim.beforeDeliver = fail
+			}
+			start(t, e.config(t, c, &fakeCheckpoint{}, claim))
+			_, counts := claim.waitCalls(t, 1)
+			if counts[0] != 1005 || calls.Load() != 2 {
+				t.Errorf("hand-overs: %d %s calls, the finished one delivered %v; want 2 calls, 1,005 rows", calls.Load(), step, counts)
+			}
+			if n := c.restartCount(); n != 2 {
+				t.Errorf("%d sessions, want 2", n)
+			}
+			if n := len(c.handedOver()); n != 1005 {
+				t.Errorf("%d rows given to the consumer's HandOver, want 1,005 (the second session's)", n)
+			}
+			diverts, released := c.divertCalls()
+			if len(diverts) != wantDiverts || released != 1 {
+				t.Errorf("%d Divert calls, %d released; want %d and 1", len(diverts), released, wantDiverts)
+			}
+			e.insert(t, "fresh")
+			waitFor(t, 10*time.Second, "the fresh event", func() bool { return c.commitOf("fresh") != 0 })
+		})
 	}
-	start(t, e.config(t, c, &fakeCheckpoint{}, claim))
-	_, counts := claim.waitCalls(t, 1)
-	if counts[0] != 1005 || marks.Load() != 2 {
-		t.Errorf("hand-overs: %d Deliver calls, the finished one delivered %v; want 2 calls, 1,005 rows", marks.Load(), counts)
-	}
-	if n := c.restartCount(); n != 2 {
-		t.Errorf("%d sessions, want 2", n)
-	}
-	if n := len(c.handedOver()); n != 1005 {
-		t.Errorf("%d rows given to the consumer's HandOver, want 1,005 (the second session's)", n)
-	}
-	diverts, released := c.divertCalls()
-	if len(diverts) != 2 || released != 1 {
-		t.Errorf("%d Divert calls, %d released; want 2 and 1", len(diverts), released)
-	}
-	e.insert(t, "fresh")
-	waitFor(t, 10*time.Second, "the fresh event", func() bool { return c.commitOf("fresh") != 0 })
 }

@@ -457,8 +457,8 @@ func (noRows) Len() int                                                 { return
 func (noRows) Pending(context.Context, []relay.AggregateKey) ([]relay.AggregateKey, error) {
 	return nil, nil
 }
-func (noRows) Early(context.Context, func(context.Context, []*relay.Event) error) ([]relay.AggregateKey, error) {
-	return nil, nil
+func (noRows) Early(context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
+	return nil, nil, nil
 }
 func (noRows) Deliver(context.Context, string, relay.LSN, func(context.Context, []*relay.Event) error, func([]relay.AggregateKey), func(context.Context) error) (int64, error) {
 	return 0, nil
