@@ -237,15 +237,16 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 	}
 }
 
-// TestFailedHandOverMakesTheSlotAgain: when the read of the snapshot's rows
-// or their delivery fails while the slot streams, the session ends (events
+// TestFailedHandOverMakesTheSlotAgain: when the read of the newest rows
+// (Early), of the snapshot's rows or their delivery fails while the slot
+// streams, the session ends (events
 // held at the gate are streamed again by the next session, from the slot);
 // the next one finds the slot without its hand-over record, makes it again
 // and hands every pending row over, so nothing pending before the first
 // slot is left to a slot that will never stream it. A diversion the first
 // session set is not released (the next session's Restart ends it).
 func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
-	for _, step := range []string{"read", "deliver"} {
+	for _, step := range []string{"early", "read", "deliver"} {
 		t.Run(step, func(t *testing.T) {
 			e := newEnv(t)
 			mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
@@ -260,12 +261,15 @@ func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
 				}
 				return nil
 			}
-			wantDiverts := 2 // the failed session's, and the next one's
-			if step == "read" {
+			wantDiverts := 1 // the next session's; the failed one never pinned
+			switch step {
+			case "early":
+				claim.beforeEarly = fail
+			case "read":
 				claim.beforeAggregates = fail
-				wantDiverts = 1 // the failed session never pinned
-			} else {
+			case "deliver":
 				claim.beforeDeliver = fail
+				wantDiverts = 2
 			}
 			start(t, e.config(t, c, &fakeCheckpoint{}, claim))
 			_, counts := claim.waitCalls(t, 1)

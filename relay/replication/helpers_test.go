@@ -323,8 +323,9 @@ type claimRecorder struct {
 	// snapshot, before the session starts streaming.
 	afterOpen func(ctx context.Context)
 	// beforeAggregates, when set, runs before the hand-over reads its rows;
-	// its error fails the read.
+	// its error fails the read. beforeEarly does the same for Early.
 	beforeAggregates func(ctx context.Context) error
+	beforeEarly      func(ctx context.Context) error
 
 	mu          sync.Mutex
 	snapshots   []string
@@ -395,6 +396,15 @@ func (r *recordedHandOver) Aggregates(ctx context.Context) ([]relay.AggregateKey
 		}
 	}
 	return r.HandOverRows.Aggregates(ctx)
+}
+
+func (r *recordedHandOver) Early(ctx context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
+	if r.c.beforeEarly != nil {
+		if err := r.c.beforeEarly(ctx); err != nil {
+			return nil, nil, err
+		}
+	}
+	return r.HandOverRows.Early(ctx)
 }
 
 func (r *recordedHandOver) Deliver(ctx context.Context, slot string, consistent relay.LSN, feed func(context.Context, []*relay.Event) error, fed func([]relay.AggregateKey), settled func(context.Context) error) (int64, error) {
