@@ -284,8 +284,9 @@ func (g *gate) waitsFor(pending []relay.AggregateKey) bool {
 // the session when the read or the delivery fails.
 func (s *Source) finish(ctx context.Context, h *handOver) error {
 	// The rows committed just before the slot, of aggregates without a
-	// backlog, go first: their read comes before the whole read (which
-	// slowed it sixfold under make bench's load), their delivery beside it.
+	// backlog, go first: their read comes before the whole read (beside
+	// it, under make bench's load, it took twice as long), their delivery
+	// beside it.
 	began := time.Now()
 	events, earlyAggs, err := h.rows.Early(ctx)
 	if err == nil {
