@@ -12,7 +12,6 @@ import (
 	"io"
 	"os"
 	"os/signal"
-	"runtime/debug"
 	"strings"
 	"syscall"
 
@@ -20,7 +19,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
-	"github.com/outbox-relay/outbox-relay/cmd/internal/procs"
 )
 
 // Exit codes, documented in the README.
@@ -37,39 +35,10 @@ func (e usageError) Error() string { return e.err.Error() }
 func (e usageError) Unwrap() error { return e.err }
 
 func main() {
-	if isRun(os.Args[1:]) {
-		// A long-running relay, not a one-off command: keep the runtime's
-		// system monitor from being woken for every event
-		// (docs/performance.md, "The system monitor").
-		if err := procs.KeepSysmonAwake(); err != nil {
-			fmt.Fprintf(os.Stderr, "outbox-relay: %v; running with the runtime's defaults\n", err)
-		}
-	}
-	tuneGC()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := Execute(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
 	os.Exit(code)
-}
-
-// tuneGC sets the garbage collector for a relay unless the environment
-// does (GOGC, GOMEMLIMIT; docs/performance.md): collecting half as often
-// (GOGC=200) cuts the CPU a steady stream of events costs, and a soft
-// memory limit of 120 MiB keeps the heap — and so the resident set, even
-// while a million queued events drain — under 150 MB.
-func tuneGC() {
-	if os.Getenv("GOGC") == "" {
-		debug.SetGCPercent(200)
-	}
-	if os.Getenv("GOMEMLIMIT") == "" {
-		debug.SetMemoryLimit(120 << 20)
-	}
-}
-
-// isRun reports whether args name the run command.
-func isRun(args []string) bool {
-	cmd, _, err := newRootCommand(io.Discard, io.Discard).Find(args)
-	return err == nil && cmd.Name() == "run"
 }
 
 func exitCode(err error) int {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"net/http"
 	"os"
 	"runtime"
@@ -15,7 +16,6 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
-	"github.com/outbox-relay/outbox-relay/cmd/internal/procs"
 	"github.com/outbox-relay/outbox-relay/deploy"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
@@ -81,6 +81,13 @@ func sample(f *dto.MetricFamily, labels ...string) (float64, bool) {
 // serving its metrics on the address it returns, and waits for its slot; a
 // failed test gets the relay's log.
 func startServingMetrics(t *testing.T) (*setup, string) {
+	s, addr, _ := startServingMetricsProcess(t)
+	return s, addr
+}
+
+// startServingMetricsProcess is startServingMetrics, with the relay's
+// process id.
+func startServingMetricsProcess(t *testing.T) (*setup, string, int) {
 	t.Helper()
 	s := newSetup(t, pgtest.NewDatabase(t))
 	addr := freeAddr(t)
@@ -88,14 +95,14 @@ func startServingMetrics(t *testing.T) (*setup, string) {
 	cfg, _ := readFile(cfgPath)
 	writeFile(t, cfgPath, strings.Replace(cfg, `http: {listen: "127.0.0.1:0"}`, "", 1))
 	var logs syncBuffer
-	s.startProcess(t, cfgPath, &logs)
+	proc := s.startProcess(t, cfgPath, &logs)
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("relay log:\n%s", logs.String())
 		}
 	})
 	s.waitSlot(t)
-	return s, addr
+	return s, addr, proc.Process.Pid
 }
 
 // TestMetricsScrape: every metric the shipped alert rules and dashboard
@@ -210,55 +217,43 @@ func TestMetricsScrape(t *testing.T) {
 	}
 }
 
-// TestRunKeepsSysmonInItsLoop: run executes itself again at start, same
-// process id, with the runtime's system monitor kept out of its deep sleep
-// (docs/performance.md, "The system monitor"): the running relay's
-// environment holds the setting in GODEBUG.
-func TestRunKeepsSysmonInItsLoop(t *testing.T) {
-	s := newSetup(t, pgtest.NewDatabase(t))
-	var logs syncBuffer
-	proc := s.startProcess(t, s.configFile(t, ""), &logs)
-	defer func() {
-		if t.Failed() {
-			t.Logf("relay log:\n%s", logs.String())
-		}
-	}()
-	s.waitSlot(t)
-	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", proc.Process.Pid))
+// TestRunLeavesTheRuntimeAlone: run starts once, with the Go runtime's and
+// the kernel's defaults (docs/deploy.md, "Runtime settings"): no setting
+// added to its environment, GOMAXPROCS as the runtime sets it, the
+// garbage collector at GOGC=100 without a memory limit — and these stay so
+// while it delivers and after it has been quiet.
+func TestRunLeavesTheRuntimeAlone(t *testing.T) {
+	s, addr, pid := startServingMetricsProcess(t)
+	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
 	if err != nil {
 		t.Fatal(err)
 	}
-	var godebug string
 	for kv := range strings.SplitSeq(string(environ), "\x00") {
-		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok {
-			godebug = v
-			break
+		if strings.HasPrefix(kv, "GODEBUG=") || strings.HasPrefix(kv, "GOGC=") || strings.HasPrefix(kv, "GOMEMLIMIT=") || strings.HasPrefix(kv, "GOMAXPROCS=") {
+			t.Errorf("the running relay's environment holds %s; want the runtime's defaults", kv)
 		}
 	}
-	if !slices.Contains(strings.Split(godebug, ","), procs.SysmonSetting) {
-		t.Errorf("the running relay's GODEBUG = %q, want it to hold %s", godebug, procs.SysmonSetting)
+	check := func(when string) {
+		fams := scrapeFamilies(t, addr)
+		want := map[string]float64{
+			"go_sched_gomaxprocs_threads": float64(runtime.GOMAXPROCS(0)),
+			"go_gc_gogc_percent":          100,
+			"go_gc_gomemlimit_bytes":      math.MaxInt64,
+		}
+		for name, w := range want {
+			got, ok := sample(fams[name])
+			if !ok {
+				t.Fatalf("%s: %s not exported", when, name)
+			}
+			if got != w {
+				t.Errorf("%s: %s = %v, want %v (the runtime's default)", when, name, got, w)
+			}
+		}
 	}
-}
-
-// TestQuietRelayRunsOnOneP: a relay that has little to do runs its
-// scheduler on one P after procs.DefaultNarrowAfter quiet seconds
-// (docs/performance.md, "The scheduler"), seen on the Go collector's
-// go_sched_gomaxprocs_threads, and still delivers.
-func TestQuietRelayRunsOnOneP(t *testing.T) {
-	if runtime.NumCPU() < 2 {
-		skipOrFailInCI(t, "one CPU: the relay runs on one P anyway")
-	}
-	s, addr := startServingMetrics(t)
-	procsNow := func() float64 {
-		v, _ := sample(scrapeFamilies(t, addr)["go_sched_gomaxprocs_threads"])
-		return v
-	}
-	if n := procsNow(); n < 2 {
-		t.Fatalf("go_sched_gomaxprocs_threads = %v right after the start, want the runtime's default (it starts wide)", n)
-	}
-	eventually(t, time.Duration(procs.DefaultNarrowAfter+20)*time.Second, "the quiet relay on one P", func() bool { return procsNow() == 1 })
-	if _, err := s.pool.Exec(t.Context(), `SELECT outbox_publish('order.placed', 'order', 'o1', 'one-p-1', '{}')`); err != nil {
+	check("at start")
+	if _, err := s.pool.Exec(t.Context(), `SELECT outbox_publish('order.placed', 'order', 'o1', 'defaults-1', '{}')`); err != nil {
 		t.Fatal(err)
 	}
-	s.waitAllDelivered(t, 30*time.Second, map[string]bool{"one-p-1": true})
+	s.waitAllDelivered(t, 30*time.Second, map[string]bool{"defaults-1": true})
+	check("after a delivery")
 }

@@ -15,7 +15,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
-	"github.com/outbox-relay/outbox-relay/cmd/internal/procs"
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -99,6 +98,10 @@ func (r *relayRun) setReady() {
 func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error {
 	r := &relayRun{cfg: cfg, log: log, owner: ledger.NewOwner(), health: &health{}}
 	r.health.set(false, "starting")
+	if cfg.CPUScheduling != "" {
+		log.Warn().Str("cpu_scheduling", cfg.CPUScheduling).
+			Msg("cpu_scheduling is no longer used: the relay leaves the kernel's scheduling alone; remove the key (docs/configuration.md, \"Removed keys\")")
+	}
 
 	// The endpoints serve from the start to the very end (probes during
 	// start-up and the drain); the server has shut down when run returns.
@@ -210,9 +213,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
-	if sizer := procs.New(log, cfg.CPUScheduling == config.CPUSchedulingBatch); sizer != nil {
-		workers.Go("scheduler sizer", func(ctx context.Context) error { sizer.Run(ctx); return nil })
-	}
 	r.setReady()
 	err = sup.Run(wctx)
 	workers.Stop()

@@ -82,11 +82,11 @@ type Config struct {
 	HTTP            HTTPConfig `yaml:"http"`
 	DataDir         string     `yaml:"data_dir"`
 	ShutdownTimeout Duration   `yaml:"shutdown_timeout"`
-	// CPUScheduling is the relay's threads' scheduling policy on Linux:
-	// "batch" (SCHED_BATCH: a relay thread that wakes up does not preempt
-	// the process running on its CPU, often the walsender feeding it) or
-	// "normal" (the policy it was started with; docs/configuration.md).
-	CPUScheduling CPUScheduling   `yaml:"cpu_scheduling"`
+	// CPUScheduling is a removed setting, still accepted so that a
+	// configuration written for an earlier version loads; run warns when it
+	// is set (docs/configuration.md, "Removed keys"). The relay leaves the
+	// kernel's scheduling policy alone.
+	CPUScheduling string          `yaml:"cpu_scheduling"`
 	Log           LogConfig       `yaml:"log"`
 	Migrate       MigrateConfig   `yaml:"migrate"`
 	Retention     RetentionConfig `yaml:"retention"`
@@ -170,17 +170,6 @@ const (
 )
 
 func (MarkDone) choices() []string { return strs(MarkDoneAsync, MarkDoneOff) }
-
-// CPUScheduling is the relay's threads' scheduling policy (Config.CPUScheduling).
-type CPUScheduling string
-
-// CPUScheduling policies.
-const (
-	CPUSchedulingBatch  CPUScheduling = "batch"
-	CPUSchedulingNormal CPUScheduling = "normal"
-)
-
-func (CPUScheduling) choices() []string { return strs(CPUSchedulingBatch, CPUSchedulingNormal) }
 
 // DeliveryConfig configures retries and ordering.
 type DeliveryConfig struct {
@@ -516,7 +505,6 @@ func Default() Config {
 		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187", StallAfter: Duration(5 * time.Minute)},
 		DataDir:         "./data",
 		ShutdownTimeout: Duration(30 * time.Second),
-		CPUScheduling:   CPUSchedulingBatch,
 		Log:             LogConfig{Level: "info", Format: "auto"},
 		Migrate: MigrateConfig{
 			LockTimeout: Duration(time.Second),

@@ -865,8 +865,6 @@ func TestLoad_InvalidValues(t *testing.T) {
 	}{
 		{"bad enum", "source:\n  mode: pol\n", nil,
 			[]string{`relay.yaml:2: source.mode: "pol" is not one of auto, replication, poll`}},
-		{"bad cpu_scheduling", "cpu_scheduling: idle\n", nil,
-			[]string{`relay.yaml:1: cpu_scheduling: "idle" is not one of batch, normal`}},
 		{"bad enum in list element", hook + "    body: json\n    on_unknown: drop\n", nil, []string{
 			`relay.yaml:5: sinks[0].body: "json" is not one of envelope, nudge`,
 			`relay.yaml:6: sinks[0].on_unknown: "drop" is not one of retry, hold`,
@@ -1328,5 +1326,20 @@ func TestSinkConfig_CloudEventsSource(t *testing.T) {
 	s.CloudEvents.Source = "urn:shop:orders"
 	if got := s.CloudEventsSource("shop", outbox); got != "urn:shop:orders" {
 		t.Errorf("configured source %q", got)
+	}
+}
+
+// TestLoad_RemovedCPUSchedulingStillLoads: a configuration written for a
+// version that had cpu_scheduling loads, whatever its value; run warns
+// that the key is no longer used (docs/configuration.md, "Removed keys").
+func TestLoad_RemovedCPUSchedulingStillLoads(t *testing.T) {
+	for _, v := range []string{"batch", "normal"} {
+		cfg, err := load(t, "cpu_scheduling: "+v+"\n")
+		if err != nil {
+			t.Fatalf("cpu_scheduling: %s: %v", v, err)
+		}
+		if cfg.CPUScheduling != v {
+			t.Errorf("CPUScheduling = %q, want %q (run reads it to warn)", cfg.CPUScheduling, v)
+		}
 	}
 }

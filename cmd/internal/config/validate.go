@@ -47,7 +47,6 @@ func (c *Config) Validate() error {
 		v.fail("data_dir", "must not be empty")
 	}
 	v.positive("shutdown_timeout", c.ShutdownTimeout)
-	oneOf(v, "cpu_scheduling", c.CPUScheduling, c.CPUScheduling.choices())
 	oneOf(v, "log.level", c.Log.Level, []string{"trace", "debug", "info", "warn", "error"})
 	oneOf(v, "log.format", c.Log.Format, []string{"json", "console", "auto"})
 	v.positive("migrate.lock_timeout", c.Migrate.LockTimeout)
