@@ -29,6 +29,7 @@ import (
 // cluster, the nats-server process, the webhook receiver and the clock.
 type env struct {
 	o     options
+	place placement // where the processes run (-layout)
 	work  string
 	base  time.Time // monotonic origin of every recorded time
 	out   io.Writer // progress lines
@@ -62,6 +63,11 @@ func (e *env) now() int64 { return int64(time.Since(e.base)) + 1 }
 func setUp(ctx context.Context, o options, out io.Writer) (*env, error) {
 	e := &env{o: o, base: time.Now(), out: out}
 	var err error
+	// First, so that every process started below inherits its place.
+	if e.place, err = place(o.layout); err != nil {
+		return nil, err
+	}
+	e.say("layout %s", e.place.describe())
 	e.work, err = os.MkdirTemp("", "outbox-relay-bench-")
 	if err != nil {
 		return nil, err

@@ -154,7 +154,13 @@ func (e *env) startFloor(ctx context.Context, url, slot string, t *tracker, into
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	f := &floorClient{conn: conn, cancel: cancel, done: make(chan error, 1)}
-	go func() { f.done <- e.consumeFloor(cctx, conn, t, into, &f.sent) }()
+	go func() {
+		if err := e.place.pinCurrentThread(); err != nil {
+			f.done <- fmt.Errorf("place the client on the relay's CPU: %w", err)
+			return
+		}
+		f.done <- e.consumeFloor(cctx, conn, t, into, &f.sent)
+	}()
 	return f, nil
 }
 

@@ -148,6 +148,7 @@ type options struct {
 	keep              bool
 	statements        int
 	autoExplain       time.Duration
+	layout            string
 }
 
 // quickValues are the sizes -quick uses for flags not given explicitly.
@@ -199,6 +200,7 @@ func main() {
 	fs.StringVar(&o.profileDir, "profile", "", "write the relay's CPU profile of each steady phase's measured window to this directory (<phase>.cpu.pprof)")
 	fs.IntVar(&o.statements, "statements", 0, "print the N statements with the most execution time in each relay database when its phase ends (pg_stat_statements; 0: none)")
 	fs.DurationVar(&o.autoExplain, "auto-explain", 0, "log the plans (EXPLAIN ANALYZE) of statements slower than this to postgres.log in the work directory (auto_explain; with -keep; 0: off)")
+	fs.StringVar(&o.layout, "layout", layoutDeploy, "where processes run: deploy (the relay on a CPU of its own, PostgreSQL, the load and the sinks on the others) or shared (no placement)")
 	claimFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: outbox-relay-bench [flags]\n\nMeasures outbox-relay on the workload of docs/performance.md and prints a markdown table.\n\n")
@@ -261,6 +263,8 @@ func (o *options) validate() error {
 		return fmt.Errorf("-aggregates, -writers and -drain-batch must be positive")
 	case o.payloadSize < 40:
 		return fmt.Errorf("-payload must be at least 40 bytes")
+	case o.layout != layoutDeploy && o.layout != layoutShared:
+		return fmt.Errorf("-layout: %q is not one of %s, %s", o.layout, layoutDeploy, layoutShared)
 	}
 	for _, p := range strings.Split(o.phases, ",") {
 		if !isPhase(strings.TrimSpace(p)) {

@@ -153,9 +153,10 @@ func (e *env) recvlogical(ctx context.Context, url, slot, endLSN string) (ceilin
 	var c ceilingRun
 	rctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(rctx, filepath.Join(e.bin, "pg_recvlogical"),
+	argv := e.place.command(filepath.Join(e.bin, "pg_recvlogical"),
 		"--dbname", url, "--slot", slot, "--start", "--endpos", endLSN, "--no-loop",
 		"-o", "proto_version=1", "-o", "publication_names=outbox_relay", "-f", "-")
+	cmd := exec.CommandContext(rctx, argv[0], argv[1:]...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: serverCredential(), Pdeathsig: syscall.SIGKILL}
 	var out counter
 	var stderr bytes.Buffer

@@ -114,7 +114,7 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 // startRelay starts `outbox-relay run --config cfg`, appending its output to
 // the phase's log file.
 func (e *env) startRelay(s relaySetup, cfg string) (*harness.Relay, error) {
-	return harness.StartRelay(e.o.relayBin, cfg, filepath.Join(e.work, "relay-"+s.name+".log"), e.o.relayEnv...)
+	return harness.StartRelayVia(e.place.command(), e.o.relayBin, cfg, filepath.Join(e.work, "relay-"+s.name+".log"), e.o.relayEnv...)
 }
 
 // waitSlotActive waits until the relay streams from its slot.

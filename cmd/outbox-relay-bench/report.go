@@ -110,6 +110,7 @@ func (r *report) print(w io.Writer, e *env, args []string, load string, took tim
 	fmt.Fprintf(w, "Machine: %d CPUs (%s), %s RAM; %s (fsync on, private cluster); nats-server %s (external process, JetStream file storage, default sync); %s %s/%s; relay %s. Load average at start: %s.\n\n",
 		runtime.NumCPU(), cpuModel(), memTotal(), e.pgVer, strings.TrimPrefix(e.natsVer, "nats-server: "),
 		runtime.Version(), runtime.GOOS, runtime.GOARCH, harness.RelayVersion(o.relayBin), load)
+	fmt.Fprintf(w, "Layout: %s.\n\n", e.place.describe())
 	fmt.Fprintf(w, "Workload: %s aggregates, %d-byte payloads (jsonb), ledger on, one event per transaction under load, %d rows per transaction for the drains; a fresh database per phase.\n\n",
 		thousands(o.aggregates), o.payloadSize, o.drainBatch)
 	fmt.Fprintln(w, "| phase | metric | value | target | verdict | other processes' CPU |")

@@ -18,12 +18,20 @@ type Relay struct {
 // StartRelay starts `bin run --config cfg` with the environment of this
 // process plus env, appending its output to logPath.
 func StartRelay(bin, cfg, logPath string, env ...string) (*Relay, error) {
+	return StartRelayVia(nil, bin, cfg, logPath, env...)
+}
+
+// StartRelayVia is StartRelay through a launcher that executes the rest of
+// its arguments in its own place (`taskset --cpu-list 1`): the process id
+// stays the relay's.
+func StartRelayVia(launcher []string, bin, cfg, logPath string, env ...string) (*Relay, error) {
 	log, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
 	defer log.Close()
-	cmd := exec.Command(bin, "run", "--config", cfg)
+	argv := append(append(launcher[:len(launcher):len(launcher)], bin), "run", "--config", cfg)
+	cmd := exec.Command(argv[0], argv[1:]...)
 	if len(env) > 0 {
 		cmd.Env = append(os.Environ(), env...)
 	}
