@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"strconv"
@@ -34,7 +35,8 @@ const (
 const batchIDPrefix = "batch_"
 
 // maxResultsBody is how much of a 2xx batch response is read for its
-// per-event results.
+// per-event results; a longer answer leaves every event of the batch
+// unknown.
 const maxResultsBody = 4 << 20
 
 // batchItem is one event waiting for, or riding in, a batch request.
@@ -216,75 +218,178 @@ func (s *Sink) postBatch(batch []batchItem) []error {
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		return all(s.outcome(label, resp, now))
 	}
+	// The receiver answered 2xx: it ran the batch. Which of its events it
+	// applied is in the answer, so an answer that cannot be read whole
+	// leaves every event unknown.
 	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxResultsBody+1))
 	if err != nil {
-		// The receiver answered 2xx: it ran the batch, but which of its
-		// events it applied is lost with the rest of the body.
 		return all(relay.UnknownError(fmt.Errorf("webhook %s: %s: reading the 2xx answer's results: %w", s.name, label, err)))
+	}
+	if len(answer) > maxResultsBody {
+		return all(relay.UnknownError(fmt.Errorf("webhook %s: %s: the 2xx answer is larger than the %d bytes read for per-event results: which events the receiver applied is unknown",
+			s.name, label, maxResultsBody)))
 	}
 	if bytes.Equal(bytes.TrimSpace(answer), []byte(n8nStartingUp)) {
 		return all(relay.TransientError(fmt.Errorf("webhook %s: %s: n8n answered %d %q: it is still starting, the workflow did not run",
 			s.name, label, resp.StatusCode, n8nStartingUp), time.Second))
 	}
-	results, ok := parseResults(answer)
-	if !ok {
-		return make([]error, len(batch)) // a plain 2xx: every event delivered
+	return s.settle(label, batch, answer)
+}
+
+// eventResult is one entry of a results answer, as far as it can be read.
+type eventResult struct {
+	id, result, message string
+	// malformed says why the entry cannot settle its event; "" when it can.
+	malformed string
+}
+
+// readResult reads one entry of a results answer: {"id","result","message"}
+// with string values, "message" optional.
+func readResult(raw json.RawMessage) eventResult {
+	var e struct {
+		ID      any `json:"id"`
+		Result  any `json:"result"`
+		Message any `json:"message"`
 	}
+	if json.Unmarshal(raw, &e) != nil {
+		return eventResult{malformed: "not an object"}
+	}
+	var r eventResult
+	r.id, _ = e.ID.(string)
+	r.message, _ = e.Message.(string)
+	switch v := e.Result.(type) {
+	case nil:
+		r.malformed = `no "result"`
+	case string:
+		r.result = v
+		if v == "" {
+			r.malformed = `"result" is empty`
+		}
+	default:
+		r.malformed = `"result" is not a string`
+	}
+	return r
+}
+
+// String describes the entry's answer in errors.
+func (r eventResult) String() string {
+	if r.malformed != "" {
+		return "a malformed entry (" + r.malformed + ")"
+	}
+	return strconv.Quote(excerpt([]byte(r.result)))
+}
+
+// errNotAList is the outcome of every event of a batch whose answer has a
+// "results" that is not an array.
+var errNotAList = errors.New(`the 2xx answer's "results" is not an array`)
+
+// resultEntries returns the entries of a 2xx batch answer that may hold
+// per-event results: those of {"results":[…]} (explicit is true), or of a
+// bare array. It returns none for any other answer (empty, n8n's default,
+// other JSON), and errNotAList for a "results" that is not an array.
+func resultEntries(answer []byte) (raws []json.RawMessage, explicit bool, err error) {
+	answer = bytes.TrimSpace(answer)
+	if len(answer) == 0 {
+		return nil, false, nil
+	}
+	if answer[0] == '[' {
+		if json.Unmarshal(answer, &raws) != nil {
+			return nil, false, nil
+		}
+		return raws, false, nil
+	}
+	var wrapped struct {
+		Results json.RawMessage `json:"results"`
+	}
+	if json.Unmarshal(answer, &wrapped) != nil || wrapped.Results == nil || string(wrapped.Results) == "null" {
+		return nil, false, nil
+	}
+	if json.Unmarshal(wrapped.Results, &raws) != nil {
+		return nil, true, errNotAList
+	}
+	return raws, true, nil
+}
+
+// settle reads a 2xx batch answer and returns each event's outcome, in
+// batch's order (docs/sinks.md "Batched delivery"). The answer holds
+// per-event results when it is {"results":[…]}, or an array in which some
+// entry names an event of the batch by its id or answers ok, retry or fail;
+// any other answer (empty, n8n's default, other JSON) is a plain 2xx that
+// delivers every event. Results are read entry by entry: an event gets its
+// entry's result; an event with no entry, a malformed one, or two entries
+// that disagree is unknown. An entry without a readable id, or with an id
+// the batch does not carry, settles nothing and is logged.
+func (s *Sink) settle(label string, batch []batchItem, answer []byte) []error {
 	errs := make([]error, len(batch))
+	raws, explicit, err := resultEntries(answer)
+	if err != nil {
+		err = relay.UnknownError(fmt.Errorf("webhook %s: %s: %w: which events the receiver applied is unknown", s.name, label, err))
+		for i := range errs {
+			errs[i] = err
+		}
+		return errs
+	}
+	inBatch := make(map[string]bool, len(batch))
+	for _, it := range batch {
+		inBatch[it.id] = true
+	}
+	entries := make([]eventResult, len(raws))
+	perEvent := explicit
+	for i, raw := range raws {
+		r := readResult(raw)
+		entries[i] = r
+		perEvent = perEvent || inBatch[r.id] || r.result == ResultOK || r.result == ResultRetry || r.result == ResultFail
+	}
+	if !perEvent {
+		return errs // a plain 2xx: every event delivered
+	}
+
+	// answered is an event's entry, and the first entry for it that
+	// disagrees, if any.
+	type answered struct{ first, other *eventResult }
+	results := make(map[string]*answered, len(batch))
+	var ignored []string
+	for i := range entries {
+		r := &entries[i]
+		if !inBatch[r.id] {
+			why := "no id"
+			if r.id != "" {
+				why = fmt.Sprintf("id %q is not in the batch", excerpt([]byte(r.id)))
+			}
+			ignored = append(ignored, fmt.Sprintf("entry %d: %s", i+1, why))
+			continue
+		}
+		a, ok := results[r.id]
+		switch {
+		case !ok:
+			results[r.id] = &answered{first: r}
+		case a.other == nil && (a.first.result != r.result || a.first.malformed != r.malformed):
+			a.other = r
+		}
+	}
+	if len(ignored) > 0 {
+		s.log.Warn().Str("request", label).Int("ignored", len(ignored)).Strs("entries", ignored[:min(len(ignored), 5)]).
+			Msg("webhook batch answer: entries that name no event of the batch were ignored")
+	}
+
 	for i, it := range batch {
-		r, listed := results[it.id]
+		a, listed := results[it.id]
 		what := fmt.Sprintf("webhook %s: event %q", s.name, it.d.Event.EventKey)
 		switch {
 		case !listed:
 			errs[i] = relay.UnknownError(fmt.Errorf("%s: the receiver answered %s with per-event results that do not list it (id %q): it may have applied it", what, label, it.id))
-		case r.Result == ResultOK:
-		case r.Result == ResultRetry:
-			errs[i] = relay.TransientError(fmt.Errorf("%s: the receiver answered retry: %s", what, excerpt([]byte(r.Message))), 0)
-		case r.Result == ResultFail:
-			errs[i] = relay.PermanentError(fmt.Errorf("%s: the receiver answered fail: %s", what, excerpt([]byte(r.Message))))
+		case a.other != nil:
+			errs[i] = relay.UnknownError(fmt.Errorf("%s: the receiver answered %s with results for it twice, %s and %s: it may have applied it", what, label, a.first, a.other))
+		case a.first.malformed != "":
+			errs[i] = relay.UnknownError(fmt.Errorf("%s: the receiver answered %s with %s for it: it may have applied it", what, label, a.first))
+		case a.first.result == ResultOK:
+		case a.first.result == ResultRetry:
+			errs[i] = relay.TransientError(fmt.Errorf("%s: the receiver answered retry: %s", what, excerpt([]byte(a.first.message))), 0)
+		case a.first.result == ResultFail:
+			errs[i] = relay.PermanentError(fmt.Errorf("%s: the receiver answered fail: %s", what, excerpt([]byte(a.first.message))))
 		default:
-			errs[i] = relay.UnknownError(fmt.Errorf("%s: the receiver answered result %q, not one of ok, retry, fail", what, excerpt([]byte(r.Result))))
+			errs[i] = relay.UnknownError(fmt.Errorf("%s: the receiver answered result %s, not one of ok, retry, fail", what, a.first))
 		}
 	}
 	return errs
-}
-
-// eventResult is one event's answer in a batch response.
-type eventResult struct {
-	ID      string `json:"id"`
-	Result  string `json:"result"`
-	Message string `json:"message"`
-}
-
-// parseResults reads a 2xx batch answer: {"results":[{"id","result",
-// "message"}]} or the array alone. ok is false when the answer is not
-// that shape (an empty body, n8n's default answer, any other JSON): then
-// the 2xx covers every event.
-func parseResults(answer []byte) (map[string]eventResult, bool) {
-	answer = bytes.TrimSpace(answer)
-	if len(answer) == 0 || len(answer) > maxResultsBody {
-		return nil, false
-	}
-	var list []eventResult
-	if answer[0] == '[' {
-		if json.Unmarshal(answer, &list) != nil {
-			return nil, false
-		}
-	} else {
-		var wrapped struct {
-			Results *[]eventResult `json:"results"`
-		}
-		if json.Unmarshal(answer, &wrapped) != nil || wrapped.Results == nil {
-			return nil, false
-		}
-		list = *wrapped.Results
-	}
-	results := make(map[string]eventResult, len(list))
-	for _, r := range list {
-		if r.ID == "" || r.Result == "" {
-			return nil, false
-		}
-		results[r.ID] = r
-	}
-	return results, true
 }

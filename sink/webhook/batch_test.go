@@ -53,6 +53,27 @@ func sendAll(tb testing.TB, s relay.Sink, ds []*relay.Delivery) []error {
 	return errs
 }
 
+// sendInOrder queues ds one after another from one goroutine, so a batch
+// carries them in ds's order, and returns each one's outcome in ds's order.
+func sendInOrder(tb testing.TB, s relay.Sink, ds []*relay.Delivery) []error {
+	tb.Helper()
+	outcomes := make([]chan error, len(ds))
+	for i, d := range ds {
+		outcomes[i] = make(chan error, 1)
+		s.Send(context.Background(), d, func(err error) { outcomes[i] <- err })
+	}
+	errs := make([]error, len(ds))
+	deadline := time.After(20 * time.Second)
+	for i, d := range ds {
+		select {
+		case errs[i] = <-outcomes[i]:
+		case <-deadline:
+			tb.Fatalf("done not called for %s", d.Event.EventKey)
+		}
+	}
+	return errs
+}
+
 func deliveries(n int) []*relay.Delivery {
 	ds := make([]*relay.Delivery, n)
 	for i := range ds {

@@ -35,11 +35,14 @@
 // as a JSON array of {"id","attempt","event"} (plus "traceparent" and
 // "tracestate" when the event has them), with webhook-id and
 // Idempotency-Key "batch_" + base64url(SHA-256 of the events' ids) and
-// Outbox-Batch-Size. A 2xx answer {"results":[{"id","result","message"}]}
-// settles each event by its result (ok, retry: Transient, fail: Permanent;
-// unlisted or another value: Unknown); any other 2xx delivers them all; any
-// other answer is classified as below and applies to every event of the
-// batch. See docs/sinks.md "Batched delivery".
+// Outbox-Batch-Size. A 2xx answer {"results":[{"id","result","message"}]} (or a bare array of
+// them) settles each event by its own entry (ok; retry: Transient; fail:
+// Permanent; no entry, a malformed one, two that disagree, or another
+// value: Unknown); entries naming no event of the batch are ignored and
+// logged. A 2xx answer over 4 MiB, or whose "results" is not an array,
+// leaves every event Unknown; any other 2xx delivers them all; any other
+// answer is classified as below and applies to every event of the batch.
+// See docs/sinks.md "Batched delivery".
 //
 // # Outcomes
 //
