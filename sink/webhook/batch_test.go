@@ -161,6 +161,54 @@ func TestBatch_PerEventAnswers(t *testing.T) {
 	}
 }
 
+// TestBatch_ResentBatchHasANewRequestID: the request's webhook-id and
+// Idempotency-Key name the request, not the events it carries. The same
+// events sent again, at a later attempt or at the same attempt (as after a
+// crash before the attempt was recorded), carry a new request id, so a
+// receiver or gateway that dedupes on it never takes a re-send for the
+// first send; each event's id in the body is unchanged.
+func TestBatch_ResentBatchHasANewRequestID(t *testing.T) {
+	t.Parallel()
+	rc := MustReceiver(t, nil)
+	s := MustSink(t, webhook.Config{URL: rc.URL, Batch: webhook.Batch{MaxEvents: 3, MaxWait: time.Second}})
+	attempts := []int{1, 2, 2}
+	for _, attempt := range attempts {
+		ds := deliveries(3)
+		for _, d := range ds {
+			d.Attempt = attempt
+		}
+		for i, err := range sendInOrder(t, s, ds) {
+			if err != nil {
+				t.Fatalf("attempt %d, evt-%d: %v", attempt, i+1, err)
+			}
+		}
+	}
+	reqs := rc.Requests()
+	if len(reqs) != len(attempts) {
+		t.Fatalf("%d requests, want %d batches of 3", len(reqs), len(attempts))
+	}
+	seen := map[string]int{}
+	for n, r := range reqs {
+		id := r.Header.Get("Webhook-Id")
+		if !strings.HasPrefix(id, "batch_") || r.Header.Get("Idempotency-Key") != id {
+			t.Errorf("request %d: webhook-id %q, Idempotency-Key %q: want one batch_ id", n+1, id, r.Header.Get("Idempotency-Key"))
+		}
+		if first, ok := seen[id]; ok {
+			t.Errorf("request %d (attempt %d) carries request id %q, as request %d (attempt %d) did", n+1, attempts[n], id, first+1, attempts[first])
+		}
+		seen[id] = n
+		elems := mustElems(t, r.Body)
+		if len(elems) != 3 {
+			t.Fatalf("request %d carries %d events, want 3", n+1, len(elems))
+		}
+		for i, e := range elems {
+			if want := fmt.Sprintf("evt-%d", i+1); e.ID != want || e.Attempt != attempts[n] {
+				t.Errorf("request %d, element %d: id %q attempt %d, want id %q (unchanged) attempt %d", n+1, i+1, e.ID, e.Attempt, want, attempts[n])
+			}
+		}
+	}
+}
+
 func TestBatch_PlainSuccess(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct{ name, body string }{

@@ -33,9 +33,10 @@
 //
 // With Config.Batch.MaxEvents > 0 a request carries up to that many events
 // as a JSON array of {"id","attempt","event"} (plus "traceparent" and
-// "tracestate" when the event has them), with webhook-id and
-// Idempotency-Key "batch_" + base64url(SHA-256 of the events' ids) and
-// Outbox-Batch-Size. A 2xx answer {"results":[{"id","result","message"}]} (or a bare array of
+// "tracestate" when the event has them), with Outbox-Batch-Size and a
+// webhook-id and Idempotency-Key new for every request ("batch_" + random
+// text): receivers dedupe on each element's id, never on the request's. A
+// 2xx answer {"results":[{"id","result","message"}]} (or a bare array of
 // them) settles each event by its own entry (ok; retry: Transient; fail:
 // Permanent; no entry, a malformed one, two that disagree, or another
 // value: Unknown); entries naming no event of the batch are ignored and
