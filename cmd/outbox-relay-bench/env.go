@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -370,7 +371,9 @@ func newReceiver(e *env) (*receiver, error) {
 	return r, nil
 }
 
-// ServeHTTP records the delivery and answers 204.
+// ServeHTTP records the delivery — one event, or a batch's array of them
+// — and answers 204, which delivers every event of a batch
+// (docs/sinks.md, "Batched delivery").
 func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 	body, err := io.ReadAll(req.Body)
 	at := r.e.now()
@@ -378,15 +381,30 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 		w.WriteHeader(http.StatusBadRequest)
 		return
 	}
-	var env struct {
+	type envelope struct {
 		EventKey string `json:"event_key"`
 	}
-	if err := json.Unmarshal(body, &env); err != nil {
+	var events []envelope
+	if body = bytes.TrimSpace(body); len(body) > 0 && body[0] == '[' {
+		var items []struct {
+			Event envelope `json:"event"`
+		}
+		err = json.Unmarshal(body, &items)
+		for _, it := range items {
+			events = append(events, it.Event)
+		}
+	} else {
+		events = make([]envelope, 1)
+		err = json.Unmarshal(body, &events[0])
+	}
+	if err != nil {
 		w.WriteHeader(http.StatusBadRequest)
 		return
 	}
 	if t := r.cur.Load(); t != nil {
-		t.hook.record(t, env.EventKey, at)
+		for _, ev := range events {
+			t.hook.record(t, ev.EventKey, at)
+		}
 	}
 	w.WriteHeader(http.StatusNoContent)
 }

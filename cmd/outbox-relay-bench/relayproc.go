@@ -21,7 +21,9 @@ type relaySetup struct {
 	name    string // phase id: names the config, log, slot and stream
 	url     string // database
 	webhook bool   // deliver to the receiver as well as JetStream
-	mode    string // source.mode; empty: the default (auto)
+	// batch is the webhook's batch.max_events; 0: one event per request.
+	batch int
+	mode  string // source.mode; empty: the default (auto)
 	// markDone is delivery.mark_done; empty: the default (async).
 	markDone string
 	// httpPort is where the relay serves /metrics; 0: any free port.
@@ -97,6 +99,9 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 	if s.webhook {
 		b.WriteString("  - name: hook\n    type: webhook\n")
 		fmt.Fprintf(&b, "    url: %q\n", e.recv.url)
+		if s.batch > 0 {
+			fmt.Fprintf(&b, "    batch: {max_events: %d}\n", s.batch)
+		}
 	}
 	if s.markDone != "" {
 		fmt.Fprintf(&b, "delivery:\n  mark_done: %s\n", s.markDone)
