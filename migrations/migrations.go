@@ -89,17 +89,56 @@ type Result struct {
 	PublicationSkipped string
 	// NotifyTrigger is "installed" or "removed" when this run changed it.
 	NotifyTrigger string
+	// Adopted is true when this run took an existing outbox table as it
+	// was (migration 001 creates the table only when it is absent).
+	Adopted bool
 }
 
-// ShapeError reports an existing outbox table the relay cannot use.
+// ShapeError reports an existing outbox table the relay cannot use: every
+// difference from the shape it needs, each with the statement that fixes
+// it. Migrate never changes an existing column, so the table's owner runs
+// them.
 type ShapeError struct {
-	Table  string
+	Table    string
+	Problems []ShapeProblem
+}
+
+// ShapeProblem is one difference of an existing outbox table from the shape
+// the relay needs.
+type ShapeProblem struct {
 	Column string
-	Reason string
+	Reason string // "is missing", "has type text, want jsonb", …
+	// Fix is the SQL that resolves it, for the table's owner to run.
+	Fix string
+	// Rewrites is true when Fix rewrites the table under a lock that
+	// blocks its writers until it ends (ALTER COLUMN … TYPE).
+	Rewrites bool
 }
 
 func (e *ShapeError) Error() string {
-	return fmt.Sprintf("table %s: column %q %s", e.Table, e.Column, e.Reason)
+	var b strings.Builder
+	if len(e.Problems) == 1 {
+		fmt.Fprintf(&b, "table %s differs from the shape the relay needs: ", e.Table)
+	} else {
+		fmt.Fprintf(&b, "table %s differs from the shape the relay needs in %d ways:", e.Table, len(e.Problems))
+	}
+	rewrites := false
+	for _, p := range e.Problems {
+		if len(e.Problems) > 1 {
+			b.WriteString("\n  ")
+		}
+		fmt.Fprintf(&b, "column %q %s", p.Column, p.Reason)
+		rewrites = rewrites || p.Rewrites
+	}
+	b.WriteString("\nmigrate never changes an existing column: as the table's owner run\n")
+	for _, p := range e.Problems {
+		b.WriteString("  " + strings.ReplaceAll(p.Fix, "\n", "\n  ") + "\n")
+	}
+	if rewrites {
+		b.WriteString("(ALTER COLUMN … TYPE rewrites the table, and its writers wait until it ends: run it at a quiet time)\n")
+	}
+	b.WriteString("then migrate again")
+	return b.String()
 }
 
 // Migrate brings the schema for opts.Names up to date on conn. It is safe to
@@ -257,7 +296,21 @@ func migrateOnce(ctx context.Context, conn *pgx.Conn, names Names, data map[stri
 	if res.Retries == 0 {
 		res.From = from
 	}
+	// Migration 001 takes an existing table as it is: say so, rather than
+	// "applying" it, which reads as if it created the table.
+	adopting := false
+	if from == 0 {
+		if err := conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", names.Outbox.Quoted()).Scan(&adopting); err != nil {
+			return fmt.Errorf("look up %s: %w", names.Outbox, err)
+		}
+		res.Adopted = adopting
+	}
 	m.OnStart = func(seq int32, name, _, _ string) {
+		if seq == 1 && adopting {
+			log.Info().Int32("version", seq).Str("migration", name).Str("table", names.Outbox.String()).
+				Msg("adopting the existing table: its rows and its own indexes stay as they are")
+			return
+		}
 		log.Info().Int32("version", seq).Str("migration", name).Str("table", names.Outbox.String()).Msg("applying migration")
 	}
 	if err := m.Migrate(ctx); err != nil {
@@ -516,32 +569,75 @@ type querier interface {
 
 // column is what the relay needs of one outbox column. Text columns accept
 // varchar too; the rest must be exact, because the relay relies on their
-// semantics (jsonb equality, timestamptz in UTC).
+// semantics (jsonb equality, timestamptz in UTC). seed is the column's
+// definition in the seed shape (sql/001_outbox_table.sql), which the fix
+// for a missing column adds.
 type column struct {
 	name  string
 	types []string
+	seed  string
 }
 
 var outboxColumns = []column{
-	{"id", []string{"bigint", "integer"}},
-	{"event_type", []string{"text", "character varying"}},
-	{"aggregate_type", []string{"text", "character varying"}},
-	{"aggregate_id", []string{"text", "character varying"}},
-	{"event_key", []string{"text", "character varying"}},
-	{"payload", []string{"jsonb"}},
-	{"status", []string{"text", "character varying"}},
-	{"attempts", []string{"integer", "bigint", "smallint"}},
-	{"available_at", []string{"timestamp with time zone"}},
-	{"locked_at", []string{"timestamp with time zone"}},
-	{"locked_by", []string{"text", "character varying"}},
-	{"last_error", []string{"text", "character varying"}},
-	{"created_at", []string{"timestamp with time zone"}},
-	{"processed_at", []string{"timestamp with time zone"}},
+	{"id", []string{"bigint", "integer"}, "bigserial PRIMARY KEY"},
+	{"event_type", []string{"text", "character varying"}, "text"},
+	{"aggregate_type", []string{"text", "character varying"}, "text"},
+	{"aggregate_id", []string{"text", "character varying"}, "text"},
+	{"event_key", []string{"text", "character varying"}, "text"},
+	{"payload", []string{"jsonb"}, "jsonb"},
+	{"status", []string{"text", "character varying"}, "text DEFAULT 'pending'"},
+	{"attempts", []string{"integer", "bigint", "smallint"}, "int DEFAULT 0"},
+	{"available_at", []string{"timestamp with time zone"}, "timestamptz DEFAULT now()"},
+	{"locked_at", []string{"timestamp with time zone"}, "timestamptz"},
+	{"locked_by", []string{"text", "character varying"}, "text"},
+	{"last_error", []string{"text", "character varying"}, "text"},
+	{"created_at", []string{"timestamp with time zone"}, "timestamptz DEFAULT now()"},
+	{"processed_at", []string{"timestamp with time zone"}, "timestamptz"},
 }
 
-// checkShape fails with the first column the relay cannot use, and when no
-// unique index on event_key alone exists (outbox_publish's ON CONFLICT and
-// the ledger both key on it).
+// sqlType is the name a fix uses for one of the catalog's type names.
+func sqlType(catalog string) string {
+	switch catalog {
+	case "timestamp with time zone":
+		return "timestamptz"
+	case "integer":
+		return "int"
+	}
+	return catalog
+}
+
+// columnFix returns the statement that gives outbox the column c needs,
+// which has catalog type have ("" when the column is missing).
+func columnFix(outbox relay.QualifiedName, c column, have string) string {
+	alter := "ALTER TABLE " + outbox.Quoted()
+	col := relay.QuoteIdentifier(c.name)
+	if have == "" {
+		fix := fmt.Sprintf("%s ADD COLUMN %s %s;", alter, col, c.seed)
+		if c.name == "event_key" {
+			fix += fmt.Sprintf("\n-- give every row its unique key, then:\n%s;", uniqueKeyIndex(outbox))
+		}
+		return fix
+	}
+	want := sqlType(c.types[0])
+	using := col + "::" + want
+	if have == "timestamp without time zone" {
+		// The stored values have no zone: they are read as UTC.
+		using = col + " AT TIME ZONE 'UTC'"
+	}
+	return fmt.Sprintf("%s ALTER COLUMN %s TYPE %s USING %s;", alter, col, want, using)
+}
+
+// uniqueKeyIndex is the statement that gives event_key the unique index the
+// relay needs, built without blocking writers.
+func uniqueKeyIndex(outbox relay.QualifiedName) string {
+	return fmt.Sprintf("CREATE UNIQUE INDEX CONCURRENTLY %s ON %s (event_key)",
+		relay.QuoteIdentifier(derivedName(outbox.Name, "_event_key_key")), outbox.Quoted())
+}
+
+// checkShape returns a *ShapeError listing every column the relay cannot
+// use (missing, or of another type), and the missing unique index on
+// event_key alone (outbox_publish's ON CONFLICT and the ledger both key on
+// it), each with its fix.
 func checkShape(ctx context.Context, conn querier, outbox relay.QualifiedName) error {
 	rows, err := conn.Query(ctx, `
 		SELECT a.attname, regexp_replace(format_type(a.atttypid, a.atttypmod), '\(.*\)', '')
@@ -564,19 +660,27 @@ func checkShape(ctx context.Context, conn querier, outbox relay.QualifiedName) e
 	if len(have) == 0 {
 		return fmt.Errorf("table %s does not exist", outbox)
 	}
+	shape := &ShapeError{Table: outbox.String()}
 	for _, c := range outboxColumns {
 		typ, ok := have[c.name]
 		if !ok {
-			return &ShapeError{Table: outbox.String(), Column: c.name, Reason: "is missing"}
+			shape.Problems = append(shape.Problems, ShapeProblem{Column: c.name, Reason: "is missing", Fix: columnFix(outbox, c, "")})
+			continue
 		}
 		found := false
 		for _, want := range c.types {
 			found = found || typ == want
 		}
 		if !found {
-			return &ShapeError{Table: outbox.String(), Column: c.name,
-				Reason: fmt.Sprintf("has type %s, want %s", typ, strings.Join(c.types, " or "))}
+			shape.Problems = append(shape.Problems, ShapeProblem{Column: c.name,
+				Reason:   fmt.Sprintf("has type %s, want %s", typ, strings.Join(c.types, " or ")),
+				Fix:      columnFix(outbox, c, typ),
+				Rewrites: true})
 		}
+	}
+	if _, ok := have["event_key"]; !ok {
+		// The missing column's fix builds the index too.
+		return shape
 	}
 	var unique bool
 	err = conn.QueryRow(ctx, `
@@ -590,7 +694,11 @@ func checkShape(ctx context.Context, conn querier, outbox relay.QualifiedName) e
 		return fmt.Errorf("check unique event_key on %s: %w", outbox, err)
 	}
 	if !unique {
-		return &ShapeError{Table: outbox.String(), Column: "event_key", Reason: "has no unique index or constraint of its own"}
+		shape.Problems = append(shape.Problems, ShapeProblem{Column: "event_key", Reason: "has no unique index or constraint of its own",
+			Fix: uniqueKeyIndex(outbox) + ";"})
+	}
+	if len(shape.Problems) > 0 {
+		return shape
 	}
 	return nil
 }

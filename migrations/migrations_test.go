@@ -1,6 +1,7 @@
 package migrations_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -164,9 +165,15 @@ func TestMigrate_SeedTableRowsSurvive(t *testing.T) {
 	mustExec(t, conn, seedSQL)
 	before := outboxRows(t, conn)
 
-	mustMigrate(t, conn, migrations.Options{})
+	var log bytes.Buffer
+	res := mustMigrate(t, conn, migrations.Options{Logger: zerolog.New(&log)})
 	if after := outboxRows(t, conn); after != before {
 		t.Fatalf("migrate changed existing rows")
+	}
+	// The log and the result say the table was adopted, not created.
+	if !res.Adopted || !strings.Contains(log.String(), `"message":"adopting the existing table: `) ||
+		strings.Contains(log.String(), `"migration":"001_outbox_table","table":"public.integration_outbox","message":"applying migration"`) {
+		t.Errorf("adopted %v; log:\n%s", res.Adopted, log.String())
 	}
 	// The user's own indexes stay; the seed-shaped ones are not duplicated.
 	var indexes string
@@ -213,13 +220,67 @@ func TestMigrate_RefusesOtherShapes(t *testing.T) {
 			mustExec(t, conn, tt.create)
 			_, err := migrations.Migrate(context.Background(), conn, migrations.Options{Names: migrations.DefaultNames()})
 			var shape *migrations.ShapeError
-			if !errors.As(err, &shape) || shape.Column != tt.column {
+			if !errors.As(err, &shape) || len(shape.Problems) != 1 || shape.Problems[0].Column != tt.column {
 				t.Fatalf("err = %v, want a ShapeError naming %q", err, tt.column)
 			}
 			if !strings.Contains(err.Error(), `"`+tt.column+`"`) {
 				t.Fatalf("error %q does not name the column", err)
 			}
 		})
+	}
+}
+
+// TestMigrate_ListsEveryDifference: a table that differs from the seed shape
+// in several ways is refused once, with every difference and the statement
+// that fixes each; run as written, those statements make the next migrate
+// adopt the table.
+func TestMigrate_ListsEveryDifference(t *testing.T) {
+	ctx := context.Background()
+	conn := mustConnect(t, pgtest.NewDatabase(t))
+	mustExec(t, conn, `CREATE TABLE integration_outbox (id bigserial PRIMARY KEY, event_type text, aggregate_type text,
+		aggregate_id text, event_key text NOT NULL UNIQUE, payload text, status text DEFAULT 'pending', attempts int DEFAULT 0,
+		available_at timestamptz DEFAULT now(), locked_at timestamptz, last_error text, created_at timestamp DEFAULT now(),
+		processed_at timestamptz)`)
+	mustExec(t, conn, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
+		VALUES ('order.placed', 'order', '1', 'k1', '{"n": 1}')`)
+
+	_, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()})
+	var shape *migrations.ShapeError
+	if !errors.As(err, &shape) {
+		t.Fatalf("err = %v, want a ShapeError", err)
+	}
+	t.Logf("migrate: %v", err)
+	want := map[string]string{
+		"payload":    `ALTER TABLE "public"."integration_outbox" ALTER COLUMN "payload" TYPE jsonb USING "payload"::jsonb;`,
+		"locked_by":  `ALTER TABLE "public"."integration_outbox" ADD COLUMN "locked_by" text;`,
+		"created_at": `ALTER TABLE "public"."integration_outbox" ALTER COLUMN "created_at" TYPE timestamptz USING "created_at" AT TIME ZONE 'UTC';`,
+	}
+	if len(shape.Problems) != len(want) {
+		t.Errorf("%d problems, want %d: %+v", len(shape.Problems), len(want), shape.Problems)
+	}
+	for _, p := range shape.Problems {
+		fix, ok := want[p.Column]
+		if !ok || p.Fix != fix {
+			t.Errorf("column %q (%s): fix %q, want %q", p.Column, p.Reason, p.Fix, fix)
+		}
+	}
+	for _, w := range []string{`column "payload" has type text, want jsonb`, `column "locked_by" is missing`,
+		want["payload"], want["locked_by"], want["created_at"], "rewrites the table"} {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("the error does not say %q", w)
+		}
+	}
+
+	for _, p := range shape.Problems {
+		mustExec(t, conn, p.Fix)
+	}
+	res := mustMigrate(t, conn, migrations.Options{})
+	if !res.Adopted || res.To != migrations.Latest() {
+		t.Fatalf("after the fixes: %+v, want the table adopted and migrated", res)
+	}
+	var payload string
+	if err := conn.QueryRow(ctx, `SELECT payload->>'n' FROM integration_outbox WHERE event_key = 'k1'`).Scan(&payload); err != nil || payload != "1" {
+		t.Fatalf("the row after the fixes: %q, %v", payload, err)
 	}
 }
 

@@ -58,6 +58,9 @@ strong lock waits at most migrate.lock_timeout at a time, retrying until migrate
 				return explainMigrateError(ctx, conn, t, err)
 			}
 			out := cmd.OutOrStdout()
+			if res.Adopted {
+				fmt.Fprintf(out, "adopted the existing table %s: its rows and its own indexes stay as they are\n", t.Outbox)
+			}
 			if len(res.Applied) == 0 {
 				fmt.Fprintf(out, "schema of %s is up to date (version %d)\n", t.Outbox, res.To)
 			} else {
