@@ -195,9 +195,14 @@ func NotifyChannel(outbox relay.QualifiedName) string {
 	return derivedName(outbox.Name, "_relay_wakeup")
 }
 
+// NotifyTriggerName is the name of the poll-mode wake-up trigger on outbox.
+func NotifyTriggerName(outbox relay.QualifiedName) string {
+	return derivedName(outbox.Name, "_relay_notify")
+}
+
 // notifyTrigger names the trigger and its function.
 func notifyTrigger(outbox relay.QualifiedName) (trigger string, function relay.QualifiedName) {
-	name := derivedName(outbox.Name, "_relay_notify")
+	name := NotifyTriggerName(outbox)
 	return name, outbox.Sibling(name)
 }
 

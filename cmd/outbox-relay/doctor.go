@@ -94,15 +94,18 @@ Doctor only reads. It exits 1 when a check fails, 0 otherwise (warnings included
 func doctor(ctx context.Context, cfg *config.Config) []admin.Check {
 	t := cfg.Tables()
 	checks := admin.Diagnose(ctx, admin.DiagnoseConfig{
-		ConnString:      cfg.DatabaseURL.Reveal(),
-		Tables:          admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint},
-		Publication:     cfg.Source.Publication,
-		Slot:            cfg.Source.Slot,
-		Replication:     cfg.Source.Mode != config.SourcePoll,
-		Retention:       cfg.Retention.Enabled,
-		SlotMaxRetained: int64(cfg.Source.SlotMaxRetained),
-		StandbyURL:      cfg.Source.StandbyURL.Reveal(),
-		StandbyMaxLag:   time.Duration(cfg.Source.StandbyMaxLag),
+		ConnString:          cfg.DatabaseURL.Reveal(),
+		Tables:              admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint},
+		Publication:         cfg.Source.Publication,
+		Slot:                cfg.Source.Slot,
+		Replication:         cfg.Source.Mode != config.SourcePoll,
+		ReplicationRequired: cfg.Source.Mode == config.SourceReplication,
+		NotifyTrigger:       cfg.Source.NotifyTrigger,
+		PollInterval:        time.Duration(cfg.Source.PollInterval),
+		Retention:           cfg.Retention.Enabled,
+		SlotMaxRetained:     int64(cfg.Source.SlotMaxRetained),
+		StandbyURL:          cfg.Source.StandbyURL.Reveal(),
+		StandbyMaxLag:       time.Duration(cfg.Source.StandbyMaxLag),
 	})
 	sinks := configuredSinks(cfg)
 	if len(sinks) == 0 {

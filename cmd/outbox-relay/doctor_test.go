@@ -46,7 +46,10 @@ func withUser(t *testing.T, dbURL, user string) string {
 
 // TestDoctor_ReplicaClusterRoleWithoutReplication: wal_level=replica and a
 // role without REPLICATION or grants — every failing check prints its fix,
-// and doctor exits non-zero.
+// and doctor exits non-zero. In auto mode (the default) the relay polls
+// there by design: wal_level and REPLICATION are warnings with the
+// trade-off, and the poll-mode wake-up is suggested; in source.mode
+// replication they fail.
 func TestDoctor_ReplicaClusterRoleWithoutReplication(t *testing.T) {
 	c := pgtest.NewCluster(t, pgtest.Options{WALLevel: "replica"})
 	ctx := context.Background()
@@ -74,26 +77,42 @@ func TestDoctor_ReplicaClusterRoleWithoutReplication(t *testing.T) {
 
 	code, out, errOut := execute(t, "doctor", "--config", cfg)
 	t.Logf("doctor:\n%s", out)
-	if code != exitFailure || !strings.Contains(errOut, "doctor: 5 checks failed") {
+	if code != exitFailure || !strings.Contains(errOut, "doctor: 3 checks failed") {
 		t.Fatalf("exit %d, stderr %q", code, errOut)
 	}
 	requireLines(t, out,
-		"FAIL  wal_level", "fix: ALTER SYSTEM SET wal_level = logical;", "-- then restart PostgreSQL",
-		"FAIL  REPLICATION", `fix: ALTER ROLE "relay_app" WITH REPLICATION;`,
+		"warn  wal_level", "auto mode polls here", "source.notify_trigger: true",
+		"fix: ALTER SYSTEM SET wal_level = logical;", "-- then restart PostgreSQL", "or, to poll by choice, set source.mode: poll",
+		"warn  REPLICATION", `fix: ALTER ROLE "relay_app" WITH REPLICATION;`,
+		"warn  notify_trigger", "fix: set source.notify_trigger: true, then run outbox-relay migrate --config FILE",
 		"FAIL  privileges on public.integration_outbox", `fix: GRANT UPDATE, DELETE ON "public"."integration_outbox" TO "relay_app";`,
 		"FAIL  privileges on public.integration_idempotency", `fix: GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."integration_idempotency" TO "relay_app";`,
 		"FAIL  privileges on public.relay_checkpoint", `fix: GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."relay_checkpoint" TO "relay_app";`,
 		"ok    schema", "ok    least privilege",
 		"ok    sink n8n", "reachable (TCP; nothing sent)",
 		"warn  max_slot_wal_keep_size", "ALTER SYSTEM SET max_slot_wal_keep_size = '10GB';",
-		"5 failed",
+		"3 failed",
 	)
 	if regexp.MustCompile(`(?m)^\S+\s+replication connection\s`).MatchString(out) {
 		t.Error("tried a replication connection that cannot work")
 	}
 
+	// source.mode replication does not start here: both fail.
+	replCfg := writeOpsConfig(t, withUser(t, c.URL("app"), "relay_app"), fmt.Sprintf(`
+  - name: n8n
+    type: webhook
+    url: %s/webhook/outbox`, hook.URL), "source: {mode: replication}")
+	code, out, errOut = execute(t, "doctor", "--config", replCfg)
+	if code != exitFailure || !strings.Contains(errOut, "doctor: 5 checks failed") {
+		t.Fatalf("source.mode replication: exit %d, stderr %q\n%s", code, errOut, out)
+	}
+	requireLines(t, out, "FAIL  wal_level", "source.mode replication needs logical", "FAIL  REPLICATION")
+	if strings.Contains(out, "notify_trigger") {
+		t.Errorf("source.mode replication: the poll-mode wake-up suggested:\n%s", out)
+	}
+
 	// --json: the same findings, machine-readable.
-	code, out, _ = execute(t, "doctor", "--config", cfg, "--json")
+	code, out, _ = execute(t, "doctor", "--config", replCfg, "--json")
 	var report struct {
 		OK     bool          `json:"ok"`
 		Checks []admin.Check `json:"checks"`

@@ -44,6 +44,16 @@ type DiagnoseConfig struct {
 	// needs wal_level logical, the REPLICATION attribute, the publication
 	// and the slot.
 	Replication bool
+	// ReplicationRequired is true in source.mode replication, which does
+	// not start without the stream path. In auto mode the relay polls
+	// while replication is impossible, so wal_level below logical is a
+	// warning there, not a failure.
+	ReplicationRequired bool
+	// NotifyTrigger is source.notify_trigger and PollInterval
+	// source.poll_interval: how the claim path learns of new rows while
+	// the relay polls.
+	NotifyTrigger bool
+	PollInterval  time.Duration
 	// Retention is retention.enabled: run then deletes done rows and needs
 	// DELETE on the outbox.
 	Retention bool
@@ -57,9 +67,11 @@ type DiagnoseConfig struct {
 }
 
 // Diagnose checks the database side of a relay: the connection, the server
-// version, that it is a primary, wal_level, the role's REPLICATION attribute
-// and a replication connection, the schema version, the privileges the run
-// role needs and those it has beyond them, the publication, the slot (state,
+// version, that it is a primary, wal_level (in auto mode below logical a
+// warning: the relay polls there), the role's REPLICATION attribute and a
+// replication connection, the schema version, the privileges the run role
+// needs and those it has beyond them, the publication, while the relay
+// polls the notify trigger (source.notify_trigger), the slot (state,
 // holder, retained WAL), max_slot_wal_keep_size, (18+)
 // idle_replication_slot_timeout, the settings that bound how long a
 // vanished or cut-off relay's sessions outlive it (wal_sender_timeout, TCP
@@ -111,6 +123,7 @@ func Diagnose(ctx context.Context, cfg DiagnoseConfig) []Check {
 	}
 	d.extraPrivileges()
 	d.publication(ctx)
+	d.notifyTrigger(ctx)
 	onStandby := d.cfg.Replication && d.cfg.StandbyURL != ""
 	if onStandby {
 		d.standby(ctx)

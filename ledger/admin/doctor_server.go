@@ -111,8 +111,15 @@ func (d *diagnosis) walLevel(ctx context.Context) {
 	switch {
 	case d.walLevelSetting != "logical" && !d.cfg.Replication:
 		d.add(OK, "wal_level", d.walLevelSetting+" (enough for source.mode poll)", "")
+	case d.walLevelSetting != "logical" && !d.cfg.ReplicationRequired:
+		// Polling is what auto mode does here by design (docs/configuration.md,
+		// source.mode): the trade-off is latency, not correctness.
+		d.add(Warn, "wal_level", fmt.Sprintf("%s: auto mode polls here: the claim path finds a new row at its next poll, every poll_interval (%s), "+
+			"or at commit with source.notify_trigger: true; streaming, within milliseconds of commit, needs logical",
+			d.walLevelSetting, d.pollInterval()),
+			WALLevelFix(d.provider)+"\nor, to poll by choice, set source.mode: poll")
 	case d.walLevelSetting != "logical":
-		d.add(Fail, "wal_level", fmt.Sprintf("%s: the stream path needs logical (until then the relay only polls, every poll_interval)", d.walLevelSetting),
+		d.add(Fail, "wal_level", fmt.Sprintf("%s: source.mode replication needs logical: run does not start until then", d.walLevelSetting),
 			WALLevelFix(d.provider))
 	case d.cfg.Replication && (slots == 0 || senders == 0):
 		fix := "ALTER SYSTEM SET max_replication_slots = 10;\nALTER SYSTEM SET max_wal_senders = 10;\n-- then restart PostgreSQL"
@@ -148,12 +155,55 @@ func (d *diagnosis) replicationAttribute() {
 		d.add(OK, "REPLICATION", fmt.Sprintf("role %s has REPLICATION", r.name), "")
 	case r.rdsReplication:
 		d.add(OK, "REPLICATION", fmt.Sprintf("role %s is a member of rds_replication", r.name), "")
+	case !d.cfg.ReplicationRequired && d.walLevelSetting != "logical":
+		// As wal_level: auto mode polls here until both are in place.
+		d.add(Warn, "REPLICATION", fmt.Sprintf("role %s cannot open a replication connection: streaming needs that too, once wal_level is logical", r.name),
+			ReplicationFix(d.provider, r.name))
 	case d.provider == RDS || d.provider == Aurora:
 		d.add(Fail, "REPLICATION", fmt.Sprintf("role %s is not a member of rds_replication: it cannot open the replication connection (the relay only polls)", r.name),
 			ReplicationFix(d.provider, r.name))
 	default:
 		d.add(Fail, "REPLICATION", fmt.Sprintf("role %s lacks the REPLICATION attribute: it cannot open the replication connection (the relay only polls)", r.name),
 			ReplicationFix(d.provider, r.name))
+	}
+}
+
+// pollInterval is source.poll_interval, 1s when not given.
+func (d *diagnosis) pollInterval() time.Duration {
+	if d.cfg.PollInterval > 0 {
+		return d.cfg.PollInterval
+	}
+	return time.Second
+}
+
+// notifyTrigger checks the poll-mode wake-up while the relay polls (poll
+// mode, or auto mode below wal_level logical): without it a new row waits
+// for the next poll; with source.notify_trigger the trigger migrate
+// installs must be there, since run only listens.
+func (d *diagnosis) notifyTrigger(ctx context.Context) {
+	polls := !d.cfg.Replication || (!d.cfg.ReplicationRequired && d.walLevelSetting != "logical")
+	if !polls || !d.exists[d.tables.Outbox] {
+		return
+	}
+	trigger := migrations.NotifyTriggerName(d.tables.Outbox)
+	var installed bool
+	if err := d.conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = $2)`,
+		d.tables.Outbox.Quoted(), trigger).Scan(&installed); err != nil {
+		d.add(Fail, "notify_trigger", fmt.Sprintf("look up trigger %s: %v", trigger, err), "")
+		return
+	}
+	interval := d.pollInterval()
+	migrate := "outbox-relay migrate --config FILE   # as the owner of " + d.tables.Outbox.String() + ": installs the trigger"
+	switch {
+	case !d.cfg.NotifyTrigger:
+		d.add(Warn, "notify_trigger", fmt.Sprintf("off: while the relay polls, a new row at a low event rate waits for the next poll: %s (half of poll_interval %s) at the median",
+			interval/2, interval),
+			"set source.notify_trigger: true, then run "+migrate+"\n(a statement-level trigger whose NOTIFY wakes the claim path at commit; docs/configuration.md)")
+	case !installed:
+		d.add(Warn, "notify_trigger", fmt.Sprintf("source.notify_trigger is true, but its trigger %s is not installed on %s: new rows wait for the next poll, every %s",
+			trigger, d.tables.Outbox, interval), migrate)
+	default:
+		d.add(OK, "notify_trigger", fmt.Sprintf("trigger %s on %s wakes the claim path at commit", trigger, d.tables.Outbox), "")
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -213,11 +214,20 @@ func TestDiagnose_WALLevelReplica(t *testing.T) {
 	if _, err := migrations.Migrate(ctx, conn, migrations.Options{Names: migrations.DefaultNames()}); err != nil {
 		t.Fatal(err)
 	}
+	// Auto mode polls here by design: a warning with the trade-off, and
+	// the poll-mode wake-up suggested.
 	checks := diagnose(t, c.URL("app"))
-	requireCheck(t, checks, "wal_level", admin.Fail, "replica", "ALTER SYSTEM SET wal_level = logical;", "restart PostgreSQL")
+	noFailures(t, checks)
+	requireCheck(t, checks, "wal_level", admin.Warn, "replica", "auto mode polls", "poll_interval", "source.notify_trigger",
+		"ALTER SYSTEM SET wal_level = logical;", "restart PostgreSQL", "source.mode: poll")
+	requireCheck(t, checks, "notify_trigger", admin.Warn, "source.notify_trigger: true", "outbox-relay migrate")
 	if _, ok := checks["replication connection"]; ok {
 		t.Error("replication connection tried with wal_level replica")
 	}
+	// source.mode replication cannot start here.
+	required := func(c *admin.DiagnoseConfig) { c.ReplicationRequired = true }
+	checks = diagnose(t, c.URL("app"), required)
+	requireCheck(t, checks, "wal_level", admin.Fail, "replica", "source.mode replication", "ALTER SYSTEM SET wal_level = logical;", "restart PostgreSQL")
 	// This server version's own refusal of a slot is recognised, with each
 	// provider's fix.
 	_, err = conn.Exec(ctx, "SELECT pg_create_logical_replication_slot('refused', 'pgoutput')")
@@ -240,7 +250,7 @@ func TestDiagnose_WALLevelReplica(t *testing.T) {
 		if _, err := conn.Exec(ctx, "ALTER DATABASE app SET "+tc.setting+" = 'off'"); err != nil {
 			t.Fatal(err)
 		}
-		checks := diagnose(t, c.URL("app"))
+		checks := diagnose(t, c.URL("app"), required)
 		requireCheck(t, checks, "provider", admin.OK, tc.provider, tc.setting)
 		requireCheck(t, checks, "wal_level", admin.Fail, "replica", tc.fix)
 		if strings.Contains(checks["wal_level"].Fix, "ALTER SYSTEM") {
@@ -255,6 +265,35 @@ func TestDiagnose_WALLevelReplica(t *testing.T) {
 	checks = diagnose(t, c.URL("app"), func(c *admin.DiagnoseConfig) { c.Replication = false })
 	noFailures(t, checks)
 	requireCheck(t, checks, "wal_level", admin.OK, "enough for source.mode poll")
+}
+
+// TestDiagnose_NotifyTrigger: while the relay polls, doctor suggests the
+// poll-mode wake-up when it is off, and says when it is on but migrate has
+// not installed its trigger.
+func TestDiagnose_NotifyTrigger(t *testing.T) {
+	f := MustFixture(t)
+	poll := func(c *admin.DiagnoseConfig) { c.Replication, c.PollInterval = false, time.Second }
+	requireCheck(t, diagnose(t, f.url, poll), "notify_trigger", admin.Warn,
+		"off", "500ms", "source.notify_trigger: true", "outbox-relay migrate --config FILE")
+
+	on := func(c *admin.DiagnoseConfig) { c.NotifyTrigger = true }
+	requireCheck(t, diagnose(t, f.url, poll, on), "notify_trigger", admin.Warn,
+		"not installed", "outbox-relay migrate --config FILE")
+
+	conn, err := pgx.Connect(context.Background(), f.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if _, err := migrations.Migrate(context.Background(), conn, migrations.Options{Names: migrations.DefaultNames(), NotifyTrigger: true}); err != nil {
+		t.Fatal(err)
+	}
+	requireCheck(t, diagnose(t, f.url, poll, on), "notify_trigger", admin.OK, "integration_outbox_relay_notify")
+
+	// The stream path needs no wake-up.
+	if c, ok := diagnose(t, f.url)["notify_trigger"]; ok {
+		t.Errorf("notify_trigger checked while the relay streams: %+v", c)
+	}
 }
 
 func TestDiagnose_Schema(t *testing.T) {
