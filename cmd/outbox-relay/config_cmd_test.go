@@ -58,7 +58,9 @@ http: {metrics_token: metrics-SECRET-3}
 	if err := yaml.Unmarshal(stdout.Bytes(), &got); err != nil {
 		t.Fatalf("output is not YAML: %v\n%s", err, out)
 	}
-	if got.DatabaseURL != "[redacted]" || got.Source.Mode != "poll" || len(got.Sinks) != 2 || got.HTTP["metrics_token"] != "[redacted]" {
+	// The database's host, port, name and user show; only the password is hidden.
+	if got.DatabaseURL != "postgres://relay:xxxxx@db.example:5432/app?sslmode=verify-full&sslrootcert=/etc/relay/ca.crt" ||
+		got.Source.Mode != "poll" || len(got.Sinks) != 2 || got.HTTP["metrics_token"] != "[redacted]" {
 		t.Errorf("unexpected effective config:\n%s", out)
 	}
 	if got.Sinks[1]["token"] != "" || got.Sinks[1]["token_file"] != tokenFile { // only the file, so the output loads
@@ -68,10 +70,20 @@ http: {metrics_token: metrics-SECRET-3}
 		t.Errorf("webhook auth: %v", got.Sinks[0]["auth"])
 	}
 
-	// The --database-url flag wins, and is redacted too; a bad config exits 2.
-	stdout.Reset()
-	if code := Execute(context.Background(), []string{"config", "--config", path, "--database-url", "host=h password=flag-SECRET"}, &stdout, &stderr); code != 0 || strings.Contains(stdout.String(), "flag-SECRET") {
-		t.Errorf("exit %d, output:\n%s", code, stdout.String())
+	// The --database-url flag wins, and its password is hidden too, in
+	// every form libpq takes one; a bad config exits 2.
+	for flag, want := range map[string]string{
+		"host=h password=flag-SECRET":                                                                              "database_url: host=h password=xxxxx\n",
+		"host=h dbname=app user=relay password='flag-SECRET x'":                                                    "database_url: host=h dbname=app user=relay password=xxxxx\n",
+		"postgres://relay@h:5433/app?password=flag-SECRET&sslmode=require":                                         "database_url: postgres://relay@h:5433/app?password=xxxxx&sslmode=require\n",
+		"postgres://relay:flag-SECRET@h1:5432,h2:5432/app?sslpassword=flag-SECRET&target_session_attrs=read-write": "database_url: postgres://relay:xxxxx@h1:5432,h2:5432/app?sslpassword=xxxxx&target_session_attrs=read-write\n",
+		"host=h password='flag-SECRET":                                                                             "database_url: '[redacted]'\n",
+	} {
+		stdout.Reset()
+		code := Execute(context.Background(), []string{"config", "--config", path, "--database-url", flag}, &stdout, &stderr)
+		if code != 0 || strings.Contains(stdout.String(), "flag-SECRET") || !strings.Contains(stdout.String(), want) {
+			t.Errorf("--database-url %q: exit %d, want %q in the output:\n%s", flag, code, want, stdout.String())
+		}
 	}
 	t.Setenv("RELAY_SOURCE_MODE", "sometimes")
 	if code := Execute(context.Background(), []string{"config", "--config", path}, &stdout, &stderr); code != exitUsage {

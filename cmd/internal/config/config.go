@@ -612,9 +612,11 @@ func conflictsTableFor(table string) string {
 
 // Redacted renders c as YAML for printing: secrets as "[redacted]", every
 // webhook header value as "[redacted]" (headers often carry API keys), and
-// the credentials in sink URLs as "xxxxx". database_url is a Secret and is
-// therefore redacted whole, since libpq strings carry passwords in more
-// places than a URL's userinfo. A sink shows only the settings of its type.
+// the credentials in sink URLs as "xxxxx". database_url and
+// source.standby_url show where they connect (host, port, database, user,
+// settings) with only their passwords as "xxxxx" (redactConnString), since
+// that is what a person checking the configuration needs to see. A sink
+// shows only the settings of its type.
 // The output is a configuration file that loads back to c with its secrets
 // and header values replaced: a secret read from a file shows only its
 // *_file key, and "$" in a value is written "$$".
@@ -640,6 +642,10 @@ func (c *Config) Redacted() ([]byte, error) {
 	var root yaml.Node
 	if err := root.Encode(&r); err != nil {
 		return nil, fmt.Errorf("render config: %w", err)
+	}
+	showConnString(&root, "database_url", r.DatabaseURL)
+	if k := findKey(&root, "source"); k >= 0 {
+		showConnString(root.Content[k+1], "standby_url", r.Source.StandbyURL)
 	}
 	escapeDollars(&root)
 	if k := findKey(&root, "sinks"); k >= 0 {
@@ -682,6 +688,114 @@ func escapeDollars(n *yaml.Node) {
 			escapeDollars(c)
 		}
 	}
+}
+
+// showConnString sets m's key, a connection string rendered as
+// "[redacted]", to conn with only its passwords hidden.
+func showConnString(m *yaml.Node, key string, conn Secret) {
+	k := findKey(m, key)
+	if k < 0 || conn == "" {
+		return
+	}
+	v := m.Content[k+1]
+	v.Kind, v.Tag, v.Style, v.Value = yaml.ScalarNode, "!!str", 0, redactConnString(conn.Reveal())
+}
+
+// connPasswordKeys are the libpq parameters that carry a secret.
+var connPasswordKeys = []string{"password", "sslpassword"}
+
+// redactConnString returns a libpq connection string (a postgres:// URL or
+// key=value pairs) with every password replaced by "xxxxx", or
+// "[redacted]" when it does not parse: nothing that might be a secret is
+// shown.
+func redactConnString(s string) string {
+	if strings.HasPrefix(s, "postgres://") || strings.HasPrefix(s, "postgresql://") {
+		u, err := url.Parse(s)
+		if err != nil {
+			return redacted
+		}
+		if _, ok := u.User.Password(); ok {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+		}
+		if u.RawQuery != "" {
+			params := strings.Split(u.RawQuery, "&")
+			for i, p := range params {
+				k, _, _ := strings.Cut(p, "=")
+				if name, err := url.QueryUnescape(k); err != nil || slices.Contains(connPasswordKeys, name) {
+					params[i] = k + "=xxxxx"
+				}
+			}
+			u.RawQuery = strings.Join(params, "&")
+		}
+		return u.String()
+	}
+	out, ok := redactKeywordValues(s)
+	if !ok {
+		return redacted
+	}
+	return out
+}
+
+// redactKeywordValues rewrites libpq's key=value form (values unquoted, or
+// single-quoted with backslash escapes) as key=value pairs separated by one
+// space, each password's value "xxxxx". It reports false when s does not
+// parse.
+func redactKeywordValues(s string) (string, bool) {
+	space := func(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v' }
+	var pairs []string
+	for i := 0; ; {
+		for i < len(s) && space(s[i]) {
+			i++
+		}
+		if i == len(s) {
+			break
+		}
+		start := i
+		for i < len(s) && s[i] != '=' && !space(s[i]) {
+			i++
+		}
+		key := s[start:i]
+		for i < len(s) && space(s[i]) {
+			i++
+		}
+		if key == "" || i == len(s) || s[i] != '=' {
+			return "", false
+		}
+		i++
+		for i < len(s) && space(s[i]) {
+			i++
+		}
+		start = i
+		if i < len(s) && s[i] == '\'' {
+			for i++; ; i++ {
+				if i >= len(s) {
+					return "", false // unterminated quote
+				}
+				if s[i] == '\\' {
+					i++
+					continue
+				}
+				if s[i] == '\'' {
+					i++
+					break
+				}
+			}
+		} else {
+			for i < len(s) && !space(s[i]) {
+				if s[i] == '\\' {
+					i++
+				}
+				i++
+			}
+			i = min(i, len(s))
+		}
+		value := s[start:i]
+		if slices.Contains(connPasswordKeys, key) {
+			value = "xxxxx"
+		}
+		pairs = append(pairs, key+"="+value)
+	}
+	return strings.Join(pairs, " "), true
 }
 
 // redactURLs redacts the credentials of each URL in a comma-separated list.

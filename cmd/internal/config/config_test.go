@@ -1162,7 +1162,8 @@ http:
 		}
 	}
 	for _, want := range []string{
-		"database_url: '[redacted]'",
+		"database_url: postgres://relay:xxxxx@db:5432/app\n",
+		"standby_url: postgres://relay:xxxxx@standby:5432/app\n",
 		"secret: '[redacted]'",
 		"X-Api-Key: '[redacted]'",
 		"url: https://user:xxxxx@example.com/hook",
