@@ -133,3 +133,45 @@ func TestConfigFileFromEnvironment(t *testing.T) {
 		t.Errorf("RELAY_CONFIG naming no file: exit %d, stderr %q", code, errOut)
 	}
 }
+
+// TestLogFlags: --log-format and --log-level set log.format and log.level
+// above the environment and the file; an invalid value exits 2 naming the
+// key.
+func TestLogFlags(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "relay.yaml")
+	if err := os.WriteFile(path, []byte("log: {level: debug, format: json}\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	execute(t) // clears the RELAY_* environment
+	printed := func(args ...string) (log struct{ Level, Format string }) {
+		t.Helper()
+		var stdout, stderr bytes.Buffer
+		if code := Execute(context.Background(), append([]string{"config", "--config", path}, args...), &stdout, &stderr); code != exitOK {
+			t.Fatalf("config %q: exit %d: %s", args, code, stderr.String())
+		}
+		var doc struct {
+			Log struct{ Level, Format string } `yaml:"log"`
+		}
+		if err := yaml.Unmarshal(stdout.Bytes(), &doc); err != nil {
+			t.Fatal(err)
+		}
+		return doc.Log
+	}
+	if got := printed(); got.Level != "debug" || got.Format != "json" {
+		t.Errorf("from the file: %+v", got)
+	}
+	t.Setenv("RELAY_LOG_LEVEL", "warn")
+	t.Setenv("RELAY_LOG_FORMAT", "console")
+	if got := printed(); got.Level != "warn" || got.Format != "console" {
+		t.Errorf("the environment over the file: %+v", got)
+	}
+	if got := printed("--log-level", "error", "--log-format", "json"); got.Level != "error" || got.Format != "json" {
+		t.Errorf("the flags over the environment: %+v", got)
+	}
+
+	var stdout, stderr bytes.Buffer
+	if code := Execute(context.Background(), []string{"config", "--config", path, "--log-format", "xml"}, &stdout, &stderr); code != exitUsage ||
+		!strings.Contains(stderr.String(), "log.format") {
+		t.Errorf("--log-format xml: exit %d, stderr %q; want %d naming log.format", code, stderr.String(), exitUsage)
+	}
+}

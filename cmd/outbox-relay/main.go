@@ -57,6 +57,9 @@ func exitCode(err error) int {
 type globals struct {
 	configPath  string
 	databaseURL string
+	// logFormat and logLevel are --log-format and --log-level: log.format
+	// and log.level set on the command line.
+	logFormat, logLevel string
 	// embeddedNATS is run's --embedded-nats: embedded_nats set on the
 	// command line.
 	embeddedNATS bool
@@ -84,6 +87,12 @@ func (g *globals) load(sinkSecretsOptional bool) (*config.Config, error) {
 	}
 	if g.embeddedNATS {
 		overrides["embedded_nats"] = "true"
+	}
+	if g.logFormat != "" {
+		overrides["log.format"] = g.logFormat
+	}
+	if g.logLevel != "" {
+		overrides["log.level"] = g.logLevel
 	}
 	path, from := g.configFile()
 	cfg, err := config.Load(config.Options{Path: path, Overrides: overrides, SinkSecretsOptional: sinkSecretsOptional})
@@ -134,6 +143,8 @@ Exit codes: 0 success, 1 failure, 2 bad usage or configuration.`,
 	root.SetErr(stderr)
 	root.PersistentFlags().StringVarP(&g.configPath, "config", "c", "", "configuration file (YAML); default: the path in RELAY_CONFIG")
 	root.PersistentFlags().StringVar(&g.databaseURL, "database-url", "", "PostgreSQL connection URL (overrides database_url)")
+	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "", "json, console or auto (overrides log.format)")
+	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "", "trace, debug, info, warn or error (overrides log.level)")
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError{err} })
 
 	root.AddCommand(
