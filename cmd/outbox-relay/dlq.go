@@ -215,6 +215,7 @@ func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tSTATUS\tATTEMPTS\tTYPE\tAGGREGATE\tKEY\tSINKS\tLAST ERROR")
 	counts := map[string]int{}
+	cut := false
 	for _, e := range entries {
 		counts[e.Status]++
 		states := map[string]string{}
@@ -237,12 +238,22 @@ func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig) {
 			cells = append(cells, name+"="+states[name])
 		}
 		agg := orDash(e.AggregateType) + "/" + orDash(e.AggregateID)
+		lastError := excerpt(orDash(e.LastError), lastErrorWidth)
+		cut = cut || lastError != orDash(e.LastError)
 		fmt.Fprintf(tw, "%d\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", e.ID, e.Status, e.Attempts, excerpt(orDash(e.EventType), 32),
-			excerpt(agg, 32), excerpt(e.EventKey, 36), strings.Join(cells, " "), excerpt(orDash(e.LastError), 72))
+			excerpt(agg, 32), excerpt(e.EventKey, 36), strings.Join(cells, " "), lastError)
 	}
 	tw.Flush()
 	fmt.Fprintf(w, "%d events: %d failed, %d held (- : no ledger row for that sink)\n", len(entries), counts["failed"], counts["held"])
+	if cut {
+		fmt.Fprintln(w, "errors are cut to their first line and "+strconv.Itoa(lastErrorWidth)+" characters: dlq list --json shows every error whole")
+	}
 }
+
+// lastErrorWidth is how much of last_error the table shows: enough for a
+// webhook error's prefix (sink, event key, status) and the start of the
+// receiver's body, which says what it refused.
+const lastErrorWidth = 240
 
 // routes reports whether a sink with these globs takes the event type, by
 // the engine's rule: "*" takes every type, NULL included; other globs are

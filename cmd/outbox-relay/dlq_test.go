@@ -25,7 +25,9 @@ func TestDLQList(t *testing.T) {
 	}
 	t.Logf("dlq list:\n%s", out)
 	lines := strings.Split(strings.TrimSpace(out), "\n")
-	if len(lines) != 4 || !strings.HasPrefix(lines[0], "ID") || !strings.Contains(lines[3], "2 events: 1 failed, 1 held") {
+	// The failed event's error has a second line, which the table cuts.
+	if len(lines) != 5 || !strings.HasPrefix(lines[0], "ID") || !strings.Contains(lines[3], "2 events: 1 failed, 1 held") ||
+		!strings.Contains(lines[4], "dlq list --json shows every error whole") {
 		t.Fatalf("table:\n%s", out)
 	}
 	for _, want := range []string{
@@ -82,6 +84,30 @@ func TestDLQList(t *testing.T) {
 	_, out, _ = execute(t, "dlq", "list", "--config", d.config, "--limit", "1")
 	if !strings.Contains(out, "showing the first 1; --limit N (0: all) shows more") {
 		t.Fatalf("limit note missing:\n%s", out)
+	}
+}
+
+// TestDLQList_ReceiverBody: the table shows a webhook error up to the
+// receiver's body (which says what it refused), says where the whole error
+// is when it had to cut one, and --json carries the error whole.
+func TestDLQList_ReceiverBody(t *testing.T) {
+	d := newOpsDB(t)
+	body := `{"code":422,"message":"Field 'email' is required","hint":"` + strings.Repeat("x", 400) + `-END"}`
+	lastError := `webhook n8n: event "order-1-created": receiver answered 422 Unprocessable Entity: ` + body
+	id := d.insert(t, "order-1-created", "order.created", "failed", lastError)
+
+	code, out, errOut := execute(t, "dlq", "list", "--config", d.config)
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s%s", code, out, errOut)
+	}
+	t.Logf("dlq list:\n%s", out)
+	requireLines(t, out, `receiver answered 422 Unprocessable Entity: {"code":422,"message":"Field 'email' is required"`,
+		"dlq list --json shows every error whole")
+
+	_, out, _ = execute(t, "dlq", "list", "--config", d.config, "--json", "--ids", fmt.Sprint(id))
+	var entries []admin.Entry
+	if err := json.Unmarshal([]byte(out), &entries); err != nil || len(entries) != 1 || entries[0].LastError == nil || *entries[0].LastError != lastError {
+		t.Fatalf("--json: %v\n%s", err, out)
 	}
 }
 
