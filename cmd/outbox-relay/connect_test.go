@@ -33,9 +33,11 @@ func TestConnectError_WrongPassword(t *testing.T) {
 	u.User = url.UserPassword("app", "wrong-password")
 	u.RawQuery = "" // sslmode=prefer, libpq's default: pgx tries TLS first
 	wrong := u.String()
+	// run's endpoints on a free port: the default one may be a running relay's.
+	cfg := writeOpsConfig(t, "", "", `http: {listen: "127.0.0.1:0"}`, fmt.Sprintf("data_dir: %q", t.TempDir()))
 
 	for _, args := range [][]string{{"status"}, {"dlq", "list"}, {"migrate"}, {"run", "--embedded-nats"}} {
-		code, _, errOut := execute(t, append(args, "--database-url", wrong)...)
+		code, _, errOut := execute(t, append(args, "--config", cfg, "--database-url", wrong)...)
 		// The error line (run logs before it).
 		_, msg, _ := strings.Cut(errOut, "outbox-relay: ")
 		first, _, _ := strings.Cut(msg, "\n")

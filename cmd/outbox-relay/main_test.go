@@ -208,7 +208,9 @@ func TestRun_RefusesNoSinks(t *testing.T) {
 	}
 
 	cfg := filepath.Join(t.TempDir(), "relay.yaml")
-	if err := os.WriteFile(cfg, []byte("source: {mode: poll}\n"), 0o600); err != nil {
+	// run's endpoints on a free port: the default one may be a running relay's.
+	doc := fmt.Sprintf("source: {mode: poll}\nhttp: {listen: \"127.0.0.1:0\"}\ndata_dir: %q\n", t.TempDir())
+	if err := os.WriteFile(cfg, []byte(doc), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	t.Setenv("RELAY_CONFIG", cfg)
@@ -220,7 +222,7 @@ func TestRun_RefusesNoSinks(t *testing.T) {
 
 	stderr.Reset()
 	code = Execute(context.Background(), []string{"run", "--embedded-nats", "--database-url", unreachable}, &out, &stderr)
-	if code != exitFailure || strings.Contains(stderr.String(), "no sinks") {
+	if code != exitFailure || strings.Contains(stderr.String(), "no sinks") || !strings.Contains(stderr.String(), "connect to the database") {
 		t.Errorf("run --embedded-nats: exit %d, stderr %q; want it past the sinks check, failing to connect", code, stderr.String())
 	}
 }
