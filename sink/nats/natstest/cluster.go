@@ -164,28 +164,21 @@ func (c *Cluster) options(i int) *server.Options {
 	}
 }
 
+// start starts server i once its ports are free, and waits until it
+// accepts connections (startServer).
 func (c *Cluster) start(i int) error {
 	m := c.members[i]
-	deadline := time.Now().Add(bindTimeout)
-	for {
-		srv, err := server.NewServer(c.options(i))
-		if err != nil {
-			return fmt.Errorf("start %s: %w", m.name, err)
-		}
-		srv.Start()
-		if srv.ReadyForConnections(readyTimeout) {
-			c.mu.Lock()
-			m.srv = srv
-			c.mu.Unlock()
-			return nil
-		}
-		srv.Shutdown()
-		srv.WaitForShutdown()
-		if time.Now().After(deadline) {
-			return fmt.Errorf("start %s on ports %d/%d: not ready within %s", m.name, m.clientPort, m.clusterPort, bindTimeout)
-		}
-		time.Sleep(50 * time.Millisecond)
+	if err := waitPortsFree(m.clientPort, m.clusterPort); err != nil {
+		return fmt.Errorf("start %s: %w", m.name, err)
 	}
+	srv, err := startServer(c.options(i))
+	if err != nil {
+		return fmt.Errorf("start %s: %w", m.name, err)
+	}
+	c.mu.Lock()
+	m.srv = srv
+	c.mu.Unlock()
+	return nil
 }
 
 // Size returns the number of servers.

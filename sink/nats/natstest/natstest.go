@@ -9,7 +9,6 @@
 package natstest
 
 import (
-	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -24,8 +23,12 @@ import (
 const (
 	// bindTimeout bounds how long a start retries a busy port.
 	bindTimeout = 10 * time.Second
-	// readyTimeout bounds one attempt to become ready for connections.
-	readyTimeout = 2 * time.Second
+	// readyTimeout bounds how long a started server may take to accept
+	// connections. It is generous because a loaded machine (the race
+	// detector, other tests' servers and clusters) can take seconds, and
+	// a start that gave up and tried again would only start over; a ready
+	// server ends the wait at once.
+	readyTimeout = time.Minute
 )
 
 // Option configures a server started by Start.
@@ -187,33 +190,52 @@ func (s *Server) options() *server.Options {
 	}
 }
 
-// startLocked starts a server on s.port, retrying while the port is busy.
+// startLocked starts a server on s.port once the port is free.
 func (s *Server) startLocked() error {
+	if err := waitPortsFree(s.port); err != nil {
+		return fmt.Errorf("start nats server: %w", err)
+	}
+	srv, err := startServer(s.options())
+	if err != nil {
+		return fmt.Errorf("start nats server: %w", err)
+	}
+	s.srv = srv
+	return nil
+}
+
+// waitPortsFree waits until every port can be bound on 127.0.0.1 (another
+// process, or the previous server's sockets, may hold one for a moment),
+// for at most bindTimeout. With NoLog a server reports a failed bind
+// nowhere and only never becomes ready, so the ports are probed first.
+func waitPortsFree(ports ...int) error {
 	deadline := time.Now().Add(bindTimeout)
 	for {
-		err := s.tryStart()
-		if err == nil || !errors.Is(err, errNotReady) || time.Now().After(deadline) {
-			return err
+		var busy error
+		for _, p := range ports {
+			l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(p)))
+			if err != nil {
+				busy = fmt.Errorf("port %d: %w", p, err)
+				break
+			}
+			_ = l.Close()
+		}
+		if busy == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("still busy after %s: %w", bindTimeout, busy)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
 }
 
-// errNotReady marks a start that may succeed when retried: the port was busy.
-var errNotReady = errors.New("not ready for connections")
-
-func (s *Server) tryStart() error {
-	// With NoLog the server reports a failed bind nowhere and only never
-	// becomes ready, so probe the port first to retry fast.
-	l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(s.port)))
+// startServer starts a server with opts and waits until it accepts
+// connections on its client (and cluster) port, for at most readyTimeout;
+// a server that does not is shut down again.
+func startServer(opts *server.Options) (*server.Server, error) {
+	srv, err := server.NewServer(opts)
 	if err != nil {
-		return fmt.Errorf("start nats server: port %d: %w: %w", s.port, errNotReady, err)
-	}
-	_ = l.Close()
-
-	srv, err := server.NewServer(s.options())
-	if err != nil {
-		return fmt.Errorf("start nats server: %w", err)
+		return nil, err
 	}
 	// Start does not block: it runs the accept loop in the server's own
 	// goroutines, which Shutdown ends and WaitForShutdown waits for.
@@ -221,8 +243,11 @@ func (s *Server) tryStart() error {
 	if !srv.ReadyForConnections(readyTimeout) {
 		srv.Shutdown()
 		srv.WaitForShutdown()
-		return fmt.Errorf("start nats server on port %d: %w within %s", s.port, errNotReady, readyTimeout)
+		what := fmt.Sprintf("client port %d", opts.Port)
+		if opts.Cluster.Port != 0 {
+			what += fmt.Sprintf(" and cluster port %d", opts.Cluster.Port)
+		}
+		return nil, fmt.Errorf("server %s did not accept connections on %s within %s", opts.ServerName, what, readyTimeout)
 	}
-	s.srv = srv
-	return nil
+	return srv, nil
 }
