@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"net/url"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -39,9 +38,10 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-// relayBinary builds the relay once for the package's tests.
+// relayBinary builds the relay once for the package's tests, in a directory
+// pgtest.Main removes after them.
 var relayBinary = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "outbox-relay-dev-test-")
+	dir, err := pgtest.SharedDir("outbox-relay-dev-test-")
 	if err != nil {
 		return "", err
 	}

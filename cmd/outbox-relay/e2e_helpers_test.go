@@ -26,6 +26,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/sink/nats/natstest"
 )
@@ -263,9 +264,10 @@ func (b *syncBuffer) String() string {
 	return b.buf.String()
 }
 
-// relayBinary builds the outbox-relay binary once per test run.
+// relayBinary builds the outbox-relay binary once per test run, in a
+// directory pgtest.Main removes after the tests.
 var relayBinary = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "outbox-relay-bin-")
+	dir, err := pgtest.SharedDir("outbox-relay-bin-")
 	if err != nil {
 		return "", err
 	}

@@ -45,6 +45,8 @@ var mainRunning atomic.Bool
 // if the tests passed but closing failed. Call it from TestMain:
 //
 //	func TestMain(m *testing.M) { pgtest.Main(m) }
+//
+// It also removes the directories SharedDir made.
 func Main(m *testing.M) {
 	mainRunning.Store(true)
 	code := m.Run()
@@ -54,7 +56,51 @@ func Main(m *testing.M) {
 			code = 1
 		}
 	}
+	if err := removeSharedDirs(); err != nil {
+		fmt.Fprintf(os.Stderr, "pgtest: %v\n", err)
+		if code == 0 {
+			code = 1
+		}
+	}
 	os.Exit(code)
+}
+
+// sharedDirs are the directories SharedDir made, for Main to remove.
+var sharedDirs struct {
+	mu    sync.Mutex
+	paths []string
+}
+
+// SharedDir creates a directory under os.TempDir for what the tests of a
+// package share beyond one test (such as a binary built once), and returns
+// its path. Main removes it after the tests, so the package must call Main
+// from TestMain; a test's own files belong in t.TempDir.
+func SharedDir(prefix string) (string, error) {
+	if !mainRunning.Load() {
+		return "", errors.New("pgtest.SharedDir needs pgtest.Main in the package's TestMain, which removes the directory")
+	}
+	dir, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		return "", err
+	}
+	sharedDirs.mu.Lock()
+	defer sharedDirs.mu.Unlock()
+	sharedDirs.paths = append(sharedDirs.paths, dir)
+	return dir, nil
+}
+
+// removeSharedDirs removes every directory SharedDir made.
+func removeSharedDirs() error {
+	sharedDirs.mu.Lock()
+	defer sharedDirs.mu.Unlock()
+	var errs []error
+	for _, dir := range sharedDirs.paths {
+		if err := os.RemoveAll(dir); err != nil {
+			errs = append(errs, fmt.Errorf("remove %s: %w", dir, err))
+		}
+	}
+	sharedDirs.paths = nil
+	return errors.Join(errs...)
 }
 
 func closeShared() error {
