@@ -2,13 +2,11 @@ package main
 
 import (
 	"context"
-	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"net/url"
 	"strconv"
 	"strings"
 	"text/template"
@@ -41,14 +39,19 @@ check — ok, warn, FAIL, or skip for a check that does not apply (the publicati
 outbox table does not exist, TCP keepalives over a Unix socket) — with the exact fix (SQL or
 setting) under each warn and FAIL:
 
-  connection, server version (13+), primary, wal_level, the REPLICATION attribute and a
-  replication connection (pg_hba.conf), the schema version (migrate), the privileges run needs
-  on the outbox, ledger and checkpoint tables (the missing GRANTs) and those it has beyond
-  them (superuser, table ownership, extra grants), the publication, the slot (missing, lost,
-  held by another or a stale process, retained WAL, made without the relay's hand-over: the
-  rows run then hands to the claim path), max_slot_wal_keep_size, and each sink:
-  a webhook's host is reached over TCP (and TLS for https; nothing is sent), a NATS server is
-  connected and its JetStream stream checked (exists, captures the subjects, duplicate_window).
+  connection, server version (13+), primary, wal_level (below logical a warning in auto mode,
+  which polls there, and a failure in source.mode replication), the REPLICATION attribute and
+  a replication connection (pg_hba.conf), the schema version (migrate), the privileges run
+  needs on the outbox, ledger and checkpoint tables (the missing GRANTs) and those it has
+  beyond them (superuser, table ownership, extra grants), the publication, while the relay
+  polls the notify trigger (source.notify_trigger), the slot (missing, lost, held by another
+  or a stale process, retained WAL, made without the relay's hand-over: the rows run then
+  hands to the claim path), max_slot_wal_keep_size, and each sink: a webhook gets an OPTIONS
+  request with CORS preflight headers (nothing is delivered; n8n answers it from its webhook
+  registrations without running a workflow), which tells a registered n8n webhook from a path
+  n8n has not registered (workflow not published, wrong path), n8n's test URL, a webhook for
+  another method and credentials a proxy refuses; a NATS server is connected and its JetStream
+  stream checked (exists, captures the subjects, duplicate_window).
 
 Doctor only reads. It exits 1 when a check fails, 0 otherwise (warnings included).`,
 		Args: noArgs,
@@ -143,52 +146,6 @@ func printChecks(w io.Writer, checks []admin.Check) {
 		summary += fmt.Sprintf(", %d skipped", counts[admin.Skip])
 	}
 	fmt.Fprintf(w, "\n%s\n", summary)
-}
-
-// checkWebhook reaches the webhook's host over TCP, and completes a TLS
-// handshake for https, without sending a request: a POST would deliver
-// something, and n8n answers other methods on a webhook path with 404.
-func checkWebhook(ctx context.Context, i int, s config.SinkConfig) admin.Check {
-	name := "sink " + s.Name
-	u, err := url.Parse(s.URL)
-	if err != nil { // config.Validate refused it already
-		return admin.Check{Name: name, Status: admin.Fail, Detail: "the url does not parse", Fix: fmt.Sprintf("fix sinks[%d].url", i)}
-	}
-	port := u.Port()
-	if port == "" {
-		port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
-	}
-	addr := net.JoinHostPort(u.Hostname(), port)
-	ctx, cancel := context.WithTimeout(ctx, sinkCheckTimeout)
-	defer cancel()
-	fix := fmt.Sprintf("check sinks[%d].url (%s) and that the receiver is up and reachable from here (DNS, firewall, proxy)", i, addr)
-	conn, err := (&net.Dialer{}).DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return admin.Check{Name: name, Status: admin.Fail, Detail: fmt.Sprintf("webhook host %s unreachable: %v", addr, unwrapOpError(err)), Fix: fix}
-	}
-	defer conn.Close()
-	if u.Scheme != "https" {
-		return admin.Check{Name: name, Status: admin.OK, Detail: fmt.Sprintf("webhook host %s reachable (TCP; nothing sent)", addr)}
-	}
-	// The sink's own tls section (CA, client certificate) applies here too;
-	// otherwise a private CA would fail a check that run passes.
-	tlsCfg, err := s.TLS.ClientConfig()
-	if err != nil {
-		return admin.Check{Name: name, Status: admin.Fail, Detail: err.Error(), Fix: "fix sinks[" + strconv.Itoa(i) + "].tls"}
-	}
-	if tlsCfg == nil {
-		tlsCfg = &tls.Config{MinVersion: tls.VersionTLS12}
-	}
-	tlsCfg = tlsCfg.Clone()
-	tlsCfg.ServerName = u.Hostname()
-	tc := tls.Client(conn, tlsCfg)
-	if err := tc.HandshakeContext(ctx); err != nil {
-		return admin.Check{Name: name, Status: admin.Fail, Detail: fmt.Sprintf("TLS handshake with %s failed: %v", addr, err),
-			Fix: "the server's certificate must be valid for " + u.Hostname() + " and signed by a CA this machine trusts"}
-	}
-	cert := tc.ConnectionState().PeerCertificates[0]
-	return admin.Check{Name: name, Status: admin.OK, Detail: fmt.Sprintf("webhook host %s reachable (TLS; certificate valid until %s; nothing sent)",
-		addr, cert.NotAfter.UTC().Format(time.DateOnly))}
 }
 
 func unwrapOpError(err error) error {

@@ -11,7 +11,9 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"regexp"
+	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -68,8 +70,7 @@ func TestDoctor_ReplicaClusterRoleWithoutReplication(t *testing.T) {
 			t.Fatalf("%s: %v", sql, err)
 		}
 	}
-	hook := httptest.NewServer(http.NotFoundHandler())
-	defer hook.Close()
+	hook := newN8NLike(t, map[string][]string{"outbox": {"POST"}})
 	cfg := writeOpsConfig(t, withUser(t, c.URL("app"), "relay_app"), fmt.Sprintf(`
   - name: n8n
     type: webhook
@@ -89,7 +90,7 @@ func TestDoctor_ReplicaClusterRoleWithoutReplication(t *testing.T) {
 		"FAIL  privileges on public.integration_idempotency", `fix: GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."integration_idempotency" TO "relay_app";`,
 		"FAIL  privileges on public.relay_checkpoint", `fix: GRANT SELECT, INSERT, UPDATE, DELETE ON "public"."relay_checkpoint" TO "relay_app";`,
 		"ok    schema", "ok    least privilege",
-		"ok    sink n8n", "reachable (TCP; nothing sent)",
+		"ok    sink n8n", "n8n webhook POST /webhook/outbox is registered",
 		"warn  max_slot_wal_keep_size", "ALTER SYSTEM SET max_slot_wal_keep_size = '10GB';",
 		"3 failed",
 	)
@@ -138,8 +139,7 @@ func TestDoctor_ReplicaClusterRoleWithoutReplication(t *testing.T) {
 // sinks — warnings (superuser, unlimited slot WAL), exit 0.
 func TestDoctor_Healthy(t *testing.T) {
 	d := newOpsDB(t)
-	hook := httptest.NewServer(http.NotFoundHandler())
-	defer hook.Close()
+	hook := newN8NLike(t, map[string][]string{"outbox": {"POST"}})
 	ns := natstest.Start(t)
 	cfg := writeOpsConfig(t, d.url, fmt.Sprintf(`
   - name: n8n
@@ -228,6 +228,114 @@ func TestDoctor_SinkFailures(t *testing.T) {
 		"FAIL  sink nobus ", "cannot connect to NATS", "fix: check sinks[3].url",
 		"FAIL  sink missing stream MISSING", `fix: nats stream add MISSING --subjects "outbox.>" --dupe-window 2m --storage file`,
 	)
+}
+
+// n8nLike answers as n8n 2.8 does (docs/n8n.md, "doctor's probe"): an
+// OPTIONS preflight (Origin, Access-Control-Request-Method) on
+// /webhook/PATH lists the methods registered for PATH in
+// Access-Control-Allow-Methods and answers 204 when POST is one of them,
+// else 500; on the test URL /webhook-test/PATH, 404 "not registered" (no
+// test listening); on any other path, 404 "Cannot OPTIONS". It counts the
+// requests that are not OPTIONS: the probe must send none.
+type n8nLike struct {
+	*httptest.Server
+	sent atomic.Int64
+}
+
+func newN8NLike(t *testing.T, registered map[string][]string) *n8nLike {
+	t.Helper()
+	n := &n8nLike{}
+	n.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodOptions {
+			n.sent.Add(1)
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		switch path, live := strings.CutPrefix(r.URL.Path, "/webhook/"); {
+		case live:
+			methods := registered[path]
+			if r.Header.Get("Origin") == "" {
+				w.WriteHeader(http.StatusNoContent)
+				return
+			}
+			w.Header().Set("Access-Control-Allow-Methods", strings.Join(append([]string{"OPTIONS"}, methods...), ", "))
+			if !slices.Contains(methods, r.Header.Get("Access-Control-Request-Method")) {
+				w.Header().Set("Content-Type", "text/html; charset=utf-8")
+				w.WriteHeader(http.StatusInternalServerError)
+				io.WriteString(w, "<!DOCTYPE html>\n<html lang=\"en\">\n<body>\n<pre>Internal Server Error</pre>\n</body>\n</html>\n")
+				return
+			}
+			w.Header().Set("Access-Control-Allow-Origin", r.Header.Get("Origin"))
+			w.WriteHeader(http.StatusNoContent)
+		case strings.HasPrefix(r.URL.Path, "/webhook-test/"):
+			w.Header().Set("Content-Type", "application/json; charset=utf-8")
+			w.WriteHeader(http.StatusNotFound)
+			fmt.Fprintf(w, `{"code":404,"message":"The requested webhook \"%s\" is not registered.","hint":"Click the 'Execute workflow' button on the canvas, then try again."}`,
+				strings.TrimPrefix(r.URL.Path, "/webhook-test/"))
+		default:
+			w.Header().Set("Content-Type", "text/html; charset=utf-8")
+			w.WriteHeader(http.StatusNotFound)
+			fmt.Fprintf(w, "<pre>Cannot OPTIONS %s</pre>", r.URL.Path)
+		}
+	}))
+	t.Cleanup(n.Close)
+	return n
+}
+
+// TestDoctor_WebhookProbe: doctor sends each webhook sink an OPTIONS
+// preflight, which n8n answers without running a workflow, and recognises
+// a registered webhook, a path n8n has not registered (a wrong path or a
+// workflow not published), n8n's test URL, a webhook registered for
+// another method, a path the server does not have, and credentials a
+// proxy refuses, each with its fix. Nothing is delivered.
+func TestDoctor_WebhookProbe(t *testing.T) {
+	d := newOpsDB(t)
+	n8n := newN8NLike(t, map[string][]string{"outbox": {"POST"}, "getonly": {"GET"}})
+	var authSeen atomic.Int64
+	proxy := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if u, p, ok := r.BasicAuth(); !ok || u != "relay" || p != "right" || r.Header.Get("X-Tenant") != "acme" {
+			w.WriteHeader(http.StatusUnauthorized)
+			return
+		}
+		authSeen.Add(1)
+		w.WriteHeader(http.StatusNoContent)
+	}))
+	defer proxy.Close()
+	cfg := writeOpsConfig(t, d.url, fmt.Sprintf(`
+  - {name: registered, type: webhook, url: %[1]s/webhook/outbox}
+  - {name: unregistered, type: webhook, url: %[1]s/webhook/nope}
+  - {name: testurl, type: webhook, url: %[1]s/webhook-test/outbox}
+  - {name: getonly, type: webhook, url: %[1]s/webhook/getonly}
+  - {name: nosuchpath, type: webhook, url: %[1]s/hooks/outbox}
+  - {name: refused, type: webhook, url: %[2]s/hook, auth: {type: basic, username: relay, password: wrong}, headers: {X-Tenant: acme}}
+  - {name: admitted, type: webhook, url: %[2]s/hook, auth: {type: basic, username: relay, password: right}, headers: {X-Tenant: acme}}`, n8n.URL, proxy.URL),
+		"source: {mode: poll}")
+
+	code, out, errOut := execute(t, "doctor", "--config", cfg)
+	t.Logf("doctor:\n%s", out)
+	if code != exitFailure || !strings.Contains(errOut, "doctor: 5 checks failed") {
+		t.Fatalf("exit %d, stderr %q", code, errOut)
+	}
+	requireLines(t, out,
+		"ok    sink registered ", "n8n webhook POST /webhook/outbox is registered (OPTIONS probe; nothing delivered)",
+		"FAIL  sink unregistered ", `n8n has no active workflow taking POST /webhook/nope`,
+		`fix: publish (activate) the workflow whose Webhook node has HTTP Method POST and Path "nope"`,
+		"copy the Webhook node's Production URL into sinks[1].url",
+		"FAIL  sink testurl ", "n8n's test URL (/webhook-test/)",
+		fmt.Sprintf("fix: set sinks[2].url to its production URL %s/webhook/outbox and publish (activate) the workflow", n8n.URL),
+		"FAIL  sink getonly ", "n8n webhook /webhook/getonly takes GET, not POST",
+		"fix: set the Webhook node's HTTP Method to POST, then publish the workflow again",
+		"FAIL  sink nosuchpath ", "404 Not Found", "Cannot OPTIONS /hooks/outbox",
+		"fix: check sinks[4].url's path: for n8n it is the Webhook node's Production URL, http(s)://HOST/webhook/PATH",
+		"FAIL  sink refused ", "401 Unauthorized", "fix: check sinks[5].auth (type basic) and sinks[5].headers",
+		"ok    sink admitted ", "answered the OPTIONS probe with 204 No Content",
+	)
+	if n := n8n.sent.Load(); n != 0 {
+		t.Errorf("doctor sent %d requests other than OPTIONS", n)
+	}
+	if authSeen.Load() == 0 {
+		t.Error("the probe did not carry the sink's credentials and headers")
+	}
 }
 
 func TestSubjectPattern(t *testing.T) {
