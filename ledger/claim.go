@@ -59,6 +59,7 @@ type claimStatements struct {
 	failed       string
 	retry        string
 	held         string
+	missing      string
 	settled      string
 	extendRows   string
 	releaseOwned string
@@ -330,6 +331,12 @@ UPDATE %s AS o
    SET status = 'held', last_error = t.err, attempts = t.n, locked_at = NULL, locked_by = NULL
   FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)
  WHERE o.id = t.id AND o.status = 'processing' AND o.locked_by = $4`, outbox),
+
+		// The ids among $1 without a row: deleted since they were claimed
+		// (relay.StreamStore.Gone). One probe of the primary key per id.
+		missing: fmt.Sprintf(`
+SELECT t.id FROM unnest($1::bigint[]) AS t(id)
+ WHERE NOT EXISTS (SELECT FROM %s AS o WHERE o.id = t.id OFFSET 0)`, outbox),
 
 		// The aggregates among $1/$2 with no handed-off or held row left
 		// unsettled: the stream may deliver their events again. The status
@@ -728,8 +735,9 @@ func (s *Store) PrepareClaim(ctx context.Context, works []*relay.Work, owner str
 }
 
 // SettleClaim implements relay.ClaimStore: one synchronous transaction and
-// one round trip, at most one statement per kind.
-func (s *Store) SettleClaim(ctx context.Context, works []*relay.Work, owner string) error {
+// one round trip, at most one statement per kind, and one that reports the
+// rows deleted since they were claimed.
+func (s *Store) SettleClaim(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
 	r := split(works)
 	st := s.sql.claim
 	var steps []step
@@ -768,12 +776,18 @@ func (s *Store) SettleClaim(ctx context.Context, works []*relay.Work, owner stri
 		steps = append(steps, exec(fmt.Sprintf("put %d rows back", len(r.retryIDs)), st.retry, r.retryIDs, r.retryMS, r.retryErrs, r.retryN, owner))
 	}
 	if len(steps) == 0 {
-		return nil
+		return nil, nil
 	}
-	if _, err := s.runSteps(ctx, s.sql.setSynchronousCommit, steps); err != nil {
-		return fmt.Errorf("settle %d claimed rows: %w", len(works), err)
+	claimed := make([]int64, len(works))
+	for i, w := range works {
+		claimed[i] = w.Event.ID
 	}
-	return nil
+	steps = append(steps, ids("look for deleted rows", st.missing, claimed))
+	gone, err := s.runSteps(ctx, s.sql.setSynchronousCommit, steps)
+	if err != nil {
+		return nil, fmt.Errorf("settle %d claimed rows: %w", len(works), err)
+	}
+	return gone, nil
 }
 
 // SettledAggregates implements relay.ClaimStore. It only reads.

@@ -2,6 +2,7 @@ package ledger_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -68,7 +69,7 @@ func TestSettlementAndLeaseRenewalLockInOneOrder(t *testing.T) {
 	}
 
 	settled := make(chan error, 1)
-	go func() { settled <- db.store.SettleClaim(ctx, works, owner) }()
+	go func() { _, err := db.store.SettleClaim(ctx, works, owner); settled <- err }()
 	waitForLockWaiters(t, db, 1)
 	renewed := make(chan error, 1)
 	go func() { renewed <- db.store.ExtendLeases(ctx, []int64{w.Event.ID}, owner) }()
@@ -92,5 +93,41 @@ func TestSettlementAndLeaseRenewalLockInOneOrder(t *testing.T) {
 	}
 	if status != "done" || state != "delivered" {
 		t.Errorf("row %s, ledger pair %s; want done, delivered", status, state)
+	}
+}
+
+// TestSettleClaimReportsRowsDeletedSinceTheirClaim: a claimed row deleted
+// before its outcome is written (by hand, or the application's cleanup) is
+// reported by SettleClaim, whatever its outcome, so that the engine logs
+// and counts it (docs/guarantees.md, "A row deleted before its outcome is
+// written"); the rows beside it are settled. Before, its outcome was
+// dropped without a trace.
+func TestSettleClaimReportsRowsDeletedSinceTheirClaim(t *testing.T) {
+	ctx := context.Background()
+	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	insertRows(t, db, 1, "a", "b", "c")
+	owner := ledger.NewOwner()
+	works, err := db.store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: owner})
+	if err != nil || len(works) != 3 {
+		t.Fatalf("claim: %d rows, %v", len(works), err)
+	}
+	decisions := []relay.Decision{{Kind: relay.Done}, {Kind: relay.Later, At: time.Now().Add(time.Minute), Attempts: 1}, {Kind: relay.DeadLetter, Attempts: 1, Reason: "400"}}
+	for i, w := range works {
+		w.Pairs = []*relay.Pair{{Sink: "hook", Outcome: relay.Outcome{Kind: relay.Delivered}}}
+		if decisions[i].Kind != relay.Done {
+			w.Pairs[0].Outcome = relay.Outcome{Kind: relay.Retry}
+		}
+		w.Decision = decisions[i]
+	}
+	db.exec(t, `DELETE FROM integration_outbox WHERE id = ANY($1)`, []int64{works[0].Event.ID, works[1].Event.ID})
+	gone, err := db.store.SettleClaim(ctx, works, owner)
+	if err != nil {
+		t.Fatalf("SettleClaim: %v", err)
+	}
+	if want := []int64{works[0].Event.ID, works[1].Event.ID}; fmt.Sprint(gone) != fmt.Sprint(want) {
+		t.Errorf("SettleClaim reported %v, want the deleted rows %v", gone, want)
+	}
+	if n := db.exec(t, `SELECT FROM integration_outbox WHERE id = $1 AND status = 'failed'`, works[2].Event.ID); n != 1 {
+		t.Errorf("the row beside them: %d rows failed, want its dead letter written", n)
 	}
 }

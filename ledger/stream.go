@@ -136,19 +136,21 @@ SELECT o.id,
 
 		ledgerOf: ledgerPairsSQL(ledger),
 
-		// The ids among $1 whose row does not exist although its inserting
-		// transaction ($2, a 32-bit xid widened with the snapshot's epoch)
-		// is visible: the row was deleted, not waiting to become visible.
+		// The ids among $1 whose row does not exist although its insert is
+		// visible: the row was deleted, not waiting to become visible. A
+		// row read from the table (xid 0: a hand-over's, a claimed one)
+		// was visible when read; a streamed row's inserting transaction
+		// ($2, a 32-bit xid widened with the snapshot's epoch) is asked of
+		// the snapshot.
 		gone: fmt.Sprintf(`
 WITH s AS (SELECT pg_current_snapshot() AS snap),
 e AS (SELECT snap, pg_snapshot_xmax(snap)::text::bigint AS xmax FROM s)
 SELECT t.id
   FROM unnest($1::bigint[], $2::bigint[]) AS t(id, xid), e
- WHERE t.xid <> 0
-   AND NOT EXISTS (SELECT FROM %s AS o WHERE o.id = t.id)
-   AND pg_visible_in_snapshot(
+ WHERE NOT EXISTS (SELECT FROM %s AS o WHERE o.id = t.id)
+   AND (t.xid = 0 OR pg_visible_in_snapshot(
          (((e.xmax >> 32) - CASE WHEN t.xid > (e.xmax & 4294967295) THEN 1 ELSE 0 END) << 32 | t.xid)::text::xid8,
-         e.snap)`, outbox),
+         e.snap))`, outbox),
 
 		// The claim before sending is the insert itself (never
 		// check-then-insert). Only an 'unknown' pair — held, then released
@@ -593,10 +595,11 @@ func (s *Store) Diverted(ctx context.Context) ([]relay.AggregateKey, error) {
 	return keys, nil
 }
 
-// Gone implements relay.StreamStore: of the works whose row SettleStream
-// could not see, those whose row was deleted — its inserting transaction
-// is visible, the row is not there — as opposed to rows whose commit is not
-// visible yet. It only reads.
+// Gone implements relay.StreamStore: of the works whose row a settlement
+// could not see, those whose row was deleted — its insert is visible, the
+// row is not there — as opposed to streamed rows whose commit is not
+// visible yet. A row read from the table (Event.Xid 0) was visible when
+// read: not there now, it was deleted. It only reads.
 func (s *Store) Gone(ctx context.Context, works []*relay.Work) ([]int64, error) {
 	ids, xids := make([]int64, len(works)), make([]int64, len(works))
 	for i, w := range works {

@@ -1031,3 +1031,40 @@ func TestRestreamedRowPrunedIsSkipped(t *testing.T) {
 		t.Errorf("PrepareStream(restreamed) = %v, want %v", got, want)
 	}
 }
+
+// TestGoneTellsADeletedRowReadFromTheTable: a row read from the table — a
+// new slot's hand-over, the claim path — carries no transaction id
+// (Event.Xid 0); it was visible when read, so if it cannot be found now it
+// was deleted: Gone reports it, and PrepareStream skips it as it skips a
+// re-streamed row that was pruned. A streamed row whose transaction is not
+// visible yet is not reported. Before, Gone left every row without a
+// transaction id out, and a hand-over's row deleted before its outcome was
+// written was written again every second, forever.
+func TestGoneTellsADeletedRowReadFromTheTable(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	ids := f.MustInsert(t, row{Key: "read-then-deleted"}, row{Key: "kept"})
+	var xid int64
+	if err := f.pool.QueryRow(ctx, `SELECT xmin::text::bigint FROM integration_outbox WHERE id = $1`, ids[1]).Scan(&xid); err != nil {
+		t.Fatal(err)
+	}
+	f.MustExec(t, `DELETE FROM integration_outbox WHERE id = $1`, ids[0])
+
+	deleted := streamWork(ids[0], "read-then-deleted", relay.Decision{}, &relay.Pair{Sink: "nats"})
+	kept := streamWork(ids[1], "kept", relay.Decision{}, &relay.Pair{Sink: "nats"})
+	unseen := streamWork(999_999, "unseen", relay.Decision{}, &relay.Pair{Sink: "nats"})
+	unseen.Event.Xid = uint32(xid + 1_000_000) // committed, not visible yet
+	gone, err := f.store.Gone(ctx, []*relay.Work{deleted, kept, unseen})
+	if err != nil {
+		t.Fatalf("Gone: %v", err)
+	}
+	if !slices.Equal(gone, []int64{ids[0]}) {
+		t.Errorf("Gone = %v, want [%d]: the row read from the table and deleted since", gone, ids[0])
+	}
+	if err := f.store.PrepareStream(ctx, []*relay.Work{deleted, kept}, true, "relay-a"); err != nil {
+		t.Fatalf("PrepareStream: %v", err)
+	}
+	if got := prepared(deleted) + " / " + prepared(kept); got != "skip nats:send / nats:send" {
+		t.Errorf("PrepareStream(restreamed) = %s, want the deleted row skipped and the other sent", got)
+	}
+}

@@ -360,13 +360,13 @@ type claimRecorder struct {
 	settled map[int64]relay.Decision
 }
 
-func (r *claimRecorder) settle(_ context.Context, works []*relay.Work, _ string) error {
+func (r *claimRecorder) settle(_ context.Context, works []*relay.Work, _ string) ([]int64, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	for _, w := range works {
 		r.settled[w.Event.ID] = w.Decision
 	}
-	return nil
+	return nil, nil
 }
 
 func (r *claimRecorder) decision(id int64) (relay.Decision, bool) {

@@ -26,7 +26,9 @@ type Event struct {
 	// CommitLSN places a streamed event's transaction in the WAL;
 	// CommitTime is when it committed (the server's clock); Xid is the
 	// transaction's id, which tells a deleted row from one whose commit is
-	// not visible yet. All are zero on the claim path.
+	// not visible yet (StreamStore.Gone). All are zero for a row read from
+	// the table (the claim path, a new slot's hand-over): it was visible
+	// when read.
 	CommitLSN  LSN
 	CommitTime time.Time
 	Xid        uint32

@@ -216,7 +216,7 @@ func (s *fakeStore) heldRows() map[int64]string {
 type fakeClaimStore struct {
 	claim             func(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, error)
 	prepareClaim      func(ctx context.Context, works []*relay.Work, owner string, lease time.Duration) error
-	settleClaim       func(ctx context.Context, works []*relay.Work, owner string) error
+	settleClaim       func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error)
 	settledAggregates func(ctx context.Context, aggs []relay.AggregateKey) ([]relay.AggregateKey, error)
 	extendLeases      func(ctx context.Context, ids []int64, owner string) error
 }
@@ -242,9 +242,9 @@ func (c *fakeClaimStore) PrepareClaim(ctx context.Context, works []*relay.Work, 
 	return c.prepareClaim(ctx, works, owner, lease)
 }
 
-func (c *fakeClaimStore) SettleClaim(ctx context.Context, works []*relay.Work, owner string) error {
+func (c *fakeClaimStore) SettleClaim(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
 	if c.settleClaim == nil {
-		return nil
+		return nil, nil
 	}
 	return c.settleClaim(ctx, works, owner)
 }

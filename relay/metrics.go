@@ -94,6 +94,10 @@ var (
 		Namespace: "outbox_relay", Name: "settle_invisible_total",
 		Help: "Outcome writes put off because the row was not visible yet (its commit waits, e.g. for a synchronous standby); the event stays unsettled meanwhile.",
 	}, []string{"path"})
+	settleGone = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "settle_gone_total",
+		Help: "Events settled without their outcome because their row was deleted before it was written (by hand, or a cleanup job), per path.",
+	}, []string{"path"})
 	settleRowDataErrors = promauto.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "outbox_relay", Name: "settle_row_data_errors_total",
 		Help: "Outcome writes PostgreSQL refused because of one row's data; the row is isolated and the others settle.",
@@ -143,6 +147,9 @@ var handOffReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down
 func InitMetrics(routes []Route) {
 	for _, m := range []string{"replication", "poll"} {
 		ModeGauge.WithLabelValues(m)
+	}
+	for _, p := range []Path{PathStream, PathClaim} {
+		settleGone.WithLabelValues(string(p))
 	}
 	for _, r := range routes {
 		sink := r.Sink.Name()

@@ -12,8 +12,10 @@ import (
 // trickle of events does not cost one transaction each — and only then do
 // the events count as settled. Nothing is settled that was not written
 // (docs/guarantees.md): a batch that fails is retried; a row PostgreSQL
-// cannot see yet is written again until it can; a row whose data the store
-// refuses is isolated so that the rows beside it settle.
+// cannot see yet is written again until it can, or until it is found
+// deleted (then it is settled without its outcome, logged and counted); a
+// row whose data the store refuses is isolated so that the rows beside it
+// settle.
 
 const (
 	// settleBatch bounds one Settle call.
@@ -186,8 +188,9 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 		case w.dataErrors > 2*dataErrorsBeforeFallback:
 			// Given up on: settled unwritten, on purpose (see writeIsolating).
 		case gone[w.Event.ID]:
-			q.e.log.Warn().Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Str("decision", decisionName(w.Decision.Kind)).
-				Msg("the row of a decoded event was deleted: its outcome is not written")
+			settleGone.WithLabelValues(string(q.path)).Inc()
+			q.e.log.Warn().Str("path", string(q.path)).Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Str("decision", decisionName(w.Decision.Kind)).
+				Msg("the event's row was deleted before its outcome was written: it is settled without it")
 		case hidden[w.Event.ID]:
 			q.waitVisible(w, now)
 			continue
@@ -209,8 +212,10 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 }
 
 // gone asks the store which of the hidden works' rows were deleted rather
-// than not visible yet; it asks only about works that have waited a while
-// (a commit's visibility normally lags by microseconds).
+// than not visible yet (StreamStore.Gone, one rule for every path: a row
+// read from the table was visible, a streamed row's transaction is
+// checked); it asks only about works that have waited a while (a commit's
+// visibility normally lags by microseconds).
 func (q *settleQueue) gone(ctx context.Context, works []*Work, hidden map[int64]bool, now time.Time) map[int64]bool {
 	var ask []*Work
 	for _, w := range works {
@@ -218,7 +223,7 @@ func (q *settleQueue) gone(ctx context.Context, works []*Work, hidden map[int64]
 			ask = append(ask, w)
 		}
 	}
-	if len(ask) == 0 || q.path != PathStream {
+	if len(ask) == 0 {
 		return nil
 	}
 	wctx, cancel := context.WithTimeout(ctx, writeTimeout)
@@ -239,9 +244,10 @@ func (q *settleQueue) gone(ctx context.Context, works []*Work, hidden map[int64]
 
 // waitVisible puts w aside: the store could not see its row, which the
 // walsender sent before the committing transaction became visible to other
-// sessions (with synchronous replication, until a standby confirms it).
-// It is written again, with a growing delay, for as long as it takes; the
-// event stays unsettled and the slot unacknowledged past it.
+// sessions (with synchronous replication, until a standby confirms it), or
+// which was deleted. It is written again, with a growing delay, until it
+// is visible or gone says it was deleted; the event stays unsettled and
+// the slot unacknowledged past it meanwhile.
 func (q *settleQueue) waitVisible(w *Work, now time.Time) {
 	if w.invisibleSince.IsZero() {
 		w.invisibleSince = now
@@ -269,7 +275,7 @@ func (q *settleQueue) writeIsolating(ctx context.Context, works []*Work) (invisi
 		if q.path == PathStream {
 			invisible, err = e.cfg.Stream.SettleStream(wctx, works, e.cfg.Owner)
 		} else {
-			err = e.cfg.Claim.SettleClaim(wctx, works, e.cfg.Owner)
+			invisible, err = e.cfg.Claim.SettleClaim(wctx, works, e.cfg.Owner)
 		}
 		cancel()
 		if err == nil {

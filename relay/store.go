@@ -137,9 +137,12 @@ type StreamStore interface {
 	// wrapping ErrRowData names a row's data as the cause. Safe to repeat.
 	SettleStream(ctx context.Context, works []*Work, owner string) (invisible []int64, err error)
 
-	// Gone returns, of works whose row SettleStream could not see, the ids
-	// of rows that were deleted (their inserting transaction is visible):
-	// those are settled without a write. The others wait to become
+	// Gone returns, of works whose row a settlement (SettleStream,
+	// SettleClaim) could not see, the ids of rows that were deleted: the
+	// insert is visible and the row is not there. A row read from the
+	// table (Event.Xid 0: a hand-over's, a claimed one) was visible when
+	// read; a streamed row's inserting transaction (Event.Xid) is checked.
+	// Those are settled without a write; the others wait to become
 	// visible. It only reads.
 	Gone(ctx context.Context, works []*Work) ([]int64, error)
 
@@ -198,8 +201,11 @@ type ClaimStore interface {
 	// locked by owner, or the ledger claim being owner's: Done as status
 	// done, Later back to pending at Decision.At, DeadLetter as failed, Hold
 	// as held; delivered pairs, unknown pairs and withdrawn claims in the
-	// ledger. An error wrapping ErrRowData names a row's data as the cause.
-	SettleClaim(ctx context.Context, works []*Work, owner string) error
+	// ledger. It returns the ids of rows it could not find (deleted since
+	// they were claimed), which the engine settles as gone
+	// (StreamStore.Gone). An error wrapping ErrRowData names a row's data
+	// as the cause.
+	SettleClaim(ctx context.Context, works []*Work, owner string) (invisible []int64, err error)
 
 	// SettledAggregates returns those of aggs with no row left at the claim
 	// path (handed off and not settled) or held: the stream may deliver

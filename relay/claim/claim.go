@@ -336,7 +336,7 @@ func (c *Source) putBack(ctx context.Context, works []*relay.Work) {
 	}
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 	defer cancel()
-	if err := c.cfg.Store.SettleClaim(wctx, works, c.cfg.Owner); err != nil {
+	if _, err := c.cfg.Store.SettleClaim(wctx, works, c.cfg.Owner); err != nil {
 		c.log.Warn().Err(err).Int("rows", len(works)).Msg("put claimed rows back; the sweeper returns them when their lease passes")
 	}
 }

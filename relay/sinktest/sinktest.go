@@ -330,9 +330,9 @@ func (s *memStores) PrepareClaim(_ context.Context, works []*relay.Work, _ strin
 	}
 	return nil
 }
-func (s *memStores) SettleClaim(_ context.Context, works []*relay.Work, _ string) error {
+func (s *memStores) SettleClaim(_ context.Context, works []*relay.Work, _ string) ([]int64, error) {
 	s.record(works)
-	return nil
+	return nil, nil
 }
 func (s *memStores) SettledAggregates(context.Context, []relay.AggregateKey) ([]relay.AggregateKey, error) {
 	return nil, nil

@@ -518,7 +518,9 @@ func (claimStore) PrepareClaim(_ context.Context, works []*relay.Work, _ string,
 	}
 	return nil
 }
-func (claimStore) SettleClaim(context.Context, []*relay.Work, string) error { return nil }
+func (claimStore) SettleClaim(context.Context, []*relay.Work, string) ([]int64, error) {
+	return nil, nil
+}
 func (claimStore) SettledAggregates(context.Context, []relay.AggregateKey) ([]relay.AggregateKey, error) {
 	return nil, nil
 }
