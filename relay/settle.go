@@ -247,7 +247,8 @@ func (q *settleQueue) gone(ctx context.Context, works []*Work, hidden map[int64]
 // sessions (with synchronous replication, until a standby confirms it), or
 // which was deleted. It is written again, with a growing delay, until it
 // is visible or gone says it was deleted; the event stays unsettled and
-// the slot unacknowledged past it meanwhile.
+// the slot unacknowledged past it meanwhile. A wait for settlement that
+// sees nothing settle for StallAfter ends with an error (waitInFlight).
 func (q *settleQueue) waitVisible(w *Work, now time.Time) {
 	if w.invisibleSince.IsZero() {
 		w.invisibleSince = now

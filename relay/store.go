@@ -318,7 +318,8 @@ type Consumer interface {
 	HandOver(ctx context.Context, events []*Event) error
 	// HandOverSettled waits until every row given to HandOver is settled
 	// (delivered and recorded, or handed to the claim path), or ctx ends,
-	// or the engine stops (ErrEngineStopped).
+	// or the engine stops (ErrEngineStopped), or none of them settled for
+	// the engine's StallAfter: then it returns an error naming some.
 	HandOverSettled(ctx context.Context) error
 	// PositionWanted reports whether the consumer waits to learn how far
 	// the walsender has decoded (its write-back is paced by it): the source

@@ -185,9 +185,12 @@ func (f *streamFeed) HandOver(ctx context.Context, events []*Event) error {
 	return f.start(ctx, works, true, true, nil, time.Now(), "check the hand-over's rows against the ledger; retrying")
 }
 
-// HandOverSettled implements Consumer.
+// HandOverSettled implements Consumer. None of the rows settled for
+// StallAfter ends it with an error naming some of them.
 func (f *streamFeed) HandOverSettled(ctx context.Context) error {
-	return f.e.waitInFlight(ctx, func() int { return f.e.handOvers })
+	e := f.e
+	return e.waitInFlight(ctx, settleWait{what: "hand-over rows", count: func() int { return e.handOvers },
+		match: func(w *Work) bool { return w.handOver }, stall: e.cfg.StallAfter})
 }
 
 // Commit implements Consumer.

@@ -259,6 +259,9 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				Claim:      r.store,
 				Owner:      r.owner, // the claim path holds this owner's lock
 				ClaimLease: time.Duration(cfg.Source.LockTimeout),
+				// A replication session's wait for settlement ends when
+				// the stall detector would call the stream stalled.
+				StallAfter: time.Duration(cfg.HTTP.StallAfter),
 				Logger:     log,
 			})
 		},

@@ -65,7 +65,9 @@ type Config struct {
 	// drop or an invalidation, the consumer may still be delivering events
 	// of the old slot): it waits until the consumer has settled everything
 	// submitted, so that the hand-over does not give those rows to the
-	// claim path as well.
+	// claim path as well. It must be bounded (relay.Engine.WaitSettled
+	// ends once nothing settled for its StallAfter): its error ends the
+	// session, and the next one waits again.
 	WaitSettled func(ctx context.Context) error
 
 	// StreamFrom, when set, is told at the start of every session which
