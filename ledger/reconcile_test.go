@@ -2,8 +2,12 @@ package ledger_test
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/outbox-relay/outbox-relay/ledger"
 )
 
 // Reconcile marks for the claim path exactly the rows still pending, not
@@ -82,5 +86,31 @@ func TestReconcile(t *testing.T) {
 	}
 	if stuck, oldest, err := db.store.Stuck(ctx, 10*time.Minute); err != nil || stuck != 0 || oldest != 0 {
 		t.Errorf("Stuck after Reconcile = %d rows, oldest %s, %v; want none", stuck, oldest, err)
+	}
+}
+
+// TestReconcileRefusesWhileAHandOverIsUnfinished: between a slot's
+// BeginSlot and its recorded hand-over, the relay delivers the rows
+// pending before the slot itself; Reconcile refuses to take any
+// (ledger.ErrHandOverUnfinished, naming the slot) and marks nothing. Once
+// the hand-over is recorded it marks them.
+func TestReconcileRefusesWhileAHandOverIsUnfinished(t *testing.T) {
+	db := mustClaimDB(t)
+	ctx := context.Background()
+	db.exec(t, `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, created_at)
+		VALUES ('order.placed', 'order', 'A', 'old', '{}', now() - interval '1 hour')`)
+	if err := db.store.BeginSlot(ctx, "relay_slot"); err != nil {
+		t.Fatal(err)
+	}
+	n, err := db.store.Reconcile(ctx, 10*time.Minute)
+	if !errors.Is(err, ledger.ErrHandOverUnfinished) || !strings.Contains(err.Error(), "relay_slot") || n != 0 {
+		t.Fatalf("Reconcile during a hand-over = %d, %v; want ErrHandOverUnfinished naming relay_slot", n, err)
+	}
+	if marked := db.exec(t, `SELECT FROM integration_outbox WHERE handoff_at IS NOT NULL`); marked != 0 {
+		t.Fatalf("%d rows handed off by a refused Reconcile", marked)
+	}
+	db.exec(t, `UPDATE relay_checkpoint SET handover_lsn = '0/1' WHERE slot_name = 'relay_slot'`) // the hand-over recorded
+	if n, err := db.store.Reconcile(ctx, 10*time.Minute); err != nil || n != 1 {
+		t.Errorf("Reconcile after the hand-over = %d, %v; want 1 row marked", n, err)
 	}
 }

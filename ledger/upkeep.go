@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -216,10 +217,20 @@ const reconcileBatch = 10_000
 // marks in batches of 10,000 rows, each its own transaction, so an error
 // leaves earlier batches marked; it is safe to repeat. olderThan must be
 // positive.
+//
+// It refuses, with an error wrapping ErrHandOverUnfinished, while a slot's
+// hand-over has not been recorded (docs/architecture.md, "Slot
+// creation"): the relay delivers those rows itself, each aggregate's
+// before its new events, and a row reconcile took from it would be
+// overtaken by the aggregate's next streamed event. Each batch locks the
+// checkpoint table against writes (SHARE) for its duration, so that no
+// slot's creation (BeginSlot) slips between the check and the marking.
 func (s *Store) Reconcile(ctx context.Context, olderThan time.Duration) (int64, error) {
 	if olderThan <= 0 {
 		return 0, errors.New("reconcile: older-than must be positive")
 	}
+	lock := fmt.Sprintf(`LOCK TABLE %s IN SHARE MODE`, s.tables.checkpoint)
+	unfinished := fmt.Sprintf(`SELECT slot_name FROM %s WHERE handover_lsn IS NULL ORDER BY slot_name`, s.tables.checkpoint)
 	sql := fmt.Sprintf(`
 WITH batch AS (
     SELECT o.id FROM %[1]s AS o
@@ -233,16 +244,40 @@ UPDATE %[1]s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at
  WHERE o.id = batch.id AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %[2]s`, s.outbox, s.tables.deliveredEverywhere("o"))
 	var marked int64
 	for {
-		tag, err := s.pool.Exec(ctx, sql, olderThan.Milliseconds(), reconcileBatch)
+		var n int64
+		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, lock); err != nil {
+				return err
+			}
+			rows, err := tx.Query(ctx, unfinished)
+			if err != nil {
+				return err
+			}
+			slots, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				return err
+			}
+			if len(slots) > 0 {
+				return fmt.Errorf("%w: slot %s: the relay delivers the rows pending before it (or, if it is not running, hands them over again when it starts), each aggregate's before its new events; run reconcile once the hand-over is recorded (the relay logs \"hand-over done\"), or, if no relay will use that slot again, delete its row from %s",
+					ErrHandOverUnfinished, strings.Join(slots, ", "), s.tables.checkpoint)
+			}
+			tag, err := tx.Exec(ctx, sql, olderThan.Milliseconds(), reconcileBatch)
+			n = tag.RowsAffected()
+			return err
+		})
 		if err != nil {
 			return marked, fmt.Errorf("reconcile: %w", err)
 		}
-		marked += tag.RowsAffected()
-		if tag.RowsAffected() < reconcileBatch {
+		marked += n
+		if n < reconcileBatch {
 			return marked, nil
 		}
 	}
 }
+
+// ErrHandOverUnfinished says a slot's hand-over has not been recorded yet:
+// Reconcile refuses to take rows from it.
+var ErrHandOverUnfinished = errors.New("a slot's hand-over has not finished")
 
 // NewOwner returns a fresh owner id, "outbox-relay:<host>:<pid>:<random>":
 // the name of one relay process in locked_by, in the ledger's claims and in

@@ -326,6 +326,10 @@ type claimRecorder struct {
 	// its error fails the read. beforeEarly does the same for Early.
 	beforeAggregates func(ctx context.Context) error
 	beforeEarly      func(ctx context.Context) error
+	// afterFeed, when set, runs after each slice Deliver feeds, and
+	// afterFed after each call of its fed with the aggregates released.
+	afterFeed func(ctx context.Context, events []*relay.Event)
+	afterFed  func(aggs []relay.AggregateKey)
 
 	mu          sync.Mutex
 	snapshots   []string
@@ -413,6 +417,18 @@ func (r *recordedHandOver) Deliver(ctx context.Context, slot string, consistent 
 			r.HandOverRows.Close()
 			return 0, err
 		}
+	}
+	if f := r.c.afterFeed; f != nil {
+		inner := feed
+		feed = func(ctx context.Context, events []*relay.Event) error {
+			err := inner(ctx, events)
+			f(ctx, events)
+			return err
+		}
+	}
+	if f := r.c.afterFed; f != nil {
+		inner := fed
+		fed = func(aggs []relay.AggregateKey) { inner(aggs); f(aggs) }
 	}
 	n, err := r.HandOverRows.Deliver(ctx, slot, consistent, feed, fed, settled)
 	if err != nil {
