@@ -286,6 +286,7 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				HandOver:       r.store,
 				StreamFrom:     r.store.StreamFrom,
 				WaitSettled:    e.WaitSettled,
+				StallAfter:     time.Duration(cfg.HTTP.StallAfter), // bounds a slot's creation
 				Logger:         log,
 			})
 		},

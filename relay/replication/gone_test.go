@@ -294,3 +294,41 @@ func TestReconnectAfterAHandOverRowWasDeleted(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// TestSlotCreationEndsWhenItCannotFinish: CREATE_REPLICATION_SLOT waits
+// for every transaction running when it began to end; one left open (a
+// session idle in a transaction) holds it forever. After StallAfter the
+// session ends with an error naming what the creation waits for — the
+// oldest such transaction's backend — and the next session tries again:
+// once the transaction ends, a slot is made and streams. Before, the
+// session waited, silently, for as long as the transaction stayed open.
+func TestSlotCreationEndsWhenItCannotFinish(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	blocker := mustConnect(t, e.url)
+	mustExec(t, blocker, `BEGIN`)
+	mustExec(t, blocker, `INSERT INTO integration_outbox (event_key, event_type) VALUES ('open', 'x')`)
+	var pid int32
+	if err := blocker.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+
+	logs := &logBuffer{}
+	c := &fakeConsumer{}
+	cfg := e.config(t, c, &fakeCheckpoint{}, &claimRecorder{url: e.url})
+	cfg.StallAfter = time.Second
+	cfg.ReconnectMax = 500 * time.Millisecond
+	cfg.Logger = zerolog.New(zerolog.MultiLevelWriter(logs, zerolog.NewTestWriter(t)))
+	start(t, cfg)
+	waitFor(t, 15*time.Second, "the slot's creation to end with an error naming the open transaction", func() bool {
+		return strings.Contains(logs.String(), fmt.Sprintf("pid %d", pid)) && strings.Contains(logs.String(), "idle in transaction")
+	})
+	if c.restartCount() != 0 {
+		t.Fatalf("the consumer was restarted %d times with the slot's creation blocked", c.restartCount())
+	}
+	mustExec(t, blocker, `COMMIT`)
+	waitStreaming(t, c, 1)
+	if exists, _, _, _ := slotState(t, e); !exists {
+		t.Fatal("no slot once the transaction ended")
+	}
+}

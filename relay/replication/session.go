@@ -618,9 +618,16 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 		if _, err := s.waitReplayed(ctx, qconn); err != nil {
 			return 0, nil, err
 		}
-		res, err = s.createStandbySlot(ctx, rconn)
+	}
+	createCtx, cancel := context.WithTimeout(ctx, s.cfg.StallAfter)
+	defer cancel()
+	if onStandby {
+		res, err = s.createStandbySlot(createCtx, rconn)
 	} else {
-		res, err = createSlot(ctx, rconn, s.cfg.Slot, version)
+		res, err = createSlot(createCtx, rconn, s.cfg.Slot, version)
+	}
+	if err != nil && ctx.Err() == nil && createCtx.Err() != nil {
+		return 0, nil, fmt.Errorf("create replication slot: not done after %s: %s", s.cfg.StallAfter, s.slotCreationWaitsFor(ctx, qconn, onStandby))
 	}
 	if err != nil {
 		if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "53400" {
@@ -661,6 +668,42 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	s.log.Info().Str("consistent_point", consistent.String()).Bool("failover", version >= failoverVersion).
 		Msg("created replication slot; the rows pending in its snapshot are delivered while it streams")
 	return consistent, &handOver{rows: rows, consistent: consistent, foreign: foreign, read: make(chan struct{}), early: make(chan struct{}), pinned: make(chan struct{})}, nil
+}
+
+// slotCreationWaitsFor names what a slot's creation that did not finish
+// waits for: on the primary, the transactions running when it began (the
+// oldest open ones, read on qconn); on a standby, a running-transactions
+// record from the primary.
+func (s *Source) slotCreationWaitsFor(ctx context.Context, qconn *pgx.Conn, onStandby bool) string {
+	if onStandby {
+		return "on a standby it waits for a running-transactions record from the primary (pg_log_standby_snapshot(): see the warning above, if any), then for the primary's transactions running then to end"
+	}
+	what := "it waits for the transactions running when it began to end"
+	qctx, cancel := context.WithTimeout(ctx, closeTimeout)
+	defer cancel()
+	rows, err := qconn.Query(qctx, `
+		SELECT pid, coalesce(state, ''), application_name, xact_start
+		  FROM pg_stat_activity
+		 WHERE backend_xid IS NOT NULL AND pid <> pg_backend_pid()
+		 ORDER BY xact_start
+		 LIMIT 3`)
+	if err != nil {
+		return what
+	}
+	var open []string
+	var (
+		pid        int32
+		state, app string
+		started    time.Time
+	)
+	_, err = pgx.ForEachRow(rows, []any{&pid, &state, &app, &started}, func() error {
+		open = append(open, fmt.Sprintf("pid %d (%s, application %q, open since %s)", pid, state, app, started.UTC().Format(time.RFC3339)))
+		return nil
+	})
+	if err != nil || len(open) == 0 {
+		return what
+	}
+	return what + "; the oldest open now: " + strings.Join(open, ", ")
 }
 
 func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {

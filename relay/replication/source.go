@@ -87,6 +87,12 @@ type Config struct {
 	// standby, for it to replay the primary's flushed position
 	// [DefaultStandbyCatchUp]; the session fails and is retried after it.
 	StandbyCatchUp time.Duration
+	// StallAfter bounds a slot's creation, which waits for the
+	// transactions running when it began to end (on a standby, also for a
+	// running-transactions record from the primary): past it the session
+	// ends with an error naming what the creation waits for, and the next
+	// one tries again (http.stall_after) [relay.DefaultStallAfter].
+	StallAfter time.Duration
 
 	// StatusInterval is how often settled positions are acknowledged
 	// [DefaultStatusInterval]. It is lowered to the server's
@@ -220,6 +226,7 @@ func New(cfg Config) (*Source, error) {
 	setDefault(&cfg.ReconnectMin, DefaultReconnectMin)
 	setDefault(&cfg.ReconnectMax, DefaultReconnectMax)
 	setDefault(&cfg.StandbyCatchUp, DefaultStandbyCatchUp)
+	setDefault(&cfg.StallAfter, relay.DefaultStallAfter)
 	if cfg.ReconnectMax < cfg.ReconnectMin {
 		cfg.ReconnectMax = cfg.ReconnectMin
 	}
