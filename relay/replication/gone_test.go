@@ -332,3 +332,60 @@ func TestSlotCreationEndsWhenItCannotFinish(t *testing.T) {
 		t.Fatal("no slot once the transaction ended")
 	}
 }
+
+// TestHandOverReadEndsWhenItCannotFinish: the read of a new slot's
+// snapshot waits here behind an ACCESS EXCLUSIVE lock on the outbox table
+// (a migration's ALTER TABLE, say) which itself waits for the hand-over's
+// other transaction: neither can finish, and PostgreSQL sees no deadlock.
+// After StallAfter the read ends, and with it the session, with an error
+// naming it; its transactions end, the lock is granted and released, and
+// the next session makes the slot again and hands the rows over. Before,
+// the session and the ALTER TABLE waited forever.
+func TestHandOverReadEndsWhenItCannotFinish(t *testing.T) {
+	e := newEnv(t)
+	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
+		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 3) g`)
+	locker := mustConnect(t, e.url)
+	locked := make(chan error, 1)
+	var once sync.Once
+	claim := &claimRecorder{url: e.url}
+	claim.beforeAggregates = func(ctx context.Context) error {
+		once.Do(func() {
+			go func() {
+				_, err := locker.Exec(context.Background(), `BEGIN; LOCK TABLE integration_outbox IN ACCESS EXCLUSIVE MODE`)
+				locked <- err
+			}()
+			// The read starts once the lock is queued.
+			for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+				var waiting bool
+				if err := e.conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks WHERE relation = 'integration_outbox'::regclass AND mode = 'AccessExclusiveLock' AND NOT granted)`).Scan(&waiting); err != nil || waiting {
+					return
+				}
+			}
+		})
+		return nil
+	}
+	logs := &logBuffer{}
+	c := &fakeConsumer{}
+	cfg := e.config(t, c, &fakeCheckpoint{}, claim)
+	cfg.StallAfter = time.Second
+	cfg.ReconnectMax = 500 * time.Millisecond
+	cfg.Logger = zerolog.New(zerolog.MultiLevelWriter(logs, zerolog.NewTestWriter(t)))
+	start(t, cfg)
+
+	select {
+	case err := <-locked:
+		if err != nil {
+			t.Fatalf("lock the outbox: %v", err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("the lock behind the hand-over's transaction was never granted: the read did not end")
+	}
+	if !strings.Contains(logs.String(), "read the rows pending at slot creation: not done after 1s") {
+		t.Errorf("no error naming the read that did not finish:\n%s", logs.String())
+	}
+	mustExec(t, locker, `ROLLBACK`)
+	if _, counts := claim.waitCalls(t, 1); counts[0] != 3 {
+		t.Errorf("the next session's hand-over delivered %d rows, want 3", counts[0])
+	}
+}

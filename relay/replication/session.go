@@ -171,12 +171,19 @@ type handOver struct {
 }
 
 // startRead reads the hand-over's rows in the snapshot (Aggregates) until
-// ctx ends or close.
-func (h *handOver) startRead(ctx context.Context) {
-	ctx, h.stop = context.WithCancel(ctx)
+// ctx ends, or close, or bound passes: the read holds the stream's events
+// of the snapshot's aggregates, and it can wait behind a lock that waits
+// for the hand-over's own transactions (a DDL on the outbox table), which
+// PostgreSQL does not see as a deadlock.
+func (h *handOver) startRead(ctx context.Context, bound time.Duration) {
+	readCtx, stop := context.WithTimeout(ctx, bound)
+	h.stop = stop
 	go func() {
 		defer close(h.read)
-		h.aggs, h.readErr = h.rows.Aggregates(ctx)
+		h.aggs, h.readErr = h.rows.Aggregates(readCtx)
+		if h.readErr != nil && ctx.Err() == nil && readCtx.Err() != nil {
+			h.readErr = fmt.Errorf("not done after %s (a lock on the outbox table?): %w", bound, h.readErr)
+		}
 	}()
 }
 
@@ -290,7 +297,7 @@ func (s *Source) finish(ctx context.Context, h *handOver) error {
 	began := time.Now()
 	events, earlyAggs, err := h.rows.Early(ctx)
 	if err == nil {
-		h.startRead(ctx)
+		h.startRead(ctx, s.cfg.StallAfter)
 		err = s.cfg.Consumer.HandOver(ctx, events)
 	}
 	if err != nil {

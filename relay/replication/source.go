@@ -89,9 +89,10 @@ type Config struct {
 	StandbyCatchUp time.Duration
 	// StallAfter bounds a slot's creation, which waits for the
 	// transactions running when it began to end (on a standby, also for a
-	// running-transactions record from the primary): past it the session
-	// ends with an error naming what the creation waits for, and the next
-	// one tries again (http.stall_after) [relay.DefaultStallAfter].
+	// running-transactions record from the primary), and the read of its
+	// snapshot's rows: past it the session ends with an error naming what
+	// it waited for, and the next one tries again (http.stall_after)
+	// [relay.DefaultStallAfter].
 	StallAfter time.Duration
 
 	// StatusInterval is how often settled positions are acknowledged
