@@ -99,9 +99,9 @@ func TestSettlementAndLeaseRenewalLockInOneOrder(t *testing.T) {
 // TestSettleClaimReportsRowsDeletedSinceTheirClaim: a claimed row deleted
 // before its outcome is written (by hand, or the application's cleanup) is
 // reported by SettleClaim, whatever its outcome, so that the engine logs
-// and counts it (docs/guarantees.md, "A row deleted before its outcome is
-// written"); the rows beside it are settled. Before, its outcome was
-// dropped without a trace.
+// and counts it (docs/guarantees.md, "Deleted rows and invisible rows");
+// the rows beside it are settled. Before, its outcome was dropped without
+// a trace.
 func TestSettleClaimReportsRowsDeletedSinceTheirClaim(t *testing.T) {
 	ctx := context.Background()
 	db := mustClaimDB(t, ledger.Sink{Name: "hook"})

@@ -34,10 +34,9 @@ func goneRows(t *testing.T, path relay.Path) float64 {
 
 // TestClaimedRowDeletedBeforeItsOutcome: a claimed row deleted before its
 // outcome (here a retry, a write to the row) is written is settled as
-// gone, counted like a stream row's (docs/guarantees.md, "A row deleted
-// before its outcome is written"), and the claim path goes on: the next
-// row of its aggregate is delivered. Before, the outcome was dropped
-// without a trace.
+// gone, counted like a stream row's (docs/guarantees.md, "Deleted rows and
+// invisible rows"), and the claim path goes on: the next row of its
+// aggregate is delivered. Before, the outcome was dropped without a trace.
 func TestClaimedRowDeletedBeforeItsOutcome(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,

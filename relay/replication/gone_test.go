@@ -163,8 +163,8 @@ var deletedRowOutcomes = []struct {
 // row — is written. The row was visible when the hand-over read it, so
 // not seeing it now means it is gone: the event is settled without its
 // outcome, logged and counted, and the hand-over completes and is
-// recorded; the rows beside it are delivered (docs/guarantees.md, "A row
-// deleted before its outcome is written"). It waited forever before: the
+// recorded; the rows beside it are delivered (docs/guarantees.md,
+// "Deleted rows and invisible rows"). It waited forever before: the
 // hand-over's rows carry no transaction id, and the check for deleted rows
 // skipped them.
 func TestHandOverSettlesARowDeletedBeforeItsOutcome(t *testing.T) {
