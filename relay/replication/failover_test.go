@@ -98,6 +98,12 @@ func TestWaitsForSlotHeldByAnotherProcess(t *testing.T) {
 	if err := r.stop(); err != nil {
 		t.Fatal(err)
 	}
+	// The server ends the stopped source's walsender a moment after its
+	// connection closed.
+	waitFor(t, 10*time.Second, "the stopped source's walsender to end", func() bool {
+		_, _, pid, _ := slotState(t, e)
+		return pid == 0
+	})
 
 	ctx := context.Background()
 	other, err := pgconn.Connect(ctx, e.url+"&replication=database")
