@@ -148,9 +148,6 @@ func InitMetrics(routes []Route) {
 	for _, m := range []string{"replication", "poll"} {
 		ModeGauge.WithLabelValues(m)
 	}
-	for _, p := range []Path{PathStream, PathClaim} {
-		settleGone.WithLabelValues(string(p))
-	}
 	for _, r := range routes {
 		sink := r.Sink.Name()
 		for _, p := range []Path{PathStream, PathClaim} {
