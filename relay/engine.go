@@ -166,6 +166,9 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		if names[r.Sink.Name()] {
 			return nil, fmt.Errorf("engine: two sinks named %q", r.Sink.Name())
 		}
+		if n := len(r.Sink.Name()); n > MaxSinkNameBytes {
+			return nil, fmt.Errorf("engine: sink %.40s…: its name is %d bytes; the ledger's action holds at most %d", r.Sink.Name(), n, MaxSinkNameBytes)
+		}
 		names[r.Sink.Name()] = true
 		for _, g := range r.Events {
 			if _, err := path.Match(g, ""); err != nil {
@@ -577,10 +580,15 @@ func (e *Engine) divertedAmong(aggs []AggregateKey) []AggregateKey {
 	return out
 }
 
-// route builds the work of ev: one pair per sink that takes its type.
+// route builds the work of ev: one pair per sink that takes its type, or
+// none when the ledger cannot record its deliveries (refuse.go).
 func (e *Engine) route(p Path, ev *Event) *Work {
 	e.readTrace(ev)
 	w := &Work{Event: ev, path: p}
+	if reason := unrecordable(ev); reason != "" {
+		w.refuse(reason)
+		return w
+	}
 	for _, l := range e.lanes {
 		if Matches(l.route.Events, ev.EventType) {
 			w.Pairs = append(w.Pairs, &Pair{Sink: l.name, Hold: l.route.Hold})
@@ -676,7 +684,13 @@ func (e *Engine) dispatch(ctx context.Context, w *Work, now time.Time) {
 // finishWork decides w once every pair has an outcome and queues it for
 // settlement.
 func (e *Engine) finishWork(w *Work) {
-	if !w.Skip {
+	switch {
+	case w.Skip:
+		w.Decision = Decision{Kind: Skip}
+	case w.refused != "":
+		w.Decision = Decision{Kind: DeadLetter, Attempts: w.Event.Attempts, Reason: w.refused}
+		e.logDecision(w)
+	default:
 		outcomes := make([]Outcome, len(w.Pairs))
 		sinks := make([]string, len(w.Pairs))
 		for i, p := range w.Pairs {
@@ -684,8 +698,6 @@ func (e *Engine) finishWork(w *Work) {
 		}
 		w.Decision = e.cfg.Policy.decide(time.Now(), w.Event.Attempts, outcomes, sinks)
 		e.logDecision(w)
-	} else {
-		w.Decision = Decision{Kind: Skip}
 	}
 	e.settle[w.path].add(w)
 }
@@ -790,10 +802,12 @@ func (e *Engine) renewLeases(ctx context.Context) {
 }
 
 // SubmitClaimed hands rows the claim path claimed to the engine: it
-// prepares their ledger claims and queues them. It blocks while the engine
-// applies back-pressure. On an error (ctx ended, or the ledger claims could
-// not be made) the rows it did not take are returned to the caller, which
-// puts them back; every row it took is settled by the engine.
+// prepares their ledger claims and queues them; a row whose claims the
+// ledger refuses for its data is dead-lettered unsent (refuse.go). It
+// blocks while the engine applies back-pressure. On an error (ctx ended,
+// or the ledger claims could not be made) the rows it did not take are
+// returned to the caller, which puts them back; every row it took is
+// settled by the engine.
 func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*Work, err error) {
 	if e.cfg.Claim == nil {
 		return works, errors.New("engine: no claim store")
@@ -815,7 +829,7 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 	for _, w := range works {
 		w.path = PathClaim
 		routed := e.route(PathClaim, w.Event)
-		w.Pairs, w.lanes = routed.Pairs, routed.lanes
+		w.Pairs, w.lanes, w.refused = routed.Pairs, routed.lanes, routed.refused
 		if w.ClaimedAt.IsZero() {
 			w.ClaimedAt = time.Now()
 		}
@@ -823,7 +837,10 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 	if err := e.take(ctx, len(works)); err != nil {
 		return works, err
 	}
-	if err := e.cfg.Claim.PrepareClaim(ctx, works, e.cfg.Owner, e.cfg.ClaimLease); err != nil {
+	err = e.prepareIsolating(ctx, works, func(ctx context.Context, works []*Work) error {
+		return e.cfg.Claim.PrepareClaim(ctx, works, e.cfg.Owner, e.cfg.ClaimLease)
+	})
+	if err != nil {
 		e.unsettled.Release(int64(len(works)))
 		return works, fmt.Errorf("claim the ledger pairs of %d rows: %w", len(works), err)
 	}

@@ -99,15 +99,18 @@ type Work struct {
 	// settling state, owned by the settle loop
 	invisibleSince time.Time
 	dataErrors     int
+	// refused says why the ledger cannot record the event's deliveries:
+	// it has no pairs and is dead-lettered unsent (refuse.go).
+	refused string
 }
 
 // Path returns where the work came from.
 func (w *Work) Path() Path { return w.path }
 
-// ErrRowData marks a store error caused by one row's data (PostgreSQL's
-// SQLSTATE classes 22 and 23), not by the connection or the server: the
-// engine then settles the rows of the batch one by one, so that one row
-// never holds the others back.
+// ErrRowData marks a store error caused by one row's data (a value
+// PostgreSQL refuses, a key longer than an index holds), not by the
+// connection or the server: the engine then prepares or settles the rows
+// of the batch apart, so that one row never holds the others back.
 var ErrRowData = errors.New("a row's data was refused")
 
 // StreamStore is the stream path's view of the outbox table and the ledger.
@@ -119,8 +122,8 @@ type StreamStore interface {
 	// is no longer pending and not handed off is marked Skip, and pairs the
 	// ledger shows delivered become PairDelivered. Pairs of Hold sinks are
 	// claimed for owner ('sending', committed synchronously): Claimed, or
-	// PairDelivered, or PairUnknown when another claim is there. Safe to
-	// repeat.
+	// PairDelivered, or PairUnknown when another claim is there. An error
+	// wrapping ErrRowData names a row's data as the cause. Safe to repeat.
 	PrepareStream(ctx context.Context, works []*Work, restreamed bool, owner string) error
 
 	// SettleStream writes the works' decisions in one transaction: a
@@ -193,7 +196,9 @@ type ClaimStore interface {
 	// anything is sent, in one round trip: pairs already delivered become
 	// PairDelivered, pairs another live owner is sending PairBlocked, pairs
 	// whose claim it took over (lease passed, owner gone) PairUnknown with
-	// PrevOwner; the rest are Claimed. lease is the claim's lease.
+	// PrevOwner; the rest are Claimed. lease is the claim's lease. An error
+	// wrapping ErrRowData names a row's data as the cause; an error leaves
+	// no claim made.
 	PrepareClaim(ctx context.Context, works []*Work, owner string, lease time.Duration) error
 
 	// SettleClaim writes the works' decisions in one synchronous

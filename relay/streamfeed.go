@@ -126,7 +126,10 @@ func (f *streamFeed) start(ctx context.Context, works []*Work, prepare, restream
 		return err
 	}
 	if prepare {
-		err := retry(ctx, func() error { return e.cfg.Stream.PrepareStream(ctx, works, restreamed, e.cfg.Owner) },
+		prepareStream := func(ctx context.Context, works []*Work) error {
+			return e.cfg.Stream.PrepareStream(ctx, works, restreamed, e.cfg.Owner)
+		}
+		err := retry(ctx, func() error { return e.prepareIsolating(ctx, works, prepareStream) },
 			func(err error, wait time.Duration) {
 				e.log.Warn().Err(err).Dur("retry_in", wait).Msg(retrying)
 			})

@@ -928,6 +928,9 @@ func TestLoad_InvalidValues(t *testing.T) {
 		{"bad slot name", "source:\n  slot: Outbox-Relay\n", nil, []string{`relay.yaml:2: source.slot: slot name "Outbox-Relay" may contain only`}},
 		{"bad listen", "http:\n  listen: localhost\n", nil, []string{`relay.yaml:2: http.listen: "localhost" is not host:port`}},
 		{"bad port", "http:\n  listen: \":99999\"\n", nil, []string{`relay.yaml:2: http.listen: ":99999" is not host:port`}},
+		{"sink name longer than the ledger's action holds", "sinks:\n  - {name: " + strings.Repeat("n", relay.MaxSinkNameBytes+1) + ", type: nats}\n", nil, []string{
+			fmt.Sprintf(`relay.yaml:2: sinks[0].name: is %d bytes; the ledger's action holds at most %d`, relay.MaxSinkNameBytes+1, relay.MaxSinkNameBytes),
+		}},
 		{"duplicate sink names", "sinks:\n  - {name: a, type: nats}\n  - {name: a, type: nats}\n", nil, []string{
 			`relay.yaml:3: sinks[1].name: "a" is already the name of sinks[0]`,
 		}},

@@ -203,6 +203,8 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 		v.fail(p+".name", "is required")
 	case strings.TrimSpace(s.Name) != s.Name || !isPrintable(s.Name):
 		v.fail(p+".name", "%q must be printable, without surrounding spaces", s.Name)
+	case len(s.Name) > relay.MaxSinkNameBytes:
+		v.fail(p+".name", "is %d bytes; the ledger's action holds at most %d", len(s.Name), relay.MaxSinkNameBytes)
 	case names[s.Name] != "":
 		v.fail(p+".name", "%q is already the name of %s; sink names must be unique", s.Name, names[s.Name])
 	default:
