@@ -710,7 +710,7 @@ func (s *Store) PrepareClaim(ctx context.Context, works []*relay.Work, owner str
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("claim %d ledger pairs: %w", len(claimKeys), err)
+		return fmt.Errorf("claim %d ledger pairs: %w", len(claimKeys), rowDataError(err))
 	}
 	for _, w := range works {
 		for _, p := range w.Pairs {

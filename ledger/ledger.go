@@ -393,7 +393,7 @@ func idsStep(kind, sql string, args ...any) step {
 // empty keeps the server's default), and returns the ids the id-returning
 // steps report. The transaction commits only when every step succeeded;
 // an error names the failing step and, when a row's data was refused
-// (SQLSTATE class 22 or 23), wraps relay.ErrRowData.
+// (rowDataStates), wraps relay.ErrRowData.
 func (s *Store) runSteps(ctx context.Context, setCommit string, steps []step) ([]int64, error) {
 	var out []int64
 	err := s.inTx(ctx, setCommit, func(b *pgx.Batch) {
@@ -438,13 +438,42 @@ func hasSQLState(err error, code string) bool {
 	return ok && pgErr.Code == code
 }
 
+// rowDataStates are the SQLSTATEs (a class of two characters, or one code)
+// PostgreSQL raises because of one row's data: the same statement with
+// that row left out succeeds, and with it succeeds never. The engine
+// isolates such a row and writes it as a dead letter (relay.ErrRowData).
+// Every other error is the server's or the connection's (08 connection,
+// 40 serialization and deadlock, 53 disk full or out of memory, 55 lock
+// not available, 57 shutdown or cancel, 42 a missing grant, XX an
+// internal error): retried as it is, the rows beside it waiting.
+var rowDataStates = []string{
+	// data_exception: a value the column refuses (invalid UTF-8 or a NUL,
+	// too long for a varchar, out of range).
+	"22",
+	// integrity_constraint_violation: a row a constraint refuses (the
+	// table's own CHECK or NOT NULL, a key another row holds).
+	"23",
+	// program_limit_exceeded: an index entry or a row larger than a page
+	// holds — the ledger's key longer than its btree takes (docs/schema.md,
+	// "Key lengths"). The same code for an array too large is the batch's,
+	// and the halves the engine then writes apart are small enough. The
+	// rest of class 54 (too many columns or arguments, a statement too
+	// complex) is the statement's, never a row's.
+	"54000",
+}
+
 // rowDataError marks err with relay.ErrRowData when PostgreSQL refused a
-// row's data (SQLSTATE class 22, data exception, or 23, integrity
-// constraint violation), as opposed to a connection or server failure.
+// row's data (rowDataStates), as opposed to a connection or server
+// failure.
 func rowDataError(err error) error {
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (strings.HasPrefix(pgErr.Code, "22") || strings.HasPrefix(pgErr.Code, "23")) {
-		return fmt.Errorf("%w: %w", relay.ErrRowData, err)
+	if !errors.As(err, &pgErr) {
+		return err
+	}
+	for _, state := range rowDataStates {
+		if strings.HasPrefix(pgErr.Code, state) {
+			return fmt.Errorf("%w: %w", relay.ErrRowData, err)
+		}
 	}
 	return err
 }

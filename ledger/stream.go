@@ -314,7 +314,7 @@ func (s *Store) PrepareStream(ctx context.Context, works []*relay.Work, restream
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("claim %d pairs before sending: %w", len(keys), err)
+		return fmt.Errorf("claim %d pairs before sending: %w", len(keys), rowDataError(err))
 	}
 	var refused []string
 	for i, p := range claiming {
@@ -494,8 +494,8 @@ func split(works []*relay.Work) *settlementRows {
 // SettleStream implements relay.StreamStore: one transaction, one round
 // trip, at most one statement per kind. With Config.AsyncCommit it commits
 // with synchronous_commit = off: it becomes durable with the next
-// SaveCheckpoint. An error rolls everything back; a data error (SQLSTATE
-// class 22 or 23) wraps relay.ErrRowData. Safe to repeat with the same or
+// SaveCheckpoint. An error rolls everything back; a refusal of a row's data
+// (rowDataStates) wraps relay.ErrRowData. Safe to repeat with the same or
 // an overlapping batch.
 //
 // Every pair the stream delivered gets its delivered ledger row here, the
