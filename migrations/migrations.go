@@ -341,6 +341,7 @@ var sqlMigrations = []string{
 	"009_delivered_record.sql",
 	"010_handoff_index.sql",
 	"011_fold_delivered_record.sql",
+	"012_event_key_bound.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -446,6 +447,9 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
 		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
 		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
+		"KeyBoundTrigger":       relay.QuoteIdentifier(keyBound(n.Outbox).Name),
+		"KeyBoundFunction":      keyBound(n.Outbox).Quoted(),
+		"MaxEventKeyBytes":      relay.MaxEventKeyBytes,
 		"LockTimeout":           relay.QuoteLiteral(fmt.Sprintf("%dms", lockTimeout.Milliseconds())),
 		"OutboxLiteral":         relay.QuoteLiteral(n.Outbox.Quoted()),
 		"PublishLiteral5":       relay.QuoteLiteral(n.PublishFunction.Quoted() + "(text, text, text, text, jsonb)"),
@@ -468,6 +472,12 @@ func claimIndex(outbox relay.QualifiedName) relay.QualifiedName {
 // handOffIndex is the partial index of the rows handed to the claim path.
 func handOffIndex(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_relay_handoff_idx"))
+}
+
+// keyBound names the trigger that refuses an event_key longer than the
+// ledger holds, and its function (012).
+func keyBound(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_key_bound"))
 }
 
 // DeliveredTable is the stream's old record of delivery for outbox (009): the

@@ -646,7 +646,7 @@ func TestMigrate_NotifyTrigger(t *testing.T) {
 		t.Fatalf("switching off: %q", res.NotifyTrigger)
 	}
 	var triggers int
-	conn.QueryRow(ctx, "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'integration_outbox'::regclass AND NOT tgisinternal").Scan(&triggers)
+	conn.QueryRow(ctx, "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'integration_outbox'::regclass AND NOT tgisinternal AND tgname LIKE '%notify%'").Scan(&triggers)
 	if triggers != 0 {
 		t.Fatalf("%d triggers left", triggers)
 	}
