@@ -83,13 +83,14 @@ func ownerAlive(owner string) string {
 func renderClaim(t tables, opts claimOptions) claimStatements {
 	outbox, ledger := t.outbox, t.ledger
 	// The ordering check: a row waits while a lower id of its aggregate is
-	// unsettled (pending, processing or held — failed and done rows never
-	// block), unless the ledger shows that row delivered to every sink it is
-	// routed to (a row the stream delivered whose status is not marked
-	// yet). undelivered is that last condition for a row p. Routing in SQL
-	// mirrors the engine's: $4 sink names, $5 "takes every type", $6 the
-	// sink's globs as one regex (see globToRegex). The status lists repeat
-	// the order index's predicate so the planner can use it.
+	// unsettled (Unsettled: pending — a NULL status included —, processing
+	// or held; failed and done rows never block), unless the ledger shows
+	// that row delivered to every sink it is routed to (a row the stream
+	// delivered whose status is not marked yet). undelivered is that last
+	// condition for a row p. Routing in SQL mirrors the engine's: $4 sink
+	// names, $5 "takes every type", $6 the sink's globs as one regex (see
+	// globToRegex). Unsettled is the order index's predicate, so the
+	// planner can use it.
 	//
 	// The check looks for the nearest such row below a run's head, walking
 	// the order index down (a scalar subquery with ORDER BY … DESC LIMIT 1:
@@ -192,7 +193,7 @@ heads AS MATERIALIZED (
            SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
             WHERE p.aggregate_type = a.at AND p.aggregate_id = a.ai
               AND p.id < a.head
-              AND p.status IN ('pending', 'processing', 'held')
+              AND %[12]s
               AND (%[7]s OR %[8]s)
             ORDER BY p.id DESC
             LIMIT 1) AS b ON true),
@@ -204,7 +205,7 @@ starts AS MATERIALIZED (
       JOIN LATERAL (
            SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
             WHERE p.aggregate_type = h.at AND p.aggregate_id = h.ai
-              AND p.status IN ('pending', 'processing', 'held')
+              AND %[12]s
               AND (%[7]s OR %[8]s)
             ORDER BY p.id
             LIMIT 1) AS f ON f.ok
@@ -218,7 +219,7 @@ pick AS (
            SELECT p.id, bool_and(%[7]s) OVER (ORDER BY p.id) AS ok FROM %[1]s AS p
             WHERE p.aggregate_type = s.at AND p.aggregate_id = s.ai
               AND p.id >= s.head
-              AND p.status IN ('pending', 'processing', 'held')
+              AND %[12]s
               AND (%[7]s OR %[8]s)
             ORDER BY p.id
             LIMIT (SELECT per.n FROM per)) AS r
@@ -249,7 +250,7 @@ RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.p
           o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s AS replays, %[4]s AS trace)
 SELECT s.n, s.last_due, s.last_id, c.*
   FROM summary AS s LEFT JOIN claimed AS c ON true
- ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows, order, rank)
+ ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows, order, rank, Unsettled("p"))
 	}
 	shapes := func(all, newest bool) [3]string {
 		return [3]string{
@@ -347,8 +348,8 @@ SELECT t.at, t.ai
  WHERE NOT EXISTS (
        SELECT FROM %s AS o
         WHERE o.aggregate_type = t.at AND o.aggregate_id = t.ai
-          AND o.status IN ('pending', 'processing', 'held')
-          AND (o.handoff_at IS NOT NULL OR o.status = 'held'))`, outbox),
+          AND %s
+          AND (o.handoff_at IS NOT NULL OR o.status = 'held'))`, outbox, Unsettled("o")),
 
 		releaseOwned: fmt.Sprintf(`
 WITH back AS (

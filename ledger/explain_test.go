@@ -48,7 +48,7 @@ func TestClaimQueryUsesPartialIndexes(t *testing.T) {
 			}
 			plan := explainClaim(t, db, "EXPLAIN (COSTS OFF) "+sql, args)
 			t.Logf("%s, %s: claim plan:\n%s", stage, mode.name, plan)
-			for _, index := range []string{mode.index, "integration_outbox_relay_order_idx"} {
+			for _, index := range []string{mode.index, "integration_outbox_relay_unsettled_idx"} {
 				if !strings.Contains(plan, index) {
 					t.Errorf("%s, %s: the plan does not use %s", stage, mode.name, index)
 				}

@@ -77,13 +77,16 @@ func (f *fixture) storeFor(tb testing.TB, sinks ...ledger.Sink) *ledger.Store {
 // row is an outbox row to insert; empty fields take the table's defaults,
 // and an empty Status means pending.
 type row struct {
-	Key       string
-	AggType   *string
-	AggID     *string
-	Status    string
-	HandedOff bool
-	LastError *string
-	Attempts  int
+	Key     string
+	AggType *string
+	AggID   *string
+	Status  string
+	// NullStatus inserts the row with a NULL status (the column is
+	// nullable), which means pending.
+	NullStatus bool
+	HandedOff  bool
+	LastError  *string
+	Attempts   int
 	// NoAvailableAt inserts the row with a NULL available_at (an
 	// application that sets the column itself), which means due now.
 	NoAvailableAt bool
@@ -98,9 +101,12 @@ func (f *fixture) MustInsert(tb testing.TB, rows ...row) []int64 {
 	tb.Helper()
 	ids := make([]int64, len(rows))
 	for i, r := range rows {
-		status := r.Status
-		if status == "" {
-			status = "pending"
+		status := &r.Status
+		switch {
+		case r.NullStatus:
+			status = nil
+		case r.Status == "":
+			status = ptr("pending")
 		}
 		var handoff *time.Time
 		if r.HandedOff {
@@ -137,7 +143,7 @@ func (f *fixture) MustInsertPending(tb testing.TB, prefix string, n int) []int64
 
 // outboxRow is what the tests check of a row.
 type outboxRow struct {
-	Status      string
+	Status      string // "<NULL>" when NULL
 	HandoffAt   *time.Time
 	AvailableAt time.Time // zero when NULL
 	LastError   *string
@@ -150,7 +156,7 @@ func (f *fixture) MustRow(tb testing.TB, id int64) outboxRow {
 	var r outboxRow
 	var available *time.Time
 	err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
-		SELECT status, handoff_at, available_at, last_error, attempts, processed_at FROM %s WHERE id = $1`,
+		SELECT coalesce(status, '<NULL>'), handoff_at, available_at, last_error, attempts, processed_at FROM %s WHERE id = $1`,
 		f.names.Outbox.Quoted()), id).Scan(&r.Status, &r.HandoffAt, &available, &r.LastError, &r.Attempts, &r.ProcessedAt)
 	if err != nil {
 		tb.Fatalf("read row %d: %v", id, err)

@@ -3,7 +3,8 @@
 // checkpoint (docs/schema.md).
 //
 // Every write is conditional on the row still being where the writer expects
-// it (status = 'pending', handoff_at IS NULL, ledger state), so every method
+// it (the stream's: StreamOwned; the claim's: processing and locked by the
+// writer; the ledger's state), so every method
 // is safe to call again after an error or a crash. Batches go to the server
 // as arrays (unnest, = ANY): one statement per kind, never one round trip per
 // event.
@@ -250,7 +251,7 @@ UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirme
 		// marked yet (mark_done: off, or the marking trails).
 		pendingUnmarked: fmt.Sprintf(`
 SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
- WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
+ WHERE %s AND NOT %s`, outbox, StreamOwned("o"), t.deliveredEverywhere("o")),
 		// A slice of a hand-over's rows, read again to be delivered: those
 		// still the stream's (pending, not handed off) and not delivered
 		// everywhere.
@@ -260,14 +261,15 @@ SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
 		// of each slice (a row delivered everywhere is left out there).
 		snapshotPending: fmt.Sprintf(`
 SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
- WHERE o.status = 'pending' AND o.handoff_at IS NULL`, outbox),
+ WHERE %s`, outbox, StreamOwned("o")),
 		// Which of the aggregates $1, $2 (in pairs) have rows in a new
 		// slot's snapshot, asked by the stream while snapshotPending runs:
-		// the order index (aggregate_type, aggregate_id, id) answers.
+		// the order index (aggregate_type, aggregate_id, id) answers, and
+		// the index of rows with a NULL status (migration 013) adds those.
 		snapshotPendingAmong: fmt.Sprintf(`
 SELECT DISTINCT o.aggregate_type, o.aggregate_id FROM %s AS o
  WHERE (o.aggregate_type, o.aggregate_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
-   AND o.status = 'pending' AND o.handoff_at IS NULL`, outbox),
+   AND %s`, outbox, StreamOwned("o")),
 		maxID: fmt.Sprintf(`SELECT COALESCE(max(id), 0) FROM %s`, outbox),
 		// The rows pending in a new slot's snapshot with an id in ($1, $2]
 		// (the newest ids), of those whose aggregate has no other row
@@ -284,7 +286,7 @@ SELECT DISTINCT o.aggregate_type, o.aggregate_id FROM %s AS o
 		snapshotEarly: fmt.Sprintf(`
 WITH newest AS MATERIALIZED (
 SELECT o.id, o.aggregate_type, o.aggregate_id FROM %[1]s AS o
- WHERE o.id > $1 AND o.id <= $2 AND (o.status = 'pending' AND o.handoff_at IS NULL) IS TRUE),
+ WHERE o.id > $1 AND o.id <= $2 AND %[2]s IS TRUE),
 counts AS (
 SELECT aggregate_type, aggregate_id, count(*) AS n FROM newest
  WHERE aggregate_type IS NOT NULL AND aggregate_id IS NOT NULL
@@ -293,29 +295,29 @@ complete AS (
 SELECT c.aggregate_type, c.aggregate_id FROM counts AS c
  WHERE (SELECT count(*) FROM (SELECT FROM %[1]s AS o
          WHERE o.aggregate_type = c.aggregate_type AND o.aggregate_id = c.aggregate_id
-           AND o.status = 'pending' AND o.handoff_at IS NULL
+           AND %[2]s
          LIMIT c.n + 1) AS r) = c.n)
 SELECT n.id, n.aggregate_type, n.aggregate_id FROM newest AS n
  WHERE n.aggregate_type IS NULL OR n.aggregate_id IS NULL
     OR (n.aggregate_type, n.aggregate_id) IN (SELECT aggregate_type, aggregate_id FROM complete)
- ORDER BY n.id`, outbox),
+ ORDER BY n.id`, outbox, StreamOwned("o")),
 		markForClaimByID: fmt.Sprintf(`
-UPDATE %s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
- WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, outbox, t.deliveredEverywhere("o")),
+UPDATE %s AS o SET status = 'pending', handoff_at = now(), available_at = COALESCE(o.available_at, now())
+ WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE AND NOT %s`, outbox, StreamOwned("o"), t.deliveredEverywhere("o")),
 
 		// One id range at a time ($1, $2], in id order, skipping rows
 		// another statement has locked (the engine's own MarkDone): it runs
 		// beside the stream and never waits for, or deadlocks with, it.
 		// The range is read by id alone, like the pending scan's (scan.go).
 		pendingRange: fmt.Sprintf(`
-SELECT min(id), max(id) FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, outbox),
+SELECT min(o.id), max(o.id) FROM %s AS o WHERE %s`, outbox, StreamOwned("o")),
 		markDeliveredDone: fmt.Sprintf(`
 WITH c AS (
 SELECT o.id FROM %s AS o
- WHERE o.id > $1 AND o.id <= $2 AND (o.status = 'pending' AND o.handoff_at IS NULL) IS TRUE
+ WHERE o.id > $1 AND o.id <= $2 AND %s IS TRUE
    AND %s
    FOR UPDATE SKIP LOCKED)
-UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, t.deliveredEverywhere("o"), outbox),
+UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, StreamOwned("o"), t.deliveredEverywhere("o"), outbox),
 
 		// Every transaction inTx runs (settlements, claims, ledger claims,
 		// marks, checkpoints) starts with one of these statements.
@@ -483,5 +485,5 @@ func handOverRead(t tables, trace string) string {
 SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,
        o.created_at, COALESCE(o.attempts, 0), o.available_at, %s
   FROM %s AS o
- WHERE o.id = ANY($1::bigint[]) AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %s`, trace, t.outbox, t.deliveredEverywhere("o"))
+ WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE AND NOT %s`, trace, t.outbox, StreamOwned("o"), t.deliveredEverywhere("o"))
 }

@@ -162,10 +162,9 @@ func scanStatements(t tables) (start, top, rng, recheck string) {
 	// counts as created_at), so a scheduled row is not stuck before it is
 	// due.
 	const due = "GREATEST(o.created_at, COALESCE(o.available_at, o.created_at))"
-	const pending = "(o.status = 'pending' OR o.status IS NULL) AND o.handoff_at IS NULL"
+	pending, isPending := StreamOwned("o"), Pending("o")
 	// A claimed row stays watched: the claim path may put it back.
-	const watchedStatus = "(o.status IN ('pending', 'processing') OR o.status IS NULL) AND o.handoff_at IS NULL"
-	const isPending = "(o.status = 'pending' OR o.status IS NULL)"
+	watchedStatus := fmt.Sprintf("(%s OR o.status = 'processing') AND o.handoff_at IS NULL", isPending)
 	start = fmt.Sprintf(`SELECT min(o.id) FROM %s AS o WHERE %s`, t.outbox, pending)
 	top = fmt.Sprintf(`SELECT max(id) FROM %s`, t.outbox)
 	// A row pending in the step's range is probed in the ledger, one

@@ -73,18 +73,20 @@ SELECT t.k, t.a, 'delivered', 1, now(), now()
 		// (relay.StreamStore.MarkDone).
 		walPosition: `SELECT pg_current_wal_insert_lsn()::text`,
 
-		// A hand-off: the row becomes the claim path's, due at available_at.
+		// A hand-off: the row becomes the claim path's, due at available_at,
+		// its status written pending (pending.go).
 		handOffs: invisible(fmt.Sprintf(`
 WITH t AS (SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS t(id, avail, err, n)),
 changed AS (
 UPDATE %s AS o
-   SET handoff_at = now(),
+   SET status = 'pending',
+       handoff_at = now(),
        available_at = COALESCE(t.avail, now()),
        last_error = COALESCE(NULLIF(t.err, ''), o.last_error),
        attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
   FROM t
- WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
-RETURNING o.id)`, outbox)),
+ WHERE o.id = t.id AND %s IS TRUE
+RETURNING o.id)`, outbox, StreamOwned("o"))),
 
 		deadLetter: invisible(fmt.Sprintf(`
 WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)),
@@ -93,8 +95,8 @@ UPDATE %s AS o
    SET status = 'failed', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n),
        processed_at = now(), locked_at = NULL, locked_by = NULL
   FROM t
- WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
-RETURNING o.id)`, outbox)),
+ WHERE o.id = t.id AND %s IS TRUE
+RETURNING o.id)`, outbox, StreamOwned("o"))),
 
 		held: invisible(fmt.Sprintf(`
 WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)),
@@ -102,8 +104,8 @@ changed AS (
 UPDATE %s AS o
    SET status = 'held', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
   FROM t
- WHERE o.id = t.id AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
-RETURNING o.id)`, outbox)),
+ WHERE o.id = t.id AND %s IS TRUE
+RETURNING o.id)`, outbox, StreamOwned("o"))),
 
 		// A pair whose outcome is unknown at a sink that holds such events:
 		// 'unknown' (never claimed again but by dlq retry). A pair the
@@ -125,14 +127,14 @@ SELECT t.k, t.a, 'unknown', 1, t.d
 		// for a few hundred ids). Planned at each call (see restreamed).
 		restreamed: fmt.Sprintf(`
 SELECT o.id,
-       (COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL) IS TRUE,
+       %s IS TRUE,
        d.actions
   FROM (SELECT DISTINCT id FROM unnest($1::bigint[]) AS u(id)) AS t
  CROSS JOIN LATERAL (SELECT o.id, o.status, o.handoff_at, o.event_key FROM %s AS o WHERE o.id = t.id OFFSET 0) AS o
   LEFT JOIN LATERAL (
        SELECT array_agg(l.action ORDER BY l.action) AS actions
          FROM %s AS l
-        WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true`, outbox, ledger),
+        WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true`, StreamOwned("o"), outbox, ledger),
 
 		ledgerOf: ledgerPairsSQL(ledger),
 
@@ -168,9 +170,9 @@ RETURNING l.event_key, l.action`, ledger),
 WITH t AS (SELECT unnest($1::bigint[]) AS id),
 changed AS (
 UPDATE %s o SET status = 'done', processed_at = now()
- WHERE o.id = ANY($1::bigint[]) AND COALESCE(o.status, 'pending') = 'pending' AND o.handoff_at IS NULL
+ WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE
 RETURNING o.id)
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id OFFSET 0)`, outbox, outbox),
+SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id OFFSET 0)`, outbox, StreamOwned("o"), outbox),
 
 		// Read at every stream session's start, before its first event.
 		// Pending rows may be a large backlog the stream owns (a slot

@@ -234,14 +234,14 @@ func (s *Store) Reconcile(ctx context.Context, olderThan time.Duration) (int64, 
 	sql := fmt.Sprintf(`
 WITH batch AS (
     SELECT o.id FROM %[1]s AS o
-     WHERE o.status = 'pending' AND o.handoff_at IS NULL AND NOT %[2]s
+     WHERE %[3]s AND NOT %[2]s
        AND o.created_at < now() - $1::bigint * interval '1 millisecond'
      ORDER BY o.id
      LIMIT $2
        FOR UPDATE)
-UPDATE %[1]s AS o SET handoff_at = now(), available_at = COALESCE(o.available_at, now())
+UPDATE %[1]s AS o SET status = 'pending', handoff_at = now(), available_at = COALESCE(o.available_at, now())
   FROM batch
- WHERE o.id = batch.id AND o.status = 'pending' AND o.handoff_at IS NULL AND NOT %[2]s`, s.outbox, s.tables.deliveredEverywhere("o"))
+ WHERE o.id = batch.id AND %[3]s IS TRUE AND NOT %[2]s`, s.outbox, s.tables.deliveredEverywhere("o"), StreamOwned("o"))
 	var marked int64
 	for {
 		var n int64

@@ -342,6 +342,7 @@ var sqlMigrations = []string{
 	"010_handoff_index.sql",
 	"011_fold_delivered_record.sql",
 	"012_event_key_bound.sql",
+	"013_unsettled_index.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -350,18 +351,21 @@ func Latest() int32 { return int32(1 + len(sqlMigrations)) }
 
 // CheckSchema returns an error saying to run migrate when the relay's
 // tables are not what this build needs: the checkpoint's hand-over record
-// (007), and the stream's old record of delivery folded into the ledger's
-// rows' status and gone (011). It reads only the catalogs, which every role
-// may, so the run role needs no grant on the version table.
+// (007), the stream's old record of delivery folded into the ledger's
+// rows' status and gone (011), and the order index that holds rows with a
+// NULL status (013), which the claim's ordering check is planned on. It
+// reads only the catalogs, which every role may, so the run role needs no
+// grant on the version table.
 func CheckSchema(ctx context.Context, db querier, n Names) error {
-	var handover, oldRecord bool
+	var handover, oldRecord, unsettled bool
 	err := db.QueryRow(ctx, `SELECT
 		EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'handover_lsn' AND NOT attisdropped),
-		to_regclass($2) IS NOT NULL`, n.Checkpoint.Quoted(), DeliveredTable(n.Outbox).Quoted()).Scan(&handover, &oldRecord)
+		to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL`,
+		n.Checkpoint.Quoted(), DeliveredTable(n.Outbox).Quoted(), unsettledIndex(n.Outbox).Quoted()).Scan(&handover, &oldRecord, &unsettled)
 	if err != nil {
 		return fmt.Errorf("inspect the relay's tables: %w", err)
 	}
-	if !handover || oldRecord {
+	if !handover || oldRecord || !unsettled {
 		return fmt.Errorf("the relay's tables for %s are older than this relay (schema version %d): run outbox-relay migrate", n.Outbox, Latest())
 	}
 	return nil
@@ -447,6 +451,8 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
 		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
 		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
+		"UnsettledIndexName":    relay.QuoteIdentifier(unsettledIndex(n.Outbox).Name),
+		"OrderIndex":            orderIndex(n.Outbox).Quoted(),
 		"KeyBoundTrigger":       relay.QuoteIdentifier(keyBound(n.Outbox).Name),
 		"KeyBoundFunction":      keyBound(n.Outbox).Quoted(),
 		"MaxEventKeyBytes":      relay.MaxEventKeyBytes,
@@ -458,10 +464,18 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 	}
 }
 
-// OrderIndex is the partial index that answers "is a lower id of this
-// aggregate still unsettled?" for the claim path's ordering check.
+// orderIndex is 003's partial index of the unsettled rows by aggregate,
+// which unsettledIndex replaces (013).
 func orderIndex(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_relay_order_idx"))
+}
+
+// unsettledIndex is the partial index that answers "is a lower id of this
+// aggregate still unsettled?" for the claim path's ordering check and a
+// new slot's hand-over: the rows pending (a NULL status included),
+// processing or held, by aggregate.
+func unsettledIndex(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_unsettled_idx"))
 }
 
 // claimIndex is the partial index that serves the claim query.
@@ -556,7 +570,7 @@ func resolve(ctx context.Context, conn *pgx.Conn, n Names) (Names, error) {
 // dropInvalidIndexes removes the relay's own indexes that a failed
 // CREATE INDEX CONCURRENTLY left INVALID; IF NOT EXISTS would skip them.
 func dropInvalidIndexes(ctx context.Context, conn *pgx.Conn, outbox relay.QualifiedName, data map[string]any, log zerolog.Logger) error {
-	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox), handOffIndex(outbox)} {
+	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox), handOffIndex(outbox), unsettledIndex(outbox)} {
 		var invalid bool
 		err := conn.QueryRow(ctx, `SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)`, idx.Quoted()).Scan(&invalid)
 		if errors.Is(err, pgx.ErrNoRows) || !invalid {

@@ -54,12 +54,12 @@ func (t Tables) delivered(o string) string {
 		// ledger cannot render leaves only the status column.
 		cond = "false"
 	}
-	return fmt.Sprintf("(%[1]s.status = 'pending' AND %[1]s.handoff_at IS NULL AND %[2]s)", o, cond)
+	return fmt.Sprintf("(%s AND %s)", ledger.StreamOwned(o), cond)
 }
 
 // waitsForEarlier is the SQL condition "the row aliased o waits behind an
 // earlier event of its aggregate": a lower id of the same aggregate that
-// is pending, processing or held and not delivered everywhere — the claim
+// is unsettled (ledger.Unsettled) and not delivered everywhere — the claim
 // query's ordering check (docs/architecture.md, "the claim path"), which a
 // row blocked so cannot pass: it is not a row the claim path could take.
 func (t Tables) waitsForEarlier(o string) string {
@@ -70,13 +70,14 @@ func (t Tables) waitsForEarlier(o string) string {
 	return fmt.Sprintf(`(%[1]s.aggregate_type IS NOT NULL AND %[1]s.aggregate_id IS NOT NULL AND EXISTS (
            SELECT FROM %[2]s AS p
             WHERE p.aggregate_type = %[1]s.aggregate_type AND p.aggregate_id = %[1]s.aggregate_id AND p.id < %[1]s.id
-              AND p.status IN ('pending', 'processing', 'held') AND NOT %[3]s))`, o, t.Outbox.Quoted(), cond)
+              AND %[4]s AND NOT %[3]s))`, o, t.Outbox.Quoted(), cond, ledger.Unsettled("p"))
 }
 
 // status is the SQL expression of the row aliased o's status, with rows the
-// ledger shows delivered everywhere counted as done.
+// ledger shows delivered everywhere counted as done, and a NULL status as
+// pending (ledger.Pending).
 func (t Tables) status(o string) string {
-	return fmt.Sprintf("CASE WHEN %s THEN 'done' ELSE %s.status END", t.delivered(o), o)
+	return fmt.Sprintf("CASE WHEN %s THEN 'done' WHEN %s THEN 'pending' ELSE %s.status END", t.delivered(o), ledger.Pending(o), o)
 }
 
 // DB is what the operations need of a database handle; *pgx.Conn,

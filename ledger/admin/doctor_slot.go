@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -170,7 +171,7 @@ func (d *diagnosis) handOver(ctx context.Context) {
 		return
 	}
 	var pending int64
-	if err := d.conn.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM %s WHERE status = 'pending' AND handoff_at IS NULL`, t.Outbox.Quoted())).Scan(&pending); err != nil {
+	if err := d.conn.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM %s AS o WHERE %s`, t.Outbox.Quoted(), ledger.StreamOwned("o"))).Scan(&pending); err != nil {
 		d.add(Fail, name, fmt.Sprintf("count the pending rows of %s: %v", t.Outbox, err), "")
 		return
 	}

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-relay/ledger"
 )
 
 // Mode is how the relay is running, as far as the database can tell.
@@ -185,7 +187,7 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'inval
 	for _, s := range Statuses {
 		st.Rows[s] = 0
 	}
-	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT coalesce(%s, '(null)'), count(*) FROM %s AS o GROUP BY 1`, t.status("o"), t.Outbox.Quoted()))
+	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT %s, count(*) FROM %s AS o GROUP BY 1`, t.status("o"), t.Outbox.Quoted()))
 	if err != nil {
 		return nil, fmt.Errorf("count outbox rows: %w", err)
 	}
@@ -198,8 +200,8 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'inval
 	}
 	st.Held, st.Failed = st.Rows["held"], st.Rows["failed"]
 
-	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE o.status = 'pending' AND NOT %s`,
-		t.Outbox.Quoted(), t.delivered("o"))).Scan(&st.OldestPendingSeconds)
+	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE %s AND NOT %s`,
+		t.Outbox.Quoted(), ledger.Pending("o"), t.delivered("o"))).Scan(&st.OldestPendingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("oldest pending row: %w", err)
 	}
@@ -343,9 +345,9 @@ SELECT count(*) FILTER (WHERE stream AND created_at < now() - make_interval(secs
        extract(epoch FROM now() - min(due) FILTER (WHERE NOT stream AND due < now() - make_interval(secs => $1)))::float8
   FROM (SELECT o.created_at, coalesce(o.available_at, o.created_at) AS due, $2 AND o.handoff_at IS NULL AS stream
           FROM %s AS o
-         WHERE coalesce(o.status, 'pending') = 'pending' AND NOT %s
+         WHERE %s AND NOT %s
            AND NOT %s) AS w`,
-		t.Outbox.Quoted(), t.delivered("o"), t.waitsForEarlier("o")), after, slotExists).
+		t.Outbox.Quoted(), ledger.Pending("o"), t.delivered("o"), t.waitsForEarlier("o")), after, slotExists).
 		Scan(&p.StreamWaiting, &p.OldestStreamWaitingSeconds, &p.ClaimWaiting, &p.OldestClaimWaitingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("rows waiting: %w", err)

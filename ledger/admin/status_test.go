@@ -80,6 +80,8 @@ func TestReadStatus_Counts(t *testing.T) {
 	f.MustLedger(t, "d", "n8n", "delivered", 2*time.Hour) // not in the last hour
 	f.MustLedger(t, "h", "n8n", "unknown", 0)
 	f.MustLedger(t, "f1", "nats", "delivered", 0)
+	// A NULL status is pending (ledger.Pending).
+	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = NULL WHERE event_key = 'p1'")
 
 	st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay"))
 	if err != nil {
@@ -100,7 +102,7 @@ func TestReadStatus_Counts(t *testing.T) {
 	}
 
 	// Nothing pending: no age.
-	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = 'done' WHERE status = 'pending'")
+	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = 'done' WHERE status = 'pending' OR status IS NULL")
 	if st, err = admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay")); err != nil || st.OldestPendingSeconds != nil {
 		t.Fatalf("oldest pending with none pending: %v %v", st.OldestPendingSeconds, err)
 	}
