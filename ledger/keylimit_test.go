@@ -45,7 +45,8 @@ func ledgerWrites(f *fixture, store *ledger.Store, sink string) []struct {
 		}},
 		{"SettleClaim", func(ctx context.Context, key string) error {
 			p := &relay.Pair{Sink: sink, Claimed: true, Outcome: relay.Outcome{Kind: relay.Delivered}}
-			return store.SettleClaim(ctx, []*relay.Work{streamWork(0, key, relay.Decision{Kind: relay.Done}, p)}, "relay-a")
+			_, err := store.SettleClaim(ctx, []*relay.Work{streamWork(0, key, relay.Decision{Kind: relay.Done}, p)}, "relay-a")
+			return err
 		}},
 	}
 }
