@@ -343,6 +343,7 @@ var sqlMigrations = []string{
 	"011_fold_delivered_record.sql",
 	"012_event_key_bound.sql",
 	"013_unsettled_index.sql",
+	"014_msgid_scope.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -352,20 +353,20 @@ func Latest() int32 { return int32(1 + len(sqlMigrations)) }
 // CheckSchema returns an error saying to run migrate when the relay's
 // tables are not what this build needs: the checkpoint's hand-over record
 // (007), the stream's old record of delivery folded into the ledger's
-// rows' status and gone (011), and the order index that holds rows with a
-// NULL status (013), which the claim's ordering check is planned on. It
-// reads only the catalogs, which every role may, so the run role needs no
-// grant on the version table.
+// rows' status and gone (011), the order index that holds rows with a
+// NULL status (013), which the claim's ordering check is planned on, and
+// the message ids' scope (014). It reads only the catalogs, which every
+// role may, so the run role needs no grant on the version table.
 func CheckSchema(ctx context.Context, db querier, n Names) error {
-	var handover, oldRecord, unsettled bool
+	var handover, oldRecord, unsettled, scope bool
 	err := db.QueryRow(ctx, `SELECT
 		EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) AND attname = 'handover_lsn' AND NOT attisdropped),
-		to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL`,
-		n.Checkpoint.Quoted(), DeliveredTable(n.Outbox).Quoted(), unsettledIndex(n.Outbox).Quoted()).Scan(&handover, &oldRecord, &unsettled)
+		to_regclass($2) IS NOT NULL, to_regclass($3) IS NOT NULL, to_regclass($4) IS NOT NULL`,
+		n.Checkpoint.Quoted(), DeliveredTable(n.Outbox).Quoted(), unsettledIndex(n.Outbox).Quoted(), MsgIDScopeTable(n.Outbox).Quoted()).Scan(&handover, &oldRecord, &unsettled, &scope)
 	if err != nil {
 		return fmt.Errorf("inspect the relay's tables: %w", err)
 	}
-	if !handover || oldRecord || !unsettled {
+	if !handover || oldRecord || !unsettled || !scope {
 		return fmt.Errorf("the relay's tables for %s are older than this relay (schema version %d): run outbox-relay migrate", n.Outbox, Latest())
 	}
 	return nil
@@ -450,6 +451,8 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"ClaimIndexName":        relay.QuoteIdentifier(claimIndex(n.Outbox).Name),
 		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
 		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
+		"MsgIDScope":            MsgIDScopeTable(n.Outbox).Quoted(),
+		"MsgIDScopeLiteral":     relay.QuoteLiteral(MsgIDScopeTable(n.Outbox).Quoted()),
 		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
 		"UnsettledIndexName":    relay.QuoteIdentifier(unsettledIndex(n.Outbox).Name),
 		"OrderIndex":            orderIndex(n.Outbox).Quoted(),
@@ -500,6 +503,14 @@ func keyBound(outbox relay.QualifiedName) relay.QualifiedName {
 // drops it.
 func DeliveredTable(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_delivered"))
+}
+
+// MsgIDScopeTable holds, in one row, the first id of outbox whose NATS
+// message id carries the deployment's identity (014): the events before it
+// keep the bare key an earlier version published them under. It is beside
+// the outbox, in its schema.
+func MsgIDScopeTable(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_msgid_scope"))
 }
 
 // versionTable holds the schema version of one outbox table's migrations.

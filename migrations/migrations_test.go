@@ -824,3 +824,67 @@ func TestMigrate_FoldsTheOldDeliveredRecord(t *testing.T) {
 		t.Errorf("CheckSchema after migrate: %v", err)
 	}
 }
+
+// TestMigrate_MsgIDScope: migration 014 records, once, the first outbox id
+// whose NATS message id carries the deployment: one past the highest id
+// when it runs (the earlier version may have published every row below
+// under its bare key), 1 on a new outbox. Whoever may read the outbox may
+// read it; CheckSchema refuses a database without it.
+func TestMigrate_MsgIDScope(t *testing.T) {
+	ctx := context.Background()
+	scopedFrom := func(conn *pgx.Conn) int64 {
+		t.Helper()
+		var n int64
+		if err := conn.QueryRow(ctx, `SELECT scoped_from FROM integration_outbox_msgid_scope`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	url := pgtest.NewDatabase(t)
+	conn := mustConnect(t, url)
+	mustMigrate(t, conn, migrations.Options{})
+	if got := scopedFrom(conn); got != 1 {
+		t.Fatalf("a new outbox scopes from id %d, want 1", got)
+	}
+
+	// The state migration 011 left: no scope, rows published by the
+	// version that sent bare keys, and a role that reads the outbox.
+	mustExec(t, conn, `DROP TABLE integration_outbox_msgid_scope`)
+	mustExec(t, conn, `UPDATE integration_outbox_relay_version SET version = 11`)
+	mustExec(t, conn, `INSERT INTO integration_outbox (id, event_key) VALUES (3, 'a'), (7, 'b')`)
+	mustExec(t, conn, `DROP ROLE IF EXISTS msgid_reader`)
+	mustExec(t, conn, `CREATE ROLE msgid_reader LOGIN`)
+	t.Cleanup(func() {
+		c := mustConnect(t, url)
+		mustExec(t, c, `DROP OWNED BY msgid_reader`)
+		mustExec(t, c, `DROP ROLE msgid_reader`)
+	})
+	mustExec(t, conn, `GRANT SELECT ON integration_outbox TO msgid_reader`)
+	if err := migrations.CheckSchema(ctx, conn, migrations.DefaultNames()); err == nil || !strings.Contains(err.Error(), "run outbox-relay migrate") {
+		t.Fatalf("CheckSchema without the scope = %v, want: run migrate", err)
+	}
+
+	res := mustMigrate(t, conn, migrations.Options{})
+	if res.From != 11 || !slices.Contains(res.Applied, "014_msgid_scope") {
+		t.Fatalf("migrate from 11: %+v", res)
+	}
+	if got := scopedFrom(conn); got != 8 {
+		t.Fatalf("scoped from id %d, want 8 (one past the rows that existed)", got)
+	}
+	if err := migrations.CheckSchema(ctx, conn, migrations.DefaultNames()); err != nil {
+		t.Fatalf("CheckSchema after migrate: %v", err)
+	}
+	var readable bool
+	if err := conn.QueryRow(ctx, `SELECT has_table_privilege('msgid_reader', 'integration_outbox_msgid_scope', 'SELECT')`).Scan(&readable); err != nil || !readable {
+		t.Fatalf("a role that reads the outbox cannot read its scope (%v)", err)
+	}
+
+	// Later rows and later migrations leave it as it was.
+	mustExec(t, conn, `INSERT INTO integration_outbox (id, event_key) VALUES (20, 'c')`)
+	mustExec(t, conn, `UPDATE integration_outbox_relay_version SET version = 11`)
+	mustMigrate(t, conn, migrations.Options{})
+	if got := scopedFrom(conn); got != 8 {
+		t.Fatalf("a second run moved the scope to %d", got)
+	}
+}

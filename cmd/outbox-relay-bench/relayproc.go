@@ -14,6 +14,7 @@ import (
 	"github.com/nats-io/nats.go"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/harness"
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 )
 
 // relaySetup is what a phase's relay configuration varies.
@@ -168,11 +169,11 @@ func (e *env) createSlot(ctx context.Context, s relaySetup, cfg string) error {
 }
 
 // subscribe records the arrival of every message of s's subjects in t, by
-// its Nats-Msg-Id (the event_key), on a core NATS subscription.
+// its event key header, on a core NATS subscription.
 func (e *env) subscribe(s relaySetup, t *tracker) (*nats.Subscription, error) {
 	sub, err := e.nc.Subscribe(s.subjectPrefix()+".>", func(m *nats.Msg) {
 		at := e.now()
-		t.nats.record(t, m.Header.Get(nats.MsgIdHdr), at)
+		t.nats.record(t, m.Header.Get(natssink.HeaderEventKey), at)
 	})
 	if err != nil {
 		return nil, err

@@ -3,11 +3,14 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
+
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 )
 
 // natsMessage is one message on the stream's subjects: a publish seen by the
@@ -15,8 +18,20 @@ import (
 // the stream stored.
 type natsMessage struct {
 	At   time.Duration // tap: arrival; stored: the server's timestamp
-	ID   string        // Nats-Msg-Id
+	ID   string        // Nats-Msg-Id without its deployment's scope (idemKey)
 	Body string
+}
+
+// idemKey is the Nats-Msg-Id of a message without the scope of the
+// deployment that published it (docs/sinks.md, "Message ids"): what the
+// check compares with the event key. A Msg-Id that is not so scoped is
+// returned whole, for the check to report.
+func idemKey(h nats.Header) string {
+	id, dep := h.Get(nats.MsgIdHdr), h.Get(natssink.HeaderDeployment)
+	if key, ok := strings.CutPrefix(id, dep+":"); ok && dep != "" {
+		return key
+	}
+	return id
 }
 
 // tap records every publish on the stream's subjects on a core NATS
@@ -41,7 +56,7 @@ func startTap(url, subject string, since func() time.Duration) (*tap, error) {
 	}
 	t.nc = nc
 	t.sub, err = nc.Subscribe(subject, func(m *nats.Msg) {
-		msg := natsMessage{At: t.since(), ID: m.Header.Get(nats.MsgIdHdr), Body: string(m.Data)}
+		msg := natsMessage{At: t.since(), ID: idemKey(m.Header), Body: string(m.Data)}
 		t.mu.Lock()
 		t.got = append(t.got, msg)
 		t.mu.Unlock()
@@ -112,7 +127,7 @@ func readStream(ctx context.Context, js jetstream.JetStream, stream string, base
 			if err != nil {
 				return nil, err
 			}
-			out = append(out, natsMessage{At: meta.Timestamp.Sub(base), ID: m.Headers().Get(jetstream.MsgIDHeader), Body: string(m.Data())})
+			out = append(out, natsMessage{At: meta.Timestamp.Sub(base), ID: idemKey(m.Headers()), Body: string(m.Data())})
 			n++
 		}
 		if n == 0 && ctx.Err() != nil {

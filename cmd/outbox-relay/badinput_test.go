@@ -248,7 +248,7 @@ func TestBadInput_UnicodeKeysAndTypes(t *testing.T) {
 		if string(m.Data) != h[0].Body {
 			t.Errorf("%q: NATS data and webhook body differ", e.key)
 		}
-		if got, want := m.Header.Get(jetstream.MsgIDHeader), natssink.MsgID(&relay.Delivery{Event: &relay.Event{EventKey: e.key}}); got != want {
+		if got, want := m.Header.Get(jetstream.MsgIDHeader), s.deployment(t).MsgID(&relay.Delivery{Event: &relay.Event{ID: 1, EventKey: e.key}}); got != want {
 			t.Errorf("%q: Nats-Msg-Id %q, want %q", e.key, got, want)
 		}
 		if got, want := m.Header.Get(natssink.HeaderEventType), natssink.HeaderValue(e.typ); got != want {

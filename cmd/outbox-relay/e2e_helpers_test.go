@@ -25,9 +25,11 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 	"github.com/outbox-relay/outbox-relay/sink/nats/natstest"
 )
 
@@ -55,6 +57,18 @@ func parseDelivery(body []byte, idem string) delivery {
 		agg = *env.AggregateType + "/" + *env.AggregateID
 	}
 	return delivery{EventKey: env.EventKey, ID: env.ID, Agg: agg, IdemKey: idem, Body: string(body), At: time.Now()}
+}
+
+// natsIdemKey is what a consumer of the stream deduplicates a message on
+// within its deployment: the Nats-Msg-Id without the scope of the
+// deployment that published it (docs/sinks.md, "Message ids"). A Msg-Id
+// that is not so scoped is returned whole, for the test to fail on.
+func natsIdemKey(h nats.Header) string {
+	id := h.Get(jetstream.MsgIDHeader)
+	if key, ok := strings.CutPrefix(id, h.Get(natssink.HeaderDeployment)+":"); ok && h.Get(natssink.HeaderDeployment) != "" {
+		return key
+	}
+	return id
 }
 
 // receiver is a webhook destination that records every request.
@@ -136,7 +150,7 @@ func streamMessages(t *testing.T, url string) []delivery {
 		}
 		n := 0
 		for m := range batch.Messages() {
-			out = append(out, parseDelivery(m.Data(), m.Headers().Get("Nats-Msg-Id")))
+			out = append(out, parseDelivery(m.Data(), natsIdemKey(m.Headers())))
 			n++
 		}
 		if n == 0 {
@@ -144,6 +158,18 @@ func streamMessages(t *testing.T, url string) []delivery {
 		}
 	}
 	return out
+}
+
+// deployment returns the Deployment the relay's NATS sink derives from the
+// setup's database (no msg_id_prefix), scoping every event (a new outbox).
+func (s *setup) deployment(t *testing.T) natssink.Deployment {
+	t.Helper()
+	id, err := admin.ReadIdentity(context.Background(), s.pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	outbox := relay.QualifiedName{Schema: "public", Name: "integration_outbox"}
+	return natssink.Deployment{ID: natssink.DeploymentID(id.SystemIdentifier, id.Database, outbox.Quoted()), ScopedFrom: 1}
 }
 
 // setup is a migrated database, a NATS server and a webhook receiver.

@@ -456,7 +456,9 @@ func TestCloudEvents_EndToEnd(t *testing.T) {
 		return len(hook.requests("ce-1")) == 1 && len(messagesOf(t, s.nats, "ce-1")) == 1
 	})
 	check("webhook, stream path", fromHTTP(hook.requests("ce-1")[0]), "ce-1", true)
-	check("NATS, stream path", fromNATS(messagesOf(t, s.nats, "ce-1")[0]), "ce-1", true)
+	// NATS's ce-id is its Nats-Msg-Id, scoped by the deployment.
+	scope := s.deployment(t).ID + ":"
+	check("NATS, stream path", fromNATS(messagesOf(t, s.nats, "ce-1")[0]), scope+"ce-1", true)
 
 	s.replay(t, cfgPath, "ce-1")
 	eventually(t, 30*time.Second, "the replay at both sinks", func() bool {
@@ -468,9 +470,9 @@ func TestCloudEvents_EndToEnd(t *testing.T) {
 		t.Errorf("replay webhook-id %q", replayed.Header.Get("webhook-id"))
 	}
 	m := messagesOf(t, s.nats, "ce-1")[1]
-	check("NATS, replay (claim path)", fromNATS(m), "ce-1~r1", false)
-	if m.Headers().Get("Nats-Msg-Id") != "ce-1~r1" {
-		t.Errorf("replay Nats-Msg-Id %q", m.Headers().Get("Nats-Msg-Id"))
+	check("NATS, replay (claim path)", fromNATS(m), scope+"ce-1~r1", false)
+	if natsIdemKey(m.Headers()) != "ce-1~r1" {
+		t.Errorf("replay Nats-Msg-Id %q, want ce-1~r1 scoped by the deployment", m.Headers().Get("Nats-Msg-Id"))
 	}
 
 	// No type, no CloudEvent: dead-lettered, naming the attribute.

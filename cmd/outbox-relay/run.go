@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -151,8 +152,12 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if err := fillCloudEventsSources(ctx, pool, cfg, r.tables.Outbox); err != nil {
 		return err
 	}
+	scope, err := readMsgIDScope(ctx, pool, cfg, r.tables.Outbox)
+	if err != nil {
+		return err
+	}
 	// Sinks are closed last, after the engine has drained, on a fresh context.
-	r.routes, err = openSinks(ctx, cfg, log)
+	r.routes, err = openSinks(ctx, cfg, scope, log)
 	defer func() {
 		closeCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -457,9 +462,49 @@ func statsPause(took time.Duration) time.Duration {
 	return max(10*time.Second-took, 19*took)
 }
 
+// msgIDScope is what scopes the NATS sinks' message ids to this deployment
+// (docs/sinks.md, "Message ids"), read from the database once.
+type msgIDScope struct {
+	outbox     relay.QualifiedName // schema-qualified
+	scopedFrom int64
+	identity   admin.Identity
+	// identityErr says why the database's identity is unknown; a sink
+	// with msg_id_prefix does without it.
+	identityErr error
+}
+
+// readMsgIDScope reads the scope when a NATS sink is configured.
+func readMsgIDScope(ctx context.Context, pool *pgxpool.Pool, cfg *config.Config, outbox relay.QualifiedName) (msgIDScope, error) {
+	scope := msgIDScope{outbox: outbox}
+	if !slices.ContainsFunc(cfg.EffectiveSinks(), func(s config.SinkConfig) bool { return s.Type == config.SinkNATS }) {
+		return scope, nil
+	}
+	var err error
+	if scope.scopedFrom, err = admin.ReadMsgIDScope(ctx, pool, outbox); err != nil {
+		return scope, err
+	}
+	scope.identity, scope.identityErr = admin.ReadIdentity(ctx, pool)
+	return scope, nil
+}
+
+// deployment returns the Deployment of the NATS sink sc, the i-th: its
+// msg_id_prefix, or else the ID derived from the database's identity.
+func (s msgIDScope) deployment(i int, sc config.SinkConfig) (natssink.Deployment, error) {
+	dep := natssink.Deployment{ID: sc.NATS.MsgIDPrefix, ScopedFrom: s.scopedFrom}
+	if dep.ID != "" {
+		return dep, nil
+	}
+	if s.identityErr != nil {
+		return dep, fmt.Errorf("sinks[%d] (%s): %w: set sinks[%d].msg_id_prefix to an id no other deployment publishing into the stream uses (docs/sinks.md, \"Message ids\")",
+			i, sc.Name, s.identityErr, i)
+	}
+	dep.ID = natssink.DeploymentID(s.identity.SystemIdentifier, s.identity.Database, s.outbox.Quoted())
+	return dep, nil
+}
+
 // openSinks builds the configured sinks in order. On error it returns the
 // sinks opened so far, for the caller to close.
-func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]relay.Route, error) {
+func openSinks(ctx context.Context, cfg *config.Config, scope msgIDScope, log zerolog.Logger) ([]relay.Route, error) {
 	var routes []relay.Route
 	for i, sc := range cfg.EffectiveSinks() {
 		// The sinks add their own "sink" field: they get log, and slog
@@ -517,12 +562,17 @@ func openSinks(ctx context.Context, cfg *config.Config, log zerolog.Logger) ([]r
 			if tlsConfig != nil {
 				opts = append(opts, nats.Secure(tlsConfig))
 			}
+			dep, err := scope.deployment(i, sc)
+			if err != nil {
+				return routes, err
+			}
 			s, err := natssink.New(ctx, natssink.Config{
-				Options: opts,
-				Name:    sc.Name,
-				URL:     sc.URL,
-				DataDir: filepath.Join(cfg.DataDir, "nats"),
-				Subject: n.Subject,
+				Deployment: dep,
+				Options:    opts,
+				Name:       sc.Name,
+				URL:        sc.URL,
+				DataDir:    filepath.Join(cfg.DataDir, "nats"),
+				Subject:    n.Subject,
 				Stream: natssink.StreamConfig{Name: n.Stream.Name, Subjects: n.Stream.Subjects,
 					DuplicateWindow: time.Duration(n.Stream.DuplicateWindow), Create: n.Stream.Create, MaxMsgSize: int64(n.Stream.MaxMsgSize)},
 				MaxPending:        n.MaxPending,

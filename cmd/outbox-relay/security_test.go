@@ -161,7 +161,7 @@ func natsMessages(t *testing.T, srv *natstest.Server) []delivery {
 	t.Helper()
 	var out []delivery
 	forEachOutboxMessage(t, srv, func(m jetstream.Msg) {
-		out = append(out, parseDelivery(m.Data(), m.Headers().Get("Nats-Msg-Id")))
+		out = append(out, parseDelivery(m.Data(), natsIdemKey(m.Headers())))
 	})
 	return out
 }
@@ -306,7 +306,9 @@ func sendOne(t *testing.T, cfg *config.Config) (openErr, sendErr error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	routes, err := openSinks(ctx, cfg, zerolog.New(zerolog.NewTestWriter(t)))
+	scope := msgIDScope{outbox: relay.QualifiedName{Schema: "public", Name: "integration_outbox"}, scopedFrom: 1,
+		identity: admin.Identity{SystemIdentifier: "1", Database: "test"}}
+	routes, err := openSinks(ctx, cfg, scope, zerolog.New(zerolog.NewTestWriter(t)))
 	defer func() {
 		for _, r := range routes {
 			r.Sink.Close(ctx)

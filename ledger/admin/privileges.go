@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -113,7 +114,8 @@ func NeededPrivileges(t Tables, retention bool) []TableGrant {
 		outbox = append(outbox, "DELETE")
 	}
 	rw := []string{"SELECT", "INSERT", "UPDATE", "DELETE"}
-	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}}
+	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw},
+		{migrations.MsgIDScopeTable(t.Outbox), []string{"SELECT"}}}
 }
 
 // TableGrant is a set of privileges on one table.

@@ -64,6 +64,7 @@ func TestCluster_R3StreamUnderFaults(t *testing.T) {
 		Name:       "nats",
 		URL:        c.URLs(),
 		Subject:    natssink.DefaultSubject,
+		Deployment: testDeployment,
 		Stream:     natssink.StreamConfig{Name: testStream, DuplicateWindow: 2 * time.Minute},
 		AckTimeout: ackTimeout,
 		Options:    []nats.Option{nats.ReconnectWait(100 * time.Millisecond)},

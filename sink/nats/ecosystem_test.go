@@ -150,7 +150,7 @@ func TestFormatConfig(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := natssink.New(context.Background(), natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", Format: tt.format, CloudEventsSource: tt.source})
+			_, err := natssink.New(context.Background(), natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", Deployment: testDeployment, Format: tt.format, CloudEventsSource: tt.source})
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Fatalf("err = %v, want %q", err, tt.want)
 			}

@@ -22,6 +22,10 @@ const (
 	HeaderAggregateID      = "Outbox-Aggregate-Id"       // absent when NULL
 	HeaderEventID          = "Outbox-Event-Id"
 	HeaderAttempt          = "Outbox-Attempt"
+	// HeaderDeployment is the Deployment.ID the message was published
+	// under: with HeaderEventKey, what identifies the event among every
+	// deployment publishing into the stream.
+	HeaderDeployment = "Outbox-Deployment"
 	// The producer's W3C trace context, when the event has a valid one
 	// (relay.TraceHeaders): the same on every attempt and replay.
 	HeaderTraceparent = "traceparent"
@@ -69,36 +73,13 @@ func headerSafe(v string) bool {
 
 func isSpace(b byte) bool { return b == ' ' || b == '\t' }
 
-// MsgID returns the Nats-Msg-Id of a delivery: the event key as HeaderValue
-// sends it, or for the n-th operator replay "<event_key>~r<n>", so JetStream
-// stores a replay instead of dropping it as a duplicate. A key that itself
-// ends in "~r" and digits is encoded like an unsafe HeaderValue, so that no
-// event's id is another event's replay id ("a~r1" is event "a"'s first
-// replay): distinct (key, replay) pairs always get distinct ids.
-func MsgID(d *relay.Delivery) string {
-	id := HeaderValue(d.Event.EventKey)
-	if hasReplaySuffix(id) {
-		id = EncodedPrefix + base64.RawURLEncoding.EncodeToString([]byte(d.Event.EventKey))
-	}
-	if d.Replay > 0 {
-		id += "~r" + strconv.Itoa(d.Replay)
-	}
-	return id
-}
-
-// hasReplaySuffix reports whether id ends like a replay's id: "~r" and one
-// or more digits.
-func hasReplaySuffix(id string) bool {
-	i := strings.LastIndex(id, "~r")
-	return i >= 0 && i+2 < len(id) && strings.Trim(id[i+2:], "0123456789") == ""
-}
-
-// buildHeader returns the message headers of d.
-func buildHeader(d *relay.Delivery) nats.Header {
+// buildHeader returns the message headers of d as dep publishes it.
+func buildHeader(dep Deployment, d *relay.Delivery) nats.Header {
 	e := d.Event
 	key := HeaderValue(e.EventKey)
-	h := make(nats.Header, 8)
-	h.Set(jetstream.MsgIDHeader, MsgID(d))
+	h := make(nats.Header, 9)
+	h.Set(jetstream.MsgIDHeader, dep.MsgID(d))
+	h.Set(HeaderDeployment, dep.ID)
 	h.Set(HeaderEventKey, key)
 	if d.Replay > 0 {
 		h.Set(HeaderOriginalEventKey, key)

@@ -2,8 +2,9 @@
 //
 // Each event is published asynchronously to a subject rendered from a
 // template over its type and aggregate columns, with Nats-Msg-Id set to its
-// event key, so JetStream drops a repeat within the stream's duplicate
-// window. An event counts as delivered only on its PubAck (a duplicate ack
+// event key scoped by the deployment (Deployment.MsgID), so JetStream drops
+// a repeat within the stream's duplicate window and never takes another
+// deployment's event for one. An event counts as delivered only on its PubAck (a duplicate ack
 // included). With no URL the sink runs an embedded server (StartEmbedded).
 //
 // A PubAck is only as durable as the server's storage policy: nats-server
@@ -79,6 +80,9 @@ type Config struct {
 	// DefaultSubject.
 	Subject string
 	Stream  StreamConfig
+	// Deployment scopes the message ids to the outbox the sink publishes
+	// from. Required.
+	Deployment Deployment
 	// MaxPending is the async publish window: Send blocks while this many
 	// publishes await their PubAck. Default DefaultMaxPending.
 	MaxPending int
@@ -128,6 +132,7 @@ type Sink struct {
 	log        zerolog.Logger
 	subject    *subjectTemplate
 	ceSource   string // ce-source; "" unless the format is cloudevents
+	deployment Deployment
 	maxPending int
 	// maxMsgSize is the stream's max_msg_size, or 0 when unlimited.
 	maxMsgSize int64
@@ -198,6 +203,7 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		log:        cfg.Logger.With().Str("sink", cfg.Name).Logger(),
 		subject:    subject,
 		ceSource:   cfg.CloudEventsSource,
+		deployment: cfg.Deployment,
 		maxPending: cfg.MaxPending,
 		window:     make(chan struct{}, cfg.MaxPending),
 		closing:    make(chan struct{}),
@@ -241,6 +247,7 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 
 	ok = true
 	s.log.Info().Str("url", s.clientURL).Str("stream", cfg.Stream.Name).Str("subject", cfg.Subject).
+		Str("deployment", cfg.Deployment.ID).Int64("msg_id_scoped_from", cfg.Deployment.ScopedFrom).
 		Int64("max_payload", s.nc.MaxPayload()).Int64("max_msg_size", s.maxMsgSize).
 		Int("max_pending", cfg.MaxPending).Msg("nats sink ready")
 	return s, nil
@@ -249,6 +256,9 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 func applyDefaults(cfg *Config) error {
 	if cfg.Name == "" {
 		return errors.New("nats sink: name is required")
+	}
+	if err := cfg.Deployment.Validate(); err != nil {
+		return fmt.Errorf("nats sink %q: %w", cfg.Name, err)
 	}
 	if cfg.Subject == "" {
 		cfg.Subject = DefaultSubject
@@ -442,9 +452,9 @@ func (s *Sink) message(d *relay.Delivery) (*nats.Msg, error) {
 	if err != nil {
 		return nil, relay.PermanentError(fmt.Errorf("event %s: subject: %w", key, err))
 	}
-	msg := &nats.Msg{Subject: subject, Header: buildHeader(d), Data: d.Body}
+	msg := &nats.Msg{Subject: subject, Header: buildHeader(s.deployment, d), Data: d.Body}
 	if s.ceSource != "" {
-		ce, err := relay.CloudEventsHeaders(d.Event, MsgID(d), s.ceSource)
+		ce, err := relay.CloudEventsHeaders(d.Event, s.deployment.MsgID(d), s.ceSource)
 		if err != nil {
 			return nil, relay.PermanentError(fmt.Errorf("event %s: %w", key, err))
 		}

@@ -169,7 +169,7 @@ func verifyExactlyOnce(tb testing.TB, js jetstream.JetStream, stream string, n i
 	seen := make([]int, n)
 	for _, m := range stored(tb, js, stream) {
 		id := m.Headers().Get(jetstream.MsgIDHeader)
-		i, err := strconv.Atoi(strings.TrimPrefix(id, "evt-"))
+		i, err := strconv.Atoi(strings.TrimPrefix(id, scopedID("evt-")))
 		if err != nil || i < 0 || i >= n {
 			tb.Fatalf("unexpected message %q in the stream", id)
 		}

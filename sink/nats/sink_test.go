@@ -26,12 +26,19 @@ import (
 
 const testStream = "OUTBOX"
 
+// testDeployment scopes the test sinks' message ids.
+var testDeployment = natssink.Deployment{ID: "test"}
+
+// scopedID is the Nats-Msg-Id a test sink sends for id.
+func scopedID(id string) string { return testDeployment.ID + ":" + id }
+
 // testConfig is a sink configuration for srv that creates the stream.
 func testConfig(srv *natstest.Server) natssink.Config {
 	return natssink.Config{
-		Name:    "nats",
-		URL:     srv.URL(),
-		Subject: natssink.DefaultSubject,
+		Name:       "nats",
+		URL:        srv.URL(),
+		Subject:    natssink.DefaultSubject,
+		Deployment: testDeployment,
 		Stream: natssink.StreamConfig{
 			Name:            testStream,
 			Subjects:        []string{"outbox.>"},
@@ -198,7 +205,7 @@ func TestDeliversConcurrently(t *testing.T) {
 			t.Fatalf("%s stored twice", id)
 		}
 		seen[id] = true
-		i, err := strconv.Atoi(strings.TrimPrefix(id, "evt-"))
+		i, err := strconv.Atoi(strings.TrimPrefix(id, scopedID("evt-")))
 		if err != nil {
 			t.Fatalf("unexpected Nats-Msg-Id %q", id)
 		}
@@ -302,7 +309,7 @@ func TestUnsafeKeysStayDistinct(t *testing.T) {
 	if len(msgs) != 2 {
 		t.Fatalf("stream holds %d messages, want 2", len(msgs))
 	}
-	if got, want := msgs[1].Headers().Get(jetstream.MsgIDHeader), natssink.HeaderValue("a\nb"); got != want {
+	if got, want := msgs[1].Headers().Get(jetstream.MsgIDHeader), scopedID(natssink.HeaderValue("a\nb")); got != want {
 		t.Fatalf("Nats-Msg-Id %q, want %q", got, want)
 	}
 }
@@ -329,8 +336,8 @@ func TestReplayStoresSecondMessage(t *testing.T) {
 		t.Fatalf("stream holds %d messages, want 2", len(msgs))
 	}
 	h := msgs[1].Headers()
-	if got := h.Get(jetstream.MsgIDHeader); got != "evt-1~r1" {
-		t.Fatalf("replay Nats-Msg-Id %q, want evt-1~r1", got)
+	if got := h.Get(jetstream.MsgIDHeader); got != scopedID("evt-1~r1") {
+		t.Fatalf("replay Nats-Msg-Id %q, want %s", got, scopedID("evt-1~r1"))
 	}
 	if got := h.Get(natssink.HeaderOriginalEventKey); got != "evt-1" {
 		t.Fatalf("replay %s %q, want evt-1", natssink.HeaderOriginalEventKey, got)
@@ -384,7 +391,7 @@ func TestOversizeMessageIsPermanent(t *testing.T) {
 				t.Fatalf("fitting message: %v", err)
 			}
 			msgs := stored(t, js, testStream)
-			if len(msgs) != 1 || msgs[0].Headers().Get(jetstream.MsgIDHeader) != "evt-2" {
+			if len(msgs) != 1 || msgs[0].Headers().Get(jetstream.MsgIDHeader) != scopedID("evt-2") {
 				t.Fatalf("stream holds %d messages, want only evt-2", len(msgs))
 			}
 		})
@@ -559,7 +566,7 @@ func TestReconnectsAfterServerRestart(t *testing.T) {
 	}
 	msgs := stored(t, js, testStream)
 	last := msgs[len(msgs)-1]
-	if got := last.Headers().Get(jetstream.MsgIDHeader); got != "evt-100001" {
+	if got := last.Headers().Get(jetstream.MsgIDHeader); got != scopedID("evt-100001") {
 		t.Fatalf("last stored %q, want evt-100001", got)
 	}
 	t.Logf("outcomes while shutting down: %v", outcomes)
@@ -705,9 +712,10 @@ func TestCloseCompletesEveryDelivery(t *testing.T) {
 func TestEmbeddedServer(t *testing.T) {
 	dataDir := t.TempDir()
 	s, err := natssink.New(context.Background(), natssink.Config{
-		Name:    "nats",
-		DataDir: dataDir,
-		Logger:  zerolog.Nop(),
+		Name:       "nats",
+		DataDir:    dataDir,
+		Deployment: testDeployment,
+		Logger:     zerolog.Nop(),
 	})
 	if err != nil {
 		t.Fatalf("New: %v", err)
@@ -758,11 +766,14 @@ func TestNewRejectsConfig(t *testing.T) {
 		cfg     natssink.Config
 		wantErr string
 	}{
-		{"no name", natssink.Config{URL: "nats://127.0.0.1:1"}, "name is required"},
-		{"embedded without data dir", natssink.Config{Name: "n"}, "data_dir"},
-		{"negative window", natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", MaxPending: -1}, "max_pending"},
-		{"huge max_msg_size", natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", Stream: natssink.StreamConfig{MaxMsgSize: 1 << 40}}, "max_msg_size"},
-		{"credentials redacted", natssink.Config{Name: "n", URL: "nats://user:secret@127.0.0.1:1"}, "REDACTED"},
+		{"no name", natssink.Config{URL: "nats://127.0.0.1:1", Deployment: testDeployment}, "name is required"},
+		{"embedded without data dir", natssink.Config{Name: "n", Deployment: testDeployment}, "data_dir"},
+		{"negative window", natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", Deployment: testDeployment, MaxPending: -1}, "max_pending"},
+		{"huge max_msg_size", natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", Deployment: testDeployment, Stream: natssink.StreamConfig{MaxMsgSize: 1 << 40}}, "max_msg_size"},
+		{"credentials redacted", natssink.Config{Name: "n", URL: "nats://user:secret@127.0.0.1:1", Deployment: testDeployment}, "REDACTED"},
+		{"no deployment", natssink.Config{Name: "n", URL: "nats://127.0.0.1:1"}, "deployment id is empty"},
+		{"deployment id with a colon", natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", Deployment: natssink.Deployment{ID: "a:b"}}, "only ASCII letters"},
+		{"deployment id of encoded keys", natssink.Config{Name: "n", URL: "nats://127.0.0.1:1", Deployment: natssink.Deployment{ID: "b64"}}, "reserved"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

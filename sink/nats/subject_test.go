@@ -2,6 +2,7 @@ package nats_test
 
 import (
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"unicode"
@@ -281,13 +282,55 @@ func TestHeaderValue(t *testing.T) {
 }
 
 func TestMsgID(t *testing.T) {
-	d := &relay.Delivery{Event: &relay.Event{EventKey: "evt-1"}}
-	if got := natssink.MsgID(d); got != "evt-1" {
-		t.Fatalf("MsgID = %q, want evt-1", got)
+	dep := natssink.Deployment{ID: "d1", ScopedFrom: 10}
+	tests := []struct {
+		name   string
+		id     int64 // the outbox id
+		key    string
+		replay int
+		want   string
+	}{
+		{"scoped", 10, "evt-1", 0, "d1:evt-1"},
+		{"scoped replay", 11, "evt-1", 3, "d1:evt-1~r3"},
+		{"scoped encoded key", 12, "a\nb", 0, "d1:" + natssink.HeaderValue("a\nb")},
+		{"before the scoping: the bare key", 9, "evt-1", 0, "evt-1"},
+		{"before the scoping: its replay", 9, "evt-1", 2, "evt-1~r2"},
+		// Sent bare it would be event "a"'s scoped id.
+		{"before the scoping, a key that looks scoped", 9, "d1:a", 0, "b64:ZDE6YQ"},
+		{"a key that looks scoped, scoped", 10, "d1:a", 0, "d1:d1:a"},
 	}
-	d.Replay = 3
-	if got := natssink.MsgID(d); got != "evt-1~r3" {
-		t.Fatalf("replay MsgID = %q, want evt-1~r3", got)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := &relay.Delivery{Event: &relay.Event{ID: tt.id, EventKey: tt.key}, Replay: tt.replay}
+			if got := dep.MsgID(d); got != tt.want {
+				t.Fatalf("MsgID(id %d, %q, replay %d) = %q, want %q", tt.id, tt.key, tt.replay, got, tt.want)
+			}
+		})
+	}
+	if got := (natssink.Deployment{ID: "d1"}).MsgID(&relay.Delivery{Event: &relay.Event{EventKey: "k"}}); got != "d1:k" {
+		t.Fatalf("ScopedFrom 0: MsgID = %q, want every event scoped", got)
+	}
+}
+
+// TestDeploymentID: the default deployment id is stable for one outbox and
+// differs when any part of its identity does.
+func TestDeploymentID(t *testing.T) {
+	id := natssink.DeploymentID("7316184585338822400", "shop", "public.integration_outbox")
+	if err := (natssink.Deployment{ID: id}).Validate(); err != nil || len(id) != 16 {
+		t.Fatalf("DeploymentID = %q (%v), want 16 valid characters", id, err)
+	}
+	if again := natssink.DeploymentID("7316184585338822400", "shop", "public.integration_outbox"); again != id {
+		t.Fatalf("DeploymentID changed: %q, then %q", id, again)
+	}
+	for _, other := range [][3]string{
+		{"7316184585338822401", "shop", "public.integration_outbox"},
+		{"7316184585338822400", "billing", "public.integration_outbox"},
+		{"7316184585338822400", "shop", "sales.integration_outbox"},
+		{"7316184585338822400", "shop\x00public", "integration_outbox"},
+	} {
+		if got := natssink.DeploymentID(other[0], other[1], other[2]); got == id {
+			t.Fatalf("DeploymentID%q = %q, the same as another outbox's", other, got)
+		}
 	}
 }
 
@@ -308,14 +351,20 @@ func TestMsgIDReplayNeverEqualsAnotherKey(t *testing.T) {
 		{"tilde alone kept", "a~b", 0, "a~r", 0, "a~b", "a~r"},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			id := natssink.MsgID(&relay.Delivery{Event: &relay.Event{EventKey: tt.key}, Replay: tt.replay})
-			other := natssink.MsgID(&relay.Delivery{Event: &relay.Event{EventKey: tt.otherKey}, Replay: tt.otherReplay})
-			if id != tt.wantID || other != tt.wantOther {
-				t.Fatalf("MsgID(%q, %d) = %q, MsgID(%q, %d) = %q; want %q and %q",
-					tt.key, tt.replay, id, tt.otherKey, tt.otherReplay, other, tt.wantID, tt.wantOther)
+		for _, dep := range []natssink.Deployment{{ID: "d"}, {ID: "d", ScopedFrom: 1}} {
+			prefix := "d:"
+			if dep.ScopedFrom > 0 {
+				prefix = "" // an event before the scoping: the bare key
 			}
-		})
+			t.Run(fmt.Sprintf("%s/%s", tt.name, map[bool]string{true: "scoped", false: "bare"}[prefix != ""]), func(t *testing.T) {
+				id := dep.MsgID(&relay.Delivery{Event: &relay.Event{EventKey: tt.key}, Replay: tt.replay})
+				other := dep.MsgID(&relay.Delivery{Event: &relay.Event{EventKey: tt.otherKey}, Replay: tt.otherReplay})
+				if id != prefix+tt.wantID || other != prefix+tt.wantOther {
+					t.Fatalf("MsgID(%q, %d) = %q, MsgID(%q, %d) = %q; want %q and %q",
+						tt.key, tt.replay, id, tt.otherKey, tt.otherReplay, other, prefix+tt.wantID, prefix+tt.wantOther)
+				}
+			})
+		}
 	}
 }
 

@@ -2,6 +2,7 @@ package nats_test
 
 import (
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/nats-io/nats.go/jetstream"
@@ -23,8 +24,14 @@ func TestSinkSuite(t *testing.T) {
 				var got []sinktest.Message
 				for _, m := range stored(t, js, testStream) {
 					attempt, _ := strconv.Atoi(m.Headers().Get(natssink.HeaderAttempt))
+					// A consumer deduplicates on the event key within the
+					// deployment: the Msg-Id without the deployment's scope.
+					key, ok := strings.CutPrefix(m.Headers().Get(jetstream.MsgIDHeader), scopedID(""))
+					if !ok {
+						t.Fatalf("Nats-Msg-Id %q is not scoped by the deployment %q", m.Headers().Get(jetstream.MsgIDHeader), testDeployment.ID)
+					}
 					got = append(got, sinktest.Message{
-						IdempotencyKey: m.Headers().Get(jetstream.MsgIDHeader),
+						IdempotencyKey: key,
 						Body:           m.Data(),
 						Attempt:        attempt,
 					})

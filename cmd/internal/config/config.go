@@ -392,6 +392,10 @@ type NATSConfig struct {
 	NkeyFile  string `yaml:"nkey_file"`
 	Token     Secret `yaml:"token"`
 	TokenFile string `yaml:"token_file"`
+	// MsgIDPrefix scopes the message ids to this deployment
+	// (docs/sinks.md, "Message ids"); empty derives it from the database:
+	// its cluster's system identifier, its name and the outbox table.
+	MsgIDPrefix string `yaml:"msg_id_prefix"`
 }
 
 // StreamConfig describes the JetStream stream that must capture the sink's

@@ -962,6 +962,9 @@ func TestLoad_InvalidValues(t *testing.T) {
 			"relay.yaml:4: sinks[0].stream.duplicate_window: must be greater than zero",
 			"relay.yaml:5: sinks[0].max_pending: must be at least 1",
 		}},
+		{"bad msg_id_prefix", bus + "    msg_id_prefix: \"shop:eu\"\n", nil, []string{
+			`relay.yaml:4: sinks[0].msg_id_prefix: the deployment id "shop:eu" may hold only ASCII letters, digits, '-' and '_'`,
+		}},
 		{"bad glob", hook + "    events: [\"order.*\", \"[a-\", \"\"]\n", nil, []string{
 			`relay.yaml:5: sinks[0].events[1]: "[a-" is not a valid pattern`,
 			`relay.yaml:5: sinks[0].events[2]: "" is not a valid pattern`,

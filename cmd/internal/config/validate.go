@@ -18,6 +18,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/outbox-relay/outbox-relay/relay"
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 )
 
 // Validate checks every value and returns all problems joined with
@@ -434,6 +435,11 @@ func (v *validator) nats(p string, s *SinkConfig) {
 		v.fail(sp+".max_msg_size", "must be between 0 (server default) and 2GiB, got %s", n.Stream.MaxMsgSize)
 	}
 	v.atLeast(p+".max_pending", n.MaxPending, 1)
+	if n.MsgIDPrefix != "" {
+		if err := (natssink.Deployment{ID: n.MsgIDPrefix}).Validate(); err != nil {
+			v.fail(p+".msg_id_prefix", "%v", err)
+		}
+	}
 }
 
 func (v *validator) listen(p, addr string) {
