@@ -452,7 +452,6 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
 		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
 		"MsgIDScope":            MsgIDScopeTable(n.Outbox).Quoted(),
-		"MsgIDScopeLiteral":     relay.QuoteLiteral(MsgIDScopeTable(n.Outbox).Quoted()),
 		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
 		"UnsettledIndexName":    relay.QuoteIdentifier(unsettledIndex(n.Outbox).Name),
 		"OrderIndex":            orderIndex(n.Outbox).Quoted(),

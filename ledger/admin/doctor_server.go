@@ -265,14 +265,6 @@ func (d *diagnosis) schema(ctx context.Context) bool {
 			missing = append(missing, n.String())
 		}
 	}
-	// Migration 012's table: the version check below reports it missing.
-	scope := migrations.MsgIDScopeTable(t.Outbox)
-	var scopeExists bool
-	if err := d.conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", scope.Quoted()).Scan(&scopeExists); err != nil {
-		d.add(Fail, "schema", fmt.Sprintf("look up %s: %v", scope, err), "")
-		return false
-	}
-	d.exists[scope] = scopeExists
 	if !d.exists[t.Outbox] {
 		d.add(Fail, "schema", fmt.Sprintf("the outbox table %s does not exist (or this role cannot see its schema)", t.Outbox), migrate)
 		return len(missing) < 3

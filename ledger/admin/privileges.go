@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -114,8 +113,7 @@ func NeededPrivileges(t Tables, retention bool) []TableGrant {
 		outbox = append(outbox, "DELETE")
 	}
 	rw := []string{"SELECT", "INSERT", "UPDATE", "DELETE"}
-	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw},
-		{migrations.MsgIDScopeTable(t.Outbox), []string{"SELECT"}}}
+	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}}
 }
 
 // TableGrant is a set of privileges on one table.
