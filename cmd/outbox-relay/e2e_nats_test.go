@@ -1,7 +1,12 @@
 package main
 
 import (
+	"fmt"
+	"maps"
+	"net/http"
+	"regexp"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -48,5 +53,62 @@ func TestRelay_DeploymentsShareAStream(t *testing.T) {
 	slices.Sort(want)
 	if !slices.Equal(got, want) {
 		t.Fatalf("the stream holds %q, want one message of each deployment: %q", got, want)
+	}
+}
+
+// TestRelay_NATSDownAtStart: the NATS server is down when run starts. The
+// relay stays up: the webhook gets every event, the NATS sink is down (its
+// events wait on the claim path without using an attempt), /readyz answers
+// 200 naming the sink and why, and status names it too. Once the server is
+// up, the sink connects, checks its stream and delivers what waited, each
+// event once.
+func TestRelay_NATSDownAtStart(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	s.nats.Shutdown()
+	cfg := s.configFileWith(t, "", biSource("replication"))
+	r := s.biRun(t, cfg)
+	s.waitSlot(t)
+
+	for i := range 6 {
+		s.biPublish(t, "order.placed", "order", fmt.Sprint(i%2), fmt.Sprintf("down-%d", i), `{}`)
+	}
+	keys := slices.Sorted(maps.Keys(s.keys(t, "true")))
+	eventually(t, 30*time.Second, "every event at the webhook and waiting for NATS on the claim path", func() bool {
+		r.alive(t)
+		hook := s.biAt(t, "hook")
+		for _, k := range keys {
+			if len(hook[k]) == 0 {
+				return false
+			}
+		}
+		return s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE status = 'pending' AND handoff_at IS NOT NULL
+			AND attempts = 0 AND last_error LIKE 'sink nats: %'`) == int64(len(keys))
+	})
+	code, body := biReadyz(t, r.addr(t))
+	if code != http.StatusOK || !regexp.MustCompile(`(?m)^ready\nsink nats is down: nats connection to nats://127\.0\.0\.1:\d+ is RECONNECTING`).MatchString(body) {
+		t.Fatalf("/readyz: %d %q; want 200, ready, and a line naming the nats sink down", code, body)
+	}
+	if code, out, stderr := execute(t, "status", "--config", cfg); code != 0 || !regexp.MustCompile(`sink down: +nats: 6 pending rows`).MatchString(out) {
+		t.Fatalf("status: exit %d, want a line naming nats down:\n%s%s", code, out, stderr)
+	}
+	if n := s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status = 'failed'"); n != 0 {
+		t.Fatalf("%d rows dead-lettered while NATS was down", n)
+	}
+
+	s.nats.Restart(t)
+	s.biFlows(t, keys...)
+	eventually(t, 10*time.Second, "every row done", func() bool {
+		return s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE status <> 'done'") == 0
+	})
+	for k, ds := range s.biAt(t, "nats") {
+		if len(ds) != 1 {
+			t.Fatalf("NATS stored %q %d times", k, len(ds))
+		}
+	}
+	if code, body := biReadyz(t, r.addr(t)); code != http.StatusOK || body != "ready\n" {
+		t.Fatalf("/readyz with NATS up: %d %q", code, body)
+	}
+	if !strings.Contains(r.logs.String(), "nats sink ready") {
+		t.Fatal("the log does not say the nats sink became ready")
 	}
 }

@@ -22,11 +22,27 @@ import (
 // health is what /healthz and /readyz report. Live means the process runs
 // its loops and is not stalled (stall.go); ready means it can do its job
 // now: streaming or polling as the leader, or waiting as a standby that can
-// take over — and not stalled.
+// take over — and not stalled. A sink that is down does not make the relay
+// unready: it delivers to the others and its events wait on the claim path
+// (docs/operations-health.md, "Readiness"); /readyz's body names it.
 type health struct {
 	ready   atomic.Bool
 	reason  atomic.Value // string: why not ready
 	stalled atomic.Value // string: why the relay is stalled, "" when it is not
+	// sinksDown returns a line per sink that is down, saying why; nil
+	// until the sinks are open.
+	sinksDown atomic.Pointer[func() []string]
+}
+
+// setSinksDown sets where /readyz learns which sinks are down.
+func (h *health) setSinksDown(f func() []string) { h.sinksDown.Store(&f) }
+
+// downLines returns the lines naming the sinks that are down.
+func (h *health) downLines() []string {
+	if f := h.sinksDown.Load(); f != nil {
+		return (*f)()
+	}
+	return nil
 }
 
 func (h *health) set(ready bool, reason string) {
@@ -77,17 +93,24 @@ func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog
 		}
 		fmt.Fprintln(w, "ok")
 	})
+	// The first line is the verdict; each sink that is down adds a line
+	// "sink NAME is down: WHY", whatever the status (a probe may ignore
+	// or match them).
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		verdict, status := "ready", http.StatusOK
 		if reason := h.stalledReason(); reason != "" {
-			http.Error(w, "not ready: stalled: "+reason, http.StatusServiceUnavailable)
-			return
+			verdict, status = "not ready: stalled: "+reason, http.StatusServiceUnavailable
+		} else if !h.ready.Load() {
+			reason, _ := h.reason.Load().(string)
+			verdict, status = "not ready: "+reason, http.StatusServiceUnavailable
 		}
-		if h.ready.Load() {
-			fmt.Fprintln(w, "ready")
-			return
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("X-Content-Type-Options", "nosniff")
+		w.WriteHeader(status)
+		fmt.Fprintln(w, verdict)
+		for _, line := range h.downLines() {
+			fmt.Fprintln(w, line)
 		}
-		reason, _ := h.reason.Load().(string)
-		http.Error(w, "not ready: "+reason, http.StatusServiceUnavailable)
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	var wg sync.WaitGroup

@@ -82,14 +82,6 @@ type relayRun struct {
 	// standbyPool reaches the standby the stream decodes on
 	// (source.standby_url), for its slot's watchdog; nil without one.
 	standbyPool *pgxpool.Pool
-	// sinksDown says why sinks that could not be opened are down (see
-	// downSink); while there are any, /readyz answers 503 with it.
-	sinksDown []string
-}
-
-// setReady marks the relay ready, unless a sink is down.
-func (r *relayRun) setReady() {
-	r.health.set(len(r.sinksDown) == 0, strings.Join(r.sinksDown, "; "))
 }
 
 // runRelay turns the configuration into a running relay and blocks until
@@ -180,12 +172,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		return err
 	}
 	relay.InitMetrics(r.routes)
-
-	for _, rt := range r.routes {
-		if down, ok := rt.Sink.(*downSink); ok {
-			r.sinksDown = append(r.sinksDown, "sink "+down.name+" is down: "+down.err.Error())
-		}
-	}
+	r.health.setSinksDown(sinksDown(r.routes))
 
 	routes, stopTracing, err := traceDeliveries(ctx, r.routes, log)
 	if err != nil {
@@ -218,7 +205,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
-	r.setReady()
+	r.health.set(true, "")
 	err = sup.Run(wctx)
 	workers.Stop()
 	if werr := workers.Wait(); err == nil {
@@ -580,12 +567,6 @@ func openSinks(ctx context.Context, cfg *config.Config, scope msgIDScope, log ze
 				CloudEventsSource: sc.CloudEvents.Source,
 				Logger:            log,
 			})
-			if credentialsRefused(err) {
-				down := newDownSink(sc.Name, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err))
-				slog.Error().Err(down.err).Msg("sink is down: its events wait on the claim path; the other sinks run")
-				sink = down
-				break
-			}
 			if err != nil {
 				return routes, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)
 			}
@@ -603,6 +584,28 @@ func openSinks(ctx context.Context, cfg *config.Config, scope msgIDScope, log ze
 			Hold:  isHook && sc.Webhook.OnUnknown == config.OnUnknownHold})
 	}
 	return routes, nil
+}
+
+// downReporter is a sink that can tell that it is down, and why, without
+// being sent an event (natssink.Sink.Down).
+type downReporter interface {
+	Down() error
+}
+
+// sinksDown returns what /readyz says of the sinks: a line for each that is
+// down now, naming it and why.
+func sinksDown(routes []relay.Route) func() []string {
+	return func() []string {
+		var lines []string
+		for _, rt := range routes {
+			if d, ok := rt.Sink.(downReporter); ok {
+				if err := d.Down(); err != nil {
+					lines = append(lines, fmt.Sprintf("sink %s is down: %v", rt.Sink.Name(), err))
+				}
+			}
+		}
+		return lines
+	}
 }
 
 // ledgerSinks are the names and event globs of the sinks run delivers to:

@@ -32,6 +32,8 @@ whether a relay runs or not:
   slot        wal_status, retained WAL, confirmed position
   rows        outbox rows by status, the age of the oldest pending row
   delivered   per sink, ledger rows delivered in the last hour
+  sink down   per sink, the pending rows whose last attempt found it down, and why (a
+              running relay's /readyz names the sinks down now)
   progress    stalled when rows have waited longer than http.stall_after (5m when 0) on a
               path that shows no progress for as long: the stream's checkpoint, the claim
               path's claims and settlements (a running relay's /readyz says more)`,
@@ -139,6 +141,10 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 		delivered = []string{"none"}
 	}
 	line("delivered (1h):", "%s", strings.Join(delivered, ", "))
+	for _, sink := range sortedKeys(st.SinksDown) {
+		d := st.SinksDown[sink]
+		line("sink down:", "%s: %d pending rows found it down at their last attempt; newest: %s", sink, d.Waiting, d.LastError)
+	}
 	if p := st.Progress; p != nil {
 		after := time.Duration(p.StallAfterSeconds * float64(time.Second))
 		switch {

@@ -92,9 +92,23 @@ type Status struct {
 	DeliveredLastHour map[string]int64 `json:"delivered_last_hour"`
 	Held              int64            `json:"held"`
 	Failed            int64            `json:"failed"`
+	// SinksDown are, per sink, the pending rows whose last attempt found
+	// that sink down (a failure of the sink-down class, or its circuit
+	// open): they wait on the claim path until it is back. Only sinks with
+	// such rows are listed; the configured sinks (Tables.Sinks) are looked
+	// for.
+	SinksDown map[string]SinkDown `json:"sinks_down,omitempty"`
 	// Progress is what the tables show of a stall (ReadProgress); the
 	// status command fills it in.
 	Progress *Progress `json:"progress,omitempty"`
+}
+
+// SinkDown is what the outbox shows of a sink that was down.
+type SinkDown struct {
+	// Waiting counts the pending rows whose last attempt found it down.
+	Waiting int64 `json:"waiting"`
+	// LastError is the newest such row's last_error: why.
+	LastError string `json:"last_error"`
 }
 
 // Statuses are the outbox statuses (docs/schema.md).
@@ -217,7 +231,48 @@ SELECT action, count(*) FROM %s
 	if _, err := pgx.ForEachRow(rows, []any{&action, &n}, func() error { st.DeliveredLastHour[action] = n; return nil }); err != nil {
 		return nil, fmt.Errorf("count deliveries: %w", err)
 	}
+	if st.SinksDown, err = sinksDown(ctx, db, t); err != nil {
+		return nil, err
+	}
 	return st, nil
+}
+
+// sinksDown reads, per configured sink, the pending rows whose last_error
+// says the sink was down: the engine writes each sink's reason as
+// "sink <name>: <reason>", and a sink that was down as the failure's class
+// ("sink-down: …") or as its open circuit ("circuit open: sink is down").
+func sinksDown(ctx context.Context, db DB, t Tables) (map[string]SinkDown, error) {
+	if len(t.Sinks) == 0 {
+		return nil, nil
+	}
+	names := make([]string, len(t.Sinks))
+	for i, s := range t.Sinks {
+		names[i] = s.Name
+	}
+	rows, err := db.Query(ctx, fmt.Sprintf(`
+WITH down AS (
+SELECT s.name, count(*) AS waiting, max(o.id) AS newest
+  FROM %[1]s AS o, unnest($1::text[]) AS s(name)
+ WHERE o.status = 'pending' AND o.last_error IS NOT NULL
+   AND (position('sink ' || s.name || ': sink-down: ' IN o.last_error) > 0
+        OR position('sink ' || s.name || ': circuit open: sink is down' IN o.last_error) > 0)
+ GROUP BY s.name)
+SELECT down.name, down.waiting, coalesce(o.last_error, '') FROM down JOIN %[1]s AS o ON o.id = down.newest`, t.Outbox.Quoted()), names)
+	if err != nil {
+		return nil, fmt.Errorf("read the rows waiting on a sink that was down: %w", err)
+	}
+	out := map[string]SinkDown{}
+	var (
+		name string
+		sd   SinkDown
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&name, &sd.Waiting, &sd.LastError}, func() error { out[name] = sd; return nil }); err != nil {
+		return nil, fmt.Errorf("read the rows waiting on a sink that was down: %w", err)
+	}
+	if len(out) == 0 {
+		return nil, nil
+	}
+	return out, nil
 }
 
 // sessionColumns reads a Session from pg_stat_activity (alias a).

@@ -282,3 +282,26 @@ func TestReadProgress_HeldAggregateIsNoStall(t *testing.T) {
 		t.Fatalf("a row of another aggregate: %+v, %v; want it waiting and a stall", p, err)
 	}
 }
+
+// TestReadStatus_SinksDown: the pending rows whose last attempt found a
+// configured sink down (its failure's class, or its circuit open), per
+// sink, with the newest row's reason; rows waiting for another reason, or
+// no longer pending, are not counted.
+func TestReadStatus_SinksDown(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	f.tables.Sinks = []ledger.Sink{{Name: "nats"}, {Name: "n8n"}, {Name: "nats2"}}
+	f.MustInsert(t, row{key: "a", lastError: "sink nats: sink-down: publish a: nats connection to nats://n1:4222 is RECONNECTING"})
+	f.MustInsert(t, row{key: "b", lastError: "sink n8n: transient: 503; sink nats: circuit open: sink is down"})
+	f.MustInsert(t, row{key: "c", lastError: "sink n8n: transient: 503 Service Unavailable"})
+	f.MustInsert(t, row{key: "d", status: "failed", lastError: "sink n8n: sink-down: 401"})
+
+	st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]admin.SinkDown{"nats": {Waiting: 2, LastError: "sink n8n: transient: 503; sink nats: circuit open: sink is down"}}
+	if fmt.Sprint(st.SinksDown) != fmt.Sprint(want) {
+		t.Fatalf("sinks down: %+v, want %+v", st.SinksDown, want)
+	}
+}

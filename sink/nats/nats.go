@@ -24,8 +24,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	neturl "net/url"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -134,13 +132,30 @@ type Sink struct {
 	ceSource   string // ce-source; "" unless the format is cloudevents
 	deployment Deployment
 	maxPending int
-	// maxMsgSize is the stream's max_msg_size, or 0 when unlimited.
-	maxMsgSize int64
+	// maxMsgSize is the stream's max_msg_size, or 0 when unlimited; set
+	// with ready.
+	maxMsgSize atomic.Int64
 
-	nc        *nats.Conn
-	js        jetstream.JetStream
-	server    *server.Server // the embedded server, or nil
-	clientURL string
+	nc     *nats.Conn
+	js     jetstream.JetStream
+	server *server.Server // the embedded server, or nil
+	url    string         // the configured URL list, without credentials
+
+	// ready is set once the stream has been checked, in New or, when the
+	// server was down at start, by awaitStream; until then Send reports
+	// SinkDown and Down says why: connectErr, the last failed attempt to
+	// connect (cleared on connecting), or streamErr, the last failed check.
+	ready      atomic.Bool
+	connectErr atomic.Pointer[error]
+	streamErr  atomic.Pointer[error]
+	// connected wakes awaitStream when the client connects;
+	// connectFailed is closed once an attempt to connect failed.
+	connected     chan struct{}
+	connectFailed chan struct{}
+	failOnce      sync.Once
+	stopChecking  context.CancelFunc // ends awaitStream; nil when not started
+	checking      sync.WaitGroup
+	released      atomic.Bool // the connection is being closed on purpose
 
 	// window holds one token per publish awaiting its PubAck; it bounds
 	// Send, which waits for a free slot while honouring ctx.
@@ -181,10 +196,18 @@ type inflight struct {
 }
 
 // New connects to the server (or starts the embedded one) and checks the
-// stream (see StreamConfig). The connection reconnects forever. New fails, naming the
-// stream and the fix, when the stream is missing (and Create is false), does
-// not capture the subject template, or has a smaller duplicate window. The
-// caller must Close the returned Sink.
+// stream (see StreamConfig). The connection reconnects forever. New fails,
+// naming the stream and the fix, when the stream is missing (and Create is
+// false), does not capture the subject template, or has a smaller duplicate
+// window; and when the configuration is invalid.
+//
+// A server that cannot be reached (refused, unresolvable, its TLS or the
+// credentials refused) does not fail New: the sink is down (docs/sinks.md,
+// "A server down at start"). Its Sends report SinkDown and Down says why
+// while the client keeps connecting; once it connects the sink checks the
+// stream as above, and a check that fails keeps it down, logged, and is
+// made again until it passes. The embedded server is started here and must
+// be reached. The caller must Close the returned Sink.
 func New(ctx context.Context, cfg Config) (*Sink, error) {
 	if err := applyDefaults(&cfg); err != nil {
 		return nil, err
@@ -199,17 +222,19 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 	}
 
 	s := &Sink{
-		name:       cfg.Name,
-		log:        cfg.Logger.With().Str("sink", cfg.Name).Logger(),
-		subject:    subject,
-		ceSource:   cfg.CloudEventsSource,
-		deployment: cfg.Deployment,
-		maxPending: cfg.MaxPending,
-		window:     make(chan struct{}, cfg.MaxPending),
-		closing:    make(chan struct{}),
-		pending:    make(map[*nats.Msg]inflight, cfg.MaxPending),
-		drained:    make(chan struct{}),
-		dupWindow:  cfg.Stream.DuplicateWindow,
+		name:          cfg.Name,
+		log:           cfg.Logger.With().Str("sink", cfg.Name).Logger(),
+		subject:       subject,
+		ceSource:      cfg.CloudEventsSource,
+		deployment:    cfg.Deployment,
+		maxPending:    cfg.MaxPending,
+		window:        make(chan struct{}, cfg.MaxPending),
+		closing:       make(chan struct{}),
+		pending:       make(map[*nats.Msg]inflight, cfg.MaxPending),
+		drained:       make(chan struct{}),
+		connected:     make(chan struct{}, 1),
+		connectFailed: make(chan struct{}),
+		dupWindow:     cfg.Stream.DuplicateWindow,
 		// Created at 0 now, so the series exists before the first retry.
 		storedAgain: relay.NATSDuplicatesStored.WithLabelValues(cfg.Name),
 	}
@@ -229,7 +254,8 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		}
 		cfg.Stream.Create = true
 	}
-	if err := s.connect(url, cfg.Options); err != nil {
+	s.url = redactURL(url)
+	if err := s.connect(url, cfg.Options, s.server == nil); err != nil {
 		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
 	}
 	s.js, err = jetstream.New(s.nc,
@@ -240,16 +266,26 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 	if err != nil {
 		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
 	}
-	s.maxMsgSize, err = s.ensureStream(ctx, cfg.Stream, cfg.Stream.Create, pattern)
+	if !s.nc.IsConnected() {
+		select {
+		case <-s.connectFailed:
+		case <-time.After(firstErrorWait):
+		}
+		// The checks outlive New's ctx: they run until Close.
+		checkCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
+		s.stopChecking = stop
+		s.checking.Go(func() { s.awaitStream(checkCtx, cfg, pattern) })
+		ok = true
+		s.log.Error().Err(s.Down()).Str("stream", cfg.Stream.Name).
+			Msg("nats sink is down at start: its events wait on the claim path while it keeps connecting; the other sinks run")
+		return s, nil
+	}
+	maxMsgSize, err := s.ensureStream(ctx, cfg.Stream, cfg.Stream.Create, pattern)
 	if err != nil {
 		return nil, fmt.Errorf("nats sink %q: %w", cfg.Name, err)
 	}
-
 	ok = true
-	s.log.Info().Str("url", s.clientURL).Str("stream", cfg.Stream.Name).Str("subject", cfg.Subject).
-		Str("deployment", cfg.Deployment.ID).Int64("msg_id_scoped_from", cfg.Deployment.ScopedFrom).
-		Int64("max_payload", s.nc.MaxPayload()).Int64("max_msg_size", s.maxMsgSize).
-		Int("max_pending", cfg.MaxPending).Msg("nats sink ready")
+	s.up(cfg, maxMsgSize)
 	return s, nil
 }
 
@@ -302,73 +338,12 @@ func applyDefaults(cfg *Config) error {
 	return nil
 }
 
-func (s *Sink) connect(url string, extra []nats.Option) error {
-	opts := []nats.Option{
-		nats.Name("outbox-relay"),
-		nats.MaxReconnects(-1),
-		nats.ReconnectWait(500 * time.Millisecond),
-		// Fail publishes while disconnected instead of buffering them:
-		// Send reports SinkDown and the engine hands the event off.
-		nats.ReconnectBufSize(-1),
-		// A connection that went silent (a black-holed route, a dead NAT
-		// entry, a peer that vanished without a RST) stays CONNECTED until
-		// these notice it: a third ping without a PONG marks it stale,
-		// 10-15 s after the last PONG (nats.go's defaults take up to 6 min),
-		// and the client reconnects, to another cluster server if it has
-		// one. Publishes awaiting acks on it then end as Unknown. See
-		// docs/jetstream-cluster.md.
-		nats.PingInterval(pingInterval),
-		nats.MaxPingsOutstanding(maxPingsOutstanding),
-		// A write that blocks (the socket's buffers full of publishes to a
-		// dead peer) holds the connection's lock and so the ping timer:
-		// give up on it as nats-server's write_deadline does, not after
-		// nats.go's default minute.
-		nats.FlusherTimeout(flusherTimeout),
-		nats.DisconnectErrHandler(func(nc *nats.Conn, err error) {
-			if nc.IsClosed() {
-				return // Close, not an outage
-			}
-			s.log.Warn().Err(err).Msg("nats disconnected; reconnecting")
-		}),
-		nats.ReconnectHandler(func(nc *nats.Conn) {
-			s.log.Info().Str("url", redactURL(nc.ConnectedUrl())).Msg("nats reconnected")
-		}),
-		nats.ErrorHandler(func(_ *nats.Conn, _ *nats.Subscription, err error) {
-			s.log.Error().Err(err).Msg("nats error")
-		}),
-	}
-	nc, err := nats.Connect(url, append(opts, extra...)...)
-	if err != nil {
-		return fmt.Errorf("connect to %s: %w", redactURL(url), err)
-	}
-	s.nc = nc
-	s.clientURL = redactURL(nc.ConnectedUrl())
-	return nil
-}
-
-// redactURL hides the credentials (user, password or token) of each URL
-// in a comma-separated list, for logs and error messages.
-func redactURL(list string) string {
-	parts := strings.Split(list, ",")
-	for i, p := range parts {
-		u, err := neturl.Parse(strings.TrimSpace(p))
-		switch {
-		case err != nil:
-			parts[i] = "<unparsable url>"
-		case u.User != nil:
-			u.User = neturl.User("REDACTED")
-			parts[i] = u.String()
-		}
-	}
-	return strings.Join(parts, ",")
-}
-
 // Name returns the sink's name.
 func (s *Sink) Name() string { return s.name }
 
-// ClientURL returns the URL the sink is connected to, without credentials;
-// for the embedded server, the URL to subscribe to.
-func (s *Sink) ClientURL() string { return s.clientURL }
+// ClientURL returns the URL the sink is connected to, without credentials
+// ("" while it is not); for the embedded server, the URL to subscribe to.
+func (s *Sink) ClientURL() string { return redactURL(s.nc.ConnectedUrl()) }
 
 // Duplicates returns how many publishes JetStream acknowledged as duplicates
 // of a message it already stored (each counted as delivered).
@@ -422,9 +397,9 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 		done(relay.SinkDownError(fmt.Errorf("publish %s: %w", key, ErrClosed), 0))
 		return
 	}
-	if st := s.nc.Status(); st != nats.CONNECTED {
+	if err := s.Down(); err != nil {
 		<-s.window
-		done(relay.SinkDownError(fmt.Errorf("publish %s: nats connection is %s", key, st), 0))
+		done(relay.SinkDownError(fmt.Errorf("publish %s: %w", key, err), 0))
 		return
 	}
 
@@ -469,8 +444,8 @@ func (s *Sink) message(d *relay.Delivery) (*nats.Msg, error) {
 	if limit := s.nc.MaxPayload(); limit > 0 && size > limit {
 		return nil, relay.PermanentError(fmt.Errorf("event %s: message is %d bytes (headers included), over the server's max_payload of %d", key, size, limit))
 	}
-	if s.maxMsgSize > 0 && size > s.maxMsgSize {
-		return nil, relay.PermanentError(fmt.Errorf("event %s: message is %d bytes (headers included), over the stream's max_msg_size of %d", key, size, s.maxMsgSize))
+	if limit := s.maxMsgSize.Load(); limit > 0 && size > limit {
+		return nil, relay.PermanentError(fmt.Errorf("event %s: message is %d bytes (headers included), over the stream's max_msg_size of %d", key, size, limit))
 	}
 	if hdr > maxHeaderSize {
 		return nil, relay.PermanentError(fmt.Errorf("event %s: headers are %d bytes, over JetStream's limit of %d", key, hdr, maxHeaderSize))
@@ -567,6 +542,10 @@ func (s *Sink) Close(ctx context.Context) error {
 }
 
 func (s *Sink) close(ctx context.Context) error {
+	if s.stopChecking != nil {
+		s.stopChecking()
+		s.checking.Wait()
+	}
 	s.mu.Lock()
 	s.closed = true
 	close(s.closing)
@@ -608,6 +587,7 @@ func (s *Sink) close(ctx context.Context) error {
 
 // release closes the connection and stops the embedded server.
 func (s *Sink) release() {
+	s.released.Store(true)
 	if s.nc != nil {
 		s.nc.Close()
 	}
