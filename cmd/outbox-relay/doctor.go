@@ -6,12 +6,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
+	"slices"
 	"strconv"
 	"strings"
 	"text/template"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/nats-io/nats-server/v2/server"
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
@@ -19,6 +22,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
+	"github.com/outbox-relay/outbox-relay/relay"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 )
 
@@ -51,7 +55,8 @@ setting) under each warn and FAIL:
   registrations without running a workflow), which tells a registered n8n webhook from a path
   n8n has not registered (workflow not published, wrong path), n8n's test URL, a webhook for
   another method and credentials a proxy refuses; a NATS server is connected and its JetStream
-  stream checked (exists, captures the subjects, duplicate_window).
+  stream checked (exists, captures the subjects, duplicate_window,
+  and whether its last messages on the sink's subjects include another deployment's).
 
 Doctor only reads. It exits 1 when a check fails, 0 otherwise (warnings included).`,
 		Args: noArgs,
@@ -115,15 +120,117 @@ func doctor(ctx context.Context, cfg *config.Config) []admin.Check {
 		checks = append(checks, admin.Check{Name: "sinks", Status: admin.Fail, Detail: "none configured: run refuses to start without one",
 			Fix: "add a sink under sinks: (docs/configuration.md, \"sinks\"), or set embedded_nats: true to try the relay with an embedded NATS server"})
 	}
+	var identity *deploymentIdentity
 	for i, s := range sinks {
 		switch s.Type {
 		case config.SinkWebhook:
 			checks = append(checks, checkWebhook(ctx, i, s))
 		case config.SinkNATS:
-			checks = append(checks, checkNATS(ctx, i, s)...)
+			if identity == nil && s.NATS.MsgIDPrefix == "" {
+				identity = readDeploymentIdentity(ctx, cfg)
+			}
+			checks = append(checks, checkNATS(ctx, i, s, identity)...)
 		}
 	}
 	return checks
+}
+
+// deploymentIdentity is what a NATS sink without msg_id_prefix derives its
+// deployment from, or why doctor could not read it.
+type deploymentIdentity struct {
+	admin.Identity
+	outbox relay.QualifiedName // schema-qualified
+	err    error
+}
+
+// readDeploymentIdentity reads the database's identity as run does.
+func readDeploymentIdentity(ctx context.Context, cfg *config.Config) *deploymentIdentity {
+	id := &deploymentIdentity{}
+	ctx, cancel := context.WithTimeout(ctx, sinkCheckTimeout)
+	defer cancel()
+	cc, err := pgx.ParseConfig(cfg.DatabaseURL.Reveal())
+	if err != nil {
+		id.err = errors.New("database_url does not parse")
+		return id
+	}
+	cc.RuntimeParams["application_name"] = admin.CLIApplicationName
+	conn, err := pgx.ConnectConfig(ctx, cc)
+	if err != nil {
+		id.err = fmt.Errorf("connect to the database: %w", err)
+		return id
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	t := cfg.Tables()
+	tables, err := admin.Resolve(ctx, conn, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
+	if err != nil {
+		id.err = err
+		return id
+	}
+	id.outbox = tables.Outbox
+	id.Identity, id.err = admin.ReadIdentity(ctx, conn)
+	return id
+}
+
+// deploymentSample bounds how many of a stream's latest messages doctor
+// reads to find another deployment's on a NATS sink's subjects.
+const deploymentSample = 100
+
+// checkDeployment warns when the stream holds, on the sink's subjects,
+// messages another deployment published: its consumers then see two
+// deployments' events, which is safe for delivery (each deployment's
+// message ids are its own) but a surprise to a consumer that expects one
+// source. It reads the stream's last deploymentSample messages and looks at
+// their Outbox-Deployment header, so a deployment that has not published
+// lately is not seen.
+func checkDeployment(ctx context.Context, i int, s config.SinkConfig, stream jetstream.Stream, pattern string, identity *deploymentIdentity) admin.Check {
+	name := "sink " + s.Name + " deployment"
+	ours := s.NATS.MsgIDPrefix
+	if ours == "" {
+		if identity.err != nil {
+			return admin.Check{Name: name, Status: admin.Skip, Detail: fmt.Sprintf("this deployment's id is unknown: %v", identity.err),
+				Fix: fmt.Sprintf("set sinks[%d].msg_id_prefix when the database cannot tell its system identifier", i)}
+		}
+		ours = natssink.DeploymentID(identity.SystemIdentifier, identity.Database, identity.outbox.Quoted())
+	}
+	state := stream.CachedInfo().State
+	ctx, cancel := context.WithTimeout(ctx, sinkCheckTimeout)
+	defer cancel()
+	read, mine, unscoped := 0, 0, 0
+	others := map[string]int{}
+	for seq := state.LastSeq; seq >= state.FirstSeq && seq > 0 && read < deploymentSample; seq-- {
+		m, err := stream.GetMsg(ctx, seq)
+		if errors.Is(err, jetstream.ErrMsgNotFound) {
+			continue
+		}
+		if err != nil {
+			return admin.Check{Name: name, Status: admin.Skip, Detail: fmt.Sprintf("read message %d of stream %s: %v", seq, s.NATS.Stream.Name, err)}
+		}
+		read++
+		if !server.SubjectMatchesFilter(m.Subject, pattern) {
+			continue
+		}
+		switch dep := m.Header.Get(natssink.HeaderDeployment); dep {
+		case ours:
+			mine++
+		case "":
+			unscoped++
+		default:
+			others[dep]++
+		}
+	}
+	if len(others) == 0 {
+		return admin.Check{Name: name, Status: admin.OK, Detail: fmt.Sprintf("%s; the stream's last %d messages hold, on the sink's subjects, %d of this deployment and %d of none (published before the message ids were scoped, or by another publisher), none of another",
+			ours, read, mine, unscoped)}
+	}
+	var foreign []string
+	for _, dep := range slices.Sorted(maps.Keys(others)) {
+		foreign = append(foreign, fmt.Sprintf("%s (%d)", dep, others[dep]))
+	}
+	return admin.Check{Name: name, Status: admin.Warn,
+		Detail: fmt.Sprintf("stream %s holds, on the sink's subjects %q, messages of other deployments: %s among its last %d; this one is %s. Delivery is safe (message ids are scoped by deployment), but the stream's consumers get both deployments' events",
+			s.NATS.Stream.Name, pattern, strings.Join(foreign, ", "), read, ours),
+		Fix: fmt.Sprintf("give each deployment subjects and a stream of its own: sinks[%d].subject with a prefix of its own (e.g. \"shop.outbox.{{.AggregateType}}.{{.EventType}}\") and sinks[%d].stream; or have the consumers filter on Outbox-Deployment and deduplicate on Nats-Msg-Id (docs/sinks.md, \"Message ids\")",
+			i, i)}
 }
 
 // printChecks prints one line per check and its fix indented below.
@@ -157,9 +264,10 @@ func unwrapOpError(err error) error {
 
 // checkNATS connects to the NATS server and checks the JetStream stream the
 // sink publishes to: it exists (or run creates it), one of its subjects
-// captures every subject the template renders, and its duplicate window is
-// at least the configured one.
-func checkNATS(ctx context.Context, i int, s config.SinkConfig) []admin.Check {
+// captures every subject the template renders, its duplicate window is at
+// least the configured one, and no other deployment publishes on the
+// sink's subjects (checkDeployment).
+func checkNATS(ctx context.Context, i int, s config.SinkConfig, identity *deploymentIdentity) []admin.Check {
 	name := "sink " + s.Name
 	n := s.NATS
 	if s.URL == "" {
@@ -239,7 +347,7 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig) []admin.Check {
 		checks = append(checks, admin.Check{Name: name + " duplicate_window", Status: admin.OK,
 			Detail: fmt.Sprintf("stream %s deduplicates over %s (configured: at least %s)", n.Stream.Name, config.Duration(sc.Duplicates), window)})
 	}
-	return checks
+	return append(checks, checkDeployment(ctx, i, s, stream, pattern, identity))
 }
 
 // subjectProbe stands in for every field when the template's shape is

@@ -22,6 +22,8 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
+	"github.com/outbox-relay/outbox-relay/relay"
+	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 	"github.com/outbox-relay/outbox-relay/sink/nats/natstest"
 )
 
@@ -380,4 +382,54 @@ func freeAddr(t *testing.T) string {
 	addr := l.Addr().String()
 	l.Close()
 	return addr
+}
+
+// TestDoctor_AnotherDeploymentOnTheSubjects: the stream holds, on the NATS
+// sink's subjects, messages another deployment published (its
+// Outbox-Deployment is not this one's): doctor warns, naming the other
+// deployment and the fix, and still exits 0. Messages of this deployment,
+// of none (an earlier version's) or on other subjects raise nothing.
+func TestDoctor_AnotherDeploymentOnTheSubjects(t *testing.T) {
+	d := newOpsDB(t)
+	ns := natstest.Start(t)
+	cfg := writeOpsConfig(t, d.url, fmt.Sprintf(`
+  - name: nats
+    type: nats
+    url: %s`, ns.URL()))
+	js := jetStream(t, ns)
+	if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.>", "other.>"}, Duplicates: 2 * time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	id, err := admin.ReadIdentity(context.Background(), d.pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ours := natssink.DeploymentID(id.SystemIdentifier, id.Database, relay.QualifiedName{Schema: "public", Name: "integration_outbox"}.Quoted())
+	publish := func(subject, deployment string) {
+		t.Helper()
+		m := nats.NewMsg(subject)
+		if deployment != "" {
+			m.Header.Set(natssink.HeaderDeployment, deployment)
+		}
+		if _, err := js.PublishMsg(context.Background(), m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	publish("outbox.order.placed", ours)
+	publish("outbox.order.placed", "")
+	publish("other.order.placed", "billing")
+
+	code, out, errOut := execute(t, "doctor", "--config", cfg)
+	if code != exitOK || !regexp.MustCompile(`ok    sink nats deployment +`+ours+`; the stream's last 3 messages hold, on the sink's subjects, 1 of this deployment and 1 of none`).MatchString(out) {
+		t.Fatalf("doctor with this deployment's messages only: exit %d, want ok naming %s:\n%s%s", code, ours, out, errOut)
+	}
+
+	publish("outbox.order.placed", "billing")
+	code, out, errOut = execute(t, "doctor", "--config", cfg)
+	t.Logf("doctor:\n%s", out)
+	if code != exitOK {
+		t.Fatalf("exit %d, stderr %q", code, errOut)
+	}
+	requireLines(t, out, "warn  sink nats deployment", `messages of other deployments: billing (1) among its last 4; this one is `+ours,
+		"fix: give each deployment subjects and a stream of its own")
 }
