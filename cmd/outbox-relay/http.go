@@ -24,7 +24,7 @@ import (
 // now: streaming or polling as the leader, or waiting as a standby that can
 // take over — and not stalled. A sink that is down does not make the relay
 // unready: it delivers to the others and its events wait on the claim path
-// (docs/operations-health.md, "Readiness"); /readyz's body names it.
+// (docs/sinks.md, "A server down at start"); /readyz's body names it.
 type health struct {
 	ready   atomic.Bool
 	reason  atomic.Value // string: why not ready
