@@ -35,7 +35,7 @@ func ReadIdentity(ctx context.Context, db DB) (Identity, error) {
 }
 
 // ReadMsgIDScope returns the first id of outbox whose NATS message id
-// carries the deployment, which migration 012 recorded: the events below it
+// carries the deployment, which migration 014 recorded: the events below it
 // keep the bare key an earlier version published them under. Pass a
 // schema-qualified outbox (Resolve). It fails naming the table and the fix
 // when the row is missing.
