@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
-	"golang.org/x/sync/semaphore"
 )
 
 // Route connects a sink to the engine.
@@ -44,6 +43,11 @@ type EngineConfig struct {
 	// holds them (a lane, the settle queue, a failing store): when it is
 	// reached, sources wait [2 × LaneCapacity].
 	MaxUnsettled int
+	// MaxInFlightBytes bounds the bytes (Event.Size) of the events taken
+	// and not yet settled, as MaxUnsettled bounds their count
+	// (delivery.max_inflight_bytes) [DefaultMaxInFlightBytes]. An event
+	// larger than it is taken alone.
+	MaxInFlightBytes int64
 	// MarkDone marks fully delivered stream rows done, in batches, off the
 	// acknowledgement path [false: the ledger is the record].
 	MarkDone bool
@@ -76,8 +80,9 @@ type Engine struct {
 	log   zerolog.Logger
 	lanes []*lane
 
-	// unsettled bounds the works taken and not yet settled.
-	unsettled *semaphore.Weighted
+	// unsettled bounds the works taken and not yet settled, by count and
+	// by bytes: the one place that counts what is in flight, on every path.
+	unsettled *room
 
 	mu sync.Mutex
 	// inflight holds the works taken and not yet settled, by path and id:
@@ -91,9 +96,10 @@ type Engine struct {
 	// given to the engine (Consumer.Divert): their streamed events go to
 	// the claim path, each aggregate's until its last row is queued.
 	pinned atomic.Pointer[pinSet]
-	// handOverRoom bounds the hand-over's rows taken and not settled
-	// (HandOverWindow); handOvers counts them, guarded by mu.
-	handOverRoom *semaphore.Weighted
+	// handOverRoom is the hand-over's share of unsettled: its rows taken
+	// and not settled (HandOverWindow, and half the bytes); handOvers
+	// counts them, guarded by mu.
+	handOverRoom *room
 	handOvers    int
 	// settledCount counts works settled, per path (Progress).
 	settledCount map[Path]*atomic.Uint64
@@ -136,6 +142,9 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 	if cfg.MaxUnsettled <= 0 {
 		cfg.MaxUnsettled = 2 * cfg.LaneCapacity
 	}
+	if cfg.MaxInFlightBytes <= 0 {
+		cfg.MaxInFlightBytes = DefaultMaxInFlightBytes
+	}
 	if cfg.ClaimLease <= 0 {
 		cfg.ClaimLease = 5 * time.Minute
 	}
@@ -148,8 +157,8 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 	e := &Engine{
 		cfg:          cfg,
 		log:          cfg.Logger,
-		unsettled:    semaphore.NewWeighted(int64(cfg.MaxUnsettled)),
-		handOverRoom: semaphore.NewWeighted(int64(handOverWindow(cfg.MaxUnsettled))),
+		unsettled:    newRoom(cfg.MaxUnsettled, cfg.MaxInFlightBytes),
+		handOverRoom: newRoom(handOverWindow(cfg.MaxUnsettled), cfg.MaxInFlightBytes/2),
 		inflight:     map[Path]map[int64]*Work{PathStream: {}, PathClaim: {}},
 		settledCount: map[Path]*atomic.Uint64{PathStream: new(atomic.Uint64), PathClaim: new(atomic.Uint64)},
 		started:      make(chan struct{}),
@@ -188,8 +197,13 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 
 // handOverWindow is how many of a hand-over's rows an engine holding at most
 // maxUnsettled works takes unsettled: HandOverWindow, and at most half its
-// room, so that streamed events always find some.
+// room, so that streamed events always find some (the hand-over's bytes are
+// half the budget, for the same reason).
 func handOverWindow(maxUnsettled int) int { return max(min(HandOverWindow, maxUnsettled/2), 1) }
+
+// ReadBytes is the most payload bytes one read of rows for this engine
+// takes: see ReadBytes. The claim path sizes its claims by it.
+func (e *Engine) ReadBytes() int64 { return ReadBytes(e.cfg.MaxInFlightBytes) }
 
 // Stream returns the Consumer the replication source feeds.
 func (e *Engine) Stream() Consumer { return e.stream }
@@ -584,7 +598,7 @@ func (e *Engine) divertedAmong(aggs []AggregateKey) []AggregateKey {
 // none when the ledger cannot record its deliveries (refuse.go).
 func (e *Engine) route(p Path, ev *Event) *Work {
 	e.readTrace(ev)
-	w := &Work{Event: ev, path: p}
+	w := &Work{Event: ev, path: p, size: ev.Size()}
 	if reason := unrecordable(ev); reason != "" {
 		w.refuse(reason)
 		return w
@@ -598,16 +612,11 @@ func (e *Engine) route(p Path, ev *Event) *Work {
 	return w
 }
 
-// take acquires room for n works, blocking while MaxUnsettled works are
-// unsettled (back-pressure on every source).
-func (e *Engine) take(ctx context.Context, n int) error {
-	if n == 0 {
-		return nil
-	}
-	if err := e.unsettled.Acquire(ctx, int64(n)); err != nil {
-		return err
-	}
-	return nil
+// take acquires room for works, a group cut by e.unsettled.fit, blocking
+// while the works unsettled leave too little, by count or by bytes
+// (back-pressure on every source).
+func (e *Engine) take(ctx context.Context, works []*Work) error {
+	return e.unsettled.take(ctx, works)
 }
 
 // admit registers w as in flight. For the stream it counts w in ticket's
@@ -734,14 +743,14 @@ func (e *Engine) settled(w *Work) {
 	}
 	if w.handOver {
 		e.handOvers--
-		e.handOverRoom.Release(1)
+		e.handOverRoom.give(w)
 	}
 	if len(e.inflight[w.path]) == 0 || w.handOver && e.handOvers == 0 {
 		e.idle.Broadcast()
 	}
 	e.mu.Unlock()
 	e.settledCount[w.path].Add(1)
-	e.unsettled.Release(1)
+	e.unsettled.give(w)
 	if e.cfg.MarkDone && w.path == PathStream && w.Decision.Kind == Done {
 		e.marks.add(w.Event.ID)
 	}
@@ -819,30 +828,38 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 		return nil, nil
 	}
 	e.linkRuns(works)
-	// Room for more than MaxUnsettled works at once never comes: a larger
-	// batch is taken in parts.
-	for room := e.cfg.MaxUnsettled; len(works) > room; works = works[room:] {
-		if notTaken, err := e.SubmitClaimed(ctx, works[:room]); err != nil {
-			return slices.Concat(notTaken, works[room:]), err
-		}
-	}
 	for _, w := range works {
 		w.path = PathClaim
 		routed := e.route(PathClaim, w.Event)
-		w.Pairs, w.lanes, w.refused = routed.Pairs, routed.lanes, routed.refused
+		w.Pairs, w.lanes, w.refused, w.size = routed.Pairs, routed.lanes, routed.refused, routed.size
 		if w.ClaimedAt.IsZero() {
 			w.ClaimedAt = time.Now()
 		}
 	}
-	if err := e.take(ctx, len(works)); err != nil {
-		return works, err
+	// Room for more than the engine holds at once never comes: a larger
+	// batch is taken in parts, in order.
+	for len(works) > 0 {
+		part := works[:e.unsettled.fit(works)]
+		works = works[len(part):]
+		if err := e.submitClaimedPart(ctx, part); err != nil {
+			return slices.Concat(part, works), err
+		}
 	}
-	err = e.prepareIsolating(ctx, works, func(ctx context.Context, works []*Work) error {
+	return nil, nil
+}
+
+// submitClaimedPart takes room for works, prepares their ledger claims and
+// queues them; on an error it has taken none of them.
+func (e *Engine) submitClaimedPart(ctx context.Context, works []*Work) error {
+	if err := e.take(ctx, works); err != nil {
+		return err
+	}
+	err := e.prepareIsolating(ctx, works, func(ctx context.Context, works []*Work) error {
 		return e.cfg.Claim.PrepareClaim(ctx, works, e.cfg.Owner, e.cfg.ClaimLease)
 	})
 	if err != nil {
-		e.unsettled.Release(int64(len(works)))
-		return works, fmt.Errorf("claim the ledger pairs of %d rows: %w", len(works), err)
+		e.unsettled.give(works...)
+		return fmt.Errorf("claim the ledger pairs of %d rows: %w", len(works), err)
 	}
 	now := time.Now()
 	for _, w := range works {
@@ -851,7 +868,7 @@ func (e *Engine) SubmitClaimed(ctx context.Context, works []*Work) (notTaken []*
 	for _, w := range works {
 		e.dispatch(ctx, w, now)
 	}
-	return nil, nil
+	return nil
 }
 
 // linkRuns links the works of each aggregate that came in one claim (in id

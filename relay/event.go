@@ -64,6 +64,20 @@ func deref(s *string) string {
 	return *s
 }
 
+// Size is what the engine counts of the event against its byte budget
+// (delivery.max_inflight_bytes, docs/performance.md "Memory"): the columns
+// as read, and the body built from them once for every sink (the envelope,
+// which copies them, payload included).
+func (e *Event) Size() int64 {
+	read := len(e.Payload) + len(e.TraceContext) + len(e.EventKey) + len(deref(e.EventType)) +
+		len(deref(e.AggregateType)) + len(deref(e.AggregateID))
+	return int64(2*read + envelopeFrame)
+}
+
+// envelopeFrame is about what an envelope adds to the columns it copies: the
+// field names, quotes and timestamp.
+const envelopeFrame = 160
+
 // envelopeTime is created_at in UTC with microseconds, PostgreSQL's
 // precision, so both paths render the same instant the same way.
 const envelopeTime = "2006-01-02T15:04:05.000000Z07:00"
@@ -77,9 +91,8 @@ const envelopeTime = "2006-01-02T15:04:05.000000Z07:00"
 // not check it, so the envelope is valid JSON only because jsonb's text is
 // (migrate refuses a payload column of another type).
 func (e *Event) AppendEnvelope(dst []byte) []byte {
-	// One allocation for the usual envelope (escapes may still grow it):
-	// the field names, quotes and timestamp take about 150 bytes.
-	dst = slices.Grow(dst, 160+len(e.EventKey)+len(deref(e.EventType))+len(deref(e.AggregateType))+len(deref(e.AggregateID))+len(e.Payload))
+	// One allocation for the usual envelope (escapes may still grow it).
+	dst = slices.Grow(dst, envelopeFrame+len(e.EventKey)+len(deref(e.EventType))+len(deref(e.AggregateType))+len(deref(e.AggregateID))+len(e.Payload))
 	dst = append(dst, `{"id":`...)
 	dst = strconv.AppendInt(dst, e.ID, 10)
 	dst = append(dst, `,"event_key":`...)

@@ -82,8 +82,11 @@ type Work struct {
 	// (Consumer.HandOver): on the stream path, ahead of every streamed
 	// event of its aggregate, acknowledging no slot position.
 	handOver bool
-	lanes    []*lane   // the lane of each pair
-	run      *claimRun // the claimed run it belongs to, if any
+	// size is what the engine counts of the event against its byte budget
+	// (Event.Size), set when it is routed.
+	size  int64
+	lanes []*lane   // the lane of each pair
+	run   *claimRun // the claimed run it belongs to, if any
 	// ClaimedAt is when the claim path's lease on the row began, at the
 	// latest: the store's Claim sets it to a moment before its statement
 	// (zero: SubmitClaimed's time). The engine sends a claimed row only
@@ -170,6 +173,9 @@ type ClaimQuery struct {
 	All bool
 	// Limit is the most rows one claim takes.
 	Limit int
+	// MaxBytes, when positive, is the most payload bytes one claim takes
+	// (Engine.ReadBytes); a first row larger than it is taken alone.
+	MaxBytes int64
 	// Owner names this relay in locked_by.
 	Owner string
 	// DueSince, when set (replication mode), claims only runs of
@@ -177,6 +183,25 @@ type ClaimQuery struct {
 	// yielding to a lagging stream still takes (docs/architecture.md, "The
 	// claim path yields to a lagging stream").
 	DueSince time.Time
+}
+
+// Full reports whether works, what one claim under q took, are all that
+// claim may take: Limit rows, or payloads of at least half MaxBytes — a
+// claim cut by its bytes takes that much, unless the row it stopped before
+// is larger than half of them alone. The claim path claims again at once
+// after a full claim; it waits for a settlement or its poll interval
+// otherwise.
+func (q ClaimQuery) Full(works []*Work) bool {
+	return len(works) >= q.Limit || q.MaxBytes > 0 && PayloadBytes(works) >= q.MaxBytes/2
+}
+
+// PayloadBytes is the bytes of the works' payloads.
+func PayloadBytes(works []*Work) int64 {
+	var n int64
+	for _, w := range works {
+		n += int64(len(w.Event.Payload))
+	}
+	return n
 }
 
 // ClaimStore is the claim path's view of the outbox table and the ledger.

@@ -2,7 +2,6 @@ package relay
 
 import (
 	"context"
-	"slices"
 	"sync/atomic"
 	"time"
 )
@@ -100,28 +99,33 @@ func (f *streamFeed) Submit(ctx context.Context, events []*Event) error {
 		}
 		works = append(works, w)
 	}
-	if len(works) == 0 {
-		return nil
-	}
-	return f.start(ctx, works, restreamed || hold, restreamed, ticket, now, "check decoded events against the ledger; retrying")
-}
-
-// start takes room for works, prepares them when prepare is set (checked
-// against the ledger when restreamed), and queues them in their lanes,
-// counted in ticket's transaction (none: nil). A work Prepare skips is
-// settled at once. Room it takes and gives back goes through the
-// semaphores: the engine's, and the hand-over's for its rows.
-func (f *streamFeed) start(ctx context.Context, works []*Work, prepare, restreamed bool, ticket *txnEntry, now time.Time, retrying string) error {
-	e := f.e
-	release := func(w *Work, n int) {
-		e.unsettled.Release(int64(n))
-		if w.handOver {
-			e.handOverRoom.Release(int64(n))
+	// A batch whose bytes pass the engine's budget is taken in parts, in
+	// order: the first waits for room, the next for the first's.
+	for part := range e.unsettled.groups(works) {
+		if err := f.start(ctx, part, restreamed || hold, restreamed, ticket, now, "check decoded events against the ledger; retrying"); err != nil {
+			return err
 		}
 	}
-	if err := e.take(ctx, len(works)); err != nil {
+	return nil
+}
+
+// start takes room for works, a group cut by the engine's room (fit),
+// prepares them when prepare is set (checked against the ledger when
+// restreamed), and queues them in their lanes, counted in ticket's
+// transaction (none: nil). A work Prepare skips is settled at once. Room
+// it takes and gives back is the engine's, and the hand-over's for its
+// rows, which the caller has taken.
+func (f *streamFeed) start(ctx context.Context, works []*Work, prepare, restreamed bool, ticket *txnEntry, now time.Time, retrying string) error {
+	e := f.e
+	release := func(works ...*Work) {
+		e.unsettled.give(works...)
 		if works[0].handOver {
-			e.handOverRoom.Release(int64(len(works)))
+			e.handOverRoom.give(works...)
+		}
+	}
+	if err := e.take(ctx, works); err != nil {
+		if works[0].handOver {
+			e.handOverRoom.give(works...)
 		}
 		return err
 	}
@@ -134,7 +138,7 @@ func (f *streamFeed) start(ctx context.Context, works []*Work, prepare, restream
 				e.log.Warn().Err(err).Dur("retry_in", wait).Msg(retrying)
 			})
 		if err != nil {
-			release(works[0], len(works))
+			release(works...)
 			return err
 		}
 	}
@@ -146,7 +150,7 @@ func (f *streamFeed) start(ctx context.Context, works []*Work, prepare, restream
 			// Settled, handed off or claimed before the restart, or since
 			// a hand-over's snapshot was read.
 			e.Stats.Skipped.Add(1)
-			release(w, 1)
+			release(w)
 			continue
 		}
 		e.admit(w, ticket)
@@ -168,24 +172,23 @@ func (f *streamFeed) HandOver(ctx context.Context, events []*Event) error {
 	if err := e.waitStarted(ctx); err != nil {
 		return err
 	}
-	if n := handOverWindow(e.cfg.MaxUnsettled); len(events) > n {
-		for chunk := range slices.Chunk(events, n) {
-			if err := f.HandOver(ctx, chunk); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
-	if err := e.handOverRoom.Acquire(ctx, int64(len(events))); err != nil {
-		return err
-	}
 	works := make([]*Work, 0, len(events))
 	for _, ev := range events {
 		w := e.route(PathStream, ev)
 		w.handOver = true
 		works = append(works, w)
 	}
-	return f.start(ctx, works, true, true, nil, time.Now(), "check the hand-over's rows against the ledger; retrying")
+	// The hand-over's share of the engine's room is part of it: a group
+	// that fits the share fits the engine's room whole.
+	for part := range e.handOverRoom.groups(works) {
+		if err := e.handOverRoom.take(ctx, part); err != nil {
+			return err
+		}
+		if err := f.start(ctx, part, true, true, nil, time.Now(), "check the hand-over's rows against the ledger; retrying"); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // HandOverSettled implements Consumer. None of the rows settled for
