@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"sync"
@@ -132,8 +133,9 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// rows while they are claimable, at most $1 / aggregates each, and at
 	// least claimRunRows: a run ends before a row not due yet, the
 	// stream's, held, or processing under another claim.
-	// chosen: whole runs, oldest aggregate first, at most $1 rows, so each
-	// aggregate keeps a prefix.
+	// chosen: whole runs, oldest aggregate first, at most $1 rows whose
+	// payloads take at most $10 bytes (the first row whatever its size), so
+	// each aggregate keeps a prefix; only these rows' sizes are read.
 	// locked: chosen rows locked, skipping rows another claimer locked
 	// (found by id: "(…) IS TRUE" keeps the planner from reaching them
 	// through a partial index whose statistics a hand-over of 200,000
@@ -227,7 +229,13 @@ pick AS (
     UNION ALL
     SELECT w.id, NULL, NULL, 0, 1 FROM win AS w WHERE w.at IS NULL OR w.ai IS NULL),
 chosen AS (
-    SELECT c.id, c.at, c.ai, c.rn FROM pick AS c ORDER BY c.rank, c.rn, c.id LIMIT $1),
+    SELECT c.id, c.at, c.ai, c.rn
+      FROM (SELECT c.id, c.at, c.ai, c.rn,
+                   sum((SELECT %[13]s FROM %[1]s AS o WHERE o.id = c.id)) OVER w AS upto,
+                   row_number() OVER w AS k
+              FROM (SELECT c.id, c.at, c.ai, c.rn, c.rank FROM pick AS c ORDER BY c.rank, c.rn, c.id LIMIT $1) AS c
+            WINDOW w AS (ORDER BY c.rank, c.rn, c.id)) AS c
+     WHERE c.k = 1 OR c.upto <= $10::bigint),
 locked AS (
     SELECT o.id, c.at, c.ai, c.rn
       FROM %[1]s AS o JOIN chosen AS c ON c.id = o.id
@@ -250,7 +258,7 @@ RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.p
           o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s AS replays, %[4]s AS trace)
 SELECT s.n, s.last_due, s.last_id, c.*
   FROM summary AS s LEFT JOIN claimed AS c ON true
- ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows, order, rank, Unsettled("p"))
+ ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows, order, rank, Unsettled("p"), payloadBytes("o"))
 	}
 	shapes := func(all, newest bool) [3]string {
 		return [3]string{
@@ -510,7 +518,8 @@ func (s *Store) newestClaimStatement() string {
 // when that window was full and gave fewer than q.Limit rows, at a second
 // window further on (where the previous claim's second window ended), so
 // that aggregates held back at the front of a backlog do not starve the
-// rows behind them.
+// rows behind them. Each statement takes at most the bytes q.MaxBytes
+// leaves (a claim full by its bytes looks no further: ClaimQuery.Full).
 func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, error) {
 	claimSQL, err := s.claimStatement(ctx, q.All)
 	if err != nil {
@@ -521,6 +530,10 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		return nil, err
 	}
 	window := max(q.Limit*claimWindowRows, 1000)
+	maxBytes := q.MaxBytes
+	if maxBytes <= 0 {
+		maxBytes = math.MaxInt64
+	}
 	// With a backlog at the claim path (the last claim's first window was
 	// full) in replication mode, a share of each claim goes first to the
 	// newest due hand-offs: the fresh events of aggregates the stream
@@ -534,22 +547,22 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		// to a lagging stream"). Each run still starts at its aggregate's
 		// oldest unsettled row.
 		newestSQL := s.newestClaimStatement()
-		recent, _, err := s.claimFrom(ctx, newestSQL, q, names, every, regex, q.DueSince, 0, window, q.Limit)
+		recent, _, err := s.claimFrom(ctx, newestSQL, q, names, every, regex, q.DueSince, 0, window, q.Limit, maxBytes)
 		return recent, err
 	}
 	var newest []*relay.Work
 	if !q.All && s.claimBacklog.Load() {
 		newestSQL := s.newestClaimStatement()
 		share := max(q.Limit/claimNewestShare, 1)
-		newest, _, err = s.claimFrom(ctx, newestSQL, q, names, every, regex, time.Time{}, 0, share*claimWindowRows, share)
+		newest, _, err = s.claimFrom(ctx, newestSQL, q, names, every, regex, time.Time{}, 0, share*claimWindowRows, share, max(maxBytes/claimNewestShare, 1))
 		if err != nil {
 			return nil, err
 		}
-		if len(newest) >= q.Limit {
+		if q.Full(newest) {
 			return newest, nil
 		}
 	}
-	first, win, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, time.Time{}, 0, window, q.Limit-len(newest))
+	first, win, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, time.Time{}, 0, window, q.Limit-len(newest), maxBytes-relay.PayloadBytes(newest))
 	if err != nil {
 		if len(newest) > 0 {
 			// The newest window's rows are claimed: hand them on.
@@ -559,7 +572,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	}
 	s.claimBacklog.Store(win.full)
 	first = mergeByID(newest, first)
-	if len(first) >= q.Limit || !win.full {
+	if q.Full(first) || !win.full {
 		if !win.full {
 			s.setCursor(claimWindow{})
 		}
@@ -572,7 +585,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		fromDue, fromID = c.due, c.id
 	}
 	c.mu.Unlock()
-	second, win2, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, fromDue, fromID, window, q.Limit-len(first))
+	second, win2, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, fromDue, fromID, window, q.Limit-len(first), maxBytes-relay.PayloadBytes(first))
 	if err != nil {
 		// The first statement's rows are claimed: hand them on.
 		return first, nil
@@ -601,9 +614,10 @@ func (s *Store) setCursor(w claimWindow) {
 }
 
 // claimFrom runs one claim statement over the window of up to window due
-// rows after (fromDue, fromID), claiming at most limit rows.
+// rows after (fromDue, fromID), claiming at most limit rows whose payloads
+// take at most maxBytes (the first row whatever its size).
 func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQuery, names []string, every []bool, regex []*string,
-	fromDue time.Time, fromID int64, window, limit int) ([]*relay.Work, claimWindow, error) {
+	fromDue time.Time, fromID int64, window, limit int, maxBytes int64) ([]*relay.Work, claimWindow, error) {
 	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
 	// The rows' leases begin with the statement (locked_at = now()), not
@@ -629,7 +643,7 @@ func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQue
 	// pending, as if never claimed. A round trip per claim no longer waits
 	// for an fsync.
 	err := s.inTx(dbCtx, s.sql.setClaim, func(b *pgx.Batch) {
-		b.Queue(claimSQL, limit, q.Owner, q.All, names, every, regex, cursorDue, fromID, window)
+		b.Queue(claimSQL, limit, q.Owner, q.All, names, every, regex, cursorDue, fromID, window, maxBytes)
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
 		if err != nil {

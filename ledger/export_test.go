@@ -4,6 +4,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // SetHandOverSlice sets how many rows a hand-over reads at a time,
@@ -32,7 +34,7 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 		i = 1
 	}
 	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
-	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000)}, err
+	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, err
 }
 
 // ClaimNewestStatement returns the claim of the newest due hand-offs
@@ -41,7 +43,7 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 func (s *Store) ClaimNewestStatement(limit int, owner string) (string, []any, error) {
 	names, every, regex, err := s.routingArrays()
 	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
-	return s.sql.claim.newest[2], []any{limit, owner, false, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000)}, err
+	return s.sql.claim.newest[2], []any{limit, owner, false, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, err
 }
 
 // LedgerPairsStatement returns the read of the ledger's pairs of some event

@@ -16,9 +16,10 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// handOverSlice is how many rows of a hand-over one read takes: half the
-// engine's window for them (relay.HandOverWindow), so that the next slice
-// is read while the last is delivered.
+// handOverSlice is how many rows of a hand-over one read takes at most: half
+// the engine's window for them (relay.HandOverWindow), so that the next
+// slice is read while the last is delivered. Their payloads take at most
+// the store's readBytes as well (sliceBytes).
 var handOverSlice = relay.HandOverWindow / 2
 
 // earlySlice is how many of the newest rows pending in the snapshot Early
@@ -117,12 +118,39 @@ func (h *handOverRows) Pending(ctx context.Context, aggs []relay.AggregateKey) (
 // aggregate has every pending row among them (and those without one): the
 // events committed just before the slot, of aggregates without a backlog,
 // which would otherwise wait for the whole read. It reads them again like
-// a slice of Deliver and returns them with their aggregates, for the
-// caller to feed; Deliver leaves them out and counts them. It returns
-// nothing once the read is done.
+// a slice of Deliver, as many as fit one slice's bytes in id order, and
+// returns them with the aggregates whose every row it returns, for the
+// caller to feed; Deliver leaves them out and counts them, and feeds the
+// others. It returns nothing once the read is done.
 func (h *handOverRows) Early(ctx context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
-	ids, aggs, err := h.earlyIDs(ctx)
-	if err != nil || len(ids) == 0 {
+	rows, err := h.earlyRows(ctx)
+	if err != nil || len(rows) == 0 {
+		return nil, nil, err
+	}
+	ids := make([]int64, len(rows))
+	for i, r := range rows {
+		ids[i] = r.id
+	}
+	// One slice, like Deliver's: the rows past its bytes are left to
+	// Deliver, and their aggregates to the pin.
+	n, err := h.sliceBytes(ctx, ids)
+	if err != nil {
+		return nil, nil, fmt.Errorf("read the %d newest rows of snapshot %s to deliver: %w", len(ids), h.snapshot, err)
+	}
+	ids = ids[:n]
+	left := map[relay.AggregateKey]bool{}
+	for _, r := range rows[n:] {
+		if r.ordered {
+			left[r.agg] = true
+		}
+	}
+	var aggs []relay.AggregateKey
+	for _, r := range rows[:n] {
+		if r.ordered && !left[r.agg] && !slices.Contains(aggs, r.agg) {
+			aggs = append(aggs, r.agg)
+		}
+	}
+	if err := h.recordEarly(ids); err != nil {
 		return nil, nil, err
 	}
 	readSQL, err := h.s.handOverReadStatement(ctx)
@@ -139,53 +167,103 @@ func (h *handOverRows) Early(ctx context.Context) ([]*relay.Event, []relay.Aggre
 	return events, aggs, nil
 }
 
-// earlyIDs reads Early's rows on the second transaction and records them
-// for Deliver to leave out.
-func (h *handOverRows) earlyIDs(ctx context.Context) ([]int64, []relay.AggregateKey, error) {
+// earlyRow is a row Early may feed: its id and its aggregate, if it has one.
+type earlyRow struct {
+	id      int64
+	agg     relay.AggregateKey
+	ordered bool
+}
+
+// earlyRows reads Early's rows on the second transaction, in id order.
+func (h *handOverRows) earlyRows(ctx context.Context) ([]earlyRow, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.closed {
-		return nil, nil, errors.New("deliver the hand-over's newest rows: the hand-over was closed")
+		return nil, errors.New("deliver the hand-over's newest rows: the hand-over was closed")
 	}
 	if h.readDone || h.probe == nil {
-		return nil, nil, nil
+		return nil, nil
 	}
 	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
 	var maxID int64
 	if err := h.probe.QueryRow(dbCtx, h.s.sql.maxID).Scan(&maxID); err != nil {
-		return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+		return nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
 	}
 	rows, err := h.probe.Query(dbCtx, h.s.sql.snapshotEarly, maxID-int64(earlySlice), maxID)
 	if err != nil {
-		return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+		return nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
 	}
 	defer rows.Close()
-	var ids []int64
-	var aggs []relay.AggregateKey
-	seen := map[relay.AggregateKey]bool{}
+	var out []earlyRow
 	for rows.Next() {
-		var id int64
+		var r earlyRow
 		var typ, aggID *string
-		if err := rows.Scan(&id, &typ, &aggID); err != nil {
-			return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+		if err := rows.Scan(&r.id, &typ, &aggID); err != nil {
+			return nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
 		}
-		ids = append(ids, id)
 		if typ != nil && aggID != nil {
-			if a := (relay.AggregateKey{Type: *typ, ID: *aggID}); !seen[a] {
-				seen[a] = true
-				aggs = append(aggs, a)
-			}
+			r.agg, r.ordered = relay.AggregateKey{Type: *typ, ID: *aggID}, true
 		}
+		out = append(out, r)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+		return nil, fmt.Errorf("read the newest rows of snapshot %s: %w", h.snapshot, err)
+	}
+	slices.SortFunc(out, func(a, b earlyRow) int { return cmp.Compare(a.id, b.id) })
+	return out, nil
+}
+
+// recordEarly records the rows Early feeds, for Deliver to leave out.
+func (h *handOverRows) recordEarly(ids []int64) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return errors.New("deliver the hand-over's newest rows: the hand-over was closed")
 	}
 	h.early = make(map[int64]bool, len(ids))
 	for _, id := range ids {
 		h.early[id] = true
 	}
-	return ids, aggs, nil
+	return nil
+}
+
+// sliceBytes returns how many of ids, from the first, one slice reads: as
+// many as fit the store's readBytes by their payloads' size
+// (payloadSizes), and at least one, so that a row larger than that is read
+// alone.
+func (h *handOverRows) sliceBytes(ctx context.Context, ids []int64) (int, error) {
+	sizes, err := h.s.payloadSizes(ctx, ids)
+	if err != nil {
+		return 0, err
+	}
+	return fitBytes(ids, sizes, h.s.readBytes), nil
+}
+
+// payloadSizes returns the payload bytes of the rows ids (payloadBytes); a
+// row gone is left out.
+func (s *Store) payloadSizes(ctx context.Context, ids []int64) (map[int64]int64, error) {
+	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
+	defer cancel()
+	rows, err := s.pool.Query(dbCtx, s.sql.payloadSizes, ids)
+	if err != nil {
+		return nil, fmt.Errorf("read the payloads' sizes: %w", err)
+	}
+	sizes := make(map[int64]int64, len(ids))
+	var id, size int64
+	if _, err := pgx.ForEachRow(rows, []any{&id, &size}, func() error { sizes[id] = size; return nil }); err != nil {
+		return nil, fmt.Errorf("read the payloads' sizes: %w", err)
+	}
+	return sizes, nil
+}
+
+// payloadBytes is the SQL of the bytes, about, that row o's payload takes
+// once read: the size of its jsonb uncompressed, which its text follows
+// closely. The concatenation detoasts the value without printing it
+// (octet_length(payload::text) would print it, a cost like the read's own
+// on a large payload); '{}' adds nothing to an object.
+func payloadBytes(o string) string {
+	return fmt.Sprintf(`COALESCE(pg_column_size(%s.payload || '{}'::jsonb), 0)::bigint`, o)
 }
 
 // read reads, once, in the imported snapshot, the rows pending there and
@@ -317,7 +395,10 @@ func (h *handOverRows) Aggregates(ctx context.Context) ([]relay.AggregateKey, er
 }
 
 // Deliver implements relay.HandOverRows. It reads the rows again by id, a
-// slice of handOverSlice at a time at READ COMMITTED, keeping only those
+// slice at a time at READ COMMITTED — at most handOverSlice rows, whose
+// payloads take at most the store's readBytes (a row larger than that
+// alone), so that the memory a slice holds before the engine takes it is
+// bounded by bytes (docs/performance.md, "Memory") — keeping only those
 // still pending, not handed off and not delivered everywhere (a poller
 // still running may have claimed one since the snapshot), and gives them
 // to feed. The aggregates with the fewest rows go first, each in id order:
@@ -366,28 +447,41 @@ func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent rela
 		return cmp.Or(cmp.Compare(rowsOf(a), rowsOf(b)), cmp.Compare(a.id, b.id))
 	})
 	left := slices.Clone(count) // each aggregate's rows not fed yet
-	ids := make([]int64, 0, handOverSlice)
 	for chunk := range slices.Chunk(h.rows, handOverSlice) {
-		ids = ids[:0]
-		var complete []relay.AggregateKey // fed may keep it
-		for _, r := range chunk {
-			ids = append(ids, r.id)
-			if r.agg >= 0 {
-				if left[r.agg]--; left[r.agg] == 0 {
-					complete = append(complete, h.aggs[r.agg])
-				}
-			}
+		ids := make([]int64, len(chunk))
+		for i, r := range chunk {
+			ids[i] = r.id
 		}
-		events, err := h.readSlice(ctx, readSQL, ids)
+		// The chunk is read in slices of readBytes: the rows' sizes
+		// first, then each slice's payloads.
+		sizes, err := h.s.payloadSizes(ctx, ids)
 		if err != nil {
 			return total, fmt.Errorf("read %d rows of snapshot %s to deliver: %w", len(ids), h.snapshot, err)
 		}
-		if err := feed(ctx, events); err != nil {
-			return total, fmt.Errorf("deliver %d rows of snapshot %s: %w", len(events), h.snapshot, err)
+		for len(chunk) > 0 {
+			n := fitBytes(ids, sizes, h.s.readBytes)
+			slice, sliceIDs := chunk[:n], ids[:n]
+			chunk, ids = chunk[n:], ids[n:]
+			var complete []relay.AggregateKey // fed may keep it
+			for _, r := range slice {
+				if r.agg >= 0 {
+					if left[r.agg]--; left[r.agg] == 0 {
+						complete = append(complete, h.aggs[r.agg])
+					}
+				}
+			}
+			events, err := h.readSlice(ctx, readSQL, sliceIDs)
+			if err != nil {
+				return total, fmt.Errorf("read %d rows of snapshot %s to deliver: %w", n, h.snapshot, err)
+			}
+			if err := feed(ctx, events); err != nil {
+				return total, fmt.Errorf("deliver %d rows of snapshot %s: %w", len(events), h.snapshot, err)
+			}
+			total += int64(len(events))
+			// Queued: the aggregates' streamed events follow them in the
+			// lanes.
+			fed(complete)
 		}
-		total += int64(len(events))
-		// Queued: the aggregates' streamed events follow them in the lanes.
-		fed(complete)
 	}
 	if err := settled(ctx); err != nil {
 		return total, fmt.Errorf("wait for the hand-over's rows to settle: %w", err)
@@ -396,6 +490,20 @@ func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent rela
 		return total, fmt.Errorf("record the hand-over of slot %s: %w", slot, err)
 	}
 	return total, nil
+}
+
+// fitBytes returns how many of ids, from the first, fit limit by their
+// payloads' sizes: at least one, so that a row larger than limit is read
+// alone.
+func fitBytes(ids []int64, sizes map[int64]int64, limit int64) int {
+	var bytes int64
+	for i, id := range ids {
+		bytes += sizes[id]
+		if i > 0 && bytes > limit {
+			return i
+		}
+	}
+	return len(ids)
 }
 
 // readSlice reads the rows of ids still to deliver, in the order of ids.

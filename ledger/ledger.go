@@ -61,6 +61,10 @@ type Config struct {
 	Sinks []Sink
 	// Unordered drops the ordering check (ordering: none).
 	Unordered bool
+	// MaxInFlightBytes is the engine's byte budget
+	// (delivery.max_inflight_bytes) [relay.DefaultMaxInFlightBytes]: a
+	// hand-over reads its rows in slices of relay.ReadBytes of it.
+	MaxInFlightBytes int64
 }
 
 // Sink is a sink's name (the ledger's action) and the event_type globs it
@@ -94,6 +98,9 @@ type Store struct {
 	// Close: the pending scan waits for them (scan.go).
 	handingOver atomic.Int32
 	tables      tables
+	// readBytes is the most payload bytes one slice of a hand-over reads
+	// (relay.ReadBytes).
+	readBytes int64
 
 	// claimSQL is the claim query for the table's shape, chosen once.
 	claimMu    sync.Mutex
@@ -128,6 +135,7 @@ type statements struct {
 	maxID                string
 	markForClaimByID     string
 	handOverRead         [2]string // without, with trace_context
+	payloadSizes         string
 	pendingRange         string
 	markDeliveredDone    string
 	setAsyncCommit       string
@@ -182,6 +190,9 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 			return nil, err
 		}
 	}
+	if cfg.MaxInFlightBytes <= 0 {
+		cfg.MaxInFlightBytes = relay.DefaultMaxInFlightBytes
+	}
 	return &Store{
 		outbox:      cfg.Outbox.Quoted(),
 		pool:        pool,
@@ -189,6 +200,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		sql:         render(t, claimOptions{unordered: cfg.Unordered}),
 		tables:      t,
 		routes:      cfg.Sinks,
+		readBytes:   relay.ReadBytes(cfg.MaxInFlightBytes),
 	}, nil
 }
 
@@ -256,6 +268,9 @@ SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
 		// still the stream's (pending, not handed off) and not delivered
 		// everywhere.
 		handOverRead: [2]string{handOverRead(t, "NULL::text"), handOverRead(t, "o.trace_context::text")},
+		// The payload bytes of the rows $1, which a hand-over's slices are
+		// cut by before their payloads are read.
+		payloadSizes: fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[])`, payloadBytes("o"), outbox),
 		// The rows pending in a new slot's snapshot, to deliver: the read
 		// the stream waits for, so it leaves the ledger to Deliver's reads
 		// of each slice (a row delivered everywhere is left out there).

@@ -264,7 +264,10 @@ func (c *Source) claimLoop(ctx context.Context) {
 		again := false
 		wait := c.cfg.PollInterval
 		if c.ownerHeld.Load() {
-			q := relay.ClaimQuery{All: c.cfg.All, Limit: c.cfg.BatchSize, Owner: c.cfg.Owner}
+			// A claim's rows wait in memory for the engine's room: their
+			// bytes are bounded as well as their count (docs/performance.md,
+			// "Memory").
+			q := relay.ClaimQuery{All: c.cfg.All, Limit: c.cfg.BatchSize, MaxBytes: c.cfg.Engine.ReadBytes(), Owner: c.cfg.Owner}
 			if time.Since(lastFull) < yieldEvery && c.streamLags() {
 				q.DueSince = time.Now().Add(-yieldRecent)
 				wait = min(wait, yieldPoll)
@@ -272,7 +275,7 @@ func (c *Source) claimLoop(ctx context.Context) {
 			} else {
 				lastFull = time.Now()
 			}
-			n, err := c.claimBatch(ctx, q)
+			full, err := c.claimBatch(ctx, q)
 			if err != nil {
 				if ctx.Err() != nil {
 					return
@@ -286,7 +289,7 @@ func (c *Source) claimLoop(ctx context.Context) {
 				continue
 			}
 			failures = 0
-			again = n >= c.cfg.BatchSize
+			again = full
 		}
 		if again {
 			continue
@@ -303,20 +306,22 @@ func (c *Source) claimLoop(ctx context.Context) {
 	}
 }
 
-// claimBatch claims one batch and hands it to the engine. Rows the engine
-// does not take (ctx ended, the ledger claims failed) are put back.
-func (c *Source) claimBatch(ctx context.Context, q relay.ClaimQuery) (int, error) {
+// claimBatch claims one batch and hands it to the engine, and reports
+// whether the batch was full (relay.ClaimQuery.Full). Rows the engine does
+// not take (ctx ended, the ledger claims failed) are put back.
+func (c *Source) claimBatch(ctx context.Context, q relay.ClaimQuery) (full bool, err error) {
 	works, err := c.cfg.Store.Claim(ctx, q)
 	if err != nil || len(works) == 0 {
-		return 0, err
+		return false, err
 	}
 	c.Stats.Claimed.Add(int64(len(works)))
+	full = q.Full(works)
 	notTaken, err := c.cfg.Engine.SubmitClaimed(ctx, works)
 	if err != nil {
 		c.putBack(ctx, notTaken)
-		return len(works), err
+		return full, err
 	}
-	return len(works), nil
+	return full, nil
 }
 
 // putBack returns claimed rows the engine did not take to pending, due
