@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"weak"
@@ -188,6 +189,36 @@ func TestDecoderKeepsNoEventAlive(t *testing.T) {
 		t.Fatal("the decoder still holds the last event's payload after the consumer let go of it")
 	}
 	runtime.KeepAlive(d)
+}
+
+// TestDecoderBatchesByBytes: the decoder hands a transaction's events to
+// the consumer in batches of at most 256 events and about 4 MiB of
+// payloads: a transaction of large payloads is never held whole before the
+// engine counts it against its byte budget (docs/performance.md, "Memory"),
+// and a payload larger than that goes alone.
+func TestDecoderBatchesByBytes(t *testing.T) {
+	const rows, size = 64, 5 << 20
+	d := newOutboxDecoder(t)
+	payload := textValue(`"` + strings.Repeat("x", size) + `"`)
+	msgs := [][]byte{beginMessage(finalLSN, commitTime, 7)}
+	for i := range rows {
+		msgs = append(msgs, insertMessage(outboxRelID, outboxRow(map[string]tupleValue{
+			"id": textValue(strconv.Itoa(i + 1)), "event_key": textValue("big-" + strconv.Itoa(i)), "payload": payload,
+		})))
+	}
+	msgs = append(msgs, commitMessage(finalLSN, endLSN, commitTime))
+	events, bytes, err := d.FeedBatches(msgs...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(events) != rows {
+		t.Fatalf("%d batches of %v events, want %d of one event each", len(events), events, rows)
+	}
+	for i, n := range bytes {
+		if events[i] != 1 || n > size+2 {
+			t.Fatalf("batch %d held %d events, %d payload bytes: want one %d-byte payload", i, events[i], n, size+2)
+		}
+	}
 }
 
 // BenchmarkDecodeEvent: the allocations and time of one single-row

@@ -79,10 +79,15 @@ type droppingConsumer struct {
 	recordingConsumer
 	events int
 	seen   func(*relay.Event) // when set, sees each event before it is dropped
+	// batch, when set, sees each batch submitted.
+	batch func([]*relay.Event)
 }
 
 func (c *droppingConsumer) Submit(_ context.Context, events []*relay.Event) error {
 	c.events += len(events)
+	if c.batch != nil {
+		c.batch(events)
+	}
 	if c.seen != nil {
 		for _, ev := range events {
 			c.seen(ev)
@@ -105,6 +110,22 @@ func (d *Decoder) FeedAndWatch(msgs ...[]byte) (weak.Pointer[byte], error) {
 	defer func() { c.seen = nil }()
 	_, err := d.Feed(msgs...)
 	return payload, err
+}
+
+// FeedBatches is Feed, and returns how many events, and how many payload
+// bytes, each batch the decoder submitted held.
+func (d *Decoder) FeedBatches(msgs ...[]byte) (events, bytes []int, err error) {
+	c := d.d.consumer.(*droppingConsumer)
+	c.batch = func(batch []*relay.Event) {
+		n := 0
+		for _, ev := range batch {
+			n += len(ev.Payload)
+		}
+		events, bytes = append(events, len(batch)), append(bytes, n)
+	}
+	defer func() { c.batch = nil }()
+	_, err = d.Feed(msgs...)
+	return events, bytes, err
 }
 
 // DecodeMessages runs pgoutput messages (XLogData payloads) through the
