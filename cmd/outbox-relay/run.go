@@ -165,6 +165,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	lcfg := ledger.DefaultConfig()
 	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = r.tables.Outbox, r.tables.Ledger, r.tables.Checkpoint
 	lcfg.Unordered = cfg.Delivery.Ordering == config.OrderingNone
+	lcfg.MaxInFlightBytes = int64(cfg.Delivery.MaxInFlightBytes)
 	for _, rt := range r.routes {
 		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
 	}
@@ -245,12 +246,13 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 					Backoff:        durations(cfg.Delivery.Backoff),
 					LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
 				},
-				Unordered:  cfg.Delivery.Ordering == config.OrderingNone,
-				MarkDone:   cfg.Delivery.MarkDone == config.MarkDoneAsync,
-				Stream:     r.store,
-				Claim:      r.store,
-				Owner:      r.owner, // the claim path holds this owner's lock
-				ClaimLease: time.Duration(cfg.Source.LockTimeout),
+				Unordered:        cfg.Delivery.Ordering == config.OrderingNone,
+				MaxInFlightBytes: int64(cfg.Delivery.MaxInFlightBytes),
+				MarkDone:         cfg.Delivery.MarkDone == config.MarkDoneAsync,
+				Stream:           r.store,
+				Claim:            r.store,
+				Owner:            r.owner, // the claim path holds this owner's lock
+				ClaimLease:       time.Duration(cfg.Source.LockTimeout),
 				// A replication session's wait for settlement ends when
 				// the stall detector would call the stream stalled.
 				StallAfter: time.Duration(cfg.HTTP.StallAfter),

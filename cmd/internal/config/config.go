@@ -179,6 +179,10 @@ type DeliveryConfig struct {
 	Backoff        []Duration `yaml:"backoff"`
 	MarkDone       MarkDone   `yaml:"mark_done"`
 	LaneBlockMax   Duration   `yaml:"lane_block_max"`
+	// MaxInFlightBytes bounds the bytes of the events the relay holds
+	// between reading them and recording their outcome, on every path
+	// (docs/performance.md, "Memory").
+	MaxInFlightBytes ByteSize `yaml:"max_inflight_bytes"`
 }
 
 // SinkType selects a sink implementation.
@@ -503,8 +507,9 @@ func Default() Config {
 				Duration(2 * time.Minute), Duration(5 * time.Minute), Duration(15 * time.Minute),
 				Duration(30 * time.Minute), Duration(time.Hour),
 			},
-			MarkDone:     MarkDoneAsync,
-			LaneBlockMax: Duration(2 * time.Second),
+			MarkDone:         MarkDoneAsync,
+			LaneBlockMax:     Duration(2 * time.Second),
+			MaxInFlightBytes: 64 * MiB,
 		},
 		HTTP:            HTTPConfig{Listen: "127.0.0.1:9187", StallAfter: Duration(5 * time.Minute)},
 		DataDir:         "./data",

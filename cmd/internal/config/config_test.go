@@ -137,6 +137,7 @@ delivery:
   backoff: [2s, 1m]
   mark_done: off
   lane_block_max: 500ms
+  max_inflight_bytes: 16MiB
 sinks:
   - name: n8n
     type: webhook
@@ -185,7 +186,7 @@ func fullConfig() config.Config {
 	c.Delivery = config.DeliveryConfig{
 		Ordering: config.OrderingNone, InlineAttempts: 0, MaxAttempts: 5,
 		Backoff:  []config.Duration{sec(2 * time.Second), sec(time.Minute)},
-		MarkDone: config.MarkDoneOff, LaneBlockMax: sec(500 * time.Millisecond),
+		MarkDone: config.MarkDoneOff, LaneBlockMax: sec(500 * time.Millisecond), MaxInFlightBytes: 16 * config.MiB,
 	}
 	hook := config.DefaultSink(config.SinkWebhook)
 	hook.Name = "n8n"
@@ -518,6 +519,7 @@ func TestLoad_EnvOverrides(t *testing.T) {
 				"RELAY_SINKS_1_STREAM_DUPLICATE_WINDOW=5m",
 				"RELAY_SINKS_0_409_MEANS_DELIVERED=true",
 				"RELAY_SHUTDOWN_TIMEOUT=1m",
+				"RELAY_DELIVERY_MAX_INFLIGHT_BYTES=32MiB",
 			},
 			check: func(t *testing.T, c *config.Config) {
 				if c.Source.PollInterval != sec(2*time.Second) || c.Source.SlotMaxRetained != 2*config.GiB {
@@ -531,6 +533,9 @@ func TestLoad_EnvOverrides(t *testing.T) {
 				}
 				if c.ShutdownTimeout != sec(time.Minute) {
 					t.Errorf("shutdown_timeout = %s", c.ShutdownTimeout)
+				}
+				if c.Delivery.MaxInFlightBytes != 32*config.MiB {
+					t.Errorf("max_inflight_bytes = %s", c.Delivery.MaxInFlightBytes)
 				}
 			},
 		},
@@ -903,6 +908,12 @@ func TestLoad_InvalidValues(t *testing.T) {
 		{"bad size", "source:\n  slot_max_retained: 1XB\n", nil, []string{`relay.yaml:2: source.slot_max_retained: invalid size "1XB": unknown unit "XB"`}},
 		{"zero size", "source:\n  slot_max_retained: 0\n", nil, []string{"relay.yaml:2: source.slot_max_retained: must be greater than zero"}},
 		{"negative size", hook + "    max_body: -1MiB\n", nil, []string{`relay.yaml:5: sinks[0].max_body: invalid size "-1MiB"`}},
+		{"in-flight bytes below the least", "delivery:\n  max_inflight_bytes: 64KiB\n", nil, []string{
+			"relay.yaml:2: delivery.max_inflight_bytes: must be at least 1MiB (the bytes of the events in flight; an event larger than it is delivered alone), got 64KiB",
+		}},
+		{"in-flight bytes from the environment", "", []string{"RELAY_DELIVERY_MAX_INFLIGHT_BYTES=0"}, []string{
+			"RELAY_DELIVERY_MAX_INFLIGHT_BYTES: delivery.max_inflight_bytes: must be at least 1MiB",
+		}},
 		{"batch out of range", hook + "    batch: {max_events: 1001, max_wait: 0s}\n", nil, []string{
 			"relay.yaml:5: sinks[0].batch.max_events: must be between 0 (off) and 1000, got 1001",
 			"relay.yaml:5: sinks[0].batch.max_wait: must be greater than zero, got 0s",

@@ -195,7 +195,15 @@ func (v *validator) delivery(d DeliveryConfig) {
 	}
 	oneOf(v, "delivery.mark_done", d.MarkDone, d.MarkDone.choices())
 	v.positive("delivery.lane_block_max", d.LaneBlockMax)
+	if d.MaxInFlightBytes < minInFlightBytes {
+		v.fail("delivery.max_inflight_bytes", "must be at least %s (the bytes of the events in flight; an event larger than it is delivered alone), got %s",
+			minInFlightBytes, d.MaxInFlightBytes)
+	}
 }
+
+// minInFlightBytes is the least delivery.max_inflight_bytes: below it the
+// relay would read and send a few small events at a time.
+const minInFlightBytes = MiB
 
 // sink checks one sink; names maps the names seen so far to their paths.
 func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
