@@ -81,6 +81,12 @@
 //	            slots, the first client started before the second (as the
 //	            relay is before the floor client): how far apart two
 //	            identical clients of one server are at the tail.
+//	large-payloads
+//	            peak RSS and CPU of the relay (GOGC=100, no memory limit)
+//	            delivering 900 rows of 600 KiB through a new slot's
+//	            hand-over, the stream behind a slow webhook (at four byte
+//	            budgets) and the claim path, and 20 rows of 10 MiB through
+//	            the stream and a hand-over (docs/performance.md, "Memory").
 //
 // Every steady phase (steady-js, steady, steady-after-drain) also runs the bare
 // pglogrepl client beside the relay, on its own temporary slot in the same

@@ -25,7 +25,7 @@ import (
 var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated"}
 
 // extraPhases run only when -phases names them.
-var extraPhases = []string{"partitions", "standby", "floor-pair"}
+var extraPhases = []string{"partitions", "standby", "floor-pair", "large-payloads"}
 
 func isPhase(p string) bool {
 	for _, q := range append(allPhases, extraPhases...) {
@@ -57,6 +57,7 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"floor-pair":         phaseFloorPair,     // floor.go
 	"drain-claim":        phaseDrainClaim,    // claim.go
 	"slot-recreated":     phaseSlotRecreated, // claim.go
+	"large-payloads":     phaseLargePayloads, // largepayloads.go
 }
 
 // quiet waits for a quiet machine before a measured window and says so.
