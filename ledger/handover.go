@@ -146,11 +146,12 @@ func (h *handOverRows) Early(ctx context.Context) ([]*relay.Event, []relay.Aggre
 	}
 	var aggs []relay.AggregateKey
 	for _, r := range rows[:n] {
-		if r.ordered && !left[r.agg] && !slices.Contains(aggs, r.agg) {
+		if r.ordered && !left[r.agg] {
+			left[r.agg] = true // once
 			aggs = append(aggs, r.agg)
 		}
 	}
-	if err := h.recordEarly(ids); err != nil {
+	if ok, err := h.recordEarly(ids); !ok || err != nil {
 		return nil, nil, err
 	}
 	readSQL, err := h.s.handOverReadStatement(ctx)
@@ -214,18 +215,23 @@ func (h *handOverRows) earlyRows(ctx context.Context) ([]earlyRow, error) {
 	return out, nil
 }
 
-// recordEarly records the rows Early feeds, for Deliver to leave out.
-func (h *handOverRows) recordEarly(ids []int64) error {
+// recordEarly records the rows Early feeds, for Deliver to leave out, and
+// reports false when the read has run since earlyRows: Deliver has every
+// row then, and Early feeds none.
+func (h *handOverRows) recordEarly(ids []int64) (bool, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.closed {
-		return errors.New("deliver the hand-over's newest rows: the hand-over was closed")
+		return false, errors.New("deliver the hand-over's newest rows: the hand-over was closed")
+	}
+	if h.readDone {
+		return false, nil
 	}
 	h.early = make(map[int64]bool, len(ids))
 	for _, id := range ids {
 		h.early[id] = true
 	}
-	return nil
+	return true, nil
 }
 
 // sliceBytes returns how many of ids, from the first, one slice reads: as
