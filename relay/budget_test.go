@@ -132,9 +132,9 @@ func TestEngine_InFlightBytesBounded(t *testing.T) {
 					}
 					return nil
 				},
-				settleClaim: func(_ context.Context, works []*relay.Work, _ string) error {
+				settleClaim: func(_ context.Context, works []*relay.Work, _ string) ([]int64, error) {
 					log.settle(works)
-					return nil
+					return nil, nil
 				},
 			}
 			sink := newFakeSink("s", nil)
