@@ -604,7 +604,7 @@ func (e *Engine) route(p Path, ev *Event) *Work {
 		return w
 	}
 	for _, l := range e.lanes {
-		if Matches(l.route.Events, ev.EventType) {
+		if l.route.Takes(ev) {
 			w.Pairs = append(w.Pairs, &Pair{Sink: l.name, Hold: l.route.Hold})
 			w.lanes = append(w.lanes, l)
 		}
