@@ -48,3 +48,21 @@ func DeliveredEverywhere(ledgerTable string, sinks []Sink, o string) (string, er
                                WHERE l.event_key = %[2]s.event_key AND l.action = s.sink AND l.state = 'delivered'))`,
 		strings.Join(rows, ", "), o, ledgerTable), nil
 }
+
+// RoutedTo returns the SQL condition "the outbox row aliased o is routed to
+// sink s", by the rule DeliveredEverywhere renders. verify prints it in the
+// queries that list what it found (docs/operations.md, "verify"); verify
+// itself routes in Go (relay.Route.Takes). It returns an error for a glob
+// the engine would refuse.
+func RoutedTo(s Sink, o string) (string, error) {
+	f, err := newSinkFilter(s.Events)
+	switch {
+	case err != nil:
+		return "", fmt.Errorf("sink %s: %w", s.Name, err)
+	case f.everyType:
+		return "true", nil
+	case f.regex == nil:
+		return "false", nil
+	}
+	return fmt.Sprintf("%s.event_type ~ %s", o, relay.QuoteLiteral(*f.regex)), nil
+}
