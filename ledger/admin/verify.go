@@ -1,0 +1,551 @@
+package admin
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// Verify proves, over a window of the outbox, that nothing was lost or
+// repeated (docs/operations.md, "verify"): for every row of the window it
+// asks which sinks the row is routed to (relay.Route.Takes, the engine's own
+// rule) and what the record says of each — a delivered ledger row, or the
+// row's status — and reports the gaps:
+//
+//   - missing: a done row that a routed sink has no delivered ledger row for;
+//   - stuck: a row pending or processing, not delivered everywhere, due
+//     longer ago than StuckAfter;
+//   - unrouted: a ledger row for a sink the row is not routed to, or that is
+//     not configured;
+//   - orphaned: a ledger row whose outbox row is gone, though retention could
+//     not have removed it yet (only with an OrphanWalk);
+//
+// and, with a sink's deep check, what the sink itself holds
+// (missing_at_sink, duplicate, unrecorded: StreamAudit, ReceiverQuery).
+//
+// It reads the outbox by id, Slice rows per statement, each row with its
+// ledger rows in the same statement (one snapshot, so a replay between two
+// reads cannot look like a gap); it never reads the outbox outside the
+// window. It only reads, and is safe to run beside relays.
+
+// VerifySink is one configured sink, as verify routes and checks it.
+type VerifySink struct {
+	Name string
+	// Route carries the sink's routing (its event globs); its Sink is not
+	// used.
+	Route relay.Route
+	// ReceiverQuery, when set, is the deep check of a webhook sink: SQL
+	// run on the relay's database with $1 the text[] of event keys the
+	// ledger shows delivered to the sink, returning in its first column
+	// those the receiver applied.
+	ReceiverQuery string
+	// Stream, when set, is the deep check of a sink that stores copies (a
+	// JetStream stream), filled by the caller.
+	Stream *StreamAudit
+}
+
+// VerifyOptions says what Verify checks. Since or IDs is required.
+type VerifyOptions struct {
+	// Since keeps rows created at or after it (zero: any time). Without
+	// IDs the window starts at the first id created at or after it.
+	Since time.Time
+	// IDs restricts the window to these ids.
+	IDs []IDRange
+	// Sinks are the configured sinks.
+	Sinks []VerifySink
+	// Sink, when set, checks only the sink of that name: the other sinks'
+	// pairs and ledger rows are left alone.
+	Sink string
+	// StuckAfter is how long a row may stay pending after it is due
+	// (source.sweep_after).
+	StuckAfter time.Duration
+	// RetentionDoneAfter is retention.done_after when retention is on, 0
+	// when it is off: retention may have removed rows settled longer ago.
+	RetentionDoneAfter time.Duration
+	// Orphans walks the ledger for orphaned rows; nil skips them (a window
+	// of ids only: a ledger row has no id).
+	Orphans *OrphanWalk
+	// Slice is the rows one statement reads [10000].
+	Slice int
+	// Pause, when set, says how long to wait after a statement that took
+	// took: the continuous verify's bound on its cost.
+	Pause func(took time.Duration) time.Duration
+	// Listed is the gaps listed per kind and sink [10]; a negative value
+	// lists all.
+	Listed int
+}
+
+// rowFate is what an outbox row's status says became of its event.
+type rowFate int
+
+const (
+	fateOnItsWay     rowFate = iota // pending (or NULL) or processing
+	fateDone                        // settled: delivered everywhere
+	fateDeadLettered                // failed
+	fateHeld                        // held for a person
+	fateDiscarded                   // settled by dlq discard, undelivered
+	fateOther                       // a status the relay never writes
+)
+
+// classify reads an outbox row's status: the one place verify interprets
+// it, beside doneSQL, which says the same in SQL. A discarded row is done
+// with last_error prefixed DiscardPrefix (docs/operations.md, "dead
+// letters"), or has status 'discarded'.
+func classify(status, lastError pgtype.Text) rowFate {
+	if !status.Valid {
+		return fateOnItsWay
+	}
+	switch status.String {
+	case "pending", "processing":
+		return fateOnItsWay
+	case "failed":
+		return fateDeadLettered
+	case "held":
+		return fateHeld
+	case "discarded":
+		return fateDiscarded
+	case "done":
+		if lastError.Valid && strings.HasPrefix(lastError.String, DiscardPrefix) {
+			return fateDiscarded
+		}
+		return fateDone
+	}
+	return fateOther
+}
+
+// doneSQL is classify's fateDone in SQL, for the queries a report prints.
+func doneSQL(o string) string {
+	return fmt.Sprintf("%[1]s.status = 'done' AND coalesce(%[1]s.last_error, '') NOT LIKE %[2]s", o, relay.QuoteLiteral(DiscardPrefix+"%"))
+}
+
+// onItsWaySQL is classify's fateOnItsWay in SQL.
+func onItsWaySQL(o string) string {
+	return fmt.Sprintf("coalesce(%s.status, 'pending') IN ('pending', 'processing')", o)
+}
+
+// verifyRow is one outbox row of the window with its ledger rows. Value
+// types keep the decoding of a million rows cheap.
+type verifyRow struct {
+	id                int64
+	key               string
+	eventType         pgtype.Text
+	status, lastError pgtype.Text
+	created, due      pgtype.Timestamptz
+	// delivered and pending have bit i set when the ledger has a row for
+	// the i-th configured sink (VerifyOptions.Sinks), delivered or not;
+	// unknown names the sinks of its rows that are not configured.
+	delivered, pending int64
+	unknown            []string
+}
+
+// maxVerifySinks bounds the sinks a row's ledger bitmasks can hold.
+const maxVerifySinks = 62
+
+// verifySQL holds Verify's statements, rendered once for the tables.
+type verifySQL struct {
+	slice, firstAfter, bounds string
+	orphansFirst, orphansNext string
+	unrecorded                string
+}
+
+func newVerifySQL(t Tables) verifySQL {
+	return verifySQL{
+		// A row and its ledger rows in one statement: one snapshot. The
+		// LATERAL aggregate probes the ledger's primary key once per row
+		// (TestVerify_PlansUseIndexes) and sums the row's ledger rows up
+		// as bitmasks over the configured sinks' names ($4), cheap to
+		// decode a million times; a sink not configured is named.
+		slice: fmt.Sprintf(`
+SELECT o.id, o.event_key, o.event_type, o.status, o.last_error, o.created_at,
+       GREATEST(o.created_at, coalesce(o.available_at, o.created_at)),
+       l.delivered, l.pending, l.unknown
+  FROM %[1]s AS o
+ CROSS JOIN LATERAL (
+       SELECT coalesce(bit_or(1::int8 << (array_position($4::text[], x.action) - 1)) FILTER (WHERE x.state = 'delivered'), 0) AS delivered,
+              coalesce(bit_or(1::int8 << (array_position($4::text[], x.action) - 1)) FILTER (WHERE x.state <> 'delivered'), 0) AS pending,
+              array_agg(x.action) FILTER (WHERE x.action <> ALL ($4::text[])) AS unknown
+         FROM %[2]s AS x
+        WHERE x.event_key = o.event_key) AS l
+ WHERE o.id >= $1 AND o.id <= $2
+ ORDER BY o.id
+ LIMIT $3`, t.Outbox.Quoted(), t.Ledger.Quoted()),
+		firstAfter: fmt.Sprintf(`SELECT id, created_at FROM %s WHERE id >= $1 ORDER BY id LIMIT 1`, t.Outbox.Quoted()),
+		bounds:     fmt.Sprintf(`SELECT min(id), max(id), clock_timestamp() FROM %s`, t.Outbox.Quoted()),
+		// The ledger by key, a slice at a time: the ledger rows of the
+		// slice written since $4 whose key no outbox row has (one probe of
+		// the outbox's unique index per such row: OFFSET 0 keeps the NOT
+		// EXISTS from becoming an anti-join that reads the whole outbox),
+		// then the slice's last key, the walk's next cursor.
+		orphansFirst: orphansSQL(t, ">="),
+		orphansNext:  orphansSQL(t, ">"),
+		// The copies at a sink whose row is outside the window: each key's
+		// row (a probe of the unique index on event_key) and whether the
+		// ledger shows it delivered to the sink (a probe of its primary
+		// key). OFFSET 0 keeps each probe a probe: without it the planner
+		// joins a few thousand keys by hashing the whole outbox, and the
+		// whole ledger.
+		unrecorded: fmt.Sprintf(`
+SELECT k.key, o.id, o.status, o.last_error,
+       EXISTS (SELECT FROM %[2]s AS l WHERE l.event_key = k.key AND l.action = $2 AND l.state = 'delivered' OFFSET 0)
+  FROM unnest($1::text[]) AS k(key)
+  LEFT JOIN LATERAL (SELECT x.id, x.status, x.last_error FROM %[1]s AS x WHERE x.event_key = k.key OFFSET 0) AS o ON true`,
+			t.Outbox.Quoted(), t.Ledger.Quoted()),
+	}
+}
+
+func orphansSQL(t Tables, from string) string {
+	return fmt.Sprintf(`
+WITH slice AS MATERIALIZED (
+     SELECT l.event_key, l.action, coalesce(l.delivered_at, l.claimed_at) AS at
+       FROM %[1]s AS l
+      WHERE (l.event_key, l.action) %[3]s ($1::text, $2::text)
+      ORDER BY l.event_key, l.action
+      LIMIT $3)
+SELECT s.event_key, s.action, s.at, false
+  FROM slice AS s
+ WHERE s.at >= $4 AND ($5::text IS NULL OR s.action = $5)
+   AND NOT EXISTS (SELECT FROM %[2]s AS o WHERE o.event_key = s.event_key OFFSET 0)
+UNION ALL
+(SELECT event_key, action, NULL::timestamptz, true FROM slice ORDER BY event_key DESC, action DESC LIMIT 1)`,
+		t.Ledger.Quoted(), t.Outbox.Quoted(), from)
+}
+
+// Verify checks the window o describes and returns what it found; an error
+// only when it could not check (the database, a receiver query). See the
+// comment at the top of this file.
+func Verify(ctx context.Context, db DB, t Tables, o VerifyOptions) (*VerifyReport, error) {
+	start := time.Now()
+	switch {
+	case o.Since.IsZero() && len(o.IDs) == 0:
+		return nil, errors.New("verify: no window: give a time or ids")
+	case len(o.Sinks) > maxVerifySinks:
+		return nil, fmt.Errorf("verify: %d sinks; verify checks at most %d", len(o.Sinks), maxVerifySinks)
+	}
+	if o.Slice <= 0 {
+		o.Slice = 10_000
+	}
+	if o.Listed == 0 {
+		o.Listed = 10
+	}
+	v := &verifier{db: db, o: o, q: newVerifySQL(t)}
+	for i, s := range o.Sinks {
+		v.names = append(v.names, s.Name)
+		if o.Sink == "" || s.Name == o.Sink {
+			v.checked = append(v.checked, i)
+		}
+	}
+	if len(v.checked) == 0 {
+		return nil, fmt.Errorf("verify: no sink named %q", o.Sink)
+	}
+	r := &VerifyReport{StuckAfter: o.StuckAfter, listed: o.Listed, Notes: []string{}, Gaps: []*GapGroup{}}
+	v.r = r
+	if !o.Since.IsZero() {
+		since := o.Since.UTC()
+		r.Since = &since
+	}
+	var checked []VerifySink
+	for _, i := range v.checked {
+		s := o.Sinks[i]
+		checked = append(checked, s)
+		tally := &SinkTally{Sink: s.Name}
+		if s.ReceiverQuery != "" {
+			tally.Receiver = new(int64)
+		}
+		if s.Stream != nil {
+			tally.Stream = &s.Stream.Tally
+		}
+		r.Sinks = append(r.Sinks, tally)
+	}
+
+	var minID, maxID *int64
+	if err := db.QueryRow(ctx, v.q.bounds).Scan(&minID, &maxID, &r.AsOf); err != nil {
+		return nil, fmt.Errorf("verify: read the outbox's ids: %w", err)
+	}
+	ranges, err := windowRanges(ctx, db, v.q, o, minID, maxID)
+	if err != nil {
+		return nil, err
+	}
+	r.IDs = ranges
+	r.IDsText = rangesText(ranges)
+	r.sql = newReportSQL(t, r, o.Sinks, checked)
+
+	for _, rg := range ranges {
+		if err := v.walk(ctx, rg); err != nil {
+			return nil, err
+		}
+	}
+	if o.Orphans != nil {
+		if err := o.Orphans.walk(ctx, v); err != nil {
+			return nil, err
+		}
+	} else {
+		r.Notes = append(r.Notes, "orphaned ledger rows are looked for only in a window of time (--since): a ledger row has no id")
+	}
+	for _, s := range checked {
+		if s.Stream != nil {
+			if err := s.Stream.finish(ctx, v, s.Name); err != nil {
+				return nil, err
+			}
+		}
+	}
+	r.Took = time.Since(start)
+	return r, nil
+}
+
+// windowRanges returns the window's id ranges: IDs (sorted, merged), or
+// from the first id created at or after Since to the newest id.
+func windowRanges(ctx context.Context, db DB, q verifySQL, o VerifyOptions, minID, maxID *int64) ([]IDRange, error) {
+	if len(o.IDs) > 0 {
+		return MergeRanges(o.IDs), nil
+	}
+	if minID == nil {
+		return nil, nil
+	}
+	first, err := firstIDSince(ctx, db, q, o.Since, *minID, *maxID)
+	if err != nil {
+		return nil, err
+	}
+	if first > *maxID {
+		return nil, nil
+	}
+	return []IDRange{{first, *maxID}}, nil
+}
+
+// firstIDSince finds by bisection on the primary key the lowest id from
+// which rows are created at or after since: created_at defaults to the
+// inserting transaction's start, so it grows with the id (give or take a
+// transaction's length), and no index on created_at is needed. Each probe
+// reads one row; there are at most 64.
+func firstIDSince(ctx context.Context, db DB, q verifySQL, since time.Time, lo, maxID int64) (int64, error) {
+	hi := maxID + 1 // the answer lies in [lo, hi]; hi: no row
+	for probes := 0; lo < hi; probes++ {
+		if probes > 64 {
+			return 0, fmt.Errorf("verify: the bisection for --since did not converge between ids %d and %d", lo, hi)
+		}
+		mid := lo + (hi-lo)/2
+		var id int64
+		var created *time.Time
+		err := db.QueryRow(ctx, q.firstAfter, mid).Scan(&id, &created)
+		switch {
+		case errors.Is(err, pgx.ErrNoRows) || err == nil && id >= hi:
+			hi = mid // no row in [mid, hi)
+		case err != nil:
+			return 0, fmt.Errorf("verify: find the first id created since %s: %w", since.Format(time.RFC3339), err)
+		case created != nil && !created.Before(since):
+			hi = id
+		default:
+			lo = id + 1
+		}
+	}
+	return lo, nil
+}
+
+// MergeRanges sorts ranges and merges those that overlap or touch.
+func MergeRanges(ranges []IDRange) []IDRange {
+	rs := slices.Clone(ranges)
+	slices.SortFunc(rs, func(a, b IDRange) int { return cmp.Compare(a.From, b.From) })
+	var out []IDRange
+	for _, r := range rs {
+		if n := len(out); n > 0 && (out[n-1].To == math.MaxInt64 || r.From <= out[n-1].To+1) {
+			out[n-1].To = max(out[n-1].To, r.To)
+			continue
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+func rangesText(rs []IDRange) string {
+	parts := make([]string, len(rs))
+	for i, r := range rs {
+		parts[i] = r.String()
+	}
+	return strings.Join(parts, ",")
+}
+
+// verifier is one Verify call's state.
+type verifier struct {
+	db DB
+	o  VerifyOptions
+	q  verifySQL
+	r  *VerifyReport
+	// names are the configured sinks' names, bit i of a row's ledger
+	// masks being names[i]; checked are the indexes of the sinks checked
+	// (every one, or VerifyOptions.Sink), in the order of r.Sinks.
+	names   []string
+	checked []int
+}
+
+// pause waits after a statement that took took, when the caller bounds
+// Verify's cost.
+func (v *verifier) pause(ctx context.Context, took time.Duration) error {
+	if v.o.Pause == nil {
+		return nil
+	}
+	d := v.o.Pause(took)
+	if d <= 0 {
+		return nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// walk checks the rows of one id range, a slice per statement.
+func (v *verifier) walk(ctx context.Context, rg IDRange) error {
+	slice := make([]verifyRow, 0, v.o.Slice)
+	for from := rg.From; from <= rg.To; {
+		began := time.Now()
+		rows, err := v.db.Query(ctx, v.q.slice, from, rg.To, v.o.Slice, v.names)
+		if err != nil {
+			return fmt.Errorf("verify: read ids %d-%d: %w", from, rg.To, err)
+		}
+		slice = slice[:0]
+		var x verifyRow
+		_, err = pgx.ForEachRow(rows, []any{&x.id, &x.key, &x.eventType, &x.status, &x.lastError, &x.created, &x.due, &x.delivered, &x.pending, &x.unknown},
+			func() error {
+				slice = append(slice, x)
+				return nil
+			})
+		if err != nil {
+			return fmt.Errorf("verify: read ids %d-%d: %w", from, rg.To, err)
+		}
+		if err := v.check(ctx, slice); err != nil {
+			return err
+		}
+		if len(slice) < v.o.Slice || slice[len(slice)-1].id >= rg.To {
+			return nil
+		}
+		from = slice[len(slice)-1].id + 1
+		if err := v.pause(ctx, time.Since(began)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// check judges one slice of rows.
+func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
+	r := v.r
+	since := v.o.Since
+	var receiverKeys map[int][]receiverKey
+	for i := range slice {
+		x := &slice[i]
+		if !since.IsZero() && (!x.created.Valid || x.created.Time.Before(since)) {
+			continue
+		}
+		r.Rows++
+		if r.Rows == 1 {
+			r.FirstID = x.id
+		}
+		r.LastID = x.id
+		fate := classify(x.status, x.lastError)
+		ev := relay.Event{ID: x.id, EventKey: x.key, CreatedAt: x.created.Time}
+		if x.eventType.Valid {
+			ev.EventType = &x.eventType.String
+		}
+		everywhere := true
+		for ti, si := range v.checked {
+			s := &v.o.Sinks[si]
+			delivered := x.delivered&(1<<si) != 0
+			if s.Stream != nil {
+				s.Stream.row(r, s.Name, x, delivered, fate)
+			}
+			if !s.Route.Takes(&ev) {
+				if (x.delivered|x.pending)&(1<<si) != 0 {
+					r.add(GapUnrouted, s.Name, Gap{ID: x.id, EventKey: x.key, Detail: "ledger row for a sink that does not take event_type " + orText(x.eventType, "NULL")})
+				}
+				continue
+			}
+			tally := r.Sinks[ti]
+			tally.Routed++
+			if delivered {
+				tally.Delivered++
+				if s.ReceiverQuery != "" {
+					if receiverKeys == nil {
+						receiverKeys = map[int][]receiverKey{}
+					}
+					receiverKeys[si] = append(receiverKeys[si], receiverKey{x.id, x.key})
+				}
+				continue
+			}
+			everywhere = false
+			switch fate {
+			case fateDone:
+				tally.Missing++
+				detail := "row done, no delivered ledger row"
+				if x.pending&(1<<si) != 0 {
+					detail += " (its ledger row is not delivered)"
+				}
+				r.add(GapMissing, s.Name, Gap{ID: x.id, EventKey: x.key, Detail: detail})
+			case fateDeadLettered:
+				tally.DeadLettered++
+			case fateHeld:
+				tally.Held++
+			case fateDiscarded:
+				tally.Discarded++
+			case fateOnItsWay:
+				tally.OnItsWay++
+			default:
+				tally.Other++
+			}
+		}
+		for _, action := range x.unknown {
+			if v.o.Sink == "" {
+				r.add(GapUnrouted, action, Gap{ID: x.id, EventKey: x.key, Detail: "ledger row for a sink that is not configured"})
+			}
+		}
+		if fate == fateOnItsWay && !everywhere && x.due.Valid && r.AsOf.Sub(x.due.Time) > v.o.StuckAfter {
+			r.add(GapStuck, "", Gap{ID: x.id, EventKey: x.key,
+				Detail: fmt.Sprintf("%s, due %s ago", orText(x.status, "pending"), r.AsOf.Sub(x.due.Time).Round(time.Second))})
+		}
+	}
+	for _, si := range v.checked {
+		if keys := receiverKeys[si]; len(keys) > 0 {
+			if err := v.checkReceiver(ctx, v.o.Sinks[si], keys); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func orText(s pgtype.Text, null string) string {
+	if !s.Valid {
+		return null
+	}
+	return s.String
+}
+
+// WindowStart returns the earliest created_at of the rows in ranges, zero
+// when there is none: where a sink's copies of the window's events can
+// begin, for a window of ids.
+func WindowStart(ctx context.Context, db DB, t Tables, ranges []IDRange) (time.Time, error) {
+	var start time.Time
+	q := fmt.Sprintf(`SELECT min(created_at) FROM %s WHERE id >= $1 AND id <= $2`, t.Outbox.Quoted())
+	for _, rg := range MergeRanges(ranges) {
+		var at *time.Time
+		if err := db.QueryRow(ctx, q, rg.From, rg.To).Scan(&at); err != nil {
+			return time.Time{}, fmt.Errorf("verify: the window's first creation time: %w", err)
+		}
+		if at != nil && (start.IsZero() || at.Before(start)) {
+			start = *at
+		}
+	}
+	return start, nil
+}
