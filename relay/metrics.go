@@ -116,6 +116,17 @@ var (
 		Namespace: "outbox_relay", Name: "last_progress_timestamp_seconds",
 		Help: "When the relay last made progress (Unix time): the stream acknowledged a new position or the claim path settled an event, or nothing was waiting.",
 	})
+	// VerifyGaps and VerifyLastRun are the continuous verify's
+	// (docs/operations.md, "verify"), which cmd/outbox-relay runs; the kind
+	// label takes ledger/admin's gap kinds.
+	VerifyGaps = promauto.NewGaugeVec(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "verify_gaps",
+		Help: "Gaps the last continuous verify found in its window, by kind: missing, stuck, unrouted, orphaned (verify.interval; 0 while it is off).",
+	}, []string{"kind"})
+	VerifyLastRun = promauto.NewGauge(prometheus.GaugeOpts{
+		Namespace: "outbox_relay", Name: "verify_last_run_timestamp_seconds",
+		Help: "When the last continuous verify pass ended (Unix time); 0 while it is off or has not ended a pass.",
+	})
 	up = promauto.NewGauge(prometheus.GaugeOpts{Namespace: "outbox_relay", Name: "up", Help: "1 while the relay runs."})
 )
 

@@ -155,6 +155,7 @@ Exit codes: 0 success, 1 failure, 2 bad usage or configuration.`,
 		newDLQCommand(g),
 		newReplayCommand(g),
 		newReconcileCommand(g),
+		newVerifyCommand(g),
 		newConfigCommand(g),
 		newVersionCommand(),
 	)

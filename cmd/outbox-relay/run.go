@@ -206,6 +206,10 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
+	initVerifyMetrics()
+	if cfg.Verify.Interval > 0 {
+		workers.Go("verify", func(ctx context.Context) error { return runContinuousVerify(ctx, pool, r.tables, cfg, log) })
+	}
 	r.health.set(true, "")
 	err = sup.Run(wctx)
 	workers.Stop()

@@ -90,6 +90,7 @@ type Config struct {
 	Log           LogConfig       `yaml:"log"`
 	Migrate       MigrateConfig   `yaml:"migrate"`
 	Retention     RetentionConfig `yaml:"retention"`
+	Verify        VerifyConfig    `yaml:"verify"`
 
 	// origins maps a key path ("sinks[0].url") to where its value came
 	// from, so Validate can name the file line or variable.
@@ -339,6 +340,11 @@ type WebhookConfig struct {
 	// Batch puts several events into one request; off (max_events 0) by
 	// default. docs/sinks.md "Batched delivery".
 	Batch BatchConfig `yaml:"batch"`
+	// ReceiverQuery is verify --deep's check of the receiver: SQL run on
+	// the relay's database, $1 the text[] of event keys delivered to the
+	// sink, returning first those the receiver applied
+	// (docs/operations.md, "verify").
+	ReceiverQuery string `yaml:"receiver_query"`
 }
 
 // BatchConfig sets how a webhook sink batches events.
@@ -474,6 +480,17 @@ type RetentionConfig struct {
 	Batch int `yaml:"batch"`
 }
 
+// VerifyConfig configures the continuous verify that run does
+// (docs/operations.md, "verify").
+type VerifyConfig struct {
+	// Interval is the pause between passes; 0 turns the continuous verify
+	// off.
+	Interval Duration `yaml:"interval"`
+	// Window is how far back each pass looks: the rows created in the last
+	// Window. At least Interval, so that every row is checked.
+	Window Duration `yaml:"window"`
+}
+
 // Default returns the configuration used when no file, variable or override
 // sets a key. It has no sinks, and an empty Outbox.ConflictsTable, meaning
 // "<table>_conflicts".
@@ -526,6 +543,7 @@ func Default() Config {
 			Interval:    Duration(time.Minute),
 			Batch:       1000,
 		},
+		Verify: VerifyConfig{Window: Duration(15 * time.Minute)},
 	}
 }
 

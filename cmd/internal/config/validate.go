@@ -53,7 +53,19 @@ func (c *Config) Validate() error {
 	v.positive("migrate.lock_timeout", c.Migrate.LockTimeout)
 	v.positive("migrate.timeout", c.Migrate.Timeout)
 	v.retention(c.Retention)
+	v.verify(c.Verify)
 	return errors.Join(v.errs...)
+}
+
+// verify checks the continuous verify's settings.
+func (v *validator) verify(c VerifyConfig) {
+	if c.Interval < 0 {
+		v.fail("verify.interval", "must not be negative (0 turns the continuous verify off)")
+	}
+	v.positive("verify.window", c.Window)
+	if c.Interval > 0 && c.Window > 0 && c.Window < c.Interval {
+		v.fail("verify.window", "%s is shorter than verify.interval (%s): rows created between two passes would never be checked", c.Window, c.Interval)
+	}
 }
 
 // maxRetentionBatch keeps one pruning DELETE short: its locks and its WAL
@@ -318,6 +330,9 @@ func (v *validator) webhook(p string, s *SinkConfig) {
 		v.fail(p+".max_body", "must be greater than zero, got %s", w.MaxBody)
 	}
 	v.batch(p+".batch", s)
+	if q := w.ReceiverQuery; q != "" && !strings.Contains(q, "$1") {
+		v.fail(p+".receiver_query", "must use $1, the text[] of event keys to look up (SELECT event_key FROM n8n_processed_events WHERE event_key = ANY($1) AND done_at IS NOT NULL)")
+	}
 	for i, code := range w.PermanentStatuses {
 		switch {
 		case code < 400 || code > 599:
