@@ -1059,6 +1059,8 @@ func TestAlertRules(t *testing.T) {
 		{"OutboxRelayDown", []string{"absent(outbox_relay_up)"}, time.Minute},
 		{"OutboxRelayStalled", []string{"outbox_relay_stalled", "== 1"}, time.Minute},
 		{"OutboxRelayStalledRepeatedly", []string{"changes(outbox_relay_stalled[1h])"}, 0},
+		{"OutboxRelayVerifyGaps", []string{"outbox_relay_verify_gaps", "missing|unrouted|orphaned", "> 0"}, 0},
+		{"OutboxRelayVerifyStale", []string{"outbox_relay_verify_last_run_timestamp_seconds", "> 3600"}, 5 * time.Minute},
 	}
 	for _, w := range want {
 		rule := rules[w.alert]
