@@ -356,3 +356,29 @@ func TestCheck_EventLostInFailover(t *testing.T) {
 		t.Error("a rewritten event with another payload passes")
 	}
 }
+
+// checkVerify reads verify's JSON: clean passes; each gap listed is a
+// violation naming its kind, sink and row; a verify that could not run or
+// printed no JSON is one too.
+func TestCheckVerify(t *testing.T) {
+	clean := `{"clean": true, "rows": 3, "sinks": [{"sink": "nats", "routed": 3, "delivered": 3, "stream": {"read": 3, "repeats": 1}}], "gaps": []}`
+	if iv := checkVerify([]byte(clean), 0, ""); !iv.ok() || !strings.Contains(iv.Checked, "nats 3/3 delivered (stream: 3 copies read, 1 repeats") {
+		t.Errorf("a clean answer: %+v", iv)
+	}
+	gaps := `{"clean": false, "rows": 3, "gaps": [
+		{"kind": "missing", "sink": "hook", "count": 2, "first": [{"id": 7, "event_key": "k7", "detail": "row done, no delivered ledger row"}]},
+		{"kind": "stuck", "count": 1, "first": [{"id": 9, "event_key": "k9", "detail": "pending, due 1m0s ago"}]}]}`
+	iv := checkVerify([]byte(gaps), 1, "outbox-relay: verify found 3 gaps")
+	want := []string{"missing at hook: row 7 (k7): row done, no delivered ledger row", "missing at hook: 1 more", "stuck: row 9 (k9): pending, due 1m0s ago"}
+	if fmt.Sprint(iv.Violations) != fmt.Sprint(want) {
+		t.Errorf("gaps: %q, want %q", iv.Violations, want)
+	}
+	for _, c := range []struct {
+		out  string
+		code int
+	}{{"", 2}, {"not json", 1}, {`{"clean": true, "gaps": []}`, 1}, {`{"clean": false, "gaps": []}`, 0}, {"", -1}} {
+		if iv := checkVerify([]byte(c.out), c.code, "boom"); iv.ok() {
+			t.Errorf("exit %d, %q: no violation", c.code, c.out)
+		}
+	}
+}

@@ -132,7 +132,7 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	res.invariants = append(check(facts), s.processInvariant(res))
+	res.invariants = append(check(facts), s.processInvariant(res), s.verifyInvariant(ctx))
 	res.lostInFailover, res.failovers = facts.lostInFailover(), facts.Failovers
 	computeRecoveries(res.faults, l.events(), facts.Sinks, facts.hookRefused())
 	if err := s.writeRecords(res); err != nil {
