@@ -249,6 +249,10 @@ func openStreams(ctx context.Context, db admin.DB, t admin.Tables, o *admin.Veri
 				return closeAll, nil, err
 			}
 		}
+		if start.IsZero() {
+			notes = append(notes, fmt.Sprintf("sink %s: its stream is not read: the window has no row", sc.Name))
+			continue
+		}
 		audit := admin.NewStreamAudit()
 		if !r.FirstStored.IsZero() {
 			first := r.FirstStored.UTC()
