@@ -70,7 +70,7 @@ func (q reportSQL) forKind(kind GapKind, sink string) string {
   FROM %s AS o
  WHERE %s
    AND %s
-   AND NOT %s
+   AND NOT (%s)
  ORDER BY o.id;`, outbox, q.window, doneSQL("o"), delivered)
 	case GapStuck:
 		delivered, err := ledger.DeliveredEverywhere(led, ledgerSinks(q.checked), "o")
@@ -82,7 +82,7 @@ func (q reportSQL) forKind(kind GapKind, sink string) string {
  WHERE %s
    AND %s
    AND GREATEST(o.created_at, coalesce(o.available_at, o.created_at)) < now() - interval '%g seconds'
-   AND NOT %s
+   AND NOT (%s)
  ORDER BY o.id;`, outbox, q.window, onItsWaySQL("o"), q.stuckAfter.Seconds(), delivered)
 	case GapUnrouted:
 		notRouted := ""
@@ -91,7 +91,8 @@ func (q reportSQL) forKind(kind GapKind, sink string) string {
 			if err != nil {
 				return ""
 			}
-			notRouted = fmt.Sprintf("\n   AND NOT (%s)", routed)
+			// A NULL event_type matches no glob but "*".
+			notRouted = fmt.Sprintf("\n   AND NOT coalesce(%s, false)", routed)
 		}
 		return fmt.Sprintf(`SELECT o.id, o.event_key, o.event_type, l.state
   FROM %s AS o
