@@ -142,7 +142,11 @@ func runVerifyCommand(cmd *cobra.Command, g *globals, f *verifyFlags) error {
 	defer pool.Close()
 	var notes []string
 	if f.deep {
-		closeStreams, n, err := openStreams(ctx, pool, tables, &opts, sinks)
+		scope, err := readMsgIDScope(ctx, pool, cfg, tables.Outbox)
+		if err != nil {
+			return err
+		}
+		closeStreams, n, err := openStreams(ctx, pool, tables, &opts, sinks, scope)
 		defer closeStreams()
 		if err != nil {
 			return err
@@ -215,7 +219,7 @@ func verifySinks(sinks []config.SinkConfig, deep bool) []admin.VerifySink {
 // catch up after the outbox pass. It returns notes on the sinks it could
 // not read for a reason that is no failure (an embedded server) and a
 // function that closes the connections.
-func openStreams(ctx context.Context, db admin.DB, t admin.Tables, o *admin.VerifyOptions, sinks []config.SinkConfig) (func(), []string, error) {
+func openStreams(ctx context.Context, db admin.DB, t admin.Tables, o *admin.VerifyOptions, sinks []config.SinkConfig, scope msgIDScope) (func(), []string, error) {
 	var readers []*natssink.StreamReader
 	closeAll := func() {
 		for _, r := range readers {
@@ -239,7 +243,11 @@ func openStreams(ctx context.Context, db admin.DB, t admin.Tables, o *admin.Veri
 		if err != nil {
 			return closeAll, nil, usageError{fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)}
 		}
-		r, err := natssink.OpenStream(ctx, natssink.ReaderConfig{URL: sc.URL, Options: natsOpts, Stream: sc.NATS.Stream.Name, Subject: sc.NATS.Subject})
+		dep, err := scope.deployment(i, sc)
+		if err != nil {
+			return closeAll, nil, err
+		}
+		r, err := natssink.OpenStream(ctx, natssink.ReaderConfig{URL: sc.URL, Options: natsOpts, Stream: sc.NATS.Stream.Name, Subject: sc.NATS.Subject, Deployment: dep.ID})
 		if err != nil {
 			return closeAll, nil, fmt.Errorf("verify --deep: sink %s: %w", sc.Name, err)
 		}

@@ -31,16 +31,22 @@ type StoredEvent struct {
 	Stored time.Time
 }
 
-// ParseStored tells whether a message with header h is an event this
-// relay published and, if so, which: the key from HeaderEventKey (as
-// HeaderValue encodes it), the replay number from the "~r<n>" that ends a
-// replay's Nats-Msg-Id (MsgID), a replay being marked by
-// HeaderOriginalEventKey. A message without the relay's headers, or whose
-// key header does not decode, is not one of ours.
-func ParseStored(h nats.Header) (StoredEvent, bool) {
+// ParseStored tells whether a message with header h is an event the
+// deployment named deployment (Deployment.ID; "" for any) published and,
+// if so, which: the key from HeaderEventKey (as HeaderValue encodes it),
+// the replay number from the "~r<n>" that ends a replay's Nats-Msg-Id
+// (Deployment.MsgID), a replay being marked by HeaderOriginalEventKey. A
+// message without the relay's headers, whose key header does not decode,
+// or that another deployment published (HeaderDeployment) is not one of
+// ours; a message without HeaderDeployment was published before the
+// scoping (docs/sinks.md, "Message ids") and counts as ours.
+func ParseStored(h nats.Header, deployment string) (StoredEvent, bool) {
 	id := h.Get(jetstream.MsgIDHeader)
 	raw := h.Get(HeaderEventKey)
 	if id == "" || raw == "" || h.Get(HeaderEventID) == "" {
+		return StoredEvent{}, false
+	}
+	if dep := h.Get(HeaderDeployment); deployment != "" && dep != "" && dep != deployment {
 		return StoredEvent{}, false
 	}
 	key, ok := decodeHeaderValue(raw)
@@ -82,6 +88,9 @@ type ReaderConfig struct {
 	// Subject is the sink's subject template (default DefaultSubject):
 	// only messages on the subjects it renders are read.
 	Subject string
+	// Deployment is the Deployment.ID of the sink: messages another
+	// deployment published into the same stream are not read as ours.
+	Deployment string
 	// IdleTimeout bounds the wait for the next message while the stream
 	// has more [10s].
 	IdleTimeout time.Duration
@@ -216,7 +225,7 @@ func (r *StreamReader) Read(ctx context.Context, since time.Time, fn func(Stored
 			return n, nil
 		}
 		n++
-		if ev, ours := ParseStored(m.Headers()); ours {
+		if ev, ours := ParseStored(m.Headers(), r.cfg.Deployment); ours {
 			ev.Stored = meta.Timestamp
 			fn(ev)
 		} else {

@@ -40,13 +40,13 @@ func TestStreamReader_ReadsBackWhatTheSinkPublished(t *testing.T) {
 		if err := sendSync(t, s, d); err != nil {
 			t.Fatalf("send %q: %v", key, err)
 		}
-		sent = append(sent, natssink.StoredEvent{EventKey: key, Replay: d.Replay, MsgID: natssink.MsgID(d)})
+		sent = append(sent, natssink.StoredEvent{EventKey: key, Replay: d.Replay, MsgID: testDeployment.MsgID(d)})
 	}
 	if _, err := js.Publish(ctx, "outbox.order.placed", []byte(`{}`), jetstream.WithMsgID("someone-else")); err != nil {
 		t.Fatal(err)
 	}
 
-	r, err := natssink.OpenStream(ctx, natssink.ReaderConfig{URL: srv.URL(), Options: srv.ClientOptions(), Stream: testStream})
+	r, err := natssink.OpenStream(ctx, natssink.ReaderConfig{URL: srv.URL(), Options: srv.ClientOptions(), Stream: testStream, Deployment: testDeployment.ID})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,8 +103,10 @@ func TestParseStored(t *testing.T) {
 		{"no event headers", h("Nats-Msg-Id", "k"), natssink.StoredEvent{}, false},
 		{"a key that does not decode", h("Nats-Msg-Id", "k", natssink.HeaderEventKey, "b64:!!", natssink.HeaderEventID, "1"), natssink.StoredEvent{}, false},
 		{"no id", h(natssink.HeaderEventKey, "k", natssink.HeaderEventID, "1"), natssink.StoredEvent{}, false},
+		{"ours, scoped", h("Nats-Msg-Id", "dep-a:k", natssink.HeaderEventKey, "k", natssink.HeaderEventID, "1", natssink.HeaderDeployment, "dep-a"), natssink.StoredEvent{EventKey: "k", MsgID: "dep-a:k"}, true},
+		{"another deployment's", h("Nats-Msg-Id", "dep-b:k", natssink.HeaderEventKey, "k", natssink.HeaderEventID, "1", natssink.HeaderDeployment, "dep-b"), natssink.StoredEvent{}, false},
 	} {
-		got, ours := natssink.ParseStored(c.h)
+		got, ours := natssink.ParseStored(c.h, "dep-a")
 		if got != c.want || ours != c.ours {
 			t.Errorf("%s: %+v, %v; want %+v, %v", c.name, got, ours, c.want, c.ours)
 		}
