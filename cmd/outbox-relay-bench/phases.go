@@ -22,7 +22,7 @@ import (
 )
 
 // allPhases are the phases in the order they run.
-var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated"}
+var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated", "verify"}
 
 // extraPhases run only when -phases names them.
 var extraPhases = []string{"partitions", "standby", "floor-pair", "large-payloads"}
@@ -57,6 +57,7 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"floor-pair":         phaseFloorPair,     // floor.go
 	"drain-claim":        phaseDrainClaim,    // claim.go
 	"slot-recreated":     phaseSlotRecreated, // claim.go
+	"verify":             phaseVerify,        // verify.go
 	"large-payloads":     phaseLargePayloads, // largepayloads.go
 }
 
