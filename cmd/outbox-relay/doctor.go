@@ -265,8 +265,8 @@ func unwrapOpError(err error) error {
 // checkNATS connects to the NATS server and checks the JetStream stream the
 // sink publishes to: it exists (or run creates it), one of its subjects
 // captures every subject the template renders, its duplicate window is at
-// least the configured one, and no other deployment publishes on the
-// sink's subjects (checkDeployment).
+// least the configured one (a smaller one is a warning), and no other
+// deployment publishes on the sink's subjects (checkDeployment).
 func checkNATS(ctx context.Context, i int, s config.SinkConfig, identity *deploymentIdentity) []admin.Check {
 	name := "sink " + s.Name
 	n := s.NATS
@@ -340,12 +340,12 @@ func checkNATS(ctx context.Context, i int, s config.SinkConfig, identity *deploy
 			Fix:    fmt.Sprintf("nats stream edit %s --subjects %q   # adds %q to the stream's subjects", n.Stream.Name, strings.Join(append(sc.Subjects, prefix), ","), prefix)})
 	}
 	if sc.Duplicates < time.Duration(window) {
-		checks = append(checks, admin.Check{Name: name + " duplicate_window", Status: admin.Fail,
-			Detail: fmt.Sprintf("stream %s deduplicates over %s, less than the sink's duplicate_window %s: a retry after that stores a second copy", n.Stream.Name, config.Duration(sc.Duplicates), window),
+		checks = append(checks, admin.Check{Name: name + " duplicate_window", Status: admin.Warn,
+			Detail: fmt.Sprintf("stream %s deduplicates over %s, less than the sink's stream.duplicate_window %s: a re-send after that stores a second copy (outbox_relay_nats_duplicates_stored_total)", n.Stream.Name, config.Duration(sc.Duplicates), window),
 			Fix:    fmt.Sprintf("nats stream edit %s --dupe-window %s\n# or lower sinks[%d].stream.duplicate_window", n.Stream.Name, window, i)})
 	} else {
 		checks = append(checks, admin.Check{Name: name + " duplicate_window", Status: admin.OK,
-			Detail: fmt.Sprintf("stream %s deduplicates over %s (configured: at least %s)", n.Stream.Name, config.Duration(sc.Duplicates), window)})
+			Detail: fmt.Sprintf("stream %s deduplicates over %s (the sink's stream.duplicate_window: %s)", n.Stream.Name, config.Duration(sc.Duplicates), window)})
 	}
 	return append(checks, checkDeployment(ctx, i, s, stream, pattern, identity))
 }

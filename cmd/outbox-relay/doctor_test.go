@@ -173,7 +173,7 @@ func TestDoctor_Healthy(t *testing.T) {
 
 	// The stream as run creates it.
 	js := jetStream(t, ns)
-	if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.>"}, Duplicates: 2 * time.Minute}); err != nil {
+	if _, err := js.CreateStream(context.Background(), jetstream.StreamConfig{Name: "OUTBOX", Subjects: []string{"outbox.>"}, Duplicates: 10 * time.Minute}); err != nil {
 		t.Fatal(err)
 	}
 	code, out, _ = execute(t, "doctor", "--config", cfg)
@@ -181,7 +181,7 @@ func TestDoctor_Healthy(t *testing.T) {
 		t.Fatalf("exit %d\n%s", code, out)
 	}
 	requireLines(t, out, `ok    sink nats stream OUTBOX`, `subjects ["outbox.>"] capture "outbox.*.*"`,
-		"ok    sink nats duplicate_window", "deduplicates over 2m (configured: at least 2m)")
+		"ok    sink nats duplicate_window", "deduplicates over 10m (the sink's stream.duplicate_window: 10m)")
 }
 
 // TestDoctor_SinkFailures: each way a sink can be unusable is a FAIL with
@@ -219,16 +219,16 @@ func TestDoctor_SinkFailures(t *testing.T) {
 
 	code, out, errOut := execute(t, "doctor", "--config", cfg)
 	t.Logf("doctor:\n%s", out)
-	if code != exitFailure || !strings.Contains(errOut, "doctor: 6 checks failed") {
+	if code != exitFailure || !strings.Contains(errOut, "doctor: 5 checks failed") {
 		t.Fatalf("exit %d, stderr %q", code, errOut)
 	}
 	requireLines(t, out,
 		"FAIL  sink down ", "unreachable", "fix: check sinks[0].url",
 		"FAIL  sink tls ", "TLS handshake", "certificate",
 		"FAIL  sink bus stream OUTBOX", `do not capture the sink's subjects "outbox.*.*"`, `fix: nats stream edit OUTBOX --subjects "other.>,outbox.>"`,
-		"FAIL  sink bus duplicate_window", "deduplicates over 30s, less than the sink's duplicate_window 2m", "fix: nats stream edit OUTBOX --dupe-window 2m\n",
+		"warn  sink bus duplicate_window", "deduplicates over 30s, less than the sink's stream.duplicate_window 10m", "fix: nats stream edit OUTBOX --dupe-window 10m\n",
 		"FAIL  sink nobus ", "cannot connect to NATS", "fix: check sinks[3].url",
-		"FAIL  sink missing stream MISSING", `fix: nats stream add MISSING --subjects "outbox.>" --dupe-window 2m --storage file`,
+		"FAIL  sink missing stream MISSING", `fix: nats stream add MISSING --subjects "outbox.>" --dupe-window 10m --storage file`,
 	)
 }
 

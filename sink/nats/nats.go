@@ -112,8 +112,9 @@ type StreamConfig struct {
 	// subject template's literal prefix followed by ">" ("outbox.>"). An
 	// existing stream is never changed.
 	Subjects []string
-	// DuplicateWindow is the least duplicate_window the stream must have
-	// (and the one it is created with). Default DefaultDuplicateWindow.
+	// DuplicateWindow is the duplicate_window the stream is created with;
+	// an existing stream with a smaller one is used with a warning.
+	// Default DefaultDuplicateWindow.
 	DuplicateWindow time.Duration
 	// Create creates the stream (file storage) when it does not exist. It
 	// is implied for the embedded server.

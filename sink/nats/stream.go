@@ -9,10 +9,13 @@ import (
 	"github.com/nats-io/nats.go/jetstream"
 )
 
-// DefaultDuplicateWindow is the stream duplicate window required (and used
-// when creating the stream) when StreamConfig.DuplicateWindow is zero; it is
-// JetStream's own default.
-const DefaultDuplicateWindow = 2 * time.Minute
+// DefaultDuplicateWindow is the stream duplicate window the sink expects
+// (and creates the stream with) when StreamConfig.DuplicateWindow is zero.
+// It covers the re-send that follows an unknown outcome through the first
+// five steps of the default delivery backoff (gaps up to 5 minutes plus
+// jitter) and a relay restarted within minutes; each message id in the
+// window costs the server memory (docs/jetstream-cluster.md, "The stream").
+const DefaultDuplicateWindow = 10 * time.Minute
 
 // DefaultStreamName is the stream used when StreamConfig.Name is empty.
 const DefaultStreamName = "OUTBOX"
@@ -57,8 +60,11 @@ func (s *Sink) ensureStream(ctx context.Context, cfg StreamConfig, create bool, 
 			name, sc.Subjects, pattern, hint, literalPrefix(pattern), name)
 	}
 	if sc.Duplicates < cfg.DuplicateWindow {
-		return 0, fmt.Errorf("stream %q has duplicate_window %s, less than the sink's duplicate_window %s: raise it (nats stream edit %s --dupe-window %s) or lower the sink's stream.duplicate_window",
-			name, sc.Duplicates, cfg.DuplicateWindow, name, cfg.DuplicateWindow)
+		// A short window costs a second copy of a late re-send (counted, and
+		// carrying the same event key), never an event: the stream is used.
+		s.log.Warn().Str("stream", name).Str("stream_duplicate_window", sc.Duplicates.String()).Str("duplicate_window", cfg.DuplicateWindow.String()).
+			Str("fix", fmt.Sprintf("nats stream edit %s --dupe-window %s", name, cfg.DuplicateWindow)).
+			Msg("the stream's duplicate window is shorter than the sink's stream.duplicate_window: a re-send after it stores a second copy (outbox_relay_nats_duplicates_stored_total)")
 	}
 	if sc.NoAck {
 		return 0, fmt.Errorf("stream %q has no_ack set, so publishes are never acknowledged: the sink needs acknowledgements (nats stream edit %s --ack)", name, name)

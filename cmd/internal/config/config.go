@@ -413,7 +413,8 @@ type NATSConfig struct {
 type StreamConfig struct {
 	Name     string   `yaml:"name"`
 	Subjects []string `yaml:"subjects"`
-	// DuplicateWindow is the minimum the stream's window must have.
+	// DuplicateWindow is the window a created stream gets; an existing
+	// stream with a smaller one is used with a warning.
 	DuplicateWindow Duration `yaml:"duplicate_window"`
 	// Create creates the stream when it does not exist.
 	Create bool `yaml:"create"`
@@ -571,7 +572,7 @@ func DefaultSink(typ SinkType) SinkConfig {
 			Stream: StreamConfig{
 				Name:            "OUTBOX",
 				Subjects:        []string{"outbox.>"},
-				DuplicateWindow: Duration(2 * time.Minute),
+				DuplicateWindow: Duration(10 * time.Minute),
 				Create:          true,
 			},
 			MaxPending: 4096,

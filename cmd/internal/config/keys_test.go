@@ -35,7 +35,7 @@ func TestKeys_Examples(t *testing.T) {
 		{Path: "sinks[].auth.type", Type: "none | jwt | header | basic | standard-webhooks", Default: "none", Sink: config.SinkWebhook},
 		{Path: "sinks[].headers", Type: "map of strings", Sink: config.SinkWebhook},
 		{Path: "sinks[].permanent_statuses", Type: "list of integers", Default: "[400, 413, 415, 422]", Sink: config.SinkWebhook},
-		{Path: "sinks[].stream.duplicate_window", Type: "duration", Default: "2m", Sink: config.SinkNATS},
+		{Path: "sinks[].stream.duplicate_window", Type: "duration", Default: "10m", Sink: config.SinkNATS},
 		{Path: "sinks[].stream.max_msg_size", Type: "size", Default: "0", Sink: config.SinkNATS},
 		{Path: "retention.batch", Type: "integer", Default: "1000"},
 		{Path: "http.stall_after", Type: "duration", Default: "5m"},
