@@ -73,7 +73,7 @@ type globals struct {
 func (g *globals) loadConfig() (*config.Config, error) { return g.load(false) }
 
 // loadOpsConfig reads the configuration as loadConfig does, for a command
-// that never sends (status, dlq, replay, reconcile, migrate): it needs the
+// that never sends (status, event, dlq, replay, reconcile, migrate): it needs the
 // sinks' names and events, not their secrets, so an unset ${VAR} in a sink
 // secret is no error there (config.Options.SinkSecretsOptional). An
 // operator can run it from a machine that holds only the database's
@@ -152,6 +152,7 @@ Exit codes: 0 success, 1 failure, 2 bad usage or configuration.`,
 		newMigrateCommand(g),
 		newDoctorCommand(g),
 		newStatusCommand(g),
+		newEventCommand(g),
 		newDLQCommand(g),
 		newReplayCommand(g),
 		newReconcileCommand(g),
