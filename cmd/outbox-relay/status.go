@@ -3,13 +3,16 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
@@ -29,7 +32,9 @@ whether a relay runs or not:
   mode        replication (a process streams from the slot), poll (no one streams, but an
               outbox-relay session is connected) or stopped
   leader      the session holding the leader lock of the slot, or else the slot's walsender
-  slot        wal_status, retained WAL, confirmed position
+  relays      relay processes of the slot, and the database connections they hold
+  slot        where it is (the primary, or the standby of source.standby_url), wal_status,
+              retained WAL, the position acknowledged to it, and the relay's checkpoint
   rows        outbox rows by status, the age of the oldest pending row
   delivered   per sink, ledger rows delivered in the last hour
   sink down   per sink, the pending rows whose last attempt found it down, and why (a
@@ -49,7 +54,18 @@ whether a relay runs or not:
 				return err
 			}
 			defer pool.Close()
-			st, err := admin.ReadStatus(ctx, pool, tables, cfg.Source.Slot, ledger.LeaderLockKey(cfg.Source.Slot))
+			where := admin.Where{Slot: cfg.Source.Slot, LeaderKey: ledger.LeaderLockKey(cfg.Source.Slot)}
+			if url := cfg.Source.StandbyURL.Reveal(); url != "" && cfg.Source.Mode != config.SourcePoll {
+				// The relay's slot lives on the standby (docs/standby.md).
+				standby, err := connectStandby(ctx, url)
+				if err != nil {
+					where.StandbyErr = err
+				} else {
+					defer closeQuietly(standby)
+					where.Standby = standby
+				}
+			}
+			st, err := admin.ReadStatus(ctx, pool, tables, where)
 			if err != nil {
 				return err
 			}
@@ -57,7 +73,7 @@ whether a relay runs or not:
 			if stallAfter <= 0 {
 				stallAfter = time.Duration(config.Default().HTTP.StallAfter)
 			}
-			if st.Progress, err = admin.ReadProgress(ctx, pool, tables, cfg.Source.Slot, stallAfter); err != nil {
+			if st.Progress, err = admin.ReadProgress(ctx, pool, tables, st.Slot, stallAfter); err != nil {
 				return err
 			}
 			for _, s := range configuredSinks(cfg) {
@@ -93,10 +109,19 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 		line("leader:", "%s (streams from the slot; no leader lock held)", describeSession(st.Leader.Session, now))
 	}
 
+	line("relays:", "%d", st.Relays)
+	line("connections:", "%s", describeConnections(st.Connections))
+
 	s := st.Slot
+	where := ""
+	if s.Server == "standby" {
+		where = " on the standby (source.standby_url)"
+	}
 	switch {
+	case s.Error != "":
+		line("slot:", "%s%s: unknown: %s", s.Name, where, s.Error)
 	case !s.Exists:
-		line("slot:", "%s does not exist (run creates it)", s.Name)
+		line("slot:", "%s does not exist%s (run creates it)", s.Name, where)
 	default:
 		state := "inactive"
 		if s.Active && s.Holder != nil {
@@ -110,12 +135,17 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 		if s.InvalidationReason != "" {
 			walStatus += " (invalidated: " + s.InvalidationReason + ")"
 		}
-		line("slot:", "%s: %s; wal_status %s, retained WAL %s, confirmed %s", s.Name, state, walStatus, retained, s.ConfirmedFlushLSN)
+		line("slot:", "%s%s: %s; wal_status %s, retained WAL %s", s.Name, where, state, walStatus, retained)
+		if s.ConfirmedFlushLSN == "" {
+			line("acknowledged:", "nothing yet (the slot's confirmed position is not set)")
+		} else {
+			line("acknowledged:", "%s: the slot's confirmed position; the server keeps the WAL from there", s.ConfirmedFlushLSN)
+		}
 	}
 	if cp := st.Checkpoint; cp != nil {
-		line("checkpoint:", "%s, written %s ago", cp.ConfirmedLSN, roundAge(now.Sub(cp.UpdatedAt)))
+		line("checkpoint:", "%s, written %s ago: the relay's own record, written before each acknowledgement that passes events (idle keepalives move only the slot's)",
+			cp.ConfirmedLSN, roundAge(now.Sub(cp.UpdatedAt)))
 	}
-	line("relay sessions:", "%d", len(st.Relays))
 
 	var counts []string
 	for _, status := range admin.Statuses {
@@ -156,6 +186,28 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 			line("progress:", "no row has waited longer than %s", after)
 		}
 	}
+}
+
+// describeConnections says how many connections the relays hold, by
+// application_name (`3 ("outbox-relay", "outbox-relay leader
+// outbox_relay", "outbox-relay owner lock")`).
+func describeConnections(sessions []admin.Session) string {
+	if len(sessions) == 0 {
+		return "0"
+	}
+	counts := map[string]int{}
+	for _, s := range sessions {
+		counts[s.ApplicationName]++
+	}
+	var names []string
+	for _, app := range sortedKeys(counts) {
+		name := strconv.Quote(app)
+		if n := counts[app]; n > 1 {
+			name = fmt.Sprintf("%d × %s", n, name)
+		}
+		names = append(names, name)
+	}
+	return fmt.Sprintf("%d (%s)", len(sessions), strings.Join(names, ", "))
 }
 
 func describeSession(s admin.Session, now time.Time) string {
@@ -221,6 +273,31 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 		return nil, admin.Tables{}, err
 	}
 	return pool, tables, nil
+}
+
+// connectStandby opens a connection to the standby of source.standby_url
+// for an operator command, named admin.CLIApplicationName.
+func connectStandby(ctx context.Context, url string) (*pgx.Conn, error) {
+	cc, err := pgx.ParseConfig(url)
+	if err != nil {
+		// pgx's parse errors can quote the string, password included.
+		return nil, errors.New("source.standby_url does not parse as a PostgreSQL URL or key=value string")
+	}
+	cc.RuntimeParams["application_name"] = admin.CLIApplicationName
+	if cc.ConnectTimeout == 0 || cc.ConnectTimeout > standbyConnectTimeout {
+		cc.ConnectTimeout = standbyConnectTimeout
+	}
+	return pgx.ConnectConfig(ctx, cc)
+}
+
+// standbyConnectTimeout bounds status's connection to the standby: a
+// standby that is down must not hold the command up.
+const standbyConnectTimeout = 5 * time.Second
+
+func closeQuietly(conn *pgx.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = conn.Close(ctx)
 }
 
 // configuredSinks returns the sinks run delivers to: the configured ones

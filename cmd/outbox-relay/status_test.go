@@ -248,3 +248,82 @@ func TestRoundAge(t *testing.T) {
 		}
 	}
 }
+
+// TestStatusCommand_OneRelay: with one relay running, status counts one
+// relay (not its three connections: leader lock, owner lock, walsender) and
+// explains the two positions it shows side by side.
+func TestStatusCommand_OneRelay(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	cfg := s.configFile(t, "")
+	s.startInProcess(t, cfg)
+	s.publishWriters(t, 1, 1, 1, "status")
+	var out string
+	eventually(t, 30*time.Second, "the relay streaming, delivering and checkpointing", func() bool {
+		var code int
+		code, out, _ = execute(t, "status", "--config", cfg)
+		return code == exitOK && strings.Contains(out, "mode:            replication") && strings.Contains(out, "hook 1, nats 1") &&
+			strings.Contains(out, "checkpoint:") && !strings.Contains(out, "checkpoint:      0/0,")
+	})
+	t.Logf("status:\n%s", out)
+	for _, want := range []string{
+		"relays:          1\n",
+		`connections:     3 ("outbox-relay", "outbox-relay leader outbox_relay", "outbox-relay owner lock")`,
+		"slot:            outbox_relay: active, streaming to ",
+		"acknowledged:    ",
+		"the slot's confirmed position; the server keeps the WAL from there",
+		"the relay's own record, written before each acknowledgement that passes events",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("status output lacks %q", want)
+		}
+	}
+	code, out, _ := execute(t, "status", "--config", cfg, "--json")
+	var st admin.Status
+	if err := json.Unmarshal([]byte(out), &st); code != exitOK || err != nil || st.Relays != 1 || len(st.Connections) != 3 || st.Slot.Server != "primary" {
+		t.Fatalf("status --json: exit %d, %v\n%s", code, err, out)
+	}
+}
+
+// TestStatusCommand_SlotOnTheStandby (PostgreSQL 16+): with
+// source.standby_url the relay's slot lives on the standby, and status
+// reads it there: a relay streaming from the standby is in replication
+// mode, and the slot line says where the slot is. Read on the primary, the
+// slot did not exist and the mode was poll.
+func TestStatusCommand_SlotOnTheStandby(t *testing.T) {
+	bindir := pgtest.BindirAtLeast(t, 16, "logical decoding on a standby")
+	ctx := context.Background()
+	primary := pgtest.NewCluster(t, pgtest.Options{Bindir: bindir})
+	if err := primary.CreateDatabase(ctx, "app"); err != nil {
+		t.Fatal(err)
+	}
+	standby := pgtest.NewStandby(t, primary, pgtest.StandbyOptions{})
+	s := newSetup(t, primary.URL("app"))
+	cfg := s.configFileWith(t, "", fmt.Sprintf("source: {standby_url: %q}\n", standby.URL("app")))
+	s.startInProcess(t, cfg)
+	s.publishWriters(t, 1, 1, 1, "standby")
+	var out string
+	eventually(t, 60*time.Second, "the relay streaming from the standby and delivering", func() bool {
+		var code int
+		code, out, _ = execute(t, "status", "--config", cfg)
+		return code == exitOK && strings.Contains(out, "hook 1, nats 1") && strings.Contains(out, "mode:            replication")
+	})
+	t.Logf("status:\n%s", out)
+	if !strings.Contains(out, "slot:            outbox_relay on the standby (source.standby_url): active, streaming to ") {
+		t.Errorf("status does not show the slot on the standby:\n%s", out)
+	}
+	code, out, _ := execute(t, "status", "--config", cfg, "--json")
+	var st admin.Status
+	if err := json.Unmarshal([]byte(out), &st); code != exitOK || err != nil || st.Mode != admin.ModeReplication ||
+		st.Slot.Server != "standby" || !st.Slot.Exists || !st.Slot.Active || st.Slot.ConfirmedFlushLSN == "" {
+		t.Fatalf("status --json: exit %d, %v\n%s", code, err, out)
+	}
+
+	// The standby stopped: status says it cannot read the slot.
+	if err := standby.Stop(); err != nil {
+		t.Fatal(err)
+	}
+	code, out, _ = execute(t, "status", "--config", cfg)
+	if code != exitOK || !strings.Contains(out, "outbox_relay on the standby (source.standby_url): unknown: cannot connect to source.standby_url") {
+		t.Fatalf("status with the standby down: exit %d\n%s", code, out)
+	}
+}

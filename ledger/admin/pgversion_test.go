@@ -95,7 +95,7 @@ func TestReadStatus_SlotInvalidatedByIdleTimeout(t *testing.T) {
 	conn := MustConnect(t, url, "status")
 	n := migrations.DefaultNames()
 	st, err := admin.ReadStatus(context.Background(), conn, admin.Tables{Outbox: n.Outbox, Ledger: n.Ledger, Checkpoint: n.Checkpoint},
-		"outbox_relay", ledger.LeaderLockKey("outbox_relay"))
+		admin.Where{Slot: "outbox_relay", LeaderKey: ledger.LeaderLockKey("outbox_relay")})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -46,10 +46,17 @@ type Leader struct {
 
 // SlotStatus describes the replication slot.
 type SlotStatus struct {
-	Name   string `json:"name"`
+	Name string `json:"name"`
+	// Server is where the slot is: "primary", or "standby" when the relay
+	// decodes on a standby (source.standby_url, docs/standby.md).
+	Server string `json:"server"`
+	// Error says why the slot could not be read (the standby unreachable);
+	// Exists and the rest are then unknown.
+	Error  string `json:"error,omitempty"`
 	Exists bool   `json:"exists"`
 	Active bool   `json:"active"`
-	// Holder is the process streaming from the slot, when Active.
+	// Holder is the process streaming from the slot, when Active: a
+	// session of the server the slot is on.
 	Holder *Session `json:"holder,omitempty"`
 	// WALStatus is reserved, extended, unreserved or lost ("" when the slot
 	// does not exist).
@@ -59,14 +66,20 @@ type SlotStatus struct {
 	// idle_timeout, ...); "" when it is valid or the server is older.
 	InvalidationReason string `json:"invalidation_reason,omitempty"`
 	// RetainedWALBytes is the WAL the slot keeps from being removed: from
-	// its restart_lsn to the server's current position. Nil when unknown
-	// or none (no slot, or invalidated: PostgreSQL 18 keeps the restart_lsn
-	// of a slot invalidated for idleness, but the slot retains nothing).
-	RetainedWALBytes  *int64 `json:"retained_wal_bytes,omitempty"`
+	// its restart_lsn to the server's current position (on a standby, its
+	// last replayed one). Nil when unknown or none (no slot, or
+	// invalidated: PostgreSQL 18 keeps the restart_lsn of a slot
+	// invalidated for idleness, but the slot retains nothing).
+	RetainedWALBytes *int64 `json:"retained_wal_bytes,omitempty"`
+	// ConfirmedFlushLSN is the position the relay last acknowledged to the
+	// slot: the server may discard the WAL before it.
 	ConfirmedFlushLSN string `json:"confirmed_flush_lsn,omitempty"`
 }
 
-// CheckpointStatus is the slot's row in the checkpoint table.
+// CheckpointStatus is the slot's row in the checkpoint table: the
+// relay's own durable record of the position up to which every event is
+// settled, written with a synchronous commit before each acknowledgement
+// that passes events (docs/operations.md, "status").
 type CheckpointStatus struct {
 	ConfirmedLSN string    `json:"confirmed_lsn"`
 	UpdatedAt    time.Time `json:"updated_at"`
@@ -76,11 +89,17 @@ type CheckpointStatus struct {
 type Status struct {
 	Mode   Mode    `json:"mode"`
 	Leader *Leader `json:"leader"`
-	// Relays are the connected outbox-relay sessions (the operator
-	// commands' own sessions excluded).
-	Relays     []Session         `json:"relays"`
-	Slot       SlotStatus        `json:"slot"`
-	Checkpoint *CheckpointStatus `json:"checkpoint,omitempty"`
+	// Relays counts the relay processes of this slot: the sessions that
+	// hold or wait for its leader lock (one per relay in replication and
+	// auto mode) or, when there are none, the owner-lock sessions (one per
+	// relay in poll mode).
+	Relays int `json:"relays"`
+	// Connections are every outbox-relay session in the database (the
+	// operator commands' own excluded): a relay holds several (leader
+	// lock, owner lock, walsender, LISTEN).
+	Connections []Session         `json:"connections"`
+	Slot        SlotStatus        `json:"slot"`
+	Checkpoint  *CheckpointStatus `json:"checkpoint,omitempty"`
 	// Rows counts outbox rows by status; the five statuses (docs/schema.md) are
 	// always present, others (a legacy poller's) only when they occur.
 	Rows map[string]int64 `json:"rows"`
@@ -111,63 +130,48 @@ type SinkDown struct {
 	LastError string `json:"last_error"`
 }
 
+// Where says where status finds a relay's slot and leader lock.
+type Where struct {
+	// Slot is source.slot and LeaderKey its leader lock
+	// (ledger.LeaderLockKey).
+	Slot      string
+	LeaderKey int64
+	// Standby is a connection to source.standby_url when the relay decodes
+	// on a standby (docs/standby.md): the slot is read there. StandbyErr
+	// is why the standby could not be reached, when it could not. Both
+	// zero: the slot is the primary's.
+	Standby    DB
+	StandbyErr error
+}
+
+func (w Where) onStandby() bool { return w.Standby != nil || w.StandbyErr != nil }
+
 // Statuses are the outbox statuses (docs/schema.md).
 var Statuses = []string{"pending", "processing", "held", "failed", "done"}
 
-// ReadStatus reads the state of the relays of slot from the database. The
-// leader is the session holding the session advisory lock leaderKey (the
-// relay's leader lock for slot, ledger.LeaderLockKey), or else the process
+// ReadStatus reads the state of the relays of w.Slot from the database,
+// and the slot from the server it is on (w). The leader is the session
+// holding the session advisory lock w.LeaderKey, or else the process
 // streaming from the slot. It only reads. The counts scan the outbox and
 // the ledger (which has no index on delivered_at); retention keeps both
 // small.
-func ReadStatus(ctx context.Context, db DB, t Tables, slot string, leaderKey int64) (*Status, error) {
-	st := &Status{Slot: SlotStatus{Name: slot}, Rows: map[string]int64{}, DeliveredLastHour: map[string]int64{}, Relays: []Session{}}
+func ReadStatus(ctx context.Context, db DB, t Tables, w Where) (*Status, error) {
+	slot := w.Slot
+	st := &Status{Rows: map[string]int64{}, DeliveredLastHour: map[string]int64{}, Connections: []Session{}}
 
-	// The retained WAL is measured up to the server's current position; on
-	// a standby (which has no slots of this relay unless synced) the last
-	// replayed one.
-	var (
-		pid      int32
-		retained *int64
-		walStat  *string
-		reason   *string
-		flushLSN *string
-	)
-	// to_jsonb(s) ->> 'invalidation_reason' is NULL before 17, which lacks
-	// the column.
-	err := db.QueryRow(ctx, `
-SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'invalidation_reason', confirmed_flush_lsn::text,
-       CASE WHEN wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL THEN
-       pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END,
-                       restart_lsn)::bigint END
-  FROM pg_replication_slots s WHERE slot_name = $1`, slot).Scan(&pid, &walStat, &reason, &flushLSN, &retained)
-	switch {
-	case errors.Is(err, pgx.ErrNoRows):
-	case err != nil:
-		return nil, fmt.Errorf("read slot %s: %w", slot, err)
-	default:
-		st.Slot.Exists = true
-		st.Slot.Active = pid != 0
-		st.Slot.WALStatus = deref(walStat)
-		st.Slot.InvalidationReason = deref(reason)
-		st.Slot.ConfirmedFlushLSN = deref(flushLSN)
-		st.Slot.RetainedWALBytes = retained
+	var err error
+	st.Slot, err = ReadSlot(ctx, db, w)
+	if err != nil {
+		return nil, err
 	}
-
 	sessions, err := relaySessions(ctx, db)
 	if err != nil {
 		return nil, err
 	}
-	st.Relays = sessions
-	if st.Slot.Active {
-		s, err := session(ctx, db, pid)
-		if err != nil {
-			return nil, err
-		}
-		st.Slot.Holder = &s
-	}
+	st.Connections = sessions
+	st.Relays = countRelays(sessions, slot)
 
-	lockHolder, err := lockHolder(ctx, db, leaderKey)
+	lockHolder, err := lockHolder(ctx, db, w.LeaderKey)
 	if err != nil {
 		return nil, err
 	}
@@ -181,7 +185,7 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'inval
 	switch {
 	case st.Slot.Active:
 		st.Mode = ModeReplication
-	case len(st.Relays) > 0:
+	case len(st.Connections) > 0:
 		st.Mode = ModePoll
 	default:
 		st.Mode = ModeStopped
@@ -273,6 +277,94 @@ SELECT down.name, down.waiting, coalesce(o.last_error, '') FROM down JOIN %[1]s 
 		return nil, nil
 	}
 	return out, nil
+}
+
+// ReadSlot reads the relay's slot w.Slot on the server it is on: the
+// standby when w names one, else db. An unreachable or unreadable standby
+// is reported in SlotStatus.Error, not as an error. It only reads.
+func ReadSlot(ctx context.Context, db DB, w Where) (SlotStatus, error) {
+	st := SlotStatus{Name: w.Slot, Server: "primary"}
+	on := db
+	if w.onStandby() {
+		st.Server, on = "standby", w.Standby
+		if w.StandbyErr != nil {
+			st.Error = fmt.Sprintf("cannot connect to source.standby_url: %v", w.StandbyErr)
+			return st, nil
+		}
+	}
+	// The retained WAL is measured up to the server's current position; on
+	// a standby the last replayed one. to_jsonb(s) ->> 'invalidation_reason'
+	// is NULL before 17, which lacks the column.
+	var (
+		pid      int32
+		retained *int64
+		walStat  *string
+		reason   *string
+		flushLSN *string
+	)
+	err := on.QueryRow(ctx, `
+SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'invalidation_reason', confirmed_flush_lsn::text,
+       CASE WHEN wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL THEN
+       pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END,
+                       restart_lsn)::bigint END
+  FROM pg_replication_slots s WHERE slot_name = $1`, w.Slot).Scan(&pid, &walStat, &reason, &flushLSN, &retained)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return st, nil
+	case err != nil && st.Server == "standby":
+		st.Error = fmt.Sprintf("read the standby's pg_replication_slots: %v", err)
+		return st, nil
+	case err != nil:
+		return st, fmt.Errorf("read slot %s: %w", w.Slot, err)
+	}
+	st.Exists = true
+	st.Active = pid != 0
+	st.WALStatus = deref(walStat)
+	st.InvalidationReason = deref(reason)
+	st.ConfirmedFlushLSN = deref(flushLSN)
+	st.RetainedWALBytes = retained
+	if st.Active {
+		s, err := session(ctx, on, pid)
+		if err != nil {
+			return st, err
+		}
+		st.Holder = &s
+	}
+	return st, nil
+}
+
+// The application_name of a relay's dedicated sessions (ledger.AcquireLeader,
+// ledger's dedicatedConfig).
+const (
+	leaderSessionPrefix = "outbox-relay leader "
+	ownerLockSession    = "outbox-relay owner lock"
+	// maxApplicationName is the server's limit (NAMEDATALEN - 1 bytes): a
+	// longer name arrives cut.
+	maxApplicationName = 63
+)
+
+// countRelays counts the relay processes of slot among sessions: every
+// relay in replication and auto mode holds a session for the slot's leader
+// lock (the leader, and each standby while it waits), and every relay in
+// poll mode, which has none, an owner-lock session (the leader has one too,
+// so owner locks count only when no relay waits for the leader lock).
+func countRelays(sessions []Session, slot string) int {
+	leader := leaderSessionPrefix + slot
+	var leaders, owners int
+	for _, s := range sessions {
+		app := s.ApplicationName
+		switch {
+		case app == leader,
+			len(leader) > maxApplicationName && len(app) > len(leaderSessionPrefix) && len(app) >= maxApplicationName-3 && strings.HasPrefix(leader, app):
+			leaders++
+		case app == ownerLockSession:
+			owners++
+		}
+	}
+	if leaders > 0 {
+		return leaders
+	}
+	return owners
 }
 
 // sessionColumns reads a Session from pg_stat_activity (alias a).
@@ -383,16 +475,16 @@ type Progress struct {
 }
 
 // ReadProgress reads what the tables show of the progress of the relays of
-// slot, counting rows that have waited longer than stallAfter. It only
-// reads; like ReadStatus it scans the outbox and the ledger.
-func ReadProgress(ctx context.Context, db DB, t Tables, slot string, stallAfter time.Duration) (*Progress, error) {
+// the slot (as ReadSlot read it), counting rows that have waited longer
+// than stallAfter. It only reads; like ReadStatus it scans the outbox and
+// the ledger.
+func ReadProgress(ctx context.Context, db DB, t Tables, slotStatus SlotStatus, stallAfter time.Duration) (*Progress, error) {
 	p := &Progress{StallAfterSeconds: stallAfter.Seconds()}
 	after := stallAfter.Seconds()
-	var slotExists bool
-	if err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)`, slot).Scan(&slotExists); err != nil {
-		return nil, fmt.Errorf("read slot %s: %w", slot, err)
-	}
-	// Without a slot every pending row is the claim path's (poll mode).
+	slot, slotExists := slotStatus.Name, slotStatus.Exists
+	// Without a slot (or with one that cannot be read: a standby that is
+	// down, whose rows auto mode delivers from the primary) every pending
+	// row is the claim path's.
 	err := db.QueryRow(ctx, fmt.Sprintf(`
 SELECT count(*) FILTER (WHERE stream AND created_at < now() - make_interval(secs => $1)),
        extract(epoch FROM now() - min(created_at) FILTER (WHERE stream AND created_at < now() - make_interval(secs => $1)))::float8,

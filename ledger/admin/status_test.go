@@ -83,7 +83,7 @@ func TestReadStatus_Counts(t *testing.T) {
 	// A NULL status is pending (ledger.Pending).
 	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = NULL WHERE event_key = 'p1'")
 
-	st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay"))
+	st, err := admin.ReadStatus(ctx, f.pool, f.tables, admin.Where{Slot: "outbox_relay", LeaderKey: ledger.LeaderLockKey("outbox_relay")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,13 +97,13 @@ func TestReadStatus_Counts(t *testing.T) {
 	if fmt.Sprint(st.DeliveredLastHour) != "map[nats:2]" {
 		t.Fatalf("delivered last hour: %v", st.DeliveredLastHour)
 	}
-	if st.Mode != admin.ModeStopped || st.Leader != nil || st.Slot.Exists || len(st.Relays) != 0 || st.Checkpoint != nil {
+	if st.Mode != admin.ModeStopped || st.Leader != nil || st.Slot.Exists || st.Relays != 0 || len(st.Connections) != 0 || st.Checkpoint != nil {
 		t.Fatalf("status of a database without relays: %+v", st)
 	}
 
 	// Nothing pending: no age.
 	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET status = 'done' WHERE status = 'pending' OR status IS NULL")
-	if st, err = admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay")); err != nil || st.OldestPendingSeconds != nil {
+	if st, err = admin.ReadStatus(ctx, f.pool, f.tables, admin.Where{Slot: "outbox_relay", LeaderKey: ledger.LeaderLockKey("outbox_relay")}); err != nil || st.OldestPendingSeconds != nil {
 		t.Fatalf("oldest pending with none pending: %v %v", st.OldestPendingSeconds, err)
 	}
 }
@@ -113,7 +113,7 @@ func TestReadStatus_ModeAndLeader(t *testing.T) {
 	ctx := context.Background()
 	read := func() *admin.Status {
 		t.Helper()
-		st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay"))
+		st, err := admin.ReadStatus(ctx, f.pool, f.tables, admin.Where{Slot: "outbox_relay", LeaderKey: ledger.LeaderLockKey("outbox_relay")})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -129,7 +129,7 @@ func TestReadStatus_ModeAndLeader(t *testing.T) {
 	// A relay polling: connected, no slot.
 	poller := MustConnect(t, f.url, "outbox-relay")
 	st := read()
-	if st.Mode != admin.ModePoll || len(st.Relays) != 1 || st.Relays[0].PID != int32(poller.PgConn().PID()) || st.Leader != nil {
+	if st.Mode != admin.ModePoll || len(st.Connections) != 1 || st.Connections[0].PID != int32(poller.PgConn().PID()) || st.Leader != nil {
 		t.Fatalf("polling relay: %+v", st)
 	}
 
@@ -147,7 +147,7 @@ func TestReadStatus_ModeAndLeader(t *testing.T) {
 	}
 	// Keys with the sign bit set split into classid/objid the same way.
 	MustExec(t, poller, "SELECT pg_advisory_lock(-5)")
-	if st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", -5); err != nil || st.Leader == nil || st.Leader.By != "lock" {
+	if st, err := admin.ReadStatus(ctx, f.pool, f.tables, admin.Where{Slot: "outbox_relay", LeaderKey: -5}); err != nil || st.Leader == nil || st.Leader.By != "lock" {
 		t.Fatalf("leader by a negative key: %+v %v", st, err)
 	}
 
@@ -170,8 +170,78 @@ func TestReadStatus_ModeAndLeader(t *testing.T) {
 		st.Leader == nil || st.Leader.By != "slot" || st.Leader.PID != int32(stream.PID()) {
 		t.Fatalf("streaming: mode %s slot %+v leader %+v", st.Mode, st.Slot, st.Leader)
 	}
-	if len(st.Relays) != 2 {
-		t.Fatalf("relays: %+v, want the poller and the walsender", st.Relays)
+	if len(st.Connections) != 2 {
+		t.Fatalf("connections: %+v, want the poller and the walsender", st.Connections)
+	}
+}
+
+// mustSlot reads the slot outbox_relay of f's database, as status does.
+func mustSlot(tb testing.TB, f *fixture) admin.SlotStatus {
+	tb.Helper()
+	s, err := admin.ReadSlot(context.Background(), f.pool, admin.Where{Slot: "outbox_relay"})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return s
+}
+
+// TestReadStatus_RelaysAreNotConnections: a relay holds several sessions
+// (its leader lock, its owner lock, its walsender); status counts relays
+// by the one session each holds — for the slot's leader lock, held or
+// waited for — and lists every connection apart. A relay of another slot
+// is not this slot's; relays in poll mode hold no leader session and are
+// counted by their owner locks.
+func TestReadStatus_RelaysAreNotConnections(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	read := func() *admin.Status {
+		t.Helper()
+		st, err := admin.ReadStatus(ctx, f.pool, f.tables, admin.Where{Slot: "outbox_relay", LeaderKey: ledger.LeaderLockKey("outbox_relay")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	// Poll mode: two relays, each with its owner lock.
+	owner1 := MustConnect(t, f.url, "outbox-relay owner lock")
+	MustConnect(t, f.url, "outbox-relay owner lock")
+	if st := read(); st.Relays != 2 || len(st.Connections) != 2 {
+		t.Fatalf("two polling relays: relays %d, connections %+v", st.Relays, st.Connections)
+	}
+	owner1.Close(ctx)
+
+	// One relay streaming: leader lock, owner lock, walsender.
+	leader := MustConnect(t, f.url, "outbox-relay leader outbox_relay")
+	MustExec(t, leader, "SELECT pg_advisory_lock($1)", ledger.LeaderLockKey("outbox_relay"))
+	MustExec(t, f.pool, "SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')")
+	MustStream(t, f.url, "outbox_relay", "outbox_relay", "outbox-relay")
+	waitFor(t, func() bool { return read().Slot.Active })
+	if st := read(); st.Relays != 1 || len(st.Connections) != 3 || st.Mode != admin.ModeReplication || st.Slot.Server != "primary" {
+		t.Fatalf("one streaming relay: relays %d, connections %+v, mode %s, slot on %q", st.Relays, st.Connections, st.Mode, st.Slot.Server)
+	}
+
+	// A second relay stands by, waiting for the lock; a relay of another
+	// slot is not counted, though its session is a connection.
+	MustConnect(t, f.url, "outbox-relay leader outbox_relay")
+	MustConnect(t, f.url, "outbox-relay leader another_slot")
+	if st := read(); st.Relays != 2 || len(st.Connections) != 5 {
+		t.Fatalf("a standby relay and another slot's: relays %d, connections %d", st.Relays, len(st.Connections))
+	}
+}
+
+// TestReadStatus_StandbyUnreachable: with source.standby_url the slot is
+// the standby's; when the standby cannot be reached status says so instead
+// of reading the primary's slot of that name.
+func TestReadStatus_StandbyUnreachable(t *testing.T) {
+	f := MustFixture(t)
+	MustExec(t, f.pool, "SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')")
+	st, err := admin.ReadStatus(context.Background(), f.pool, f.tables,
+		admin.Where{Slot: "outbox_relay", LeaderKey: ledger.LeaderLockKey("outbox_relay"), StandbyErr: errors.New("connection refused")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Slot.Server != "standby" || st.Slot.Exists || !strings.Contains(st.Slot.Error, "connection refused") {
+		t.Fatalf("slot %+v, want the standby's, unknown, with the reason", st.Slot)
 	}
 }
 
@@ -185,7 +255,7 @@ func TestReadProgress(t *testing.T) {
 	const stallAfter = 5 * time.Minute
 	read := func() *admin.Progress {
 		t.Helper()
-		p, err := admin.ReadProgress(ctx, f.pool, f.tables, "outbox_relay", stallAfter)
+		p, err := admin.ReadProgress(ctx, f.pool, f.tables, mustSlot(t, f), stallAfter)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -268,7 +338,7 @@ func TestReadProgress_HeldAggregateIsNoStall(t *testing.T) {
 	f.MustInsert(t, row{key: "held", status: "held", created: 20 * time.Minute})
 	f.MustInsert(t, row{key: "next", created: 10 * time.Minute}) // the same aggregate, due 10 minutes ago
 	MustExec(t, f.pool, "UPDATE "+f.tables.Outbox.Quoted()+" SET handoff_at = now() - interval '10 minutes', available_at = now() - interval '10 minutes' WHERE event_key = 'next'")
-	p, err := admin.ReadProgress(ctx, f.pool, f.tables, "outbox_relay", 5*time.Minute)
+	p, err := admin.ReadProgress(ctx, f.pool, f.tables, mustSlot(t, f), 5*time.Minute)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -278,7 +348,7 @@ func TestReadProgress_HeldAggregateIsNoStall(t *testing.T) {
 	// A row of another aggregate due as long ago is a stall.
 	MustExec(t, f.pool, "INSERT INTO "+f.tables.Outbox.Quoted()+` (event_type, aggregate_type, aggregate_id, event_key, payload, created_at, available_at, handoff_at)
 		VALUES ('order.created', 'order', 'B2', 'other', '{}', now() - interval '10 minutes', now() - interval '10 minutes', now())`)
-	if p, err = admin.ReadProgress(ctx, f.pool, f.tables, "outbox_relay", 5*time.Minute); err != nil || p.ClaimWaiting != 1 || p.Stalled == "" {
+	if p, err = admin.ReadProgress(ctx, f.pool, f.tables, mustSlot(t, f), 5*time.Minute); err != nil || p.ClaimWaiting != 1 || p.Stalled == "" {
 		t.Fatalf("a row of another aggregate: %+v, %v; want it waiting and a stall", p, err)
 	}
 }
@@ -296,7 +366,7 @@ func TestReadStatus_SinksDown(t *testing.T) {
 	f.MustInsert(t, row{key: "c", lastError: "sink n8n: transient: 503 Service Unavailable"})
 	f.MustInsert(t, row{key: "d", status: "failed", lastError: "sink n8n: sink-down: 401"})
 
-	st, err := admin.ReadStatus(ctx, f.pool, f.tables, "outbox_relay", ledger.LeaderLockKey("outbox_relay"))
+	st, err := admin.ReadStatus(ctx, f.pool, f.tables, admin.Where{Slot: "outbox_relay", LeaderKey: ledger.LeaderLockKey("outbox_relay")})
 	if err != nil {
 		t.Fatal(err)
 	}
