@@ -221,13 +221,20 @@ func recommendedKeepSize(slotMaxRetained int64) int64 {
 }
 
 func (d *diagnosis) maxSlotWALKeepSize(ctx context.Context) {
+	d.keepSize(ctx, d.conn, "max_slot_wal_keep_size", "")
+}
+
+// keepSize checks max_slot_wal_keep_size on the server conn is connected
+// to: the primary, or (check name "standby max_slot_wal_keep_size", fixes
+// prefixed "on the standby: ") the standby the relay's slot lives on.
+func (d *diagnosis) keepSize(ctx context.Context, conn *pgx.Conn, name, on string) {
 	var mb int64
-	if err := d.conn.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'max_slot_wal_keep_size'`).Scan(&mb); err != nil {
-		d.add(Fail, "max_slot_wal_keep_size", fmt.Sprintf("read setting: %v", err), "")
+	if err := conn.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'max_slot_wal_keep_size'`).Scan(&mb); err != nil {
+		d.add(Fail, name, fmt.Sprintf("read setting: %v", err), "")
 		return
 	}
 	if mb >= 0 {
-		d.add(OK, "max_slot_wal_keep_size", FormatBytes(mb<<20), "")
+		d.add(OK, name, FormatBytes(mb<<20), "")
 		return
 	}
 	rec := recommendedKeepSize(d.cfg.SlotMaxRetained)
@@ -235,8 +242,13 @@ func (d *diagnosis) maxSlotWALKeepSize(ctx context.Context) {
 	if d.provider != SelfManaged {
 		fix = SettingFix(d.provider, "max_slot_wal_keep_size", sizeSetting(d.provider, rec>>30), false) + "   -- in MB when a plain number; well above the relay's slot_max_retained, well below the storage left for WAL"
 	}
-	d.add(Warn, "max_slot_wal_keep_size",
-		"-1 (unlimited): a slot no one consumes keeps all WAL from its position on, until pg_wal fills the disk and the primary stops. "+
+	server := "the primary stops"
+	if on != "" {
+		fix = on + fix
+		server = "the standby stops"
+	}
+	d.add(Warn, name,
+		"-1 (unlimited): a slot no one consumes keeps all WAL from its position on, until pg_wal fills the disk and "+server+". "+
 			"A running relay drops a slot it cannot consume (source.slot_max_unconsumed), but a relay that is down cannot. "+
 			"With a limit the server invalidates such a slot instead; the relay recreates it and the claim path delivers the rows in between",
 		fix)

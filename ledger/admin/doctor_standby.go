@@ -24,7 +24,8 @@ const standbyVersion = 160000
 // primary's is the wal_level check); hot_standby_feedback on, through a
 // physical slot on the primary that exists and is used; the role may call
 // pg_log_standby_snapshot() on the primary (a slot made on a standby waits
-// for a running-transactions record otherwise); the relay's slot there; and
+// for a running-transactions record otherwise); the relay's slot there and
+// the standby's max_slot_wal_keep_size, which bounds what it retains; and
 // how long the standby takes to replay the primary's current position,
 // against source.standby_max_lag. It also reports a slot of the relay's name
 // on the primary, which decoding on the standby leaves unused.
@@ -96,6 +97,10 @@ func (d *diagnosis) standby(ctx context.Context) {
 	}
 	d.standbySnapshotPrivilege(ctx)
 	d.standbySlot(ctx, conn)
+	// The relay's slot retains WAL on the standby, under the standby's own
+	// limit; the primary's (checked apart) bounds the standby's physical
+	// slot there.
+	d.keepSize(ctx, conn, "standby max_slot_wal_keep_size", "on the standby: ")
 	if recovery {
 		d.standbyLag(ctx, conn)
 	}

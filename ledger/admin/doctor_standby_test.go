@@ -59,7 +59,17 @@ func TestDiagnose_Standby(t *testing.T) {
 	withStandby := func(url string) func(*admin.DiagnoseConfig) {
 		return func(c *admin.DiagnoseConfig) { c.StandbyURL, c.StandbyMaxLag = url, 5*time.Second }
 	}
+	// Each server has its own max_slot_wal_keep_size: the primary's bounds
+	// the standby's physical slot, the standby's the relay's slot.
+	MustExec(t, conn, "ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'")
+	MustExec(t, conn, "SELECT pg_reload_conf()")
+	waitFor(t, func() bool {
+		var mb int64
+		return conn.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'max_slot_wal_keep_size'`).Scan(&mb) == nil && mb == 10<<10
+	})
 	checks := diagnose(t, asRelay(primary.URL("app")), withStandby(asRelay(standby.URL("app"))))
+	requireCheck(t, checks, "max_slot_wal_keep_size", admin.OK, "10.0 GiB")
+	requireCheck(t, checks, "standby max_slot_wal_keep_size", admin.Warn, "-1 (unlimited)", "the standby stops", "on the standby: ALTER SYSTEM SET max_slot_wal_keep_size")
 	requireCheck(t, checks, "standby", admin.OK, "a physical standby of this primary")
 	requireCheck(t, checks, "standby wal_level", admin.OK)
 	requireCheck(t, checks, "standby replication connection", admin.OK)
