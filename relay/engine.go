@@ -101,8 +101,10 @@ type Engine struct {
 	// counts them, guarded by mu.
 	handOverRoom *room
 	handOvers    int
-	// settledCount counts works settled, per path (Progress).
+	// settledCount counts works settled, per path (Progress); decided, by
+	// decision (Decided).
 	settledCount map[Path]*atomic.Uint64
+	decided      decidedCounts
 	draining     atomic.Bool // stop retrying inline: hand waiting retries off
 	// halted: send nothing more (Halt); cancelSends, set by Run under mu,
 	// cancels the sends in flight.
@@ -735,6 +737,7 @@ func (e *Engine) settled(w *Work) {
 	e.mu.Lock()
 	tickets := w.tickets
 	w.tickets = nil
+	e.decided.add(w.Decision.Kind) // counted before a waiter can see it settled
 	if e.inflight[w.path][w.Event.ID] == w {
 		delete(e.inflight[w.path], w.Event.ID)
 	}

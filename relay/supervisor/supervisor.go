@@ -369,6 +369,18 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 		drain = min(drain, lostDrain)
 	}
 	if !engineStopped {
+		// A stop the operator asked for (or the end of the term) says at
+		// once what it waits for, and then what came of it.
+		stopping := ctx.Err() != nil
+		began, before := time.Now(), engine.Decided()
+		if stopping {
+			n, bound := engine.InFlight(), "shutdown_timeout"
+			if drain < s.cfg.ShutdownTimeout {
+				bound = "cut short: the lease is lost"
+			}
+			s.log.Info().Int("in_flight", n).Str("up_to", drain.String()).
+				Msgf("stopping: %d in flight, up to %s (%s): their outcomes are written first", n, drain, bound)
+		}
 		drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), drain)
 		if err := engine.Drain(drainCtx); err != nil {
 			s.log.Warn().Err(err).Msg("the drain's time passed with events in flight; the stream sends them again at the next start and the ledger keeps them from being delivered twice")
@@ -377,6 +389,9 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 		engine.Halt()
 		stopEngine()
 		engineErr = <-engineDone
+		if stopping {
+			s.logStopped(engine, engine.Decided().Minus(before), time.Since(began))
+		}
 	}
 	workersErr := g.Wait()
 	switch {
@@ -386,6 +401,21 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 		return engineErr
 	}
 	return nil
+}
+
+// logStopped says what an orderly stop's drain did with the events in
+// flight: d, settled while it drained for took, and those it left.
+func (s *Supervisor) logStopped(engine *relay.Engine, d relay.Decided, took time.Duration) {
+	left := engine.InFlight()
+	msg := fmt.Sprintf("stopped: %d delivered, %d handed to the claim path, in %s", d.Delivered, d.Later, took.Round(100*time.Millisecond))
+	if d.DeadLettered+d.Held > 0 {
+		msg += fmt.Sprintf("; %d dead-lettered, %d held", d.DeadLettered, d.Held)
+	}
+	if left > 0 {
+		msg += fmt.Sprintf("; %d left unsettled (the stream sends them again at the next start, the claim path takes its own over)", left)
+	}
+	s.log.Info().Int64("delivered", d.Delivered).Int64("handed_off", d.Later).Int64("dead_lettered", d.DeadLettered).
+		Int64("held", d.Held).Int("unsettled", left).Str("took", took.String()).Msg(msg)
 }
 
 // lead runs a leader's term: the slot watchdog, and phases one after
