@@ -61,18 +61,30 @@ func (s *Store) RepairDue(ctx context.Context) (int64, error) {
 // reconcile` makes a row the claim path's. It reads the pending scan's
 // watch list (scan.go), so its cost follows the write rate.
 func (s *Store) Stuck(ctx context.Context, after time.Duration) (rows int64, oldest time.Duration, err error) {
+	stuck, err := s.StuckRows(ctx, after)
+	if err != nil {
+		return 0, 0, err
+	}
+	if len(stuck) > 0 {
+		oldest = time.Since(stuck[0].Due)
+	}
+	return int64(len(stuck)), oldest, nil
+}
+
+// StuckRows returns the rows Stuck counts, oldest first.
+func (s *Store) StuckRows(ctx context.Context, after time.Duration) ([]relay.StuckRow, error) {
 	watch, err := s.scanPending(ctx)
 	if err != nil {
-		return 0, 0, fmt.Errorf("measure rows pending longer than %s: %w", after, err)
+		return nil, fmt.Errorf("measure rows pending longer than %s: %w", after, err)
 	}
+	var out []relay.StuckRow
 	now := time.Now()
-	for _, w := range watch {
-		if age := now.Sub(w.due); age > after {
-			rows++
-			oldest = max(oldest, age)
+	for _, w := range watch { // oldest first
+		if now.Sub(w.due) > after {
+			out = append(out, relay.StuckRow{ID: w.id, Due: w.due})
 		}
 	}
-	return rows, oldest, nil
+	return out, nil
 }
 
 // pingTimeout bounds one check of a dedicated connection; one that does

@@ -26,6 +26,9 @@ type streamFeed struct {
 	// sentLag and sentAt are the last lag Sent reported and when
 	// (UnixNano; 0: never).
 	sentLag, sentAt atomic.Int64
+	// started is when the last Restart began the stream's session
+	// (UnixNano; 0: never): StreamView.
+	started atomic.Int64
 }
 
 // decodedPast reports whether the stream has reported a position at or past
@@ -242,6 +245,7 @@ func (f *streamFeed) Restart(ctx context.Context, horizon LSN) error {
 	}
 	f.tracker.reset()
 	f.horizon.Store(uint64(horizon))
+	f.started.Store(time.Now().UnixNano())
 	// A pin left by a session whose hand-over did not finish ends here: a
 	// new session either hands over again (and pins again, after this) or
 	// resumes a slot whose hand-over is recorded, every row of it marked.

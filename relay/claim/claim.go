@@ -57,9 +57,9 @@ type Store interface {
 	ExpireLeases(ctx context.Context, lease time.Duration) ([]relay.Lease, error)
 	// RepairDue makes pending rows with a NULL available_at due now.
 	RepairDue(ctx context.Context) (int64, error)
-	// Stuck counts rows pending, not the claim path's, due longer than
-	// after ago, and the age of the oldest.
-	Stuck(ctx context.Context, after time.Duration) (int64, time.Duration, error)
+	// StuckRows returns the rows pending, not the claim path's and not
+	// delivered, due longer than after ago, oldest first.
+	StuckRows(ctx context.Context, after time.Duration) ([]relay.StuckRow, error)
 	// Listen calls notified for every NOTIFY on channel until ctx ends or
 	// the connection fails.
 	Listen(ctx context.Context, channel string, notified func()) error

@@ -3,6 +3,7 @@ package claim
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -69,15 +70,24 @@ func (c *Source) sweep(ctx context.Context) {
 }
 
 // measureStuck updates StuckRows and OldestUnclaimedAge and warns, at most
-// once a minute, while there are such rows. The warning waits until the
-// source has run for SweepAfter: rows already pending that long when the
-// relay attached (a backlog written while it was down) are the stream's to
-// deliver first, and a clean start warns about nothing.
+// once a minute, while there are such rows, saying what they wait for
+// (stuckAdvice). The warning waits until the source has run for
+// SweepAfter: rows already pending that long when the relay attached (a
+// backlog written while it was down) are the stream's to deliver first,
+// and a clean start warns about nothing.
 func (c *Source) measureStuck(ctx context.Context) error {
-	count, age, err := c.cfg.Store.Stuck(ctx, c.cfg.SweepAfter)
+	// The engine's view first: a row settled after it and before the scan
+	// is still counted in flight, never as one the stream passed.
+	view := c.cfg.Engine.StreamView()
+	rows, err := c.cfg.Store.StuckRows(ctx, c.cfg.SweepAfter)
 	if err != nil {
 		return err
 	}
+	var age time.Duration
+	if len(rows) > 0 {
+		age = time.Since(rows[0].Due)
+	}
+	count := int64(len(rows))
 	c.stuckRows.Store(count)
 	c.oldestStuck.Store(int64(age))
 	if count > 0 && time.Since(c.started) >= c.cfg.SweepAfter && time.Since(c.lastAlarm) >= alarmEvery {
@@ -86,10 +96,78 @@ func (c *Source) measureStuck(ctx context.Context) error {
 		if c.cfg.All {
 			l.Msg("rows pending longer than sweep_after: the claim path is not keeping up or its sinks are failing")
 		} else {
-			l.Msg("rows pending longer than sweep_after that the stream has not delivered: if the slot was dropped and recreated while the relay was down, run outbox-relay reconcile --older-than D")
+			w := classifyStuck(view, rows)
+			l.Int("in_flight", w.inFlight).Int("not_received", w.notReceived).Int("catching_up", w.catchingUp).
+				Int("never_streamed", w.neverStreamed).Strs("sinks_down", view.SinksDown).
+				Msg("rows pending longer than sweep_after: " + w.advice(view, time.Now()))
 		}
 	}
 	return nil
+}
+
+// stuckWait counts stuck rows by what they wait for.
+type stuckWait struct {
+	// inFlight: in the engine's lanes, waiting for their sinks.
+	inFlight int
+	// notReceived: committed after the stream's session began and not
+	// received yet: the stream is behind them (back-pressure from the
+	// sinks holds it), or no session has begun.
+	notReceived int
+	// catchingUp: committed before the session began, which the stream
+	// has not decoded past yet.
+	catchingUp int
+	// neverStreamed: committed before the session began, which the stream
+	// has decoded past, and not in flight: the slot was made after them
+	// (dropped and made again while the relay was down). Only reconcile
+	// hands them to the claim path.
+	neverStreamed int
+}
+
+func classifyStuck(v relay.StreamView, rows []relay.StuckRow) stuckWait {
+	var w stuckWait
+	for _, r := range rows {
+		switch {
+		case v.InFlight[r.ID]:
+			w.inFlight++
+		case v.Started.IsZero() || !r.Due.Before(v.Started):
+			w.notReceived++
+		case !v.CaughtUp:
+			w.catchingUp++
+		default:
+			w.neverStreamed++
+		}
+	}
+	return w
+}
+
+// advice says what the rows wait for and what to do, the reconcile advice
+// only for rows the stream never saw.
+func (w stuckWait) advice(v relay.StreamView, now time.Time) string {
+	var parts []string
+	if w.neverStreamed > 0 {
+		since := now.Sub(v.Started).Truncate(time.Minute) + time.Minute
+		parts = append(parts, fmt.Sprintf("%d were committed before the stream's session began, which it has decoded past without them: "+
+			"the slot was made after them (dropped and made again while the relay was down?); "+
+			"run outbox-relay reconcile --older-than %s to hand them to the claim path", w.neverStreamed, since))
+	}
+	if w.inFlight > 0 {
+		sinks := "their sinks are slow or failing"
+		if len(v.SinksDown) > 0 {
+			sinks = "sinks down: " + strings.Join(v.SinksDown, ", ")
+		}
+		parts = append(parts, fmt.Sprintf("%d are in flight in the lanes, waiting for their sinks (%s); they clear as the sinks answer", w.inFlight, sinks))
+	}
+	if w.notReceived > 0 {
+		what := "the stream has not received them yet: it is behind them (full lanes slow it: each event waits up to delivery.lane_block_max for room, then goes to the claim path; or the walsender is still decoding); they clear as it catches up"
+		if v.Started.IsZero() {
+			what = "no stream session has begun on this relay yet: they wait for the stream (its log says why it does not stream)"
+		}
+		parts = append(parts, fmt.Sprintf("%d %s", w.notReceived, what))
+	}
+	if w.catchingUp > 0 {
+		parts = append(parts, fmt.Sprintf("%d were committed before the stream's session began, and the stream is still catching up on the WAL before it", w.catchingUp))
+	}
+	return strings.Join(parts, "; ")
 }
 
 // keepOwner checks the owner-lock connection every second until ctx is
