@@ -37,7 +37,7 @@ var (
 	}, []string{"sink", "path"})
 	decodeLatency = promauto.NewHistogram(prometheus.HistogramOpts{
 		Namespace: "outbox_relay", Name: "decode_latency_seconds",
-		Help:    "Time from the event's commit to its arrival in the engine, decoded (stream path): what the walsender and the decoder add before any sink.",
+		Help:    "Time from the event's commit to its arrival in the engine, decoded (stream path): what the walsender and the decoder add before any sink. Each event counts once per process: events the slot sends again (a reconnect, a PostgreSQL restart) are not counted again.",
 		Buckets: []float64{.0005, .001, .002, .003, .005, .0075, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
 	})
 

@@ -29,6 +29,35 @@ type streamFeed struct {
 	// started is when the last Restart began the stream's session
 	// (UnixNano; 0: never): StreamView.
 	started atomic.Int64
+	// counting is the commit position of the transaction this session is
+	// counting in decode_latency_seconds (firstDecoded): its later
+	// batches are counted too.
+	counting atomic.Uint64
+}
+
+// decodedHigh is the highest commit position whose events
+// decode_latency_seconds has counted in this process. A transaction at or
+// below it was counted when it was first decoded: the slot sends it again
+// after a reconnect or a PostgreSQL restart, its commit time long past.
+var decodedHigh atomic.Uint64
+
+// firstDecoded reports whether the events of the transaction committed at
+// lsn are decoded for the first time in this process: above decodedHigh,
+// or later batches of the transaction this session is counting.
+func (f *streamFeed) firstDecoded(lsn LSN) bool {
+	if uint64(lsn) == f.counting.Load() {
+		return true
+	}
+	for {
+		high := decodedHigh.Load()
+		if uint64(lsn) <= high {
+			return false
+		}
+		if decodedHigh.CompareAndSwap(high, uint64(lsn)) {
+			f.counting.Store(uint64(lsn))
+			return true
+		}
+	}
 }
 
 // decodedPast reports whether the stream has reported a position at or past
@@ -77,7 +106,7 @@ func (f *streamFeed) Submit(ctx context.Context, events []*Event) error {
 		f.tracker.markEvents(ticket)
 	}
 	now := time.Now()
-	if ct := events[0].CommitTime; !ct.IsZero() {
+	if ct := events[0].CommitTime; !ct.IsZero() && f.firstDecoded(events[0].CommitLSN) {
 		// One transaction's events share their commit time.
 		lag := now.Sub(ct).Seconds()
 		for range events {
@@ -246,6 +275,7 @@ func (f *streamFeed) Restart(ctx context.Context, horizon LSN) error {
 	f.tracker.reset()
 	f.horizon.Store(uint64(horizon))
 	f.started.Store(time.Now().UnixNano())
+	f.counting.Store(0) // a transaction sent again is not the one being counted
 	// A pin left by a session whose hand-over did not finish ends here: a
 	// new session either hands over again (and pins again, after this) or
 	// resumes a slot whose hand-over is recorded, every row of it marked.
