@@ -1,6 +1,7 @@
 // Package admin holds the SQL behind the operator commands of outbox-relay:
-// doctor's database checks, status, the dead-letter queue (dlq list, retry,
-// discard), replay, and retention (pruning old rows).
+// doctor's database checks, status, the lookup of one event, the
+// dead-letter queue (dlq list, retry, discard), replay, and retention
+// (pruning old rows).
 //
 // Every name comes from the configuration and is rendered with
 // relay.QualifiedName.Quoted, so no name is ever read as SQL. Every status
