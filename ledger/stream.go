@@ -363,7 +363,7 @@ func (s *Store) restreamed(ctx context.Context, works []*relay.Work) error {
 		// Planned at each call (pgx's unnamed statement), never from a
 		// cached plan: the ledger grows fast in a drain, and a plan made
 		// while it was small may read all of it for every call
-		// (docs/performance.md, "Where the targets stand, and why").
+		// (docs/performance.md, "Plans that do not depend on statistics").
 		rows, err := s.pool.Query(ctx, s.sql.stream.restreamed, pgx.QueryExecModeExec, chunk)
 		if err != nil {
 			return fmt.Errorf("read state of re-streamed rows from id %d: %w", chunk[0], err)
