@@ -50,8 +50,7 @@ func TestServerDownAtStart(t *testing.T) {
 }
 
 // TestStreamOfTheWrongShapeOnceReachable: the server was down at start and
-// comes up with a stream whose duplicate window is smaller than the sink
-// needs. That is a sink-level failure, as every event would meet it: the
+// comes up with a stream that does not capture the sink's subjects. That is a sink-level failure, as every event would meet it: the
 // sink stays down, Down names the stream and the fix, and once the stream is
 // fixed the next check passes and the sink delivers.
 func TestStreamOfTheWrongShapeOnceReachable(t *testing.T) {
@@ -73,19 +72,19 @@ func TestStreamOfTheWrongShapeOnceReachable(t *testing.T) {
 
 	srv.Restart(t)
 	js := MustJetStream(t, srv)
-	sc := jetstream.StreamConfig{Name: testStream, Subjects: []string{"outbox.>"}, Duplicates: 10 * time.Second}
+	sc := jetstream.StreamConfig{Name: testStream, Subjects: []string{"elsewhere.>"}, Duplicates: time.Minute}
 	if _, err := js.CreateStream(context.Background(), sc); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 15*time.Second, "the sink to report the stream's duplicate window", func() bool {
+	eventually(t, 15*time.Second, "the sink to report the stream's subjects", func() bool {
 		err := s.Down()
-		return err != nil && strings.Contains(err.Error(), "duplicate_window 10s")
+		return err != nil && strings.Contains(err.Error(), "does not capture the sink's subjects")
 	})
 	if err := sendSync(t, s, delivery(1)); class(err) != relay.SinkDown || !strings.Contains(err.Error(), "nats stream edit") {
 		t.Fatalf("send with the stream of the wrong shape: %v, want sink-down naming the fix", err)
 	}
 
-	sc.Duplicates = time.Minute
+	sc.Subjects = []string{"outbox.>"}
 	if _, err := js.UpdateStream(context.Background(), sc); err != nil {
 		t.Fatal(err)
 	}
