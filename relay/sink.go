@@ -86,7 +86,10 @@ type DeliveryError struct {
 	Class ErrorClass
 	// RetryAfter is the destination's requested delay (Retry-After), or 0.
 	RetryAfter time.Duration
-	Err        error
+	// Status is the destination's answer (an HTTP status), 0 when none
+	// came; the log names it (docs/operations.md, "Logs").
+	Status int
+	Err    error
 }
 
 func (e *DeliveryError) Error() string { return e.Class.String() + ": " + e.Err.Error() }

@@ -19,8 +19,18 @@ import (
 const n8nStartingUp = "n8n is starting up. Please wait"
 
 // outcome classifies a response as the package documentation's table says;
-// label names what the request carried (`event "k"`, or a batch).
+// label names what the request carried (`event "k"`, or a batch). A failure
+// carries the response's status for the relay's log.
 func (s *Sink) outcome(label string, resp *http.Response, now time.Time) error {
+	err := s.classify(label, resp, now)
+	var de *relay.DeliveryError
+	if resp.StatusCode >= 300 && errors.As(err, &de) {
+		de.Status = resp.StatusCode
+	}
+	return err
+}
+
+func (s *Sink) classify(label string, resp *http.Response, now time.Time) error {
 	code := resp.StatusCode
 	if code >= 200 && code < 300 {
 		// n8n answers 200 "n8n is starting up. Please wait" to every request

@@ -116,6 +116,16 @@ func TestOutcomes(t *testing.T) {
 			if retryAfter < tt.retryAfter[0] || retryAfter > tt.retryAfter[1] {
 				t.Errorf("RetryAfter %v, want %v..%v", retryAfter, tt.retryAfter[0], tt.retryAfter[1])
 			}
+			// The status the relay logs: the receiver's, unless it answered
+			// 2xx (n8n starting up), which is no status of a failure.
+			wantStatus := tt.status
+			if tt.status < 300 {
+				wantStatus = 0
+			}
+			var de *relay.DeliveryError
+			if !errors.As(err, &de) || de.Status != wantStatus {
+				t.Errorf("error %v: its Status is not %d", err, wantStatus)
+			}
 			msg := err.Error()
 			for _, want := range tt.contains {
 				if !strings.Contains(msg, want) {
