@@ -126,6 +126,9 @@ type Engine struct {
 	// a source may register while the engine runs.
 	claimSettled atomic.Pointer[func()]
 
+	// now is the circuits' clock: time.Now, or a test's.
+	now func() time.Time
+
 	// Stats counts outcomes; safe to read concurrently.
 	Stats EngineStats
 }
@@ -166,6 +169,7 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		started:      make(chan struct{}),
 		done:         make(chan struct{}),
 		marks:        newMarkQueue(),
+		now:          time.Now,
 	}
 	e.idle = sync.NewCond(&e.mu)
 	e.settle = map[Path]*settleQueue{PathStream: newSettleQueue(e, PathStream), PathClaim: newSettleQueue(e, PathClaim)}
@@ -713,15 +717,16 @@ func (e *Engine) finishWork(w *Work) {
 	e.settle[w.path].add(w)
 }
 
+// logDecision logs what w's decision makes of each failure of its pairs,
+// as the lanes log failures (lanelog.go): once per event and change.
 func (e *Engine) logDecision(w *Work) {
-	d := w.Decision
-	switch d.Kind {
-	case DeadLetter:
-		e.log.Warn().Str("path", string(w.path)).Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Int("attempts", d.Attempts).
-			Str("error", d.Reason).Msg("event failed: dead-lettered")
-	case Hold:
-		e.log.Warn().Str("path", string(w.path)).Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).Str("reason", d.Reason).
-			Msg("event held: its outcome is unknown and the sink holds such events; see outbox-relay dlq list")
+	if w.refused != "" {
+		e.log.Warn().Str("path", string(w.path)).Int64("id", w.Event.ID).Str("event_key", w.Event.EventKey).
+			Str("error", w.Decision.Reason).Msg("event failed: dead-lettered unsent; see outbox-relay dlq list")
+		return
+	}
+	for i, p := range w.Pairs {
+		w.lanes[i].logDecided(w, p.Outcome, w.Decision)
 	}
 }
 

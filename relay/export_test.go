@@ -34,3 +34,6 @@ func (e *Engine) MarkRetries() int {
 	defer e.marks.mu.Unlock()
 	return len(e.marks.tries)
 }
+
+// SetClock sets the clock of e's circuits; call it before Run.
+func (e *Engine) SetClock(now func() time.Time) { e.now = now }

@@ -35,6 +35,10 @@ type lane struct {
 	diverted  map[AggregateKey]uint64
 	unwritten map[AggregateKey]int
 	circuit   circuit
+	// failures holds what the log said of each event that failed here and
+	// is not delivered or settled for good (failNote): a repeat of the same
+	// failure, in this pass or a later claim, is not logged again.
+	failures map[int64]failNote
 }
 
 type aggQueue struct{ waiting []*task }
@@ -76,6 +80,7 @@ func newLane(e *Engine, r Route) *lane {
 		busy:      map[AggregateKey]*aggQueue{},
 		diverted:  map[AggregateKey]uint64{},
 		unwritten: map[AggregateKey]int{},
+		failures:  map[int64]failNote{},
 	}
 }
 
@@ -93,7 +98,8 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 	ev := t.w.Event
 	now := time.Now()
 	l.mu.Lock()
-	if until, open := l.circuit.isOpen(now); open {
+	if until, open := l.circuit.isOpen(l.e.now()); open {
+		l.circuit.wait(ev.ID)
 		l.mu.Unlock()
 		l.complete(t, Outcome{Kind: Deferred, Reason: "circuit open: sink is down", Until: until, Why: "sink_down"}, true)
 		return
@@ -216,7 +222,10 @@ func (l *lane) send(ctx context.Context, t *task) {
 		return
 	}
 	l.mu.Lock()
-	until, open := l.circuit.isOpen(time.Now())
+	until, open := l.circuit.isOpen(l.e.now())
+	if open {
+		l.circuit.wait(t.w.Event.ID)
+	}
 	l.mu.Unlock()
 	if open {
 		o := Outcome{Kind: Deferred, Reason: "circuit open: sink is down", Until: until, Why: "sink_down"}
@@ -247,12 +256,7 @@ func (l *lane) body(w *Work) []byte {
 // callback and never blocks.
 func (l *lane) result(t *task, err error) {
 	if err == nil {
-		l.mu.Lock()
-		closed := l.circuit.close()
-		l.mu.Unlock()
-		if closed {
-			l.e.log.Info().Str("sink", l.name).Msg("sink is back: circuit closed")
-		}
+		l.delivered(t)
 		l.complete(t, Outcome{Kind: Delivered}, true)
 		return
 	}
@@ -263,19 +267,15 @@ func (l *lane) result(t *task, err error) {
 		return
 	}
 	reason := ShortError(err.Error())
+	if class != SinkDown {
+		l.noteFailure(t, failureStatus(err, class))
+	}
 	switch class {
 	case Permanent:
 		l.complete(t, Outcome{Kind: Failed, Reason: reason, Counted: t.counted + 1}, true)
 		return
 	case SinkDown:
-		now := time.Now()
-		l.mu.Lock()
-		until, opened := l.circuit.open(now, retryAfter)
-		l.mu.Unlock()
-		if opened {
-			l.e.log.Warn().Str("path", string(t.w.path)).Str("sink", l.name).Str("error", reason).Dur("retry_in", until.Sub(now).Round(time.Millisecond)).
-				Msg("sink is down: circuit open, its events wait without counting attempts")
-		}
+		until := l.sinkDown(t, retryAfter, reason)
 		o := Outcome{Kind: Deferred, Reason: reason, Until: until, Why: "sink_down"}
 		if t.counted > 0 {
 			o = Outcome{Kind: Retry, Reason: t.last + "; then " + reason, Until: until, Counted: t.counted}
@@ -299,6 +299,7 @@ func (l *lane) result(t *task, err error) {
 	if t.w.path == PathStream && t.counted < l.e.cfg.Policy.InlineAttempts && delay <= l.e.cfg.Policy.LaneBlockMax &&
 		t.w.Event.Attempts+t.counted < l.e.cfg.Policy.MaxAttempts && !l.e.draining.Load() {
 		t.due = time.Now().Add(delay)
+		l.logFailure(t.w, nextInlineRetry, t.due, reason)
 		l.retryIn <- t
 		return
 	}
