@@ -23,6 +23,9 @@ func (e *Engine) WaitDecodedPast(ctx context.Context, at LSN) bool { return e.wa
 // once an aggregate has nothing left at the claim path.
 func (e *Engine) Undiverted(a AggregateKey, seq uint64) { e.undiverted(a, seq) }
 
+// SetClock sets the clock of e's circuits; call it before Run.
+func (e *Engine) SetClock(now func() time.Time) { e.now = now }
+
 // DataErrorsBeforeFallback is how many refusals of a row's data the
 // settlement takes before it writes a plain dead letter instead.
 const DataErrorsBeforeFallback = dataErrorsBeforeFallback
@@ -34,6 +37,3 @@ func (e *Engine) MarkRetries() int {
 	defer e.marks.mu.Unlock()
 	return len(e.marks.tries)
 }
-
-// SetClock sets the clock of e's circuits; call it before Run.
-func (e *Engine) SetClock(now func() time.Time) { e.now = now }
