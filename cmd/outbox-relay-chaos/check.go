@@ -44,9 +44,11 @@ type sinkRecord struct {
 	// saw, duplicates the stream dropped included): they must carry the
 	// same id and body too.
 	Extra []delivery
-	// Refused are the events the sink refused for good (the receiver's
-	// 400s of unstorable-reply): each must end dead-lettered (failed, with a
-	// reason), never delivered to this sink; no other event may.
+	// Refused are the events that must never be delivered to this sink:
+	// those the sink refused for good (the receiver's 400s of
+	// unstorable-reply) and those the relay must refuse unsent (the
+	// over-long keys of long-keys). Each must end dead-lettered (failed,
+	// with a reason); no other event may.
 	Refused map[string]bool
 }
 
@@ -71,8 +73,26 @@ type runFacts struct {
 	SideEffects map[string]int
 	MaxRetained int64 // bytes of WAL the slot retained, at most
 	WALBound    int64
-	MaxRSS      int64 // bytes of resident memory of a relay process, at most
-	RSSBound    int64
+	// PeakRSS is each relay's largest peak resident memory (VmHWM) over its
+	// processes, in bytes; RSSBound bounds each.
+	PeakRSS  map[string]int64
+	RSSBound int64
+	// NullStatus are the keys of the rows written with a NULL status, Large
+	// those with a large payload (its padding's bytes): events like any
+	// other, which must reach both sinks whole.
+	NullStatus map[string]bool
+	Large      map[string]int
+	// LongKeys are long-keys' over-long keys, also in every sink's Refused:
+	// they must end failed with a last_error naming the limit, never
+	// reach a sink and have no ledger row; Beside are the rows written in
+	// the same transactions, which must be delivered.
+	LongKeys map[string]bool
+	Beside   []string
+	// Deleted are the rows handover-delete deleted, with when the DELETE
+	// committed: exempt from "must be delivered" (a row delivered before
+	// its deletion, or sent from the WAL after it, is fine), but not from
+	// order, once and the same id and body where they arrived.
+	Deleted map[string]time.Duration
 	// WantID is the idempotency id the relay must send for a key; nil
 	// checks only that repeats agree with the first copy.
 	WantID func(key string) string
@@ -152,6 +172,8 @@ func check(f runFacts) []invariant {
 		checkRSS(f),
 		checkFailed(f),
 		checkLockCuts(f),
+		checkShapes(f),
+		checkLongKeys(f),
 	}
 }
 
@@ -178,30 +200,44 @@ func checkWritten(f runFacts, byKey map[string]event) invariant {
 }
 
 // checkMissing: every committed event reached every sink (a 2xx, a stored
-// message) at least once.
+// message) at least once, but the events that must never reach it
+// (Refused: dead-lettered instead) and the rows deleted (Deleted: either).
 func checkMissing(f runFacts) invariant {
 	var v violations
 	var counts []string
 	for _, s := range f.Sinks {
-		ok := map[string]bool{}
+		ok := map[string]time.Duration{}
 		for _, d := range s.Arrivals {
-			if d.OK {
-				ok[d.Key] = true
+			if _, seen := ok[d.Key]; d.OK && !seen {
+				ok[d.Key] = d.At
 			}
 		}
 		missing, refused := 0, 0
+		var deleted [3]int // delivered before the deletion, after it, never
 		for _, e := range f.Events {
-			if s.Refused[e.Key] {
-				refused++
+			at, delivered := ok[e.Key]
+			if deletedAt, gone := f.Deleted[e.Key]; gone {
 				switch {
-				case ok[e.Key]:
-					v.add("%s: %s was refused for good, yet delivered", s.Name, e.Key)
-				case e.Status != "failed":
-					v.add("%s: %s was refused for good (400), row status %s, want failed", s.Name, e.Key, e.Status)
+				case !delivered:
+					deleted[2]++
+				case at <= deletedAt:
+					deleted[0]++
+				default:
+					deleted[1]++
 				}
 				continue
 			}
-			if !ok[e.Key] {
+			if s.Refused[e.Key] {
+				refused++
+				switch {
+				case delivered:
+					v.add("%s: %.60s was refused for good, yet delivered", s.Name, e.Key)
+				case e.Status != "failed":
+					v.add("%s: %.60s was refused for good, row status %s, want failed", s.Name, e.Key, e.Status)
+				}
+				continue
+			}
+			if !delivered {
 				missing++
 				v.add("%s: %s never delivered (row status %s, last_error %q)", s.Name, e.Key, e.Status, e.LastError)
 			}
@@ -209,6 +245,9 @@ func checkMissing(f runFacts) invariant {
 		c := fmt.Sprintf("%s %d missing", s.Name, missing)
 		if refused > 0 {
 			c += fmt.Sprintf(" (and %d refused for good, to be dead-lettered)", refused)
+		}
+		if len(f.Deleted) > 0 {
+			c += fmt.Sprintf(" (and %d deleted: %d delivered before their deletion, %d after, %d never)", len(f.Deleted), deleted[0], deleted[1], deleted[2])
 		}
 		counts = append(counts, c)
 	}
@@ -237,13 +276,23 @@ func checkLedger(f runFacts, byKey map[string]event) invariant {
 	var counts []string
 	refused := map[string]bool{}
 	for _, s := range f.Sinks {
-		delivered := 0
+		delivered, exempt := 0, 0
 		for _, e := range f.Events {
 			states := state[s.Action][e.Key]
+			if _, gone := f.Deleted[e.Key]; gone {
+				// Delivered first, or settled without its outcome: at
+				// most one row, whatever its state.
+				exempt++
+				if len(states) > 1 {
+					v.add("(%s, %s): deleted, ledger rows %v, want at most one", e.Key, s.Action, states)
+				}
+				continue
+			}
 			if s.Refused[e.Key] {
+				exempt++
 				refused[e.Key] = true
 				if slices.Contains(states, "delivered") {
-					v.add("(%s, %s): refused for good, yet ledger rows %v", e.Key, s.Action, states)
+					v.add("(%.60s, %s): refused for good, yet ledger rows %v", e.Key, s.Action, states)
 				}
 				continue
 			}
@@ -256,10 +305,13 @@ func checkLedger(f runFacts, byKey map[string]event) invariant {
 				v.add("(%s, %s): ledger rows %v, want one delivered", e.Key, s.Action, states)
 			}
 		}
-		counts = append(counts, fmt.Sprintf("%s %d/%d", s.Action, delivered, len(f.Events)-len(s.Refused)))
+		counts = append(counts, fmt.Sprintf("%s %d/%d", s.Action, delivered, len(f.Events)-exempt))
 	}
 	done := 0
 	for _, e := range f.Events {
+		if _, gone := f.Deleted[e.Key]; gone {
+			refused[e.Key] = true // no row to be done
+		}
 		switch {
 		case refused[e.Key]:
 		case e.Status == "done":
@@ -339,7 +391,7 @@ func checkIdentity(f runFacts, byKey map[string]event) invariant {
 					v.add("%s: a repeat of %s carries id %q, the first copy %q", s.Name, d.Key, d.ID, f0.ID)
 				}
 				if d.Body != f0.Body && !f.sameEventRewritten(d.Key, d.Body, f0.Body) {
-					v.add("%s: a repeat of %s has another body:\n    first  %s\n    repeat %s", s.Name, d.Key, f0.Body, d.Body)
+					v.add("%s: a repeat of %s has another body:\n    first  %.300s\n    repeat %.300s", s.Name, d.Key, f0.Body, d.Body)
 				}
 			}
 		}
@@ -404,12 +456,19 @@ func checkRepeatCauses(f runFacts) invariant {
 // twice).
 func checkSideEffects(f runFacts) invariant {
 	var v violations
-	once, refused := 0, 0
+	once, refused, deleted := 0, 0, 0
 	for _, e := range f.Events {
+		if _, gone := f.Deleted[e.Key]; gone {
+			deleted++
+			if n := f.SideEffects[e.Key]; n > 1 {
+				v.add("%s: deleted, its side effect applied %d times", e.Key, n)
+			}
+			continue
+		}
 		if f.hookRefused()[e.Key] {
 			refused++
 			if n := f.SideEffects[e.Key]; n != 0 {
-				v.add("%s: refused for good, yet its side effect applied %d times", e.Key, n)
+				v.add("%.60s: refused for good, yet its side effect applied %d times", e.Key, n)
 			}
 			continue
 		}
@@ -422,14 +481,19 @@ func checkSideEffects(f runFacts) invariant {
 			v.add("%s: side effect applied %d times (once per distinct webhook-id)", e.Key, n)
 		}
 	}
+	checked := fmt.Sprintf("%d of %d events applied once, %d refused for good applied never", once, len(f.Events)-refused-deleted, refused)
+	if deleted > 0 {
+		checked += fmt.Sprintf(", %d deleted at most once", deleted)
+	}
 	return invariant{Name: "webhook side effect applied exactly once per event (dedup by webhook-id)",
-		Checked: fmt.Sprintf("%d of %d events applied once, %d refused for good applied never", once, len(f.Events)-refused, refused), Violations: v.result()}
+		Checked: checked, Violations: v.result()}
 }
 
 // checkOrder: per sink and aggregate, no event arrives (in any attempt)
 // before the aggregate's previous event was delivered; so the first
 // deliveries are in sequence order. An event dead-lettered (failed) does not
-// hold its successors back.
+// hold its successors back, nor does a deleted one that never reached the
+// sink; a deleted one that did is judged like any other, whenever it came.
 func checkOrder(f runFacts) invariant {
 	var v violations
 	byAgg := map[string][]event{}
@@ -455,20 +519,27 @@ func checkOrder(f runFacts) invariant {
 		}
 		for _, a := range aggs {
 			es := byAgg[a]
-			for i := 1; i < len(es); i++ {
-				prev, next := es[i-1], es[i]
-				pairs++
-				arrived, ok := firstAny[next.Key]
-				if !ok || prev.Status == "failed" {
+			// prev is the nearest earlier event that holds next back.
+			var prev *event
+			for i := range es {
+				next := &es[i]
+				if i > 0 {
+					pairs++
+				}
+				if arrived, ok := firstAny[next.Key]; ok && prev != nil {
+					delivered, ok := firstOK[prev.Key]
+					switch {
+					case !ok:
+						v.add("%s: aggregate %s: seq %d (%.60s) arrived but seq %d (%.60s) was never delivered", s.Name, a, next.Seq, next.Key, prev.Seq, prev.Key)
+					case arrived < delivered:
+						v.add("%s: aggregate %s: seq %d (%.60s) arrived (#%d) before seq %d (%.60s) was delivered (#%d)", s.Name, a, next.Seq, next.Key, arrived, prev.Seq, prev.Key, delivered)
+					}
+				}
+				_, delivered := firstOK[next.Key]
+				if _, gone := f.Deleted[next.Key]; next.Status == "failed" || gone && !delivered {
 					continue
 				}
-				delivered, ok := firstOK[prev.Key]
-				switch {
-				case !ok:
-					v.add("%s: aggregate %s: seq %d (%s) arrived but seq %d (%s) was never delivered", s.Name, a, next.Seq, next.Key, prev.Seq, prev.Key)
-				case arrived < delivered:
-					v.add("%s: aggregate %s: seq %d (%s) arrived (#%d) before seq %d (%s) was delivered (#%d)", s.Name, a, next.Seq, next.Key, arrived, prev.Seq, prev.Key, delivered)
-				}
+				prev = next
 			}
 		}
 	}
@@ -486,15 +557,30 @@ func checkWAL(f runFacts) invariant {
 		Checked: fmt.Sprintf("max %s ≤ %s", mb(f.MaxRetained), mb(f.WALBound)), Violations: v.result()}
 }
 
-// checkRSS: no relay process grew past the memory bound (settle-lock and
+// checkRSS: no relay's peak memory passed the bound, large payloads among
+// the load (docs/guarantees.md, "Memory bounded by bytes"; settle-lock and
 // backpressure-drop stop decoding rather than buffer).
 func checkRSS(f runFacts) invariant {
 	var v violations
-	if f.MaxRSS > f.RSSBound {
-		v.add("a relay process reached %s of resident memory, over the %s bound", mb(f.MaxRSS), mb(f.RSSBound))
+	names := make([]string, 0, len(f.PeakRSS))
+	for name := range f.PeakRSS {
+		names = append(names, name)
 	}
-	return invariant{Name: "relay memory bounded",
-		Checked: fmt.Sprintf("max RSS %s ≤ %s", mb(f.MaxRSS), mb(f.RSSBound)), Violations: v.result()}
+	sort.Strings(names)
+	var peaks []string
+	for _, name := range names {
+		peak := f.PeakRSS[name]
+		peaks = append(peaks, fmt.Sprintf("%s %s", name, mb(peak)))
+		if peak > f.RSSBound {
+			v.add("%s reached a peak of %s of resident memory, over the %s bound", name, mb(peak), mb(f.RSSBound))
+		}
+	}
+	checked := fmt.Sprintf("peak RSS (VmHWM) %s, each ≤ %s", strings.Join(peaks, ", "), mb(f.RSSBound))
+	if len(f.Large) > 0 {
+		lo, hi := largeSpan(f.Large)
+		checked += fmt.Sprintf(", with %d large payloads of %d–%d KiB among the load", len(f.Large), lo>>10, hi>>10)
+	}
+	return invariant{Name: "relay memory bounded", Checked: checked, Violations: v.result()}
 }
 
 // checkFailed: every dead-lettered row says why, and only the events a
@@ -512,7 +598,7 @@ func checkFailed(f runFacts) invariant {
 			example = e.LastError
 		}
 		if strings.TrimSpace(e.LastError) == "" {
-			v.add("%s: failed without a last_error", e.Key)
+			v.add("%.60s: failed without a last_error", e.Key)
 		}
 		refused := false
 		for _, s := range f.Sinks {

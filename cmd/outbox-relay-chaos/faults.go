@@ -33,11 +33,13 @@ const (
 	gracefulStop    faultKind = "graceful-stop"
 	pollFallback    faultKind = "poll-fallback"
 	lockCut         faultKind = "lock-cut"
+	handoverDelete  faultKind = "handover-delete"
+	longKeys        faultKind = "long-keys"
 )
 
 var faultKinds = []faultKind{relayKill, postgresRestart, natsRestart, webhookOutage, slotDrop, leaderKill,
 	backpressure, unstorable, slotCreateCrash, settleLock, pgBlackhole, natsBlackhole, pgSlow, failover,
-	gracefulStop, pollFallback, lockCut}
+	gracefulStop, pollFallback, lockCut, handoverDelete, longKeys}
 
 // faultWhat says what each kind does, for the report.
 var faultWhat = map[faultKind]string{
@@ -58,6 +60,8 @@ var faultWhat = map[faultKind]string{
 	gracefulStop:    "SIGTERM of the HA leader while it delivers (it must record what is in flight and exit 0 within shutdown_timeout), restarted at once",
 	pollFallback:    "the publication dropped and the walsender terminated: auto mode falls back to the claim path over every row; the publication restored, it streams again after replication_retry",
 	lockCut:         "the leader's lock session ended (pg_terminate_backend) while it delivers: it must send nothing once it knows (its next ping); the standby takes over",
+	handoverDelete:  "receiver slow; slot dropped; rows with a NULL status committed while no slot exists; once the slot is back, a few pending rows the webhook has not got deleted (DELETE … WHERE id IN) while the new slot's hand-over runs, then the walsender terminated: the hand-over must be recorded and streaming resume within 60 s",
+	longKeys:        "one transaction of legacy rows (key bound trigger off) in an aggregate of its own: a few keys of 2,049–2,690 random bytes between rows with normal keys: those must end failed naming the limit, unsent; the others delivered",
 }
 
 // step is one fault of the schedule.
@@ -143,6 +147,12 @@ type faultRecord struct {
 	note       string
 	err        error
 	leader     string // lock-cut: the relay that led
+	// handover-delete: the keys of the rows deleted, and when the DELETE
+	// committed.
+	deleted   []string
+	deletedAt time.Duration
+	// long-keys: the over-long keys, and the rows written beside them.
+	longKeys, beside []string
 	// Filled in after the run; -1: never.
 	firstNew time.Duration // healed → the first event committed afterwards at both sinks
 	drained  time.Duration // healed → every event committed before it at both sinks
@@ -395,6 +405,13 @@ func (s *stack) inject(ctx context.Context, st step) []faultRecord {
 			}
 		}
 		rec.note = fmt.Sprintf("%s's lock session ended; a new walsender streams %.1f s after", leader.name, (s.since() - rec.at).Seconds())
+	case handoverDelete:
+		rec.note, rec.err = s.handoverDelete(ctx, &rec)
+		if rec.healed == 0 {
+			rec.healed = s.since()
+		}
+	case longKeys:
+		rec.note, rec.err = s.writeLongKeys(ctx, &rec)
 	case pgSlow:
 		for _, p := range s.pgProxies {
 			p.SetLatency(netfault.Upstream, 150*time.Millisecond)

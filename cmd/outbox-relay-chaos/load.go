@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -26,12 +27,23 @@ VALUES ($1, '` + aggregateType + `', $2, $3, $4::text::jsonb)`
 	// $5 seconds from now (scheduled; its aggregate's later events wait).
 	insertAtSQL = `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, available_at)
 VALUES ($1, '` + aggregateType + `', $2, $3, $4::text::jsonb, CASE WHEN $5::float8 > 0 THEN now() + make_interval(secs => $5::float8) END)`
+	// insertNullStatusSQL writes the status NULL, as the seed schema
+	// allows: the row is pending (docs/guarantees.md, "NULL status and NULL
+	// available_at").
+	insertNullStatusSQL = `INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, status)
+VALUES ($1, '` + aggregateType + `', $2, $3, $4::text::jsonb, NULL)`
 	// nullAtShare and scheduledShare of the single-row transactions insert
 	// a row with a NULL available_at, or one scheduled scheduledIn (±50%)
 	// ahead.
 	nullAtShare    = 0.004
 	scheduledShare = 0.004
 	scheduledIn    = 3 * time.Second
+	// nullStatusShare of the rows (of any transaction, but those with an
+	// available_at of their own) are written with a NULL status.
+	nullStatusShare = 0.003
+	// largeShare of the single-row transactions carry a payload of
+	// load.largeMin..largeMax bytes: a few a minute at the profiles' rates.
+	largeShare = 0.0013
 	// multiRowShare of the transactions carry 2..maxRowsPerTx events, some
 	// of one aggregate, in id (= sequence) order; bulkShare carry
 	// bulkMin..bulkMax, more than the stream hands the engine at once (256).
@@ -50,15 +62,23 @@ type outboxRow struct {
 	// availableAt: 0 leaves available_at to its default (now), <0 writes
 	// NULL, >0 schedules the row that far ahead.
 	availableAt time.Duration
+	nullStatus  bool // status written NULL (availableAt must be 0)
+	large       int  // bytes of padding of a large payload; 0 for the usual
+	// legacy: written with the outbox's bound on event_key lengths off
+	// (keyBoundTrigger), as a row older than that bound is; a transaction
+	// with one such row is written so whole.
+	legacy bool
 }
 
 // committedEvent is an event whose transaction committed, and when the
 // writer learnt it (right after COMMIT returned, or when an unknown outcome
 // was found committed).
 type committedEvent struct {
-	key, agg string
-	seq      int64
-	at       time.Duration
+	key, agg   string
+	seq        int64
+	at         time.Duration
+	nullStatus bool
+	large      int // bytes of padding of a large payload, else 0
 }
 
 // loadStats counts what the writers did.
@@ -70,6 +90,7 @@ type loadStats struct {
 	foundNotCommitted  atomic.Int64 // … whose transaction had not (written again)
 	uniqueAfterFailure atomic.Int64 // a retry met the earlier attempt's committed rows
 	nullAt, scheduled  atomic.Int64 // rows with a NULL available_at; scheduled ahead
+	nullStatus, large  atomic.Int64 // rows with a NULL status; with a large payload
 }
 
 // load runs the writers.
@@ -80,6 +101,9 @@ type load struct {
 	rate       float64
 	seed       uint64
 	since      func() time.Duration
+	// largeMin and largeMax bound a large payload's padding, in bytes:
+	// under what nats-server takes in one message (setUp sizes them).
+	largeMin, largeMax int
 
 	stats     loadStats
 	mu        sync.Mutex
@@ -155,6 +179,15 @@ func (l *load) writer(ctx context.Context, stop <-chan struct{}, w int) error {
 				rows[0].availableAt = -1
 			case r < nullAtShare+scheduledShare:
 				rows[0].availableAt = time.Duration(float64(scheduledIn) * (0.5 + rng.Float64()))
+			case r < nullAtShare+scheduledShare+largeShare && l.largeMax > 0:
+				r := &rows[0]
+				r.large = l.largeMin + rng.IntN(l.largeMax-l.largeMin+1)
+				r.payload = fmt.Sprintf(`{"seq": %d, "writer": %d, "pad": %q}`, r.seq, w, randomText(rng, r.large))
+			}
+		}
+		for i := range rows {
+			if rows[i].availableAt == 0 && rng.Float64() < nullStatusShare {
+				rows[i].nullStatus = true
 			}
 		}
 		if err := l.commit(ctx, rows); err != nil {
@@ -280,25 +313,45 @@ func (l *load) resolveCount(ctx context.Context, keys []string) (int, error) {
 
 // insert writes rows: one autocommit INSERT for a single row, else one
 // transaction with the INSERTs sent as a batch (ids in order).
+// A transaction holding a legacy row turns the bound on key lengths off
+// around its INSERTs, inside it, so no other session writes without it.
 func (l *load) insert(ctx context.Context, rows []outboxRow) error {
 	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	if len(rows) == 1 {
-		r := rows[0]
-		if r.availableAt != 0 {
-			_, err := l.pool.Exec(ctx, insertAtSQL, r.eventType, r.agg, r.key, r.payload, r.availableAt.Seconds())
-			return err
-		}
-		_, err := l.pool.Exec(ctx, insertSQL, r.eventType, r.agg, r.key, r.payload)
+	legacy := slices.ContainsFunc(rows, func(r outboxRow) bool { return r.legacy })
+	if len(rows) == 1 && !legacy {
+		sql, args := rows[0].statement()
+		_, err := l.pool.Exec(ctx, sql, args...)
 		return err
 	}
 	return pgx.BeginFunc(ctx, l.pool, func(tx pgx.Tx) error {
 		b := &pgx.Batch{}
+		if legacy {
+			// ALTER TABLE waits for the writers and settlements in flight
+			// on the table, and they for it: keep that short.
+			b.Queue(`SET LOCAL lock_timeout = '5s'`)
+			b.Queue(`ALTER TABLE integration_outbox DISABLE TRIGGER ` + keyBoundTrigger)
+		}
 		for _, r := range rows {
-			b.Queue(insertSQL, r.eventType, r.agg, r.key, r.payload)
+			sql, args := r.statement()
+			b.Queue(sql, args...)
+		}
+		if legacy {
+			b.Queue(`ALTER TABLE integration_outbox ENABLE TRIGGER ` + keyBoundTrigger)
 		}
 		return tx.SendBatch(ctx, b).Close()
 	})
+}
+
+// statement is the INSERT that writes r, with its arguments.
+func (r outboxRow) statement() (string, []any) {
+	switch {
+	case r.availableAt != 0:
+		return insertAtSQL, []any{r.eventType, r.agg, r.key, r.payload, r.availableAt.Seconds()}
+	case r.nullStatus:
+		return insertNullStatusSQL, []any{r.eventType, r.agg, r.key, r.payload}
+	}
+	return insertSQL, []any{r.eventType, r.agg, r.key, r.payload}
 }
 
 func (l *load) record(rows []outboxRow) {
@@ -306,8 +359,25 @@ func (l *load) record(rows []outboxRow) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, r := range rows {
-		l.committed = append(l.committed, committedEvent{key: r.key, agg: r.agg, seq: r.seq, at: at})
+		l.committed = append(l.committed, committedEvent{key: r.key, agg: r.agg, seq: r.seq, at: at, nullStatus: r.nullStatus, large: r.large})
+		if r.nullStatus {
+			l.stats.nullStatus.Add(1)
+		}
+		if r.large > 0 {
+			l.stats.large.Add(1)
+		}
 	}
+}
+
+// randomText is n random letters and digits: a payload or key PostgreSQL
+// cannot compress.
+func randomText(rng *rand.Rand, n int) string {
+	const alnum = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = alnum[rng.IntN(len(alnum))]
+	}
+	return string(b)
 }
 
 // events returns a copy of the committed events.

@@ -58,13 +58,25 @@
 //	                  record what is in flight and exit 0; restarted
 //	poll-fallback     the publication dropped and the walsender ended:
 //	                  auto mode polls, then streams again once restored
+//	lock-cut          the leader's lock session ended while it delivers
+//	handover-delete   the receiver slow, the slot dropped, rows with a
+//	                  NULL status committed while no slot exists; once it
+//	                  is back, a few pending rows the webhook has not got
+//	                  deleted (the application's cleanup) while the new
+//	                  slot's hand-over runs; the walsender terminated: the
+//	                  hand-over must be recorded, and streaming resume,
+//	                  each within 60 s
+//	long-keys         legacy rows (migration 012's trigger off around the
+//	                  insert) with event_keys of 2,049–2,690 bytes between
+//	                  rows with normal keys, in one transaction
 //
 // Retention runs in the relays throughout, with ages of seconds; what it
 // prunes is kept aside for the checks.
 //
 // Writers also insert, now and then, a row with a NULL available_at (due
 // now) and one scheduled a few seconds ahead (its aggregate's later events
-// wait for it).
+// wait for it); a few rows in a thousand with a NULL status; and a few a
+// minute with a payload of 300–900 KiB (under nats-server's max_payload).
 //
 // Afterwards — writers stopped, everything delivered (or -quiesce passed),
 // the relays stopped with SIGTERM — it checks: no committed event missing at
@@ -74,8 +86,12 @@
 // same idempotency id and a byte-identical body, and the receiver applied
 // each event's side effect exactly once (deduplicating by webhook-id);
 // per-aggregate order; the WAL retained by the slot stayed under
-// -wal-bound and no relay process's memory grew past -rss-bound; every
-// failed row has a reason, and only refused events failed. Synchronous
+// -wal-bound and no relay's peak memory (VmHWM) grew past -rss-bound; every
+// failed row has a reason, and only refused events and over-long keys
+// failed, those naming the limit, sent nowhere, the rows beside them
+// delivered; the rows with a NULL status and the large payloads arrived
+// (whole) like any other. A row handover-delete deleted need reach no
+// sink, but where it did it is judged like any other, order included. Synchronous
 // replication keeps every acknowledged commit across a failover; a commit
 // in flight when the primary died is resolved by looking for its rows on
 // the new one, and written again when they are not there. Before
@@ -126,6 +142,8 @@ type profile struct {
 	lockHold    time.Duration // settle-lock: how long the lock is held
 	blackhole   time.Duration // pg-blackhole, nats-blackhole: how long
 	slowFor     time.Duration // pg-slow: how long
+	deletes     int           // handover-delete: pending rows deleted per fault
+	longKeys    int           // long-keys: over-long keys per fault
 	// replicationRetry is the relays' source.replication_retry: how long
 	// auto mode polls before it tries to stream again (poll-fallback).
 	replicationRetry time.Duration
@@ -135,11 +153,11 @@ var profiles = map[string]profile{
 	"ci": {name: "ci", warmup: 8 * time.Second, cycles: 2, gap: 6 * time.Second, kills: 2, killSpacing: 3 * time.Second,
 		outage503: 6 * time.Second, outageHang: 5 * time.Second, outageSlow: 4 * time.Second, rate: 150, writers: 4, aggregates: 160, quiesce: 120 * time.Second,
 		crawl: 4 * time.Second, poison: 3, lockHold: 5 * time.Second, blackhole: 5 * time.Second, slowFor: 5 * time.Second,
-		replicationRetry: 4 * time.Second},
+		deletes: 4, longKeys: 2, replicationRetry: 4 * time.Second},
 	"full": {name: "full", warmup: 15 * time.Second, cycles: 3, gap: 15 * time.Second, kills: 3, killSpacing: 4 * time.Second,
 		outage503: 12 * time.Second, outageHang: 8 * time.Second, outageSlow: 6 * time.Second, rate: 200, writers: 6, aggregates: 300, quiesce: 180 * time.Second,
 		crawl: 6 * time.Second, poison: 5, lockHold: 10 * time.Second, blackhole: 10 * time.Second, slowFor: 8 * time.Second,
-		replicationRetry: 6 * time.Second},
+		deletes: 6, longKeys: 3, replicationRetry: 6 * time.Second},
 }
 
 // options are the command-line flags.
@@ -166,7 +184,7 @@ func main() {
 	fs.StringVar(&profileName, "profile", "full", "ci (about 5 minutes) or full (about 12 minutes): the same faults and invariants")
 	fs.Uint64Var(&o.seed, "seed", 1, "seed of the fault schedule and the load")
 	fs.Int64Var(&walBoundMB, "wal-bound", 256, "largest WAL the relay's slot may retain (restart_lsn to the current position), MB")
-	fs.Int64Var(&rssBoundMB, "rss-bound", 512, "largest resident memory of a relay process, MB (sampled every second)")
+	fs.Int64Var(&rssBoundMB, "rss-bound", 300, "largest peak resident memory (VmHWM) of each relay, large payloads among the load, MB (sampled every second)")
 	fs.DurationVar(&o.hookTimeout, "hook-timeout", time.Second, "the relay's webhook timeout (the outage holds requests past it)")
 	fs.Float64Var(&rate, "rate", 0, "events/s from all writers together (0: the profile's)")
 	fs.IntVar(&writers, "writers", 0, "writer connections (0: the profile's)")

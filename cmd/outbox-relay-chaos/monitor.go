@@ -30,10 +30,10 @@ type walMonitor struct {
 	maxRetained   walSample
 	maxUnacked    walSample
 	maxWALDir     walSample
-	// maxRSS is the largest resident memory of a relay process sampled,
-	// at maxRSSAt.
-	maxRSS   int64
-	maxRSSAt time.Duration
+	// peakRSS is, per relay, the largest peak resident memory (VmHWM) of
+	// its processes sampled, first seen at peakRSSAt.
+	peakRSS   map[string]int64
+	peakRSSAt map[string]time.Duration
 }
 
 const walSampleSQL = `SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint,
@@ -81,16 +81,30 @@ func (m *walMonitor) run(ctx context.Context) {
 	}
 }
 
-// sampleRSS reads every running relay's resident memory.
+// sampleRSS reads every running relay's peak resident memory.
 func (m *walMonitor) sampleRSS() {
 	for _, r := range m.s.relays {
-		rss := r.rss()
+		peak := r.peakRSS()
 		m.mu.Lock()
-		if rss > m.maxRSS {
-			m.maxRSS, m.maxRSSAt = rss, m.s.since()
+		if m.peakRSS == nil {
+			m.peakRSS, m.peakRSSAt = map[string]int64{}, map[string]time.Duration{}
+		}
+		if peak > m.peakRSS[r.name] {
+			m.peakRSS[r.name], m.peakRSSAt[r.name] = peak, m.s.since()
 		}
 		m.mu.Unlock()
 	}
+}
+
+// peaks returns a copy of the relays' peak resident memory.
+func (m *walMonitor) peaks() map[string]int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make(map[string]int64, len(m.peakRSS))
+	for k, v := range m.peakRSS {
+		out[k] = v
+	}
+	return out
 }
 
 func (m *walMonitor) gap() {

@@ -187,7 +187,16 @@ func (r *relaySlot) countInLog(s string) int {
 
 // rss is the resident memory of the running relay process in bytes, 0 when
 // none runs or it cannot be read.
-func (r *relaySlot) rss() int64 {
+func (r *relaySlot) rss() int64 { return r.procStatus("VmRSS:") }
+
+// peakRSS is the running relay process's peak resident memory so far
+// (VmHWM) in bytes: it holds the peaks between two samples, which a large
+// payload's delivery makes short. 0 when none runs or it cannot be read.
+func (r *relaySlot) peakRSS() int64 { return r.procStatus("VmHWM:") }
+
+// procStatus reads a field in kB of the running process's /proc status, in
+// bytes.
+func (r *relaySlot) procStatus(field string) int64 {
 	r.mu.Lock()
 	p := r.cur
 	r.mu.Unlock()
@@ -199,7 +208,7 @@ func (r *relaySlot) rss() int64 {
 		return 0
 	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+		if rest, ok := strings.CutPrefix(line, field); ok {
 			var kb int64
 			if _, err := fmt.Sscanf(strings.TrimSpace(rest), "%d kB", &kb); err == nil {
 				return kb << 10

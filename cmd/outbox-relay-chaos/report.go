@@ -22,8 +22,9 @@ func (res *result) print(w io.Writer, s *stack, args []string) {
 	fmt.Fprintf(w, "Command: `outbox-relay-chaos %s` (via `make chaos ARGS=...`): profile %s, seed %d; %.0f s in all, of which load and faults %.0f s; %s.\n\n",
 		strings.Join(args, " "), p.name, o.seed, res.took.Seconds(), res.loadTook.Seconds(), quiet)
 	fmt.Fprintf(w, "Setup: %d CPUs; %s (fsync on, private cluster); nats-server %s (external process, JetStream file storage); relay %s; "+
-		"two relays on one config (leader + standby), webhook timeout %s, backoff [500ms, 1s, 2s, 3s]. Load: %d writers, %.0f events/s, %d aggregates, %.0f%% of transactions with 2–%d rows and %.1f%% with %d–%d; another table (not published) takes about 2 MB/s of WAL.\n\n",
-		runtime.NumCPU(), s.pgVer, s.natsVer, harness.RelayVersion(o.relayBin), o.hookTimeout, p.writers, p.rate, p.aggregates, 100*multiRowShare, maxRowsPerTx, 100*bulkShare, bulkMin, bulkMax)
+		"two relays on one config (leader + standby), webhook timeout %s, backoff [500ms, 1s, 2s, 3s]. Load: %d writers, %.0f events/s, %d aggregates, %.0f%% of transactions with 2–%d rows and %.1f%% with %d–%d; %.1f%% of rows with a NULL status; %.2f%% of single-row transactions with a payload of %d–%d KiB; another table (not published) takes about 2 MB/s of WAL.\n\n",
+		runtime.NumCPU(), s.pgVer, s.natsVer, harness.RelayVersion(o.relayBin), o.hookTimeout, p.writers, p.rate, p.aggregates, 100*multiRowShare, maxRowsPerTx, 100*bulkShare, bulkMin, bulkMax,
+		100*nullStatusShare, 100*largeShare, s.largeMin>>10, s.largeMax>>10)
 
 	st := &res.load.stats
 	fmt.Fprintln(w, "| figure | value |")
@@ -34,12 +35,14 @@ func (res *result) print(w io.Writer, s *stack, args []string) {
 		float64(len(res.events))/res.loadTook.Seconds())
 	fmt.Fprintf(w, "| rows with a NULL available_at / scheduled %.0f s (±50%%) ahead | %s / %s |\n",
 		scheduledIn.Seconds(), th(int(st.nullAt.Load())), th(int(st.scheduled.Load())))
+	fmt.Fprintf(w, "| rows with a NULL status / with a large payload | %s / %s |\n", th(int(st.nullStatus.Load())), th(int(st.large.Load())))
+	fmt.Fprintf(w, "| rows the faults wrote or deleted | %s |\n", res.shapeFigures())
 	fmt.Fprintf(w, "| writer attempts that failed (outcome resolved by looking for the rows) | %s: %s had committed after all, %s had not (written again); %s retries met the earlier attempt's rows |\n",
 		th(int(st.failedAttempts.Load())), th(int(st.foundCommitted.Load())), th(int(st.foundNotCommitted.Load())), th(int(st.uniqueAfterFailure.Load())))
 	fmt.Fprintf(w, "| rows by status at the end | %s |\n", res.statusCounts())
 	fmt.Fprintf(w, "| faults injected | %s |\n", res.faultCounts())
-	fmt.Fprintf(w, "| relay processes | %d starts, %d leadership terms, %d unexpected exits, %d fallbacks to polling |\n",
-		res.relayStarts, res.leaderTerms, len(res.unexpected), res.fallbacks)
+	fmt.Fprintf(w, "| relay processes | %d starts, %d leadership terms, %d unexpected exits, %d fallbacks to polling, %d rows settled as deleted before their outcome was written |\n",
+		res.relayStarts, res.leaderTerms, len(res.unexpected), res.fallbacks, res.settledGone)
 	if res.failovers > 0 {
 		fmt.Fprintf(w, "| failovers: events delivered as a row of the old primary that the new one lacks (written again by their writer: same key and id, another row id) | %d in %d failovers |\n",
 			res.lostInFailover, res.failovers)
@@ -111,6 +114,26 @@ func (res *result) statusCounts() string {
 		parts = append(parts, fmt.Sprintf("%q %s", st, harness.Thousands(c)))
 	}
 	return strings.Join(parts, ", ")
+}
+
+// shapeFigures summarises what handover-delete and long-keys wrote and
+// deleted.
+func (res *result) shapeFigures() string {
+	var deleted, long, beside int
+	shortest, longest := 0, 0
+	for _, f := range res.faults {
+		deleted += len(f.deleted)
+		long += len(f.longKeys)
+		beside += len(f.beside)
+		for _, k := range f.longKeys {
+			if shortest == 0 || len(k) < shortest {
+				shortest = len(k)
+			}
+			longest = max(longest, len(k))
+		}
+	}
+	return fmt.Sprintf("handover-delete deleted %d pending rows during new slots' hand-overs; long-keys wrote %d keys of %d–%d bytes beside %d rows with normal keys",
+		deleted, long, shortest, longest, beside)
 }
 
 // faultCounts lists how many faults of each kind were injected.

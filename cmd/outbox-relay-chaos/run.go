@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -27,6 +28,7 @@ type result struct {
 	relayStarts    int
 	leaderTerms    int
 	fallbacks      int
+	settledGone    int // rows the relays logged as deleted before their outcome
 	// lostInFailover: events delivered as a row of the old primary that a
 	// failover lost (runFacts.lostInFailover); failovers: how many.
 	lostInFailover, failovers int
@@ -73,7 +75,9 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 	go func() { defer close(monDone); mon.run(monCtx) }()
 	defer func() { stopMon(); <-monDone }()
 
-	l := &load{pool: s.pool, writers: p.writers, aggregates: p.aggregates, rate: p.rate, seed: o.seed, since: s.since}
+	l := &load{pool: s.pool, writers: p.writers, aggregates: p.aggregates, rate: p.rate, seed: o.seed, since: s.since,
+		largeMin: s.largeMin, largeMax: s.largeMax}
+	s.load = l
 	stopLoad := make(chan struct{})
 	loadDone := make(chan error, 1)
 	loadStart := time.Now()
@@ -110,7 +114,7 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 	}
 	res := &result{load: l, mon: mon, faults: faults, loadTook: time.Since(loadStart)}
 	s.say("writers stopped: %d events committed; waiting for every delivery (at most %s)", l.count(), p.quiesce)
-	res.quiesced, res.unsettled = s.quiesce(ctx, l.count(), p.quiesce)
+	res.quiesced, res.unsettled = s.quiesce(ctx, l.count(), neverDelivered(faults), p.quiesce)
 	if ctx.Err() != nil {
 		return 0, ctx.Err()
 	}
@@ -122,6 +126,7 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 		res.relayStarts += r.starts
 		res.leaderTerms += r.countInLog(msgLeader)
 		res.fallbacks += r.countInLog(msgFallback)
+		res.settledGone += r.countInLog(msgGone)
 		res.unexpected = append(res.unexpected, r.exits()...)
 	}
 	stopMon()
@@ -132,9 +137,18 @@ func run(ctx context.Context, o options, args []string) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	res.invariants = append(check(facts), s.processInvariant(res), s.verifyInvariant(ctx))
+	deleted := map[string]bool{}
+	for k := range facts.Deleted {
+		deleted[k] = true
+	}
+	res.invariants = append(check(facts), s.processInvariant(res), s.verifyInvariant(ctx, deleted))
 	res.lostInFailover, res.failovers = facts.lostInFailover(), facts.Failovers
-	computeRecoveries(res.faults, l.events(), facts.Sinks, facts.hookRefused())
+	// Recovery waits for neither the events a sink refused nor those
+	// deleted.
+	for k := range facts.hookRefused() {
+		deleted[k] = true
+	}
+	computeRecoveries(res.faults, l.events(), facts.Sinks, deleted)
 	if err := s.writeRecords(res); err != nil {
 		s.say("warning: write the run's records: %v", err)
 	}
@@ -196,26 +210,43 @@ func (s *stack) progress(ctx context.Context, l *load, mon *walMonitor) {
 	}
 }
 
+// neverDelivered returns the keys of the events the faults wrote or
+// deleted that need reach no sink: the over-long keys (dead-lettered
+// unsent) and the rows deleted.
+func neverDelivered(faults []faultRecord) map[string]bool {
+	keys := map[string]bool{}
+	for _, f := range faults {
+		for _, k := range append(slices.Clone(f.longKeys), f.deleted...) {
+			keys[k] = true
+		}
+	}
+	return keys
+}
+
 // quiesce waits until every committed event is delivered to both sinks and
-// settled (no longer pending or processing, its status marked); it returns
-// how long that took, or -1 after timeout and what was still open.
-func (s *stack) quiesce(ctx context.Context, events int, timeout time.Duration) (time.Duration, string) {
+// settled (no longer pending or processing, its status marked), but those
+// of never; it returns how long that took, or -1 after timeout and what
+// was still open.
+func (s *stack) quiesce(ctx context.Context, events int, never map[string]bool, timeout time.Duration) (time.Duration, string) {
 	start := time.Now()
 	last := time.Now()
 	for {
 		var open int
-		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox o WHERE status IN ('pending', 'processing')`).Scan(&open)
+		err := s.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox o WHERE coalesce(status, 'pending') IN ('pending', 'processing')`).Scan(&open)
 		_, okIDs := s.hook.counts()
 		refused, _ := s.hook.poisonedKeys()
+		for k := range never {
+			refused[k] = true
+		}
 		hookWant := events - len(refused)
 		stored, serr := streamCount(ctx, s.js, streamName)
-		if err == nil && serr == nil && open == 0 && okIDs >= hookWant && stored >= uint64(events) {
+		if err == nil && serr == nil && open == 0 && okIDs >= hookWant && stored >= uint64(events-len(never)) {
 			d := time.Since(start)
 			s.say("quiescent after %.1f s", d.Seconds())
 			return d, ""
 		}
 		if time.Since(start) > timeout || ctx.Err() != nil {
-			open := fmt.Sprintf("%d events (%d refused by the webhook for good): %d rows pending or processing; the webhook has %d events, the stream %d (errors: %v, %v)",
+			open := fmt.Sprintf("%d events (%d refused by the webhook for good, over-long keys or deleted): %d rows pending or processing; the webhook has %d events, the stream %d (errors: %v, %v)",
 				events, len(refused), open, okIDs, stored, err, serr)
 			s.say("not quiescent after %s: %s", timeout, open)
 			return -1, open
@@ -256,15 +287,31 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	if err != nil {
 		return f, fmt.Errorf("read the ledger: %w", err)
 	}
+	f.NullStatus, f.Large = map[string]bool{}, map[string]int{}
 	for _, e := range res.load.events() {
 		f.Written = append(f.Written, e.key)
+		if e.nullStatus {
+			f.NullStatus[e.key] = true
+		}
+		if e.large > 0 {
+			f.Large[e.key] = e.large
+		}
 	}
 	f.Rewritten = res.load.rewrittenKeys()
 
 	res.hook = s.hook.deliveries()
 	refused, _ := s.hook.poisonedKeys()
 	hook := sinkRecord{Name: "webhook", Action: hookAction, AckedRepeatsNeedCrash: true, Refused: refused}
+	nats := sinkRecord{Name: "nats", Action: natsAction, Refused: map[string]bool{}}
+	f.LongKeys, f.Deleted = map[string]bool{}, map[string]time.Duration{}
 	for _, fr := range res.faults {
+		for _, k := range fr.longKeys {
+			f.LongKeys[k], hook.Refused[k], nats.Refused[k] = true, true, true
+		}
+		f.Beside = append(f.Beside, fr.beside...)
+		for _, k := range fr.deleted {
+			f.Deleted[k] = fr.deletedAt
+		}
 		switch fr.kind {
 		case relayKill, leaderKill, postgresRestart, slotCreateCrash:
 			f.Crashes = append(f.Crashes, fr.at)
@@ -302,7 +349,6 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	}
 	res.tapped = s.tap.stop()
 	s.tap = nil
-	nats := sinkRecord{Name: "nats", Action: natsAction}
 	for i, m := range res.stored {
 		nats.Arrivals = append(nats.Arrivals, delivery{Index: i, At: m.At, Key: bodyKey(m.Body), ID: m.ID, Body: m.Body, OK: true})
 	}
@@ -311,7 +357,7 @@ func (s *stack) collect(ctx context.Context, res *result) (runFacts, error) {
 	}
 	f.Sinks = []sinkRecord{nats, hook}
 	f.MaxRetained = res.mon.maxRetained.retained
-	f.MaxRSS, f.RSSBound = res.mon.maxRSS, s.o.rssBound
+	f.PeakRSS, f.RSSBound = res.mon.peaks(), s.o.rssBound
 	return f, nil
 }
 

@@ -27,6 +27,20 @@ const (
 	hookAction = "hook"
 	streamName = "CHAOS"
 	subjects   = "chaos.>"
+	// keyBoundTrigger is migration 012's trigger on integration_outbox
+	// (migrations.keyBound): it refuses an event_key longer than
+	// relay.MaxEventKeyBytes at insert. long-keys writes with it off, as a
+	// row written before it was installed.
+	keyBoundTrigger = "integration_outbox_relay_key_bound"
+)
+
+// A large payload's padding is largeMin..largeMax bytes, less where
+// nats-server's max_payload (1 MB by default) leaves no room for
+// largeHeadroom: the envelope around the payload and the headers.
+const (
+	largeMin      = 300 << 10
+	largeMax      = 900 << 10
+	largeHeadroom = 64 << 10
 )
 
 // keepPrunedSQL copies what retention deletes — outbox rows, and delivered
@@ -77,6 +91,12 @@ type stack struct {
 	hook   *receiver
 	tap    *tap
 	relays []*relaySlot
+	// load is the run's writers; the faults that write rows of their own
+	// (handover-delete, long-keys) commit them through it, so they are
+	// part of the record like any other.
+	load *load
+	// largeMin and largeMax bound a large payload's padding (see largeMax).
+	largeMin, largeMax int
 	// pgProxies and natsProxies hold the netfault proxies the relays'
 	// connections to PostgreSQL (one per relay and server) and to
 	// nats-server (one per relay) go through; the harness's own
@@ -144,6 +164,10 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 	if _, err := s.pool.Exec(ctx, keepPrunedSQL); err != nil {
 		return nil, fmt.Errorf("keep the rows retention prunes: %w", err)
 	}
+	var bound bool
+	if err := s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_trigger WHERE tgrelid = 'integration_outbox'::regclass AND tgname = $1)`, keyBoundTrigger).Scan(&bound); err != nil || !bound {
+		return nil, fmt.Errorf("migrate installed no trigger %s on integration_outbox (long-keys turns it off around its inserts; is its name still migrations.keyBound's?): %v", keyBoundTrigger, err)
+	}
 	if i := strings.Index(s.pgVer, " on "); i > 0 {
 		s.pgVer = s.pgVer[:i]
 	}
@@ -165,6 +189,11 @@ func setUp(ctx context.Context, o options, out io.Writer) (*stack, error) {
 	}
 	if s.js, err = jetstream.New(s.nc); err != nil {
 		return nil, err
+	}
+	s.largeMax = min(largeMax, int(s.nc.MaxPayload())-largeHeadroom)
+	s.largeMin = min(largeMin, s.largeMax/2)
+	if s.largeMin <= 0 {
+		return nil, fmt.Errorf("nats-server's max_payload is %d bytes: no room for a large payload", s.nc.MaxPayload())
 	}
 	if s.tap, err = startTap(s.nats.URL(), subjects, s.since); err != nil {
 		return nil, err
