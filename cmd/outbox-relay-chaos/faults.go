@@ -60,7 +60,7 @@ var faultWhat = map[faultKind]string{
 	gracefulStop:    "SIGTERM of the HA leader while it delivers (it must record what is in flight and exit 0 within shutdown_timeout), restarted at once",
 	pollFallback:    "the publication dropped and the walsender terminated: auto mode falls back to the claim path over every row; the publication restored, it streams again after replication_retry",
 	lockCut:         "the leader's lock session ended (pg_terminate_backend) while it delivers: it must send nothing once it knows (its next ping); the standby takes over",
-	handoverDelete:  "receiver slow; slot dropped; rows with a NULL status committed while no slot exists; once the slot is back, a few pending rows the webhook has not got deleted (DELETE … WHERE id IN) while the new slot's hand-over runs, then the walsender terminated: the hand-over must be recorded and streaming resume within 60 s",
+	handoverDelete:  "receiver slow; slot dropped; rows with a NULL status committed while no slot exists; once the new slot's hand-over has read its rows, a few pending rows the webhook has not got deleted (DELETE … WHERE id = ANY), then the walsender terminated: the hand-over must be recorded and streaming resume within 60 s",
 	longKeys:        "one transaction of legacy rows (key bound trigger off) in an aggregate of its own: a few keys of 2,049–2,690 random bytes between rows with normal keys: those must end failed naming the limit, unsent; the others delivered",
 }
 

@@ -19,8 +19,12 @@ import (
 // kind runs once per cycle; the writers' are a000, a001, …), so that they
 // need no writer's sequence.
 
-// Log messages of `outbox-relay run` the faults count.
+// Log messages of `outbox-relay run` the faults count: a slot created, its
+// hand-over's rows read (in the slot's snapshot) and recorded as settled,
+// a row settled as deleted.
 const (
+	msgSlotCreated  = `"message":"created replication slot`
+	msgHandOverRead = `"message":"read the rows pending in the new slot's snapshot`
 	msgHandOverDone = `"message":"hand-over done`
 	msgGone         = `"message":"the event's row was deleted before its outcome was written`
 )
@@ -39,14 +43,18 @@ func (s *stack) logCount(msg string) int {
 }
 
 // handoverDelete drops the slot while the receiver answers slowly, commits
-// a few rows with a NULL status while no slot exists (pending at the new
-// slot's creation), and as soon as the slot is back deletes a few pending
-// rows the webhook has not got, as an application's cleanup would: rows
-// the hand-over read in the slot's snapshot and whose outcome it has not
+// a few rows with a NULL status (pending at the new slot's creation unless
+// it was created first), and as soon as the new slot's hand-over has read
+// the rows pending in its snapshot, deletes a few pending rows the webhook
+// has not got, as an application's cleanup would: rows the hand-over holds
+// (the slow receiver keeps them in flight) whose outcome it has not
 // written. Then it terminates the walsender (a reconnect while the
 // hand-over runs) and heals the receiver. The relay must record the
-// hand-over and stream again, each within 60 s.
+// hand-over and stream again, each within 60 s of the deletion. The slot's
+// row in pg_replication_slots is no signal: it is there while the slot is
+// being created, before its snapshot exists.
 func (s *stack) handoverDelete(ctx context.Context, rec *faultRecord) (string, error) {
+	created, reads := s.logCount(msgSlotCreated), s.logCount(msgHandOverRead)
 	handOvers, gone := s.logCount(msgHandOverDone), s.logCount(msgGone)
 	s.hook.setMode(hookSlow)
 	defer s.hook.setMode(hookHealthy)
@@ -54,6 +62,7 @@ func (s *stack) handoverDelete(ctx context.Context, rec *faultRecord) (string, e
 	if err != nil {
 		return "", err
 	}
+	dropped := s.since()
 	agg := fmt.Sprintf("hd-c%d", rec.cycle+1)
 	var rows []outboxRow
 	for i := range 3 {
@@ -67,12 +76,13 @@ func (s *stack) handoverDelete(ctx context.Context, rec *faultRecord) (string, e
 	if err := s.load.commit(ctx, rows); err != nil {
 		return "", fmt.Errorf("write rows with a NULL status: %w", err)
 	}
-	var early bool
-	_ = s.pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_replication_slots WHERE slot_name = $1)`, slotName).Scan(&early)
-	if err := s.waitSlot(ctx, 60*time.Second); err != nil {
-		return "", err
+	early := s.logCount(msgSlotCreated) > created
+	for deadline := time.Now().Add(60 * time.Second); s.logCount(msgHandOverRead) == reads; {
+		if time.Now().After(deadline) || !sleep(ctx, 10*time.Millisecond) {
+			return "", fmt.Errorf("no relay logged %q within 60 s of the slot's drop", "read the rows pending in the new slot's snapshot")
+		}
 	}
-	created := s.since()
+	read := s.since()
 	running := s.logCount(msgHandOverDone) == handOvers
 	rec.deleted, err = s.deletePending(ctx, s.o.profile.deletes)
 	rec.deletedAt = s.since()
@@ -81,7 +91,7 @@ func (s *stack) handoverDelete(ctx context.Context, rec *faultRecord) (string, e
 		return "", err
 	}
 	if len(rec.deleted) == 0 {
-		return "", errors.New("no pending row the webhook had not got to delete once the slot was back")
+		return "", errors.New("no pending row the webhook had not got to delete once the new slot's hand-over had read its rows")
 	}
 	var ended int
 	for end := time.Now().Add(10 * time.Second); ; {
@@ -111,26 +121,29 @@ func (s *stack) handoverDelete(ctx context.Context, rec *faultRecord) (string, e
 	recorded := s.since() - rec.deletedAt
 	pending := "pending when the slot was created"
 	if early {
-		pending = "committed after the slot was back"
+		pending = "committed after the slot was created"
 	}
 	during := "while the hand-over ran"
 	if !running {
 		during = "after the hand-over was recorded"
 	}
-	return fmt.Sprintf("dropped at attempt %d; 2 rows with a NULL status %s; %d rows deleted %.0f ms after the slot was back, %s; walsender terminated; hand-over recorded %.1f s after the deletion, streaming again %.1f s after the heal; %d rows settled as deleted (the relays' log)",
-		attempts, pending, len(rec.deleted), float64((rec.deletedAt - created).Milliseconds()), during, recorded.Seconds(), streaming.Seconds(), s.logCount(msgGone)-gone), nil
+	return fmt.Sprintf("dropped at attempt %d; 2 rows with a NULL status %s; the hand-over read its rows %.2f s after the drop; %d rows deleted %.0f ms after that, %s; walsender terminated; hand-over recorded within %.1f s of the deletion, streaming again %.1f s after the heal; %d rows settled as deleted (the relays' log)",
+		attempts, pending, (read - dropped).Seconds(), len(rec.deleted), float64((rec.deletedAt - read).Milliseconds()), during, recorded.Seconds(), streaming.Seconds(), s.logCount(msgGone)-gone), nil
 }
 
 // deletePending deletes up to n of the oldest rows of the writers'
-// aggregates still pending (status pending or NULL) that the webhook has
-// no delivered ledger row for, and returns their keys: the ids first, then
-// DELETE … WHERE id = ANY, as an application's cleanup would; a row no
-// longer pending by then is left. The faults' own rows are left alone.
+// aggregates still pending (status pending or NULL), due, not handed to the
+// claim path, that the webhook has no delivered ledger row for — the rows a
+// new slot's hand-over or the stream holds — and returns their keys: the
+// ids first, then DELETE … WHERE id = ANY, as an application's cleanup
+// would; a row no longer pending by then is left. The faults' own rows
+// are left alone.
 func (s *stack) deletePending(ctx context.Context, n int) ([]string, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	rows, err := s.pool.Query(ctx, `SELECT o.id FROM integration_outbox AS o
 		WHERE (o.status IS NULL OR o.status = 'pending') AND o.aggregate_id ~ '^a[0-9]+$'
+		  AND o.handoff_at IS NULL AND coalesce(o.available_at, now()) <= now()
 		  AND NOT EXISTS (SELECT FROM integration_idempotency AS l WHERE l.event_key = o.event_key AND l.action = $1 AND l.state = 'delivered')
 		ORDER BY o.id LIMIT $2`, hookAction, n)
 	if err != nil {

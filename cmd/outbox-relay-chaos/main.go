@@ -60,10 +60,10 @@
 //	                  auto mode polls, then streams again once restored
 //	lock-cut          the leader's lock session ended while it delivers
 //	handover-delete   the receiver slow, the slot dropped, rows with a
-//	                  NULL status committed while no slot exists; once it
-//	                  is back, a few pending rows the webhook has not got
-//	                  deleted (the application's cleanup) while the new
-//	                  slot's hand-over runs; the walsender terminated: the
+//	                  NULL status committed while no slot exists; once the
+//	                  new slot's hand-over has read its rows, a few pending
+//	                  rows the webhook has not got deleted (the
+//	                  application's cleanup); the walsender terminated: the
 //	                  hand-over must be recorded, and streaming resume,
 //	                  each within 60 s
 //	long-keys         legacy rows (migration 012's trigger off around the
