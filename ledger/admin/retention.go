@@ -228,32 +228,28 @@ ledger AS (
 DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.delivered("x"), behindSlot("x"), t.delivered("o"))
 
-	// A ledger row goes when its outbox row is done or gone and it is old;
-	// one with no time at all only when its outbox row is gone. A done
-	// row's ledger rows stay while the slot could still send the row again,
-	// like the row itself ($3, $4: the same horizon; $4 when the slot has
-	// passed no sample yet), so that a stream restarted behind it finds
-	// every pair recorded. Each NOT EXISTS probes the outbox's unique index
-	// on event_key per ledger row of the slice (OFFSET 0 keeps it from
+	// An event's ledger rows are its record of delivery: they go with its
+	// row (pruneDone, above), never before it (docs/guarantees.md,
+	// "Retention"). This pass takes only the ledger rows whose outbox row
+	// is gone — deleted by someone else, or pruned before a ledger row of a
+	// late claim was written — once they are old, or at once when they
+	// carry no time. The NOT EXISTS probes the outbox's unique index on
+	// event_key per ledger row of the slice (OFFSET 0 keeps it from
 	// becoming an anti-join that reads the whole outbox).
-	// $5, $6 .. $7, $8: the slice of keys, its lower end included in the
+	// $3, $4 .. $5, $6: the slice of keys, its lower end included in the
 	// first slice (from) and excluded after it.
 	pruneLedger := func(from string) string {
 		return fmt.Sprintf(`
 DELETE FROM %[1]s
  WHERE ctid = ANY (ARRAY(
        SELECT l.ctid FROM %[1]s AS l
-        WHERE (l.event_key, l.action) %[4]s ($5, $6) AND (l.event_key, l.action) <= ($7, $8)
+        WHERE (l.event_key, l.action) %[3]s ($3, $4) AND (l.event_key, l.action) <= ($5, $6)
           AND (coalesce(l.delivered_at, l.claimed_at) < now() - $1 * interval '1 microsecond'
-               OR (l.delivered_at IS NULL AND l.claimed_at IS NULL
-                   AND NOT EXISTS (SELECT 1 FROM %[2]s AS o WHERE o.event_key = l.event_key OFFSET 0)))
-          AND NOT EXISTS (SELECT 1 FROM %[2]s AS o
-                           WHERE o.event_key = l.event_key
-                             AND (o.status IS DISTINCT FROM 'done' OR $4::boolean OR NOT %[3]s)
-                          OFFSET 0)
+               OR (l.delivered_at IS NULL AND l.claimed_at IS NULL))
+          AND NOT EXISTS (SELECT 1 FROM %[2]s AS o WHERE o.event_key = l.event_key OFFSET 0)
         ORDER BY l.event_key, l.action
         LIMIT $2
-          FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted(), behindSlot("o"), from)
+          FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted(), from)
 	}
 	pruneLedgerFirst, pruneLedgerNext := pruneLedger(">="), pruneLedger(">")
 
@@ -334,7 +330,7 @@ SELECT coalesce(n.event_key, m.event_key), coalesce(n.action, m.action), n.event
 			return doneRows, ledgerRows, nil
 		}
 		for {
-			tag, err := db.Exec(ctx, prune, cfg.LedgerAfter.Microseconds(), cfg.Batch, xmin, bounds.none, loKey, loAction, *hiKey, *hiAction)
+			tag, err := db.Exec(ctx, prune, cfg.LedgerAfter.Microseconds(), cfg.Batch, loKey, loAction, *hiKey, *hiAction)
 			if err != nil {
 				return doneRows, ledgerRows, fmt.Errorf("prune ledger rows of %s: %w", t.Ledger, err)
 			}
