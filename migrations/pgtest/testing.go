@@ -36,8 +36,8 @@ var shared struct {
 	closed  bool
 }
 
-// mainRunning is set by Main; NewDatabase requires it, because only Main can
-// shut the shared cluster down.
+// mainRunning is set by Main (or Wrap's Run); NewDatabase requires it,
+// because only Main can shut the shared cluster down.
 var mainRunning atomic.Bool
 
 // Main runs the tests of a package that uses NewDatabase, then closes the
@@ -47,9 +47,20 @@ var mainRunning atomic.Bool
 //	func TestMain(m *testing.M) { pgtest.Main(m) }
 //
 // It also removes the directories SharedDir made.
-func Main(m *testing.M) {
+func Main(m *testing.M) { os.Exit(Wrap(m).Run()) }
+
+// Wrap returns m with a Run that does what Main does but returns the code
+// instead of exiting: for a TestMain that checks the package's tests after
+// the shared cluster is closed, such as goleak.VerifyTestMain:
+//
+//	func TestMain(m *testing.M) { goleak.VerifyTestMain(pgtest.Wrap(m)) }
+func Wrap(m *testing.M) interface{ Run() int } { return wrapped{m} }
+
+type wrapped struct{ m *testing.M }
+
+func (w wrapped) Run() int {
 	mainRunning.Store(true)
-	code := m.Run()
+	code := w.m.Run()
 	if err := closeShared(); err != nil {
 		fmt.Fprintf(os.Stderr, "pgtest: close shared cluster: %v\n", err)
 		if code == 0 {
@@ -62,7 +73,7 @@ func Main(m *testing.M) {
 			code = 1
 		}
 	}
-	os.Exit(code)
+	return code
 }
 
 // sharedDirs are the directories SharedDir made, for Main to remove.
