@@ -205,9 +205,8 @@ func (c *Source) Run(ctx context.Context) error {
 	}
 	c.log.Info().Str("owner", c.cfg.Owner).Bool("all_due_rows", c.cfg.All).Msg("claim path running")
 
-	// The helpers outlive ctx: the owner lock must be held while our rows
-	// may still be sent.
-	helpers, helpersCtx := relay.NewGroup(context.WithoutCancel(ctx))
+	helpers, helpersCtx := relay.NewGroup(relay.Detached(ctx, "the owner lock is held while the rows claimed may still be sent: until they are settled or the engine has stopped; helpers.Stop ends them"))
+	defer helpers.Stop()
 	helpers.Go("owner lock", func(ctx context.Context) error { return c.keepOwner(ctx, lock) })
 	helpers.Go("lease sweeper", func(ctx context.Context) error { c.sweepLoop(ctx); return nil })
 	if c.cfg.Notify != "" {
@@ -215,6 +214,8 @@ func (c *Source) Run(ctx context.Context) error {
 	}
 	claimCtx, stopClaiming := context.WithCancel(ctx)
 	defer stopClaiming()
+	// A helper's failure (a lost owner lock) stops the claims at once.
+	// AfterFunc forwards it, not a worker: stopClaiming only cancels.
 	stopOnFailure := context.AfterFunc(helpersCtx, stopClaiming)
 	defer stopOnFailure()
 	c.claimLoop(claimCtx)
@@ -224,8 +225,7 @@ func (c *Source) Run(ctx context.Context) error {
 			c.log.Warn().Err(err).Msg("claimed rows still unsettled when stopping; the sweeper of the next owner returns them")
 		}
 	}
-	helpers.Stop()
-	if err := helpers.Wait(); err != nil {
+	if err := helpers.Stop(); err != nil {
 		return fmt.Errorf("claim path: %w", err)
 	}
 	c.log.Info().Msg("claim path stopped")
@@ -339,7 +339,7 @@ func (c *Source) putBack(ctx context.Context, works []*relay.Work) {
 		}
 		w.Decision = relay.Decision{Kind: relay.Later, At: at, Attempts: w.Event.Attempts}
 	}
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	wctx, cancel := context.WithTimeout(relay.Detached(ctx, "rows the engine did not take are put back after ctx ended; bounded by the timeout"), 30*time.Second)
 	defer cancel()
 	if _, err := c.cfg.Store.SettleClaim(wctx, works, c.cfg.Owner); err != nil {
 		c.log.Warn().Err(err).Int("rows", len(works)).Msg("put claimed rows back; the sweeper returns them when their lease passes")

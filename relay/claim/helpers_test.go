@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
+	"go.uber.org/goleak"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -22,7 +23,9 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay/claim"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+// TestMain fails the package when a test leaves a goroutine behind
+// (docs/architecture.md, "Goroutines and their owners").
+func TestMain(m *testing.M) { goleak.VerifyTestMain(pgtest.Wrap(m)) }
 
 // fixture is a fresh migrated database and a pool on it.
 type fixture struct {

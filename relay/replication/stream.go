@@ -208,15 +208,14 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	if senderTimeout > 0 {
 		saveTimeout = min(saveTimeout, senderTimeout/3)
 	}
-	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked, stop: workers.Stop,
+	r := &receiver{s: s, conn: conn, queue: q, every: every, saveTimeout: saveTimeout, acked: acked, published: acked, stop: workers.Cancel,
 		silentMax: silentLimit(senderTimeout), idleSilentMax: 5*time.Second + 3*every, lastHeard: time.Now(), onStandby: onStandby}
 	defer r.closeStandbyConn()
 	r.ackable.Store(uint64(acked))
 	raise(&s.acknowledged, acked)
 	workers.Go("checkpointer", func(ctx context.Context) error { r.checkpointLoop(ctx); return nil })
 	recvErr := r.run(sctx)
-	workers.Stop()
-	workersErr := workers.Wait()
+	workersErr := workers.Stop()
 
 	if changed := r.serverChanged.Load(); changed != nil {
 		return *changed
@@ -313,6 +312,9 @@ func (r *receiver) publish(ctx context.Context) {
 
 func (r *receiver) run(ctx context.Context) error {
 	dl := &readDeadline{conn: r.conn.Conn()}
+	// AfterFunc forwards the session's end to the read, not a worker:
+	// interrupt sets a deadline and returns, and does nothing once clear
+	// has run.
 	stopWatch := context.AfterFunc(ctx, dl.interrupt)
 	defer func() {
 		stopWatch()

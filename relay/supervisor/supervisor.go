@@ -154,6 +154,9 @@ type Config struct {
 // lostDrain bounds the drain of a term whose leadership was lost.
 const lostDrain = time.Second
 
+// errLeadershipLost ends a term whose leader lock was lost.
+var errLeadershipLost = errors.New("leadership lost")
+
 // Supervisor runs the relay. Create it with New and call Run once.
 type Supervisor struct {
 	cfg Config
@@ -236,20 +239,22 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			return err
 		}
 		s.cfg.OnLeader(true)
-		termCtx, endTerm := context.WithCancel(ctx)
-		watched := make(chan struct{})
-		go func() {
-			defer close(watched)
+		// A lost lock ends the term: the watch returns, which fails the
+		// term's group and so cancels its context.
+		term, termCtx := relay.NewGroup(ctx)
+		term.Go("leadership watch", func(ctx context.Context) error {
 			select {
 			case <-leader.Lost():
 				s.cfg.OnLeadershipLost()
-				endTerm()
-			case <-termCtx.Done():
+				return errLeadershipLost
+			case <-ctx.Done():
+				return nil
 			}
-		}()
+		})
 		err = s.lead(termCtx, leader.Lost())
-		endTerm()
-		<-watched
+		if werr := term.Stop(); err == nil && !errors.Is(werr, errLeadershipLost) {
+			err = werr
+		}
 		leader.Release()
 		s.cfg.OnLeader(false)
 		if ctx.Err() != nil {
@@ -293,47 +298,44 @@ type worker struct {
 }
 
 // phase runs one phase: a fresh engine, and over it the workers build
-// returns, in a relay.Group, until ctx ends or a worker fails or returns;
-// then the orderly stop: the workers stop taking events; the engine
-// drains (every outcome written, up to ShutdownTimeout) and is halted and
-// stopped; only then are the workers waited for (the claim source holds
-// its owner lock until the engine has stopped: no row it claimed is taken
-// over while it may still be sent). A lease lost — the leader lock (lost
-// closed) or the claim path's owner lock (relay.ErrLeaseLost) — halts the
-// engine at once: nothing more is sent, the sends in flight are
-// cancelled, and the drain that writes what was delivered is cut short,
-// so the window in which two relays could both deliver stays within the
-// lock's keepalive (docs/operations-health.md, "a lost lock").
+// returns, until ctx ends or a worker fails or returns; then the orderly
+// stop, in the order of docs/architecture.md ("Goroutines and their
+// owners"): 1. the workers (sources) stop taking events; 2. the engine
+// drains (every outcome written, up to ShutdownTimeout); 3. the engine is
+// halted and stopped; 4. only then are the workers waited for (the claim
+// source holds its owner lock until the engine has stopped: no row it
+// claimed is taken over while it may still be sent). A lease lost — the
+// leader lock (lost closed) or the claim path's owner lock
+// (relay.ErrLeaseLost) — halts the engine at once: nothing more is sent,
+// the sends in flight are cancelled, and the drain that writes what was
+// delivered is cut short, so the window in which two relays could both
+// deliver stays within the lock's keepalive (docs/operations-health.md,
+// "a lost lock").
 func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func(e *relay.Engine) ([]worker, error)) error {
 	engine, err := s.cfg.Engine()
 	if err != nil {
 		return err
 	}
-	engineCtx, stopEngine := context.WithCancel(context.WithoutCancel(ctx))
-	defer stopEngine()
-	engineDone := make(chan error, 1)
-	go func() { engineDone <- engine.Run(engineCtx) }()
-	// From the moment the phase ends, failed attempts go to the claim path
-	// instead of waiting in memory for an inline retry.
-	stopDraining := context.AfterFunc(ctx, engine.BeginDrain)
-	defer stopDraining()
-	halted := make(chan struct{})
-	defer close(halted)
-	go func() {
+	// The engine's group outlives ctx: the engine drains after the phase
+	// has ended, and stops only once it has.
+	core, coreCtx := relay.NewGroup(relay.Detached(ctx, "the engine drains after the phase ends; core.Stop ends it"))
+	defer core.Stop()
+	core.Go("engine", engine.Run)
+	core.Go("lock watch", func(ctx context.Context) error {
 		// A lost leader lock halts the engine the moment it is known.
 		select {
 		case <-lost:
 			engine.Halt()
-		case <-halted:
+			<-ctx.Done()
+		case <-ctx.Done():
 		}
-	}()
+		return nil
+	})
 
 	workers, err := build(engine)
 	if err != nil {
 		engine.Halt()
-		stopEngine()
-		<-engineDone
-		return err
+		return errors.Join(err, core.Stop())
 	}
 	g, gctx := relay.NewGroup(ctx)
 	for _, w := range workers {
@@ -344,15 +346,15 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 		}
 	}
 
-	var engineErr error
-	engineStopped := false
 	select {
 	case <-gctx.Done():
-	case engineErr = <-engineDone:
-		engineStopped = true
+	case <-coreCtx.Done():
 	}
+	// From the moment the phase ends, failed attempts go to the claim path
+	// instead of waiting in memory for an inline retry.
+	engine.BeginDrain()
 	failed := g.Failed()
-	g.Stop() // the sources stop taking events
+	g.Cancel() // 1. the sources stop taking events
 	drain := s.cfg.ShutdownTimeout
 	select {
 	case <-lost:
@@ -368,39 +370,38 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 		// be written to the new one.
 		drain = min(drain, lostDrain)
 	}
-	if !engineStopped {
-		// A stop the operator asked for (or the end of the term) says at
-		// once what it waits for, and then what came of it.
-		stopping := ctx.Err() != nil
-		began, before := time.Now(), engine.Decided()
-		if stopping {
-			n, bound := engine.InFlight(), "shutdown_timeout"
-			if drain < s.cfg.ShutdownTimeout {
-				bound = "cut short: the lease is lost"
-			}
-			s.log.Info().Int("in_flight", n).Str("up_to", drain.String()).
-				Msgf("stopping: %d in flight, up to %s (%s): their outcomes are written first", n, drain, bound)
+	engineStopped := core.Failed() != nil
+	// A stop the operator asked for (or the end of the term) says at once
+	// what it waits for, and then what came of it.
+	stopping := ctx.Err() != nil && !engineStopped
+	began, before := time.Now(), engine.Decided()
+	if stopping {
+		n, bound := engine.InFlight(), "shutdown_timeout"
+		if drain < s.cfg.ShutdownTimeout {
+			bound = "cut short: the lease is lost"
 		}
-		drainCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), drain)
+		s.log.Info().Int("in_flight", n).Str("up_to", drain.String()).
+			Msgf("stopping: %d in flight, up to %s (%s): their outcomes are written first", n, drain, bound)
+	}
+	if !engineStopped {
+		// 2. the engine drains, within the engine's group: a failed engine
+		// ends the wait too.
+		drainCtx, cancel := context.WithTimeout(coreCtx, drain)
 		if err := engine.Drain(drainCtx); err != nil {
 			s.log.Warn().Err(err).Msg("the drain's time passed with events in flight; the stream sends them again at the next start and the ledger keeps them from being delivered twice")
 		}
 		cancel()
-		engine.Halt()
-		stopEngine()
-		engineErr = <-engineDone
-		if stopping {
-			s.logStopped(engine, engine.Decided().Minus(before), time.Since(began))
-		}
 	}
-	workersErr := g.Wait()
-	switch {
-	case workersErr != nil:
+	engine.Halt()            // 3. nothing more is sent,
+	engineErr := core.Stop() //    and the engine stops
+	if stopping {
+		s.logStopped(engine, engine.Decided().Minus(before), time.Since(began))
+	}
+	workersErr := g.Wait() // 4. the sources are waited for
+	if workersErr != nil {
 		return workersErr
-	case engineErr != nil && !errors.Is(engineErr, context.Canceled):
-		return engineErr
 	}
-	return nil
+	return engineErr
 }
 
 // logStopped says what an orderly stop's drain did with the events in
@@ -493,8 +494,7 @@ func (s *Supervisor) beside(ctx context.Context, phases func(ctx context.Context
 		g.Go("standby slot watchdog", func(ctx context.Context) error { s.watchSlot(ctx, s.cfg.StandbySlots); return nil })
 	}
 	err := phases(gctx)
-	g.Stop()
-	if werr := g.Wait(); err == nil {
+	if werr := g.Stop(); err == nil {
 		err = werr
 	}
 	return err
