@@ -443,7 +443,7 @@ func (s *Store) claimStatement(ctx context.Context, all bool) (string, error) {
 // inspectClaimShape looks up, once, which optional columns the outbox has.
 // s.claimMu is held.
 func (s *Store) inspectClaimShape(ctx context.Context) error {
-	dbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dbTimeout)
+	dbCtx, cancel := context.WithTimeout(relay.Detached(ctx, "the shape is read once for every later claim: a stopping caller must not cut it short; bounded by dbTimeout"), dbTimeout)
 	defer cancel()
 	var replays, trace bool
 	if err := s.pool.QueryRow(dbCtx, s.sql.claim.hasReplays, s.outbox).Scan(&replays, &trace); err != nil {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.uber.org/goleak"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -15,7 +16,9 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+// TestMain fails the package when a test leaves a goroutine behind
+// (docs/architecture.md, "Goroutines and their owners").
+func TestMain(m *testing.M) { goleak.VerifyTestMain(pgtest.Wrap(m)) }
 
 // fixture is a fresh migrated database, a pool on it and a Store.
 type fixture struct {

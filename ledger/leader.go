@@ -11,6 +11,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // LeaderLockKey is the session advisory lock that makes one relay the
@@ -50,9 +52,9 @@ type Leader struct {
 	pid  uint32
 	key  int64
 	lost chan struct{}
-	stop context.CancelFunc
-	done chan struct{}
-	log  zerolog.Logger
+	// pings runs the ping loop from AcquireLeader to Release.
+	pings *relay.Group
+	log   zerolog.Logger
 }
 
 // AcquireLeader blocks until this process holds the leader lock for slot,
@@ -113,20 +115,36 @@ func AcquireLeader(ctx context.Context, connString, slot string, log zerolog.Log
 }
 
 func startLeader(conn *pgx.Conn, key int64, log zerolog.Logger) *Leader {
-	ctx, cancel := context.WithCancel(context.Background())
-	l := &Leader{conn: conn, pid: conn.PgConn().PID(), key: key, lost: make(chan struct{}), stop: cancel, done: make(chan struct{}), log: log}
-	go l.ping(ctx)
+	l := &Leader{conn: conn, pid: conn.PgConn().PID(), key: key, lost: make(chan struct{}), log: log}
+	// The pings run until Release, whatever the context AcquireLeader was
+	// given.
+	l.pings, _ = relay.NewGroup(context.Background())
+	l.pings.Go("leader ping", func(ctx context.Context) error {
+		defer func() {
+			// A ping loop that ends before Release — the lock lost, or a
+			// panic — ends the leadership.
+			if ctx.Err() == nil {
+				close(l.lost)
+			}
+		}()
+		return l.ping(ctx)
+	})
 	return l
 }
 
-func (l *Leader) ping(ctx context.Context) {
-	defer close(l.done)
+// errLockLost is the ping loop's failure when a check of the lock fails.
+var errLockLost = errors.New("lost the leader lock")
+
+// ping checks the lock every pingEvery until ctx ends (Release), and
+// returns nil then. It returns why at the first check that fails: the lock
+// is lost.
+func (l *Leader) ping(ctx context.Context) error {
 	tick := time.NewTicker(pingEvery)
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
-			return
+			return nil
 		case <-tick.C:
 		}
 		pctx, cancel := context.WithTimeout(ctx, leaderPingTimeout)
@@ -137,7 +155,7 @@ func (l *Leader) ping(ctx context.Context) {
 			AND granted AND ((classid::bigint << 32) | objid::bigint) = $1)`, l.key).Scan(&held)
 		cancel()
 		if ctx.Err() != nil {
-			return
+			return nil
 		}
 		if err != nil || !held {
 			if err == nil {
@@ -147,8 +165,7 @@ func (l *Leader) ping(ctx context.Context) {
 			// swallows packets): remember it as ours and lost.
 			lostSession(l.pid)
 			l.log.Error().Err(err).Msg("lost the leader lock: stopping delivery")
-			close(l.lost)
-			return
+			return fmt.Errorf("%w: %w", errLockLost, err)
 		}
 	}
 }
@@ -159,8 +176,10 @@ func (l *Leader) Lost() <-chan struct{} { return l.lost }
 // Release gives up leadership: it stops the pings and closes the lock
 // connection, which frees the lock for a standby.
 func (l *Leader) Release() {
-	l.stop()
-	<-l.done
+	if err := l.pings.Stop(); err != nil && !errors.Is(err, errLockLost) {
+		// A loss was logged when it happened; anything else was not.
+		l.log.Error().Err(err).Msg("the leader's ping loop failed")
+	}
 	l.conn.Close(context.Background())
 }
 

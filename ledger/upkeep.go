@@ -140,7 +140,7 @@ func (s *Store) LockOwner(ctx context.Context, owner string) (relay.Lock, error)
 	// short leaves pgx closing the session in the background, holding the
 	// lock if the server granted it, and the owner's next attempt would
 	// find it taken.
-	lockCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), pingTimeout)
+	lockCtx, cancel := context.WithTimeout(relay.Detached(ctx, "a lock query cut short would leave its session holding the lock; bounded by pingTimeout"), pingTimeout)
 	defer cancel()
 	var locked bool
 	if err := conn.QueryRow(lockCtx, s.sql.claim.lockOwner, owner).Scan(&locked); err != nil {
