@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
+	"go.uber.org/goleak"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -23,7 +24,9 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay/replication"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+// TestMain fails the package when a test leaves a goroutine behind
+// (docs/architecture.md, "Goroutines and their owners").
+func TestMain(m *testing.M) { goleak.VerifyTestMain(pgtest.Wrap(m)) }
 
 // fakeConsumer records what the source hands it and settles positions like
 // the engine would: everything at once, or (holdEvents) transactions with

@@ -151,12 +151,6 @@ type handOver struct {
 	consistent relay.LSN
 	foreign    bool // the slot it replaces had no hand-over record
 
-	// Set by the read (started by finish) before it closes read.
-	read    chan struct{}
-	aggs    []relay.AggregateKey // the rows' aggregates
-	readErr error
-	stop    context.CancelFunc // ends the read
-
 	// Set by finish before it closes early: the aggregates whose every row
 	// Early has fed (their streamed events may follow).
 	earlyAggs map[relay.AggregateKey]bool
@@ -170,32 +164,9 @@ type handOver struct {
 	pinned chan struct{}
 }
 
-// startRead reads the hand-over's rows in the snapshot (Aggregates) until
-// ctx ends, or close, or bound passes: the read holds the stream's events
-// of the snapshot's aggregates, and it can wait behind a lock that waits
-// for the hand-over's own transactions (a DDL on the outbox table), which
-// PostgreSQL does not see as a deadlock.
-func (h *handOver) startRead(ctx context.Context, bound time.Duration) {
-	readCtx, stop := context.WithTimeout(ctx, bound)
-	h.stop = stop
-	go func() {
-		defer close(h.read)
-		h.aggs, h.readErr = h.rows.Aggregates(readCtx)
-		if h.readErr != nil && ctx.Err() == nil && readCtx.Err() != nil {
-			h.readErr = fmt.Errorf("not done after %s (a lock on the outbox table?): %w", bound, h.readErr)
-		}
-	}()
-}
-
-// close ends the read if it started, waits for it, and lets the hand-over
-// go. The session calls it once its workers (finish) have returned.
-func (h *handOver) close() {
-	if h.stop != nil {
-		h.stop()
-		<-h.read
-	}
-	h.rows.Close()
-}
+// close lets the hand-over go. The session calls it once its workers
+// (finish) have returned.
+func (h *handOver) close() { h.rows.Close() }
 
 // gate is the consumer the decoder feeds while a new slot's rows are read
 // (docs/architecture.md, "Slot creation"): the stream starts before the
@@ -296,11 +267,31 @@ func (s *Source) finish(ctx context.Context, h *handOver) error {
 	// beside it.
 	began := time.Now()
 	events, earlyAggs, err := h.rows.Early(ctx)
-	if err == nil {
-		h.startRead(ctx, s.cfg.StallAfter)
-		err = s.cfg.Consumer.HandOver(ctx, events)
-	}
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("deliver the newest rows pending at slot creation: %w", err)
+	}
+	// The read of every row's aggregate runs beside Early's delivery. It
+	// is bounded: it holds the stream's events of the snapshot's
+	// aggregates, and it can wait behind a lock that waits for the
+	// hand-over's own transactions (a DDL on the outbox table), which
+	// PostgreSQL does not see as a deadlock.
+	read, _ := relay.NewGroup(ctx)
+	defer read.Stop()
+	var allAggs []relay.AggregateKey
+	read.GoTask("read the rows pending at slot creation", func(ctx context.Context) error {
+		readCtx, cancel := context.WithTimeout(ctx, s.cfg.StallAfter)
+		defer cancel()
+		var err error
+		allAggs, err = h.rows.Aggregates(readCtx)
+		if err != nil && ctx.Err() == nil && readCtx.Err() != nil {
+			return fmt.Errorf("not done after %s (a lock on the outbox table?): %w", s.cfg.StallAfter, err)
+		}
+		return err
+	})
+	if err := s.cfg.Consumer.HandOver(ctx, events); err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -315,26 +306,23 @@ func (s *Source) finish(ctx context.Context, h *handOver) error {
 		h.earlyAggs[a] = true
 	}
 	close(h.early)
-	select {
-	case <-h.read:
-	case <-ctx.Done():
+	// The read runs under ctx: the session's end ends it.
+	err = read.Wait()
+	if ctx.Err() != nil {
 		return nil
 	}
-	if h.readErr != nil {
-		if ctx.Err() != nil {
-			return nil
-		}
-		return fmt.Errorf("read the rows pending at slot creation: %w", h.readErr)
+	if err != nil {
+		return err
 	}
 	// Early's aggregates have no row left to deliver: not pinned.
-	aggs := slices.DeleteFunc(slices.Clone(h.aggs), func(a relay.AggregateKey) bool { return h.earlyAggs[a] })
+	aggs := slices.DeleteFunc(slices.Clone(allAggs), func(a relay.AggregateKey) bool { return h.earlyAggs[a] })
 	count := h.rows.Len()
 	h.release = s.cfg.Consumer.Divert(aggs)
 	close(h.pinned)
 	s.log.Info().Str("consistent_point", h.consistent.String()).Int("rows", count).Int("aggregates", len(aggs)).
 		Msg("read the rows pending in the new slot's snapshot: each aggregate's are delivered before its new events")
 	if h.foreign && count > 0 {
-		s.log.Warn().Int("rows", count).Int("aggregates", len(h.aggs)).Dur("expected_drain", relay.HandOverDrainEstimate(int64(count))).
+		s.log.Warn().Int("rows", count).Int("aggregates", len(allAggs)).Dur("expected_drain", relay.HandOverDrainEstimate(int64(count))).
 			Int("at_rows_per_second", relay.HandOverRowsPerSecond).Msg("the slot found without its hand-over record was recreated: the rows pending before it are delivered now, each aggregate's before its new events, beside the stream")
 	}
 	// An aggregate leaves the pin as soon as its last row is queued.
@@ -349,7 +337,7 @@ func (s *Source) finish(ctx context.Context, h *handOver) error {
 	}
 	h.release(aggs)
 	s.log.Info().Str("consistent_point", h.consistent.String()).Int64("rows_delivered", n).Int("rows_first", len(events)).
-		Int("aggregates", len(h.aggs)).Msg("hand-over done: the rows pending in the new slot's snapshot are settled")
+		Int("aggregates", len(allAggs)).Msg("hand-over done: the rows pending in the new slot's snapshot are settled")
 	return nil
 }
 
@@ -674,7 +662,7 @@ func (s *Source) ensureSlot(ctx context.Context, qconn *pgx.Conn, rconn *pgconn.
 	}
 	s.log.Info().Str("consistent_point", consistent.String()).Bool("failover", version >= failoverVersion).
 		Msg("created replication slot; the rows pending in its snapshot are delivered while it streams")
-	return consistent, &handOver{rows: rows, consistent: consistent, foreign: foreign, read: make(chan struct{}), early: make(chan struct{}), pinned: make(chan struct{})}, nil
+	return consistent, &handOver{rows: rows, consistent: consistent, foreign: foreign, early: make(chan struct{}), pinned: make(chan struct{})}, nil
 }
 
 // slotCreationWaitsFor names what a slot's creation that did not finish

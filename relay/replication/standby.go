@@ -156,26 +156,26 @@ func (s *Source) waitReplayed(ctx context.Context, qconn *pgx.Conn) (relay.LSN, 
 // standbySnapshotEvery, for the running-transactions record the creation
 // waits for.
 func (s *Source) createStandbySlot(ctx context.Context, rconn *pgconn.PgConn) (pglogrepl.CreateReplicationSlotResult, error) {
-	nudgeCtx, stop := context.WithCancel(ctx)
-	nudged := make(chan struct{})
-	go func() {
-		defer close(nudged)
+	nudge, _ := relay.NewGroup(ctx)
+	nudge.Go("running-transactions nudge", func(ctx context.Context) error {
 		warned := false
-		for relay.Sleep(nudgeCtx, 50*time.Millisecond) {
-			err := s.cfg.Primary.LogStandbySnapshot(nudgeCtx)
-			if err != nil && nudgeCtx.Err() == nil && !warned {
+		for relay.Sleep(ctx, 50*time.Millisecond) {
+			err := s.cfg.Primary.LogStandbySnapshot(ctx)
+			if err != nil && ctx.Err() == nil && !warned {
 				warned = true
 				s.log.Warn().Err(err).Msg("could not ask the primary for a running-transactions record (pg_log_standby_snapshot()): the slot on the standby is made once the primary logs one by itself, up to 15 s after it is busy, or never while it is idle (GRANT EXECUTE ON FUNCTION pg_log_standby_snapshot() TO the relay's role, as a superuser)")
 			}
-			if !relay.Sleep(nudgeCtx, standbySnapshotEvery) {
-				return
+			if !relay.Sleep(ctx, standbySnapshotEvery) {
+				break
 			}
 		}
-	}()
+		return nil
+	})
 	started := time.Now()
 	res, err := createSlot(ctx, rconn, s.cfg.Slot, 0)
-	stop()
-	<-nudged
+	if nerr := nudge.Stop(); err == nil {
+		err = nerr // a nudge that failed (panicked) fails the creation
+	}
 	if err == nil {
 		s.log.Debug().Dur("took", time.Since(started)).Msg("created the slot on the standby")
 	}
