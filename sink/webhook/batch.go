@@ -62,21 +62,24 @@ func (s *Sink) sendBatched(ctx context.Context, d *relay.Delivery, done func(err
 		return
 	}
 	s.mu.Lock()
-	if s.closed {
+	if err := s.downLocked(); err != nil {
 		s.mu.Unlock()
-		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, ErrClosed), 0))
+		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, err), 0))
 		return
 	}
-	s.inflight.Add(1)
+	s.inflight++
 	s.mu.Unlock()
 	select {
 	case s.pending <- batchItem{ctx: ctx, d: d, id: id, enc: enc, done: done}:
 	case <-ctx.Done():
-		s.inflight.Done()
 		done(relay.TransientError(fmt.Errorf("webhook %s: not sent, waiting for room in a batch: %w", s.name, ctx.Err()), 0))
+		s.finished()
 	case <-s.closing:
-		s.inflight.Done()
 		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, ErrClosed), 0))
+		s.finished()
+	case <-s.stopped:
+		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, s.down()), 0))
+		s.finished()
 	}
 }
 
@@ -106,12 +109,12 @@ func appendJSONString(b []byte, s string) []byte {
 }
 
 // assemble gathers pending events into batches and hands each to a worker
-// once it holds a request slot, until Close stops it (which it does only
-// once no event is pending). A batch goes when it has MaxEvents events, when
-// one more would pass max_body, or once its first event waited MaxWait and
-// a slot is free; while it waits for a slot it keeps taking events.
-func (s *Sink) assemble() {
-	defer close(s.assembled)
+// once it holds a request slot, until ctx ends (Close, which ends it only
+// once no event is pending). A batch goes when it has MaxEvents events,
+// when one more would pass max_body, or once its first event waited
+// MaxWait and a slot is free; while it waits for a slot it keeps taking
+// events.
+func (s *Sink) assemble(ctx context.Context) error {
 	var next *batchItem
 	for {
 		var batch []batchItem
@@ -122,8 +125,8 @@ func (s *Sink) assemble() {
 			select {
 			case it := <-s.pending:
 				batch, size = append(batch, it), size+len(it.enc)
-			case <-s.stopAssemble:
-				return
+			case <-ctx.Done():
+				return nil
 			}
 		}
 		// take adds it to the batch, or keeps it for the next batch when it
@@ -165,10 +168,7 @@ func (s *Sink) assemble() {
 // dispatchBatch hands batch, which holds a request slot, to a worker.
 func (s *Sink) dispatchBatch(batch []batchItem) {
 	s.mu.Lock()
-	if s.workers < cap(s.slots) {
-		s.workers++
-		go s.work()
-	}
+	s.startWorkerLocked()
 	s.jobs <- job{batch: batch}
 	s.mu.Unlock()
 }

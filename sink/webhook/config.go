@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // Defaults applied by New to zero Config fields.
@@ -186,7 +188,12 @@ func New(cfg Config) (*Sink, error) {
 		slots:     make(chan struct{}, cfg.Concurrency),
 		jobs:      make(chan job, cfg.Concurrency),
 		closing:   make(chan struct{}),
+		drained:   make(chan struct{}),
 	}
+	// The workers run until Close, whatever the context of the Sends.
+	var workersCtx context.Context
+	s.workers, workersCtx = relay.NewGroup(context.Background())
+	s.stopped = workersCtx.Done()
 	for _, code := range cfg.PermanentStatuses {
 		switch {
 		case code < 400 || code > 599:
@@ -287,9 +294,7 @@ func New(cfg Config) (*Sink, error) {
 			s.batchWait = DefaultBatchWait
 		}
 		s.pending = make(chan batchItem, s.batchMax)
-		s.stopAssemble = make(chan struct{})
-		s.assembled = make(chan struct{})
-		go s.assemble()
+		s.workers.Go("batch assembler", s.assemble)
 	}
 	return s, nil
 }

@@ -61,29 +61,35 @@ type Sink struct {
 	// goroutine per request. A job is queued only by a Send holding a slot
 	// and holds it until a worker has taken it, so the buffer (Concurrency)
 	// never fills.
-	jobs     chan job
-	workers  int // started, up to Concurrency; guarded by mu
-	stopJobs sync.Once
+	jobs chan job
+	// workers runs the request workers (started as Sends need them, up to
+	// Concurrency: started, guarded by mu) and, with batching, assemble,
+	// from New to Close, which stops them once nothing is in flight. A
+	// worker that fails (panics) stops them all (stopped is closed): the
+	// sink is down from then on, naming the failure, and Close returns it.
+	workers *relay.Group
+	stopped <-chan struct{}
+	started int
 	// reqCtx is the parent of every request; Close cancels it when its
 	// deadline passes with requests still in flight.
 	reqCtx     context.Context
 	cancelReqs context.CancelFunc
 
 	// Batching (docs/sinks.md "Batched delivery"); pending is nil when it
-	// is off. assemble, started by New, owns the batch being gathered;
-	// Close stops it (stopAssemble) once nothing is pending, and waits for
-	// it (assembled).
-	batchMax     int
-	batchWait    time.Duration
-	pending      chan batchItem
-	stopAssemble chan struct{}
-	assembled    chan struct{}
+	// is off. assemble owns the batch being gathered.
+	batchMax  int
+	batchWait time.Duration
+	pending   chan batchItem
 
-	mu        sync.Mutex // guards closed and inflight.Add
+	mu        sync.Mutex // guards closed, inflight and started
 	closed    bool
 	closing   chan struct{}
 	closeOnce sync.Once
-	inflight  sync.WaitGroup
+	// inflight counts the requests and batched events taken and not yet
+	// answered (their done not called); drained is closed once the sink is
+	// closed and it is zero.
+	inflight int
+	drained  chan struct{}
 }
 
 // Name returns the sink's configured name.
@@ -154,21 +160,67 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 	case <-s.closing:
 		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, ErrClosed), 0))
 		return
-	}
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		<-s.slots
-		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, ErrClosed), 0))
+	case <-s.stopped:
+		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, s.down()), 0))
 		return
 	}
-	s.inflight.Add(1)
-	if s.workers < cap(s.slots) {
-		s.workers++
-		go s.work()
+	s.mu.Lock()
+	if err := s.downLocked(); err != nil {
+		s.mu.Unlock()
+		<-s.slots
+		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, err), 0))
+		return
 	}
+	s.inflight++
+	s.startWorkerLocked()
 	s.jobs <- job{ctx: ctx, d: d, body: body, ce: ce, done: done}
 	s.mu.Unlock()
+}
+
+// down returns why the sink takes no more Sends — it is closed, or its
+// workers failed — or nil.
+func (s *Sink) down() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.downLocked()
+}
+
+// downLocked is down with s.mu held.
+func (s *Sink) downLocked() error {
+	if s.closed {
+		return ErrClosed
+	}
+	return s.workers.Failed()
+}
+
+// startWorkerLocked starts one more request worker unless Concurrency of
+// them run already. s.mu is held.
+func (s *Sink) startWorkerLocked() {
+	if s.started < cap(s.slots) {
+		s.started++
+		s.workers.Go("request worker", s.work)
+	}
+}
+
+// finished ends the count in flight of one request or batched event, whose
+// done has been called.
+func (s *Sink) finished() {
+	s.mu.Lock()
+	s.inflight--
+	s.drainedLocked()
+	s.mu.Unlock()
+}
+
+// drainedLocked closes drained once the sink is closed and nothing is in
+// flight. s.mu is held.
+func (s *Sink) drainedLocked() {
+	if s.closed && s.inflight == 0 {
+		select {
+		case <-s.drained:
+		default:
+			close(s.drained)
+		}
+	}
 }
 
 // job is one request for a worker: one event, or a batch.
@@ -188,9 +240,16 @@ func (s *Sink) notSent(ctx context.Context) error {
 	return relay.TransientError(fmt.Errorf("webhook %s: not sent, its sender stopped: %w", s.name, context.Cause(ctx)), 0)
 }
 
-// work makes the requests of the jobs it takes until Close ends them.
-func (s *Sink) work() {
-	for j := range s.jobs {
+// work makes the requests of the jobs it takes until ctx ends (Close,
+// once nothing is in flight).
+func (s *Sink) work(ctx context.Context) error {
+	for {
+		var j job
+		select {
+		case j = <-s.jobs:
+		case <-ctx.Done():
+			return nil
+		}
 		if j.batch != nil {
 			// Events whose sender stopped while they waited in the batch
 			// are not posted; the others go.
@@ -198,7 +257,7 @@ func (s *Sink) work() {
 			for _, it := range j.batch {
 				if it.ctx.Err() != nil {
 					it.done(s.notSent(it.ctx))
-					s.inflight.Done()
+					s.finished()
 					continue
 				}
 				live = append(live, it)
@@ -210,7 +269,7 @@ func (s *Sink) work() {
 			<-s.slots
 			for i, it := range live {
 				it.done(errs[i])
-				s.inflight.Done()
+				s.finished()
 			}
 			continue
 		}
@@ -222,47 +281,43 @@ func (s *Sink) work() {
 		}
 		<-s.slots
 		j.done(err)
-		s.inflight.Done()
+		s.finished()
 	}
 }
 
 // Close stops accepting Sends (later ones report ErrClosed), waits for the
 // requests in flight to call done until ctx is done, then aborts the rest
 // (their done reports Unknown or Transient, by whether they were written)
-// and waits for those callbacks. It returns ctx's error when it had to
-// abort. Calling Close again is safe.
+// and waits for those callbacks; then it stops the sink's workers and waits
+// for them. It returns ctx's error when it had to abort, or the failure of
+// a worker. Calling Close again is safe.
 func (s *Sink) Close(ctx context.Context) error {
 	s.closeOnce.Do(func() {
 		s.mu.Lock()
 		s.closed = true
 		close(s.closing)
+		s.drainedLocked()
 		s.mu.Unlock()
 	})
-	finished := make(chan struct{})
-	go func() {
-		s.inflight.Wait()
-		close(finished)
-	}()
 	var err error
 	select {
-	case <-finished:
+	case <-s.drained:
 	case <-ctx.Done():
 		err = fmt.Errorf("webhook %s: close: requests still in flight: %w", s.name, ctx.Err())
 		s.cancelReqs()
-		<-finished
+		// A worker that failed took its request's done with it: that one
+		// is not waited for.
+		select {
+		case <-s.drained:
+		case <-s.stopped:
+		}
 	}
 	s.cancelReqs()
-	s.stopJobs.Do(func() {
-		if s.pending != nil {
-			// Nothing is pending (inflight is zero), and closed stops
-			// new Sends: assemble has nothing left to hand on.
-			close(s.stopAssemble)
-			<-s.assembled
-		}
-		s.mu.Lock()
-		close(s.jobs) // closed is set: no Send queues another
-		s.mu.Unlock()
-	})
+	// Nothing is in flight, and closed stops new Sends: the workers and
+	// assemble have nothing left to do.
+	if werr := s.workers.Stop(); werr != nil && err == nil {
+		err = fmt.Errorf("webhook %s: %w", s.name, werr)
+	}
 	s.transport.CloseIdleConnections()
 	return err
 }
