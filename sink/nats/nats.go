@@ -154,9 +154,10 @@ type Sink struct {
 	connected     chan struct{}
 	connectFailed chan struct{}
 	failOnce      sync.Once
-	stopChecking  context.CancelFunc // ends awaitStream; nil when not started
-	checking      sync.WaitGroup
-	released      atomic.Bool // the connection is being closed on purpose
+	// checks runs awaitStream, when the server was down at start, until
+	// the stream is checked or Close.
+	checks   *relay.Group
+	released atomic.Bool // the connection is being closed on purpose
 
 	// window holds one token per publish awaiting its PubAck; it bounds
 	// Send, which waits for a free slot while honouring ctx.
@@ -239,6 +240,7 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		// Created at 0 now, so the series exists before the first retry.
 		storedAgain: relay.NATSDuplicatesStored.WithLabelValues(cfg.Name),
 	}
+	s.checks, _ = relay.NewGroup(context.Background())
 	ok := false
 	defer func() {
 		if !ok {
@@ -272,10 +274,8 @@ func New(ctx context.Context, cfg Config) (*Sink, error) {
 		case <-s.connectFailed:
 		case <-time.After(firstErrorWait):
 		}
-		// The checks outlive New's ctx: they run until Close.
-		checkCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
-		s.stopChecking = stop
-		s.checking.Go(func() { s.awaitStream(checkCtx, cfg, pattern) })
+		// The checks run until Close, whatever New's ctx.
+		s.checks.GoTask("stream check", func(ctx context.Context) error { s.awaitStream(ctx, cfg, pattern); return nil })
 		ok = true
 		s.log.Error().Err(s.Down()).Str("stream", cfg.Stream.Name).
 			Msg("nats sink is down at start: its events wait on the claim path while it keeps connecting; the other sinks run")
@@ -543,10 +543,7 @@ func (s *Sink) Close(ctx context.Context) error {
 }
 
 func (s *Sink) close(ctx context.Context) error {
-	if s.stopChecking != nil {
-		s.stopChecking()
-		s.checking.Wait()
-	}
+	checkErr := s.checks.Stop()
 	s.mu.Lock()
 	s.closed = true
 	close(s.closing)
@@ -583,6 +580,9 @@ func (s *Sink) close(ctx context.Context) error {
 	}
 	s.release()
 	s.log.Info().Int64("duplicates", s.Duplicates()).Msg("nats sink closed")
+	if checkErr != nil && err == nil {
+		err = fmt.Errorf("close nats sink %q: %w", s.name, checkErr)
+	}
 	return err
 }
 

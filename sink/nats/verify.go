@@ -204,6 +204,8 @@ func (r *StreamReader) Read(ctx context.Context, since time.Time, fn func(Stored
 		return 0, fmt.Errorf("stream %q: read: %w", r.cfg.Stream, err)
 	}
 	defer it.Stop()
+	// AfterFunc forwards ctx's end to the blocked Next, not a worker:
+	// it.Stop only unblocks it.
 	stop := context.AfterFunc(ctx, it.Stop)
 	defer stop()
 	var n int64
