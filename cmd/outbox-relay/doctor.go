@@ -159,7 +159,7 @@ func readDeploymentIdentity(ctx context.Context, cfg *config.Config) *deployment
 		id.err = fmt.Errorf("connect to the database: %w", err)
 		return id
 	}
-	defer conn.Close(context.WithoutCancel(ctx))
+	defer conn.Close(relay.Detached(ctx, "the connection is closed even after ctx ended; pgx bounds the close"))
 	t := cfg.Tables()
 	tables, err := admin.Resolve(ctx, conn, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint})
 	if err != nil {

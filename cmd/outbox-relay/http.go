@@ -9,7 +9,6 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -17,6 +16,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // health is what /healthz and /readyz report. Live means the process runs
@@ -64,9 +64,11 @@ func (h *health) stalledReason() string {
 // logged, because the metrics name tables and sinks. With hc.MetricsToken
 // set, /metrics answers 401 to a request without "Authorization: Bearer
 // <token>"; the health endpoints stay open for probes. hc.Pprof adds the Go
-// profiles under /debug/pprof/, behind the same token. wait returns once
-// the server has shut down (ctx done) and its goroutines have ended.
-func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger) (addr net.Addr, wait func(), err error) {
+// profiles under /debug/pprof/, behind the same token. The server runs
+// until ctx is done or stop is called; stop shuts it down and returns once
+// its goroutines have ended (relay.Group), with the server's failure, if
+// it failed.
+func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger) (addr net.Addr, stop func() error, err error) {
 	ln, err := net.Listen("tcp", hc.Listen)
 	if err != nil {
 		return nil, nil, fmt.Errorf("http.listen %s: %w", hc.Listen, err)
@@ -113,20 +115,23 @@ func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog
 		}
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	var wg sync.WaitGroup
-	wg.Go(func() {
+	web, _ := relay.NewGroup(ctx)
+	web.Go("http server", func(context.Context) error {
+		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+			log.Error().Err(err).Msg("http server")
+			return err
+		}
+		return nil
+	})
+	web.Go("http shutdown", func(ctx context.Context) error {
 		<-ctx.Done()
 		shutdownCtx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		srv.Shutdown(shutdownCtx)
-	})
-	wg.Go(func() {
-		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			log.Error().Err(err).Msg("http server")
-		}
+		return nil
 	})
 	log.Info().Str("listen", ln.Addr().String()).Msg("serving /metrics /healthz /readyz")
-	return ln.Addr(), wg.Wait, nil
+	return ln.Addr(), web.Stop, nil
 }
 
 // requireBearer wraps next so that it answers 401 unless the request carries

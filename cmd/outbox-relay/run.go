@@ -98,13 +98,13 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 
 	// The endpoints serve from the start to the very end (probes during
 	// start-up and the drain); the server has shut down when run returns.
-	httpCtx, stopHTTP := context.WithCancel(context.WithoutCancel(ctx))
+	httpCtx, stopHTTP := context.WithCancel(relay.Detached(ctx, "the endpoints serve through the drain; stopHTTP ends them when run returns"))
 	_, waitHTTP, err := serveHTTP(httpCtx, cfg.HTTP, r.health, log)
 	if err != nil {
 		stopHTTP()
 		return err
 	}
-	defer func() { stopHTTP(); waitHTTP() }()
+	defer func() { stopHTTP(); _ = waitHTTP() }()
 
 	pool, err := newPool(ctx, cfg.DatabaseURL.Reveal())
 	if err != nil {
@@ -212,8 +212,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	r.health.set(true, "")
 	err = sup.Run(wctx)
-	workers.Stop()
-	if werr := workers.Wait(); err == nil {
+	if werr := workers.Stop(); err == nil {
 		err = werr
 	}
 	log.Info().Msg("relay stopped")
