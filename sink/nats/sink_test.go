@@ -466,7 +466,7 @@ func TestNewWarnsAboutASmallerDuplicateWindow(t *testing.T) {
 	}
 	cfg := testConfig(srv)
 	cfg.Stream.DuplicateWindow = 0 // the default
-	var log bytes.Buffer
+	var log lockedBuffer           // the connection's callbacks log from their own goroutine
 	cfg.Logger = zerolog.New(&log)
 	s := MustNew(t, cfg)
 	if err := sendSync(t, s, delivery(1)); err != nil {
@@ -803,4 +803,23 @@ func TestNewRejectsConfig(t *testing.T) {
 			}
 		})
 	}
+}
+
+// lockedBuffer is a bytes.Buffer safe for a logger written from several
+// goroutines and read by the test.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
