@@ -67,6 +67,10 @@ type EngineConfig struct {
 	// [DefaultStallAfter].
 	StallAfter time.Duration
 	Logger     zerolog.Logger
+
+	// Feed, when set, is told each pair's outcome (the admin API's live
+	// feed); it never blocks a lane.
+	Feed *Feed
 }
 
 // Engine is the one delivery core (docs/architecture.md): the stream and the

@@ -410,6 +410,7 @@ func (l *lane) record(t *task, o Outcome) {
 			observeHandedOff(l.name, why)
 		}
 	}
+	l.e.cfg.Feed.observe(t, o)
 	if w.remaining.Add(-1) == 0 {
 		l.e.finishWork(w)
 	}
