@@ -31,7 +31,7 @@ sinks:
     type: nats
     url: nats://tok-SECRET-2@nats.example:4222
     token_file: ` + tokenFile + `
-http: {metrics_token: metrics-SECRET-3}
+http: {metrics_token: metrics-SECRET-3, admin_token: admin-SECRET-4-0123456789, admin_read_token: read-SECRET-5-0123456789}
 `
 	if err := os.WriteFile(path, []byte(doc), 0o600); err != nil {
 		t.Fatal(err)
@@ -42,7 +42,7 @@ http: {metrics_token: metrics-SECRET-3}
 		t.Fatalf("exit %d: %s", code, stderr.String())
 	}
 	out := stdout.String()
-	for _, secret := range []string{"pg-SECRET-123", "jwt-SECRET-456", "nats-SECRET-789", "url-SECRET-0", "hdr-SECRET-1", "tok-SECRET-2", "metrics-SECRET-3"} {
+	for _, secret := range []string{"pg-SECRET-123", "jwt-SECRET-456", "nats-SECRET-789", "url-SECRET-0", "hdr-SECRET-1", "tok-SECRET-2", "metrics-SECRET-3", "admin-SECRET-4", "read-SECRET-5"} {
 		if strings.Contains(out+stderr.String(), secret) {
 			t.Errorf("config prints %q:\n%s", secret, out)
 		}
@@ -60,7 +60,8 @@ http: {metrics_token: metrics-SECRET-3}
 	}
 	// The database's host, port, name and user show; only the password is hidden.
 	if got.DatabaseURL != "postgres://relay:xxxxx@db.example:5432/app?sslmode=verify-full&sslrootcert=/etc/relay/ca.crt" ||
-		got.Source.Mode != "poll" || len(got.Sinks) != 2 || got.HTTP["metrics_token"] != "[redacted]" {
+		got.Source.Mode != "poll" || len(got.Sinks) != 2 || got.HTTP["metrics_token"] != "[redacted]" ||
+		got.HTTP["admin_token"] != "[redacted]" || got.HTTP["admin_read_token"] != "[redacted]" {
 		t.Errorf("unexpected effective config:\n%s", out)
 	}
 	if got.Sinks[1]["token"] != "" || got.Sinks[1]["token_file"] != tokenFile { // only the file, so the output loads

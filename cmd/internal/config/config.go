@@ -440,6 +440,18 @@ type HTTPConfig struct {
 	// outbox_relay_stalled metric then stays 0. Keep it above the sinks'
 	// timeouts.
 	StallAfter Duration `yaml:"stall_after"`
+	// AdminToken turns the admin API and the console on
+	// (docs/operations.md, "Console and admin API"): each request needs
+	// "Authorization: Bearer" with it, or with AdminReadToken, which only
+	// reads. Without it both are off (404).
+	AdminToken         Secret `yaml:"admin_token"`
+	AdminTokenFile     string `yaml:"admin_token_file"`
+	AdminReadToken     Secret `yaml:"admin_read_token"`
+	AdminReadTokenFile string `yaml:"admin_read_token_file"`
+	// FeedPayloads adds the start of each event's payload to the admin
+	// API's live feed and event lookup. Off by default: payloads are the
+	// application's data.
+	FeedPayloads bool `yaml:"feed_payloads"`
 }
 
 // LogConfig configures zerolog. Level is one of trace, debug, info, warn,

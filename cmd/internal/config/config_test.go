@@ -942,6 +942,18 @@ func TestLoad_InvalidValues(t *testing.T) {
 		{"sink name longer than the ledger's action holds", "sinks:\n  - {name: " + strings.Repeat("n", relay.MaxSinkNameBytes+1) + ", type: nats}\n", nil, []string{
 			fmt.Sprintf(`relay.yaml:2: sinks[0].name: is %d bytes; the ledger's action holds at most %d`, relay.MaxSinkNameBytes+1, relay.MaxSinkNameBytes),
 		}},
+		{"admin tokens", "http:\n  admin_token: short\n  admin_read_token: \"has a space in it\"\n", nil, []string{
+			"relay.yaml:2: http.admin_token: must be at least 16 characters",
+			"relay.yaml:3: http.admin_read_token: must be printable, without spaces",
+		}},
+		{"admin tokens shared", "http:\n  metrics_token: 0123456789abcdef\n  admin_token: 0123456789abcdef\n  admin_read_token: 0123456789abcdef\n", nil, []string{
+			"relay.yaml:3: http.admin_token: must differ from http.metrics_token",
+			"relay.yaml:4: http.admin_read_token: must differ from http.metrics_token",
+			"relay.yaml:4: http.admin_read_token: must differ from http.admin_token",
+		}},
+		{"read token alone", "http:\n  admin_read_token: 0123456789abcdef\n", nil, []string{
+			"relay.yaml:2: http.admin_read_token: needs http.admin_token",
+		}},
 		{"duplicate sink names", "sinks:\n  - {name: a, type: nats}\n  - {name: a, type: nats}\n", nil, []string{
 			`relay.yaml:3: sinks[1].name: "a" is already the name of sinks[0]`,
 		}},

@@ -193,7 +193,9 @@ func checkRedacted(t *testing.T, printed []byte) {
 	var doc struct {
 		DatabaseURL string `yaml:"database_url"`
 		HTTP        struct {
-			MetricsToken string `yaml:"metrics_token"`
+			MetricsToken   string `yaml:"metrics_token"`
+			AdminToken     string `yaml:"admin_token"`
+			AdminReadToken string `yaml:"admin_read_token"`
 		} `yaml:"http"`
 		Sinks []struct {
 			URL  string `yaml:"url"`
@@ -218,6 +220,8 @@ func checkRedacted(t *testing.T, printed []byte) {
 		t.Fatalf("Redacted prints database_url %q, which is neither redacted nor a connection string:\n%s", doc.DatabaseURL, printed)
 	}
 	secret("http.metrics_token", doc.HTTP.MetricsToken)
+	secret("http.admin_token", doc.HTTP.AdminToken)
+	secret("http.admin_read_token", doc.HTTP.AdminReadToken)
 	for i, s := range doc.Sinks {
 		secret(fmt.Sprintf("sinks[%d].auth.secret", i), s.Auth.Secret)
 		secret(fmt.Sprintf("sinks[%d].auth.value", i), s.Auth.Value)

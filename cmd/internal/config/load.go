@@ -123,6 +123,8 @@ func (c *Config) secretRefs() []secretRef {
 		{"database_url", "database_url_file", &c.DatabaseURL, c.DatabaseURLFile},
 		{"source.standby_url", "source.standby_url_file", &c.Source.StandbyURL, c.Source.StandbyURLFile},
 		{"http.metrics_token", "http.metrics_token_file", &c.HTTP.MetricsToken, c.HTTP.MetricsTokenFile},
+		{"http.admin_token", "http.admin_token_file", &c.HTTP.AdminToken, c.HTTP.AdminTokenFile},
+		{"http.admin_read_token", "http.admin_read_token_file", &c.HTTP.AdminReadToken, c.HTTP.AdminReadTokenFile},
 	}
 	for i := range c.Sinks {
 		p := fmt.Sprintf("sinks[%d].", i)

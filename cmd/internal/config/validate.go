@@ -41,6 +41,7 @@ func (c *Config) Validate() error {
 	if strings.ContainsFunc(c.HTTP.MetricsToken.Reveal(), func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }) {
 		v.fail("http.metrics_token", "must be printable, without spaces")
 	}
+	v.adminTokens(c.HTTP)
 	if c.HTTP.StallAfter < 0 {
 		v.fail("http.stall_after", "must not be negative (0 turns the stall check off)")
 	}
@@ -503,4 +504,33 @@ func isHeaderName(s string) bool {
 		}
 	}
 	return true
+}
+
+// minAdminToken is the shortest admin token accepted: the API acts on the
+// outbox, so its token must not be guessable (openssl rand -hex 32 makes
+// one).
+const minAdminToken = 16
+
+// adminTokens checks the admin API's tokens: printable, without spaces,
+// long enough, and each distinct from the others (the metrics token is
+// often handed to a scraper; the read-only token must not act).
+func (v *validator) adminTokens(h HTTPConfig) {
+	admin, read, metrics := h.AdminToken.Reveal(), h.AdminReadToken.Reveal(), h.MetricsToken.Reveal()
+	for _, t := range []struct{ key, token string }{{"http.admin_token", admin}, {"http.admin_read_token", read}} {
+		switch {
+		case t.token == "":
+		case strings.ContainsFunc(t.token, func(r rune) bool { return unicode.IsSpace(r) || !unicode.IsPrint(r) }):
+			v.fail(t.key, "must be printable, without spaces")
+		case len(t.token) < minAdminToken:
+			v.fail(t.key, "must be at least %d characters (openssl rand -hex 32 makes one)", minAdminToken)
+		case t.token == metrics:
+			v.fail(t.key, "must differ from http.metrics_token: a scraper holding the metrics token must not reach the admin API")
+		}
+	}
+	switch {
+	case read != "" && admin == "":
+		v.fail("http.admin_read_token", "needs http.admin_token: without it the admin API and the console are off")
+	case read != "" && read == admin:
+		v.fail("http.admin_read_token", "must differ from http.admin_token: the read-only token must not act")
+	}
 }
