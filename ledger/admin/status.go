@@ -74,6 +74,9 @@ type SlotStatus struct {
 	// ConfirmedFlushLSN is the position the relay last acknowledged to the
 	// slot: the server may discard the WAL before it.
 	ConfirmedFlushLSN string `json:"confirmed_flush_lsn,omitempty"`
+	// LagBytes is the WAL written since ConfirmedFlushLSN: how far the
+	// slot's consumer is behind. Nil when unknown, as RetainedWALBytes.
+	LagBytes *int64 `json:"lag_bytes,omitempty"`
 }
 
 // CheckpointStatus is the slot's row in the checkpoint table: the
@@ -150,12 +153,28 @@ func (w Where) onStandby() bool { return w.Standby != nil || w.StandbyErr != nil
 var Statuses = []string{"pending", "processing", "held", "failed", "done"}
 
 // ReadStatus reads the state of the relays of w.Slot from the database,
-// and the slot from the server it is on (w). The leader is the session
-// holding the session advisory lock w.LeaderKey, or else the process
-// streaming from the slot. It only reads. The counts scan the outbox and
-// the ledger (which has no index on delivered_at); retention keeps both
-// small.
+// and the slot from the server it is on (w): ReadRelays, and the counts.
+// It only reads. The counts scan the outbox and the ledger (which has no
+// index on delivered_at); retention keeps both small.
 func ReadStatus(ctx context.Context, db DB, t Tables, w Where) (*Status, error) {
+	st, err := ReadRelays(ctx, db, t, w)
+	if err != nil {
+		return nil, err
+	}
+	if err := st.readCounts(ctx, db, t); err != nil {
+		return nil, err
+	}
+	return st, nil
+}
+
+// ReadRelays reads the part of the status that concerns the relays: mode,
+// leader, sessions, the slot (on the server it is on) and the checkpoint.
+// The leader is the session holding the session advisory lock w.LeaderKey,
+// or else the process streaming from the slot. It reads the server's views
+// and the checkpoint's row, never the outbox or the ledger, so it is cheap
+// enough to repeat every few seconds (the admin API does); Rows,
+// DeliveredLastHour and SinksDown are left empty.
+func ReadRelays(ctx context.Context, db DB, t Tables, w Where) (*Status, error) {
 	slot := w.Slot
 	st := &Status{Rows: map[string]int64{}, DeliveredLastHour: map[string]int64{}, Connections: []Session{}}
 
@@ -201,27 +220,32 @@ func ReadStatus(ctx context.Context, db DB, t Tables, w Where) (*Status, error) 
 	default:
 		st.Checkpoint = &cp
 	}
+	return st, nil
+}
 
+// readCounts adds to st the outbox's rows by status, the oldest pending
+// row's age, the deliveries of the last hour and the sinks that were down.
+func (st *Status) readCounts(ctx context.Context, db DB, t Tables) error {
 	for _, s := range Statuses {
 		st.Rows[s] = 0
 	}
 	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT %s, count(*) FROM %s AS o GROUP BY 1`, t.status("o"), t.Outbox.Quoted()))
 	if err != nil {
-		return nil, fmt.Errorf("count outbox rows: %w", err)
+		return fmt.Errorf("count outbox rows: %w", err)
 	}
 	var (
 		status string
 		n      int64
 	)
 	if _, err := pgx.ForEachRow(rows, []any{&status, &n}, func() error { st.Rows[status] = n; return nil }); err != nil {
-		return nil, fmt.Errorf("count outbox rows: %w", err)
+		return fmt.Errorf("count outbox rows: %w", err)
 	}
 	st.Held, st.Failed = st.Rows["held"], st.Rows["failed"]
 
 	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE %s AND NOT %s`,
 		t.Outbox.Quoted(), ledger.Pending("o"), t.delivered("o"))).Scan(&st.OldestPendingSeconds)
 	if err != nil {
-		return nil, fmt.Errorf("oldest pending row: %w", err)
+		return fmt.Errorf("oldest pending row: %w", err)
 	}
 
 	rows, err = db.Query(ctx, fmt.Sprintf(`
@@ -229,16 +253,16 @@ SELECT action, count(*) FROM %s
  WHERE state = 'delivered' AND delivered_at >= now() - interval '1 hour'
  GROUP BY action`, t.Ledger.Quoted()))
 	if err != nil {
-		return nil, fmt.Errorf("count deliveries: %w", err)
+		return fmt.Errorf("count deliveries: %w", err)
 	}
 	var action string
 	if _, err := pgx.ForEachRow(rows, []any{&action, &n}, func() error { st.DeliveredLastHour[action] = n; return nil }); err != nil {
-		return nil, fmt.Errorf("count deliveries: %w", err)
+		return fmt.Errorf("count deliveries: %w", err)
 	}
 	if st.SinksDown, err = sinksDown(ctx, db, t); err != nil {
-		return nil, err
+		return err
 	}
-	return st, nil
+	return nil
 }
 
 // sinksDown reads, per configured sink, the pending rows whose last_error
@@ -298,6 +322,7 @@ func ReadSlot(ctx context.Context, db DB, w Where) (SlotStatus, error) {
 	var (
 		pid      int32
 		retained *int64
+		lag      *int64
 		walStat  *string
 		reason   *string
 		flushLSN *string
@@ -305,9 +330,12 @@ func ReadSlot(ctx context.Context, db DB, w Where) (SlotStatus, error) {
 	err := on.QueryRow(ctx, `
 SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'invalidation_reason', confirmed_flush_lsn::text,
        CASE WHEN wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL THEN
-       pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END,
-                       restart_lsn)::bigint END
-  FROM pg_replication_slots s WHERE slot_name = $1`, w.Slot).Scan(&pid, &walStat, &reason, &flushLSN, &retained)
+       pg_wal_lsn_diff(w.lsn, restart_lsn)::bigint END,
+       CASE WHEN wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL THEN
+       greatest(pg_wal_lsn_diff(w.lsn, confirmed_flush_lsn), 0)::bigint END
+  FROM pg_replication_slots s,
+       (SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END AS lsn) AS w
+ WHERE slot_name = $1`, w.Slot).Scan(&pid, &walStat, &reason, &flushLSN, &retained, &lag)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return st, nil
@@ -323,6 +351,7 @@ SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'inval
 	st.InvalidationReason = deref(reason)
 	st.ConfirmedFlushLSN = deref(flushLSN)
 	st.RetainedWALBytes = retained
+	st.LagBytes = lag
 	if st.Active {
 		s, err := session(ctx, on, pid)
 		if err != nil {
