@@ -88,18 +88,13 @@ func (f *selectionFlags) selection(cfg *config.Config, statuses []string, now ti
 	return sel, nil
 }
 
-// parseSince reads --since: an RFC 3339 time, a date (UTC midnight) or a
-// duration before now.
+// parseSince reads --since (admin.ParseSince).
 func parseSince(s string, now time.Time) (time.Time, error) {
-	if d, err := time.ParseDuration(s); err == nil && d >= 0 {
-		return now.Add(-d), nil
+	t, err := admin.ParseSince(s, now)
+	if err != nil {
+		return t, fmt.Errorf("--since %w", err)
 	}
-	for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04:05", "2006-01-02 15:04:05", "2006-01-02"} {
-		if t, err := time.ParseInLocation(layout, s, time.UTC); err == nil {
-			return t, nil
-		}
-	}
-	return time.Time{}, fmt.Errorf("--since %q: write an RFC 3339 time (2026-01-02T15:04:05Z), a date (2026-01-02) or a duration ago (90m, 24h)", s)
+	return t, nil
 }
 
 // parseIDs reads --ids: comma-separated ids, each once.
@@ -164,37 +159,23 @@ func newDLQListCommand(g *globals) *cobra.Command {
 				return err
 			}
 			s.NotDeliveredTo = sel.sink
-			if s.Limit > 0 {
-				s.Limit++ // one more tells whether there are more
-			}
 			ctx := cmd.Context()
 			pool, tables, err := connectOps(ctx, cfg)
 			if err != nil {
 				return err
 			}
 			defer pool.Close()
-			ids, err := admin.SelectIDs(ctx, pool, tables, s)
-			if err != nil {
-				return err
-			}
-			more := sel.limit > 0 && len(ids) > sel.limit
-			if more {
-				ids = ids[:sel.limit]
-			}
-			entries, err := admin.List(ctx, pool, tables, ids)
+			page, err := admin.ListPage(ctx, pool, tables, s)
 			if err != nil {
 				return err
 			}
 			if asJSON {
-				if entries == nil {
-					entries = []admin.Entry{}
-				}
 				enc := json.NewEncoder(cmd.OutOrStdout())
 				enc.SetIndent("", "  ")
-				return enc.Encode(entries)
+				return enc.Encode(page.Entries)
 			}
-			printDLQ(cmd.OutOrStdout(), entries, configuredSinks(cfg))
-			if more {
+			printDLQ(cmd.OutOrStdout(), page.Entries, configuredSinks(cfg))
+			if page.More {
 				fmt.Fprintf(cmd.OutOrStdout(), "showing the first %d; --limit N (0: all) shows more\n", sel.limit)
 			}
 			return nil
@@ -313,13 +294,10 @@ for every sink or only --sink, in one transaction per 1,000 events. Sinks that a
 an event keep their 'delivered' row and do not get it again.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return changeRows(cmd, g, &sel, yes, admin.DeadStatuses, rowChange{
-				verb: "retry", done: "retried",
+			return changeRows(cmd, g, &sel, yes, rowChange{
+				action: admin.ActionRetry,
 				question: func(n int, sink string) string {
 					return fmt.Sprintf("Reset %s failed/held events to pending and clear their undelivered ledger rows for %s?", count(n), sinkScope(sink))
-				},
-				apply: func(c changeContext, ids []int64) (admin.Changed, error) {
-					return admin.Retry(c.ctx, c.pool, c.tables, ids, c.sinks)
 				},
 				notDeliveredFilter: true,
 			})
@@ -346,13 +324,10 @@ any done row. Find them with: SELECT … WHERE status = 'done' AND last_error LI
 The ledger is left as it is.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return changeRows(cmd, g, &sel, yes, admin.DeadStatuses, rowChange{
-				verb: "discard", done: "discarded",
+			return changeRows(cmd, g, &sel, yes, rowChange{
+				action: admin.ActionDiscard,
 				question: func(n int, _ string) string {
 					return fmt.Sprintf("Discard %s failed/held events (status done, not delivered)?", count(n))
-				},
-				apply: func(c changeContext, ids []int64) (admin.Changed, error) {
-					return admin.Discard(c.ctx, c.pool, c.tables, ids)
 				},
 				notDeliveredFilter: true,
 			})
@@ -412,20 +387,19 @@ func newProgress(w io.Writer, total int, what string) *progressbar.ProgressBar {
 	)
 }
 
-// changeContext is what one batch of a change needs.
+// changeContext is what a change's note needs.
 type changeContext struct {
 	ctx    context.Context
 	pool   admin.DB
 	tables admin.Tables
-	sinks  []string // nil: every sink
 	sel    admin.Selection
 }
 
-// rowChange describes a batch change (retry, discard, replay).
+// rowChange describes a change of the rows a selection chooses (retry,
+// discard, replay).
 type rowChange struct {
-	verb, done string
-	question   func(n int, sink string) string
-	apply      func(c changeContext, ids []int64) (admin.Changed, error)
+	action   admin.Action
+	question func(n int, sink string) string
 	// notDeliveredFilter: --sink also keeps only events not delivered to
 	// that sink (the dead letters that concern it).
 	notDeliveredFilter bool
@@ -435,12 +409,12 @@ type rowChange struct {
 
 // changeRows selects the rows, asks, and applies the change in batches of
 // admin.BatchSize, one transaction each, with a progress bar for large sets.
-func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, statuses []string, change rowChange) error {
+func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, change rowChange) error {
 	cfg, err := g.loadOpsConfig()
 	if err != nil {
 		return err
 	}
-	s, err := sel.selection(cfg, statuses, time.Now())
+	s, err := sel.selection(cfg, change.action.Statuses, time.Now())
 	if err != nil {
 		return err
 	}
@@ -458,8 +432,9 @@ func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, s
 		return err
 	}
 	c := changeContext{ctx: ctx, pool: pool, tables: tables, sel: s}
+	var sinks []string
 	if sel.sink != "" {
-		c.sinks = []string{sel.sink}
+		sinks = []string{sel.sink}
 	}
 	note := ""
 	if change.note != nil {
@@ -472,7 +447,7 @@ func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, s
 		}
 	}
 	if len(ids) == 0 {
-		fmt.Fprintf(out, "no events to %s: none matches\n", change.verb)
+		fmt.Fprintf(out, "no events to %s: none matches\n", change.action.Name)
 		printNote()
 		return nil
 	}
@@ -481,26 +456,19 @@ func changeRows(cmd *cobra.Command, g *globals, sel *selectionFlags, yes bool, s
 			return err
 		}
 	}
-	bar := newProgress(cmd.ErrOrStderr(), len(ids), change.verb)
-	var total admin.Changed
-	for _, batch := range admin.Batches(ids, admin.BatchSize) {
-		changed, err := change.apply(c, batch)
-		if err != nil {
-			// Earlier batches are committed; the rows they changed no longer
-			// match, so running the command again carries on.
-			return fmt.Errorf("%s: %w (%d events were %s before this, each batch in its own transaction; run the command again to carry on)",
-				change.verb, err, total.Rows, change.done)
-		}
-		total.Rows += changed.Rows
-		total.LedgerRows += changed.LedgerRows
-		if bar != nil {
-			_ = bar.Add(len(batch))
-		}
+	bar := newProgress(cmd.ErrOrStderr(), len(ids), change.action.Name)
+	var progress func(int)
+	if bar != nil {
+		progress = func(n int) { _ = bar.Add(n) }
+	}
+	total, err := change.action.Apply(ctx, pool, tables, ids, sinks, progress)
+	if err != nil {
+		return err
 	}
 	if bar != nil {
 		_ = bar.Finish()
 	}
-	fmt.Fprintf(out, "%s %s events", change.done, count(int(total.Rows)))
+	fmt.Fprintf(out, "%s %s events", change.action.Done, count(int(total.Rows)))
 	if total.LedgerRows > 0 {
 		fmt.Fprintf(out, ", cleared %s ledger rows", count(int(total.LedgerRows)))
 	}

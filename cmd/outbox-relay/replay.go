@@ -30,18 +30,15 @@ the original key in Outbox-Event-Key, so the stream's duplicate window does not 
 			if sel.since == "" && sel.ids == "" {
 				return usageError{fmt.Errorf("say what to replay: --since TIME and/or --ids 1,2,3")}
 			}
-			return changeRows(cmd, g, &sel, yes, admin.ReplayStatuses, rowChange{
-				verb: "replay", done: "replayed",
+			return changeRows(cmd, g, &sel, yes, rowChange{
+				action: admin.ActionReplay,
 				question: func(n int, sink string) string {
 					return fmt.Sprintf("Replay %s events to %s?", count(n), sinkScope(sink))
-				},
-				apply: func(c changeContext, ids []int64) (admin.Changed, error) {
-					return admin.Replay(c.ctx, c.pool, c.tables, ids, c.sinks)
 				},
 				note: func(c changeContext) string {
 					// Events in flight may match the filters too: say why they were not replayed.
 					s := c.sel
-					s.Statuses = []string{"pending", "processing"}
+					s.Statuses = admin.InFlightStatuses
 					inFlight, err := admin.SelectIDs(c.ctx, c.pool, c.tables, s)
 					if err != nil || len(inFlight) == 0 {
 						return ""

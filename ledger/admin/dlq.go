@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"path"
+	"slices"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -33,6 +34,9 @@ type Selection struct {
 	NotDeliveredTo string
 	// Limit stops after this many rows, in id order.
 	Limit int
+	// After keeps rows with a greater id: the page after the one that
+	// ended there.
+	After int64
 }
 
 // matches applies the glob filters, which SQL cannot express exactly.
@@ -77,6 +81,14 @@ func SelectIDs(ctx context.Context, db DB, t Tables, sel Selection) ([]int64, er
 	if len(sel.Statuses) == 0 {
 		return nil, fmt.Errorf("select rows: no statuses given")
 	}
+	// Only a pending row can be done without its status saying so
+	// (Tables.status); a selection of neither reads the status column,
+	// through the status index: a page of dead letters reads the dead
+	// letters, not the table.
+	status := t.status("o")
+	if !slices.Contains(sel.Statuses, "done") && !slices.Contains(sel.Statuses, "pending") {
+		status = "o.status"
+	}
 	q := fmt.Sprintf(`
 SELECT o.id, o.event_type
   FROM %s AS o
@@ -86,7 +98,7 @@ SELECT o.id, o.event_type
    AND ($5::text IS NULL OR NOT EXISTS (
         SELECT 1 FROM %s AS l WHERE l.event_key = o.event_key AND l.action = $5 AND l.state = 'delivered'))
  ORDER BY o.id
- LIMIT $6`, t.Outbox.Quoted(), t.status("o"), t.Ledger.Quoted())
+ LIMIT $6`, t.Outbox.Quoted(), status, t.Ledger.Quoted())
 
 	var ids, since, sink any
 	if sel.IDs != nil {
@@ -99,7 +111,7 @@ SELECT o.id, o.event_type
 		sink = sel.NotDeliveredTo
 	}
 	var out []int64
-	after := int64(-1 << 63)
+	after := max(sel.After, -1<<63)
 	for {
 		rows, err := db.Query(ctx, q, after, sel.Statuses, ids, since, sink, BatchSize)
 		if err != nil {
@@ -277,4 +289,37 @@ func nilIfEmpty(s []string) any {
 		return nil
 	}
 	return s
+}
+
+// Page is one page of rows a Selection chooses, each with its ledger rows.
+type Page struct {
+	Entries []Entry `json:"events"`
+	// More is set when more rows match after the last entry: the next page
+	// is the same Selection with After set to that entry's id.
+	More bool `json:"more"`
+}
+
+// ListPage returns the first sel.Limit rows sel chooses after sel.After,
+// in id order, with their ledger rows (List), and whether more match. It is
+// what dlq list shows and what the admin API pages through.
+func ListPage(ctx context.Context, db DB, t Tables, sel Selection) (Page, error) {
+	limit := sel.Limit
+	if limit > 0 {
+		sel.Limit++ // one more tells whether there are more
+	}
+	ids, err := SelectIDs(ctx, db, t, sel)
+	if err != nil {
+		return Page{}, err
+	}
+	page := Page{More: limit > 0 && len(ids) > limit}
+	if page.More {
+		ids = ids[:limit]
+	}
+	if page.Entries, err = List(ctx, db, t, ids); err != nil {
+		return Page{}, err
+	}
+	if page.Entries == nil {
+		page.Entries = []Entry{}
+	}
+	return page, nil
 }

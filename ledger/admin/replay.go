@@ -9,6 +9,10 @@ import (
 // and processing rows are on their way already and are never touched.
 var ReplayStatuses = []string{"done", "failed", "held"}
 
+// InFlightStatuses are the statuses of rows on their way: a replay leaves
+// them alone, and says how many matched.
+var InFlightStatuses = []string{"pending", "processing"}
+
 // Replay makes the settled rows among ids (done — a pending row the ledger
 // shows delivered everywhere counts as done —, failed, held) deliverable
 // again and counts the replay, in one statement (one transaction): status
