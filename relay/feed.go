@@ -74,6 +74,9 @@ func (f *Feed) Subscribe(buffer int) *FeedSubscription {
 	return s
 }
 
+// Payloads reports whether the feed's items carry payload excerpts.
+func (f *Feed) Payloads() bool { return f.payloads }
+
 // Subscribers returns the number of open subscriptions.
 func (f *Feed) Subscribers() int { return int(f.n.Load()) }
 

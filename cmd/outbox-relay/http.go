@@ -16,6 +16,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/cmd/internal/console"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -64,17 +65,22 @@ func (h *health) stalledReason() string {
 // logged, because the metrics name tables and sinks. With hc.MetricsToken
 // set, /metrics answers 401 to a request without "Authorization: Bearer
 // <token>"; the health endpoints stay open for probes. hc.Pprof adds the Go
-// profiles under /debug/pprof/, behind the same token. The server runs
-// until ctx is done or stop is called; stop shuts it down and returns once
-// its goroutines have ended (relay.Group), with the server's failure, if
-// it failed.
-func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger) (addr net.Addr, stop func() error, err error) {
+// profiles under /debug/pprof/, behind the same token. routes add their
+// own (the admin API and the console: cmd/internal/console). The server
+// runs until ctx is done or stop is called; stop shuts it down and returns
+// once its goroutines have ended (relay.Group), with the server's failure,
+// if it failed.
+func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog.Logger, routes ...func(*http.ServeMux)) (addr net.Addr, stop func() error, err error) {
 	ln, err := net.Listen("tcp", hc.Listen)
 	if err != nil {
 		return nil, nil, fmt.Errorf("http.listen %s: %w", hc.Listen, err)
 	}
 	if host, _, _ := net.SplitHostPort(hc.Listen); host != "127.0.0.1" && host != "localhost" && host != "::1" {
-		log.Warn().Str("listen", ln.Addr().String()).Msg("the metrics and health endpoints listen beyond loopback")
+		what := "the metrics and health endpoints listen"
+		if hc.AdminToken != "" {
+			what = "the metrics and health endpoints, the admin API and the console listen"
+		}
+		log.Warn().Str("listen", ln.Addr().String()).Msg(what + " beyond loopback")
 	}
 	mux := http.NewServeMux()
 	mux.Handle("GET /metrics", requireBearer(hc.MetricsToken.Reveal(), promhttp.Handler()))
@@ -114,6 +120,9 @@ func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog
 			fmt.Fprintln(w, line)
 		}
 	})
+	for _, add := range routes {
+		add(mux)
+	}
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	web, _ := relay.NewGroup(ctx)
 	web.Go("http server", func(context.Context) error {
@@ -134,6 +143,17 @@ func serveHTTP(ctx context.Context, hc config.HTTPConfig, h *health, log zerolog
 	return ln.Addr(), web.Stop, nil
 }
 
+// view is the relay's health as the admin API shows it.
+func (h *health) view() console.Health {
+	reason, _ := h.reason.Load().(string)
+	v := console.Health{Ready: h.ready.Load(), Stalled: h.stalledReason(), SinksDown: h.downLines()}
+	if !v.Ready {
+		v.NotReady = reason
+	}
+	v.Ready = v.Ready && v.Stalled == ""
+	return v
+}
+
 // requireBearer wraps next so that it answers 401 unless the request carries
 // "Authorization: Bearer <token>"; an empty token requires nothing. The
 // comparison takes the same time whatever the mismatch.
@@ -151,4 +171,26 @@ func requireBearer(token string, next http.Handler) http.Handler {
 		}
 		next.ServeHTTP(w, r)
 	})
+}
+
+// newConsole returns the live feed of outcomes and the admin API with the
+// console (docs/operations.md, "Console and admin API"), which serve while
+// ctx lasts. Without http.admin_token the API and the console are off, and
+// the log says how to turn them on.
+func newConsole(ctx context.Context, cfg *config.Config, log zerolog.Logger) (*relay.Feed, *console.Server) {
+	feed := relay.NewFeed(cfg.HTTP.FeedPayloads)
+	con := console.New(console.Config{
+		AdminToken: cfg.HTTP.AdminToken.Reveal(),
+		ReadToken:  cfg.HTTP.AdminReadToken.Reveal(),
+		Feed:       feed,
+		Done:       ctx.Done(),
+		Logger:     log,
+	})
+	if !con.Enabled() {
+		log.Info().Msg("the admin API and the console are off: set http.admin_token (or http.admin_token_file) to serve them at /api/v1 and /console/ (docs/operations.md, \"Console and admin API\")")
+	} else {
+		log.Info().Bool("read_only_token", cfg.HTTP.AdminReadToken != "").Bool("feed_payloads", cfg.HTTP.FeedPayloads).
+			Msg("the admin API and the console are on, behind http.admin_token: /api/v1 and /console/")
+	}
+	return feed, con
 }

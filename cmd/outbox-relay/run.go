@@ -16,6 +16,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
+	"github.com/outbox-relay/outbox-relay/cmd/internal/console"
 	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
@@ -82,6 +83,8 @@ type relayRun struct {
 	// standbyPool reaches the standby the stream decodes on
 	// (source.standby_url), for its slot's watchdog; nil without one.
 	standbyPool *pgxpool.Pool
+	// feed is the live feed of outcomes the admin API serves.
+	feed *relay.Feed
 }
 
 // runRelay turns the configuration into a running relay and blocks until
@@ -99,7 +102,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	// The endpoints serve from the start to the very end (probes during
 	// start-up and the drain); the server has shut down when run returns.
 	httpCtx, stopHTTP := context.WithCancel(relay.Detached(ctx, "the endpoints serve through the drain; stopHTTP ends them when run returns"))
-	_, waitHTTP, err := serveHTTP(httpCtx, cfg.HTTP, r.health, log)
+	var con *console.Server
+	r.feed, con = newConsole(httpCtx, cfg, log)
+	_, waitHTTP, err := serveHTTP(httpCtx, cfg.HTTP, r.health, log, con.Register)
 	if err != nil {
 		stopHTTP()
 		return err
@@ -174,6 +179,12 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	relay.InitMetrics(r.routes)
 	r.health.setSinksDown(sinksDown(r.routes))
+	where := admin.Where{Slot: cfg.Source.Slot, LeaderKey: ledger.LeaderLockKey(cfg.Source.Slot)}
+	if r.standbyPool != nil {
+		where.Standby = r.standbyPool // the slot lives there (docs/standby.md)
+	}
+	con.Attach(console.Backend{DB: pool, Tables: admin.Tables{Outbox: r.tables.Outbox, Ledger: r.tables.Ledger, Checkpoint: r.tables.Checkpoint, Sinks: lcfg.Sinks},
+		Where: where, Health: r.health.view})
 
 	routes, stopTracing, err := traceDeliveries(ctx, r.routes, log)
 	if err != nil {
@@ -209,6 +220,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	initVerifyMetrics()
 	if cfg.Verify.Interval > 0 {
 		workers.Go("verify", func(ctx context.Context) error { return runContinuousVerify(ctx, pool, r.tables, cfg, log) })
+	}
+	if con.Enabled() {
+		workers.Go("console", func(ctx context.Context) error { con.Run(ctx); return nil })
 	}
 	r.health.set(true, "")
 	err = sup.Run(wctx)
@@ -260,6 +274,7 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				// the stall detector would call the stream stalled.
 				StallAfter: time.Duration(cfg.HTTP.StallAfter),
 				Logger:     log,
+				Feed:       r.feed,
 			})
 		},
 		Stream: func(e *relay.Engine) (supervisor.Runner, error) {
