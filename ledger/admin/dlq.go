@@ -81,10 +81,11 @@ func SelectIDs(ctx context.Context, db DB, t Tables, sel Selection) ([]int64, er
 	if len(sel.Statuses) == 0 {
 		return nil, fmt.Errorf("select rows: no statuses given")
 	}
-	// Only a pending row can be done without its status saying so
-	// (Tables.status); a selection of neither reads the status column,
-	// through the status index: a page of dead letters reads the dead
-	// letters, not the table.
+	// Only done and pending are read otherwise than the status column says
+	// (Tables.status: a pending row delivered everywhere is done, a NULL
+	// status is pending); a selection of neither reads the column, through
+	// the status index: a page of dead letters reads the dead letters, not
+	// the table.
 	status := t.status("o")
 	if !slices.Contains(sel.Statuses, "done") && !slices.Contains(sel.Statuses, "pending") {
 		status = "o.status"
