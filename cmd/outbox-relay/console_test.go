@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -16,7 +17,9 @@ import (
 	"time"
 
 	"github.com/chromedp/chromedp"
+	"github.com/rs/zerolog"
 
+	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 )
 
@@ -347,4 +350,62 @@ func TestConsole_Browser(t *testing.T) {
 	// The feed showed the dead letter and the retried delivery.
 	do("back to the feed", chromedp.Click(chromedp.CSS(`.tabs button[data-tab="feed"]`)))
 	waitJS("the failed outcome in the feed", `Array.from(document.querySelectorAll("#feed tbody tr")).some((tr) => tr.textContent.includes("console-bad") && tr.textContent.includes("failed"))`)
+}
+
+// TestConsole_FeedEndsWithTheRelay: a client reading the live feed does
+// not outlive the relay: when run stops, the feed's stream ends and run
+// returns, rather than the HTTP server's shutdown giving up on a handler
+// that never returns.
+func TestConsole_FeedEndsWithTheRelay(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	path := s.configFile(t, "")
+	cfg, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(strings.Replace(string(cfg), `http: {listen: "127.0.0.1:0"}`,
+		`http: {listen: "127.0.0.1:0", admin_token: "`+consoleToken+`"}`, 1)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	logs := &syncBuffer{}
+	stop := runInProcess(t, config.Options{Path: path}, zerolog.New(logs))
+	re := regexp.MustCompile(`"listen":"([^"]+)"[^\n]*serving /metrics`)
+	var base string
+	eventually(t, 30*time.Second, "the relay's HTTP listener in its log", func() bool {
+		if m := re.FindStringSubmatch(logs.String()); m != nil {
+			base = "http://" + m[1]
+		}
+		return base != ""
+	})
+	s.waitSlot(t) // started: a stop now is a stop of a running relay
+	req, _ := http.NewRequest(http.MethodGet, base+"/api/v1/feed", nil)
+	req.Header.Set("Authorization", "Bearer "+consoleToken)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	ended := make(chan error, 1)
+	go func() {
+		_, err := io.Copy(io.Discard, resp.Body)
+		ended <- err
+	}()
+
+	stopped := make(chan struct{})
+	start := time.Now()
+	go func() { stop(); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-time.After(30 * time.Second):
+		t.Fatal("run did not return within 30 s with a live feed open")
+	}
+	select {
+	case err := <-ended:
+		t.Logf("the feed ended (%v) and run returned after %s", err, time.Since(start).Round(time.Millisecond))
+	case <-time.After(5 * time.Second):
+		t.Fatal("the feed's stream did not end when the relay stopped")
+	}
+	if strings.Contains(logs.String(), "http server") {
+		t.Errorf("the HTTP server logged an error:\n%s", logs.String())
+	}
 }
