@@ -215,7 +215,8 @@ func screenshots(t *testing.T) string {
 // TestConsole_Browser drives the console in a real browser against the
 // relay binary: the page loads and signs in; its counters move while events
 // flow, and the live feed shows them; a dead letter shows in its tab, and
-// retried from the page, it is delivered. Each state is a screenshot.
+// retried from the page, it is delivered; the event lookup shows it done.
+// Each state is a screenshot.
 func TestConsole_Browser(t *testing.T) {
 	chromium := chromiumPath(t)
 	r := startConsoleRelay(t)
@@ -346,6 +347,16 @@ func TestConsole_Browser(t *testing.T) {
 	if logs := r.logs.String(); !regexp.MustCompile(`"action":"retry"[^\n]*"rows":1[^\n]*"from":"127\.0\.0\.1:`).MatchString(logs) {
 		t.Errorf("the retry is not logged with its rows and address")
 	}
+
+	// The event lookup tells its story: done, delivered to both sinks.
+	do("look the event up", chromedp.Click(chromedp.CSS(`.tabs button[data-tab="lookup"]`)),
+		chromedp.SendKeys(chromedp.CSS(`#lookup-form input[name="ref"]`), "console-bad"),
+		chromedp.Click(chromedp.CSS(`#lookup-form button[type="submit"]`)))
+	waitJS("the event's report", `document.querySelector("#lookup-result .report") !== null`)
+	if got := text("#lookup-result"); !strings.Contains(got, "console-bad") || !strings.Contains(got, "done") || strings.Contains(got, "PAYLOAD-SECRET") {
+		t.Errorf("the event's report: %q", got)
+	}
+	shot("5-event-lookup")
 
 	// The feed showed the dead letter and the retried delivery.
 	do("back to the feed", chromedp.Click(chromedp.CSS(`.tabs button[data-tab="feed"]`)))

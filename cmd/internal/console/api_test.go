@@ -463,3 +463,36 @@ func TestAPI_Replay(t *testing.T) {
 		t.Errorf("after a replay to nats: status %s, ledger rows %v (want hook's only)", f.status(t, done), ledgerRows)
 	}
 }
+
+// TestAPI_EventLookup: one event by key (a key with a slash and a space
+// included) or by id, as `outbox-relay event` shows it (admin.LookupEvent):
+// its state and each sink's ledger row, the payload's size and never the
+// payload; an event the outbox does not hold is a 404, bad input a 400.
+func TestAPI_EventLookup(t *testing.T) {
+	f := MustServer(t)
+	id := f.MustInsert(t, "crm/lead 42", "order.placed", "failed")
+	f.MustLedger(t, "crm/lead 42", "nats", "delivered")
+
+	for _, path := range []string{"/api/v1/events/crm%2Flead%2042", "/api/v1/events/crm/lead%2042", fmt.Sprintf("/api/v1/events?id=%d", id)} {
+		status, body := f.call(t, "GET", path, readToken, nil)
+		expect(t, path, status, body, 200, fmt.Sprintf(`"id":%d`, id), `"event_key":"crm/lead 42"`, `"state":"failed"`,
+			`"name":"nats"`, `"delivered":true`, `"name":"hook"`, `"payload_bytes":`)
+		if strings.Contains(body, "SECRET") {
+			t.Errorf("%s shows the payload: %s", path, body)
+		}
+	}
+	for _, tc := range []struct {
+		path   string
+		status int
+		want   string
+	}{
+		{"/api/v1/events/nobody", 404, "no such event"},
+		{"/api/v1/events?id=987654", 404, "no such event"},
+		{"/api/v1/events?id=abc", 400, `id \"abc\": an event id`},
+		{"/api/v1/events", 400, "name the event"},
+		{"/api/v1/events/x?id=1", 400, "not both"},
+	} {
+		status, body := f.call(t, "GET", tc.path, adminToken, nil)
+		expect(t, tc.path, status, body, tc.status, tc.want)
+	}
+}

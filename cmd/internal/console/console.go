@@ -103,6 +103,8 @@ func (s *Server) Register(mux *http.ServeMux) {
 	}
 	read, act := s.guard(false), s.guard(true)
 	mux.Handle("GET /api/v1/status", read(s.handleStatus))
+	mux.Handle("GET /api/v1/events", read(s.handleEvent))
+	mux.Handle("GET /api/v1/events/{key...}", read(s.handleEvent))
 	mux.Handle("GET /api/v1/dead-letters", read(s.handleDeadLetters))
 	mux.Handle("POST /api/v1/dead-letters/retry", act(s.handleChange(admin.ActionRetry)))
 	mux.Handle("POST /api/v1/dead-letters/discard", act(s.handleChange(admin.ActionDiscard)))
