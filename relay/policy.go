@@ -224,7 +224,7 @@ func (p *Policy) decide(now time.Time, attempts int, outcomes []Outcome, sinks [
 	why := ""
 	counted := 0
 	for i, o := range outcomes {
-		prefix := "sink " + sinks[i] + ": "
+		prefix := sinkReason(sinks[i], "")
 		counted = max(counted, o.Counted)
 		switch o.Kind {
 		case Failed:
@@ -253,7 +253,7 @@ func (p *Policy) decide(now time.Time, attempts int, outcomes []Outcome, sinks [
 	case held != "":
 		return Decision{Kind: Hold, Attempts: attempts, Reason: held}
 	case retry != "" && attempts >= p.MaxAttempts:
-		return Decision{Kind: DeadLetter, Attempts: attempts, Reason: ShortError("max_attempts reached: " + retry)}
+		return Decision{Kind: DeadLetter, Attempts: attempts, Reason: ShortError(maxAttemptsReached + retry)}
 	case retry != "":
 		at := now.Add(p.BackoffAfter(attempts))
 		at = laterOf(at, retryAt, deferAt)
