@@ -337,7 +337,8 @@ UPDATE %s AS o
 
 		held: fmt.Sprintf(`
 UPDATE %s AS o
-   SET status = 'held', last_error = t.err, attempts = t.n, locked_at = NULL, locked_by = NULL
+   SET status = 'held', last_error = t.err, attempts = t.n, processed_at = now(),
+       locked_at = NULL, locked_by = NULL
   FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)
  WHERE o.id = t.id AND o.status = 'processing' AND o.locked_by = $4`, outbox),
 

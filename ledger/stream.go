@@ -102,7 +102,8 @@ RETURNING o.id)`, outbox, StreamOwned("o"))),
 WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)),
 changed AS (
 UPDATE %s AS o
-   SET status = 'held', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
+   SET status = 'held', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n),
+       processed_at = now()
   FROM t
  WHERE o.id = t.id AND %s IS TRUE
 RETURNING o.id)`, outbox, StreamOwned("o"))),
