@@ -344,6 +344,7 @@ var sqlMigrations = []string{
 	"012_event_key_bound.sql",
 	"013_unsettled_index.sql",
 	"014_msgid_scope.sql",
+	"015_notify_state.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -452,6 +453,8 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"ConflictsKeyIndexName": relay.QuoteIdentifier(derivedName(n.Conflicts.Name, "_event_key_idx")),
 		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
 		"MsgIDScope":            MsgIDScopeTable(n.Outbox).Quoted(),
+		"NotifyState":           NotifyStateTable(n.Outbox).Quoted(),
+		"DeadLetterIndexName":   relay.QuoteIdentifier(deadLetterIndex(n.Outbox).Name),
 		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
 		"UnsettledIndexName":    relay.QuoteIdentifier(unsettledIndex(n.Outbox).Name),
 		"OrderIndex":            orderIndex(n.Outbox).Quoted(),
@@ -510,6 +513,18 @@ func DeliveredTable(outbox relay.QualifiedName) relay.QualifiedName {
 // the outbox, in its schema.
 func MsgIDScopeTable(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_msgid_scope"))
+}
+
+// NotifyStateTable holds the dead-letter notifier's mark per sink (015),
+// beside the outbox, in its schema.
+func NotifyStateTable(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_notify"))
+}
+
+// deadLetterIndex is the partial index of the failed and held rows in the
+// order they were settled, which the dead-letter notifier reads (015).
+func deadLetterIndex(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_dead_idx"))
 }
 
 // versionTable holds the schema version of one outbox table's migrations.
@@ -580,7 +595,7 @@ func resolve(ctx context.Context, conn *pgx.Conn, n Names) (Names, error) {
 // dropInvalidIndexes removes the relay's own indexes that a failed
 // CREATE INDEX CONCURRENTLY left INVALID; IF NOT EXISTS would skip them.
 func dropInvalidIndexes(ctx context.Context, conn *pgx.Conn, outbox relay.QualifiedName, data map[string]any, log zerolog.Logger) error {
-	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox), handOffIndex(outbox), unsettledIndex(outbox)} {
+	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox), handOffIndex(outbox), unsettledIndex(outbox), deadLetterIndex(outbox)} {
 		var invalid bool
 		err := conn.QueryRow(ctx, `SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)`, idx.Quoted()).Scan(&invalid)
 		if errors.Is(err, pgx.ErrNoRows) || !invalid {
