@@ -1,5 +1,10 @@
 package admin
 
+import (
+	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
 // VerifyStatements are verify's statements, for the plan tests.
 type VerifyStatements struct {
 	Slice, FirstAfter, OrphansNext, Unrecorded string
@@ -9,4 +14,10 @@ type VerifyStatements struct {
 func VerifyStatementsForTest(t Tables) VerifyStatements {
 	q := newVerifySQL(t)
 	return VerifyStatements{Slice: q.slice, FirstAfter: q.firstAfter, OrphansNext: q.orphansNext, Unrecorded: q.unrecorded}
+}
+
+// NotifyReadSQL is the dead-letter notifier's read on outbox, for the plan
+// test.
+func NotifyReadSQL(outbox relay.QualifiedName) string {
+	return newNotifySQL(outbox, migrations.NotifyStateTable(outbox)).read
 }

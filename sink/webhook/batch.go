@@ -198,7 +198,7 @@ func (s *Sink) postBatch(batch []batchItem) []error {
 		return errs
 	}
 
-	req, trace, err := s.newRequest(body)
+	req, trace, err := s.newRequest(s.reqCtx, body)
 	if err != nil {
 		return all(err)
 	}

@@ -2,6 +2,7 @@ package webhook
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -23,7 +24,7 @@ func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
 	key := d.Event.EventKey
 	id := IdempotencyKey(key, d.Replay)
 	now := time.Now()
-	req, trace, err := s.newRequest(body)
+	req, trace, err := s.newRequest(s.reqCtx, body)
 	if err != nil {
 		return err
 	}
@@ -55,10 +56,12 @@ func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
 }
 
 // newRequest builds a POST of body to the sink's URL with the headers every
-// request carries, and the trace that tells whether it was written.
-func (s *Sink) newRequest(body []byte) (*http.Request, *writeTrace, error) {
+// request carries, and the trace that tells whether it was written. The
+// request ends with parent (the sink's own requests: reqCtx, which Close
+// cancels).
+func (s *Sink) newRequest(parent context.Context, body []byte) (*http.Request, *writeTrace, error) {
 	trace := &writeTrace{}
-	ctx := httptrace.WithClientTrace(s.reqCtx, &httptrace.ClientTrace{
+	ctx := httptrace.WithClientTrace(parent, &httptrace.ClientTrace{
 		ConnectStart: trace.connectStart,
 		ConnectDone:  trace.connectDone,
 		GotConn:      trace.gotConnection,
