@@ -193,6 +193,14 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	defer stopTracing()
 	r.routes = routes
 
+	notifier, err := r.newNotifier(ctx)
+	if err != nil {
+		return err
+	}
+	if notifier != nil {
+		defer notifier.close()
+	}
+
 	// The stall detector follows the supervisor's terms (stall.go).
 	stall := newStallWatch(time.Duration(cfg.HTTP.StallAfter), r.health, log)
 	sup, err := supervisor.New(stall.watch(r.supervisorConfig()))
@@ -223,6 +231,9 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	if con.Enabled() {
 		workers.Go("console", func(ctx context.Context) error { con.Run(ctx); return nil })
+	}
+	if notifier != nil {
+		workers.Go("notify", notifier.Run)
 	}
 	r.health.set(true, "")
 	err = sup.Run(wctx)

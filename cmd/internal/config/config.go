@@ -91,6 +91,7 @@ type Config struct {
 	Migrate       MigrateConfig   `yaml:"migrate"`
 	Retention     RetentionConfig `yaml:"retention"`
 	Verify        VerifyConfig    `yaml:"verify"`
+	Notify        NotifyConfig    `yaml:"notify"`
 
 	// origins maps a key path ("sinks[0].url") to where its value came
 	// from, so Validate can name the file line or variable.
@@ -504,6 +505,39 @@ type VerifyConfig struct {
 	Window Duration `yaml:"window"`
 }
 
+// NotifyFormat selects the body of a dead-letter notification.
+type NotifyFormat string
+
+// Notification formats.
+const (
+	NotifySlack NotifyFormat = "slack"
+	NotifyJSON  NotifyFormat = "json"
+)
+
+func (NotifyFormat) choices() []string { return strs(NotifySlack, NotifyJSON) }
+
+// NotifyConfig configures the dead-letter notifications run sends
+// (docs/operations.md, "Dead-letter notifications"). They are off while URL
+// is empty.
+type NotifyConfig struct {
+	// URL receives the notifications (a Slack incoming webhook, say); it
+	// may hold a token, so it is a secret.
+	URL     Secret       `yaml:"url"`
+	URLFile string       `yaml:"url_file"`
+	Format  NotifyFormat `yaml:"format"`
+	// Interval is the time between passes, and the least time between two
+	// notifications about one sink.
+	Interval Duration `yaml:"interval"`
+	// Sinks are the sinks notified about, and "*" for the dead letters that
+	// name none; empty: every sink and "*".
+	Sinks []string `yaml:"sinks"`
+	// ConsoleURL is the console's address, linked from every notification.
+	ConsoleURL string            `yaml:"console_url"`
+	Timeout    Duration          `yaml:"timeout"`
+	Headers    map[string]string `yaml:"headers"`
+	Auth       AuthConfig        `yaml:"auth"`
+}
+
 // Default returns the configuration used when no file, variable or override
 // sets a key. It has no sinks, and an empty Outbox.ConflictsTable, meaning
 // "<table>_conflicts".
@@ -557,6 +591,12 @@ func Default() Config {
 			Batch:       1000,
 		},
 		Verify: VerifyConfig{Window: Duration(15 * time.Minute)},
+		Notify: NotifyConfig{
+			Format:   NotifySlack,
+			Interval: Duration(time.Minute),
+			Timeout:  Duration(10 * time.Second),
+			Auth:     AuthConfig{Type: AuthNone},
+		},
 	}
 }
 

@@ -125,6 +125,10 @@ func (c *Config) secretRefs() []secretRef {
 		{"http.metrics_token", "http.metrics_token_file", &c.HTTP.MetricsToken, c.HTTP.MetricsTokenFile},
 		{"http.admin_token", "http.admin_token_file", &c.HTTP.AdminToken, c.HTTP.AdminTokenFile},
 		{"http.admin_read_token", "http.admin_read_token_file", &c.HTTP.AdminReadToken, c.HTTP.AdminReadTokenFile},
+		{"notify.url", "notify.url_file", &c.Notify.URL, c.Notify.URLFile},
+		{"notify.auth.secret", "notify.auth.secret_file", &c.Notify.Auth.Secret, c.Notify.Auth.SecretFile},
+		{"notify.auth.value", "notify.auth.value_file", &c.Notify.Auth.Value, c.Notify.Auth.ValueFile},
+		{"notify.auth.password", "notify.auth.password_file", &c.Notify.Auth.Password, c.Notify.Auth.PasswordFile},
 	}
 	for i := range c.Sinks {
 		p := fmt.Sprintf("sinks[%d].", i)

@@ -55,7 +55,51 @@ func (c *Config) Validate() error {
 	v.positive("migrate.timeout", c.Migrate.Timeout)
 	v.retention(c.Retention)
 	v.verify(c.Verify)
+	v.notify(c.Notify, c.EffectiveSinks())
 	return errors.Join(v.errs...)
+}
+
+// notify checks the dead-letter notifications' settings when they are on
+// (a url is set).
+func (v *validator) notify(n NotifyConfig, sinks []SinkConfig) {
+	if n.URL == "" && n.URLFile == "" {
+		return
+	}
+	if u, err := url.Parse(n.URL.Reveal()); n.URL != "" && (err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "") {
+		// Not the URL: an incoming webhook's path is its token.
+		v.fail("notify.url", "is not an absolute http:// or https:// URL")
+	}
+	oneOf(v, "notify.format", n.Format, n.Format.choices())
+	v.positive("notify.interval", n.Interval)
+	v.positive("notify.timeout", n.Timeout)
+	if n.Interval > 0 && n.Timeout >= n.Interval {
+		// A claim holds a sink's next notification for one interval: a
+		// request still in flight after it could be sent by a second relay.
+		v.fail("notify.timeout", "%s is not shorter than notify.interval (%s): a notification must end within its interval", n.Timeout, n.Interval)
+	}
+	for i, name := range n.Sinks {
+		p := fmt.Sprintf("notify.sinks[%d]", i)
+		switch {
+		case name != "*" && !slices.ContainsFunc(sinks, func(s SinkConfig) bool { return s.Name == name }):
+			v.fail(p, "%q is not the name of a configured sink (nor \"*\", the dead letters that name no sink)", name)
+		case slices.Contains(n.Sinks[:i], name):
+			v.fail(p, "%q is listed twice", name)
+		}
+	}
+	if c := n.ConsoleURL; c != "" {
+		if u, err := url.Parse(c); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			v.fail("notify.console_url", "%s is not an absolute http:// or https:// URL", redactURL(c))
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(n.Headers)) {
+		if !isHeaderName(name) {
+			v.fail("notify.headers", "%q is not a valid header name", name)
+		}
+		if strings.ContainsAny(n.Headers[name], "\r\n\x00") {
+			v.fail("notify.headers."+name, "must not contain line breaks or NUL")
+		}
+	}
+	v.auth("notify.auth", n.Auth)
 }
 
 // verify checks the continuous verify's settings.
