@@ -11,8 +11,8 @@ import (
 
 // TestDeadLettersAndHoldsRecordWhenTheyWereSettled: a row dead-lettered or
 // held, on either path, has processed_at set to its settlement's time: the
-// order in which the dead-letter notifier reads them (docs/schema.md,
-// "processed_at").
+// order in which the dead-letter notifier reads them (docs/operations.md,
+// "Dead-letter notifications").
 func TestDeadLettersAndHoldsRecordWhenTheyWereSettled(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
