@@ -32,17 +32,18 @@ type notifySQL struct {
 }
 
 // notifyHorizon is the notifier's horizon: the start of the oldest
-// transaction open in this database, or now. A row is dead-lettered or held
-// with processed_at = now(), its transaction's start, and commits later: a
-// row settled before the horizon belongs to a transaction that has ended,
-// and a statement run after this one sees it. Walsenders and autovacuum run
-// no settlement and are left out; the sessions of roles whose activity the
-// role may not see count as idle (their xact_start is NULL), so a row
-// written by another role's long transaction may be passed over.
+// transaction of the relay's role open in this database, or now. A row is
+// dead-lettered or held by the relay with processed_at = now(), its
+// transaction's start, and commits later: a row settled before the horizon
+// belongs to a transaction that has ended, and a statement run after this
+// one sees it. Only the relay's role settles rows, so the applications'
+// transactions (however long) do not hold the horizon back; walsenders and
+// autovacuum are not client backends.
 const notifyHorizon = `
 SELECT coalesce(min(a.xact_start), now()) AS at
   FROM pg_stat_activity AS a
- WHERE a.datname = current_database() AND a.backend_type = 'client backend' AND a.xact_start IS NOT NULL`
+ WHERE a.datname = current_database() AND a.usename = current_user
+   AND a.backend_type = 'client backend' AND a.xact_start IS NOT NULL`
 
 func newNotifySQL(outbox, state relay.QualifiedName) notifySQL {
 	o, s := outbox.Quoted(), state.Quoted()

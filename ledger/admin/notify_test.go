@@ -226,3 +226,67 @@ func TestNewNotifyStore_NeedsItsTable(t *testing.T) {
 		t.Fatalf("NewNotifyStore without its table = %v, want one that says to migrate", err)
 	}
 }
+
+// TestNotifyStore_IdlePassWritesNothing: a pass with nothing new — the
+// marks read, the horizon and the dead letters after the mark — takes no
+// transaction id: it writes nothing, WAL included.
+func TestNotifyStore_IdlePassWritesNothing(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	outbox := relay.QualifiedName{Schema: "public", Name: "integration_outbox"}
+	f.MustNotifyStore(t, "relay-a").Marks(ctx, []string{"n8n", notify.AnySink}) // the marks exist
+	f.MustInsert(t, row{key: "old", status: "failed", lastError: "sink n8n: 400", processed: time.Hour})
+
+	err := pgx.BeginFunc(ctx, f.pool, func(tx pgx.Tx) error {
+		s, err := admin.NewNotifyStore(ctx, tx, outbox, "relay-a")
+		if err != nil {
+			return err
+		}
+		marks, err := s.Marks(ctx, []string{"n8n", notify.AnySink})
+		if err != nil || len(marks) != 2 {
+			return fmt.Errorf("Marks = %v, %v", marks, err)
+		}
+		if n, err := s.Read(ctx, marks["n8n"], 1000, func(notify.DeadLetter) {}); err != nil || n != 0 {
+			return fmt.Errorf("Read = %d, %v; want nothing new", n, err)
+		}
+		var xid *string
+		if err := tx.QueryRow(ctx, `SELECT pg_current_xact_id_if_assigned()::text`).Scan(&xid); err != nil {
+			return err
+		}
+		if xid != nil {
+			return fmt.Errorf("the pass took transaction id %s: it wrote", *xid)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestNotifyStore_OtherRolesDoNotHoldTheHorizon: an application's open
+// transaction, under another role, does not hold notifications back; the
+// relay's own role's does.
+func TestNotifyStore_OtherRolesDoNotHoldTheHorizon(t *testing.T) {
+	f := MustFixture(t)
+	ctx := context.Background()
+	s := f.MustNotifyStore(t, "relay-a")
+	marks, err := s.Marks(ctx, []string{"n8n"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	appURL, _ := MustRole(t, f.url, "", "GRANT USAGE ON SCHEMA public TO {{role}}", "GRANT SELECT ON integration_outbox TO {{role}}")
+	app, err := pgx.Connect(ctx, appURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer app.Close(ctx)
+	MustExec(t, app, "BEGIN")
+	MustExec(t, app, "SELECT count(*) FROM integration_outbox")
+
+	id := f.MustInsert(t, row{key: "k"})
+	mustDeadLetter(t, f.pool, f.tables, id, "n8n")
+	if got := ids(MustRead(t, s, marks["n8n"])); len(got) != 1 || got[0] != id {
+		t.Fatalf("read %v with another role's transaction open, want %d", got, id)
+	}
+	MustExec(t, app, "ROLLBACK")
+}
