@@ -184,7 +184,7 @@ func TestMigrate_SeedTableRowsSurvive(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := "idx_outbox_aggregate:true idx_outbox_status:true integration_outbox_event_key_key:true integration_outbox_pkey:true " +
-		"integration_outbox_relay_claim_idx:true integration_outbox_relay_handoff_idx:true integration_outbox_relay_unsettled_idx:true"
+		"integration_outbox_relay_claim_idx:true integration_outbox_relay_dead_idx:true integration_outbox_relay_handoff_idx:true integration_outbox_relay_unsettled_idx:true"
 	if indexes != want {
 		t.Fatalf("indexes:\n got %s\nwant %s", indexes, want)
 	}

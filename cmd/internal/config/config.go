@@ -529,12 +529,14 @@ type NotifyConfig struct {
 	// notifications about one sink.
 	Interval Duration `yaml:"interval"`
 	// Sinks are the sinks notified about, and "*" for the dead letters that
-	// name none; empty: every sink and "*".
-	Sinks []string `yaml:"sinks"`
+	// name none; empty: every sink and "*". Printed only when set, so that
+	// the printed configuration loads back as it was (an empty list or map
+	// would load as one, not as nil).
+	Sinks []string `yaml:"sinks,omitempty"`
 	// ConsoleURL is the console's address, linked from every notification.
 	ConsoleURL string            `yaml:"console_url"`
 	Timeout    Duration          `yaml:"timeout"`
-	Headers    map[string]string `yaml:"headers"`
+	Headers    map[string]string `yaml:"headers,omitempty"`
 	Auth       AuthConfig        `yaml:"auth"`
 }
 
