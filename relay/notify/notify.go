@@ -291,10 +291,10 @@ func (n *Notifier) notify(ctx context.Context, s Summary) error {
 		return nil
 	}
 	if err := n.sender.Send(ctx, s); err != nil {
-		notificationsTotal.WithLabelValues(s.Sink, resultFailed).Inc()
 		if ctx.Err() != nil {
-			return nil
+			return nil // stopping: the next start sends it
 		}
+		notificationsTotal.WithLabelValues(s.Sink, resultFailed).Inc()
 		ev := log.Debug()
 		if !n.failing[s.Sink] {
 			ev = log.Warn()
