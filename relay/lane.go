@@ -10,9 +10,12 @@ import (
 // lane is one sink's share of the engine. It holds at most LaneCapacity
 // pairs; with ordering on, one pair per aggregate is in flight and the rest
 // of that aggregate waits behind it in arrival order, whichever path it came
-// from. Pairs of different aggregates go out concurrently, up to the sink's
-// own window. One goroutine, dispatch, sends; the sink's callbacks decide
-// each outcome (result) and complete it.
+// from — or, at a sink whose receiver keeps the ordered-batch contract
+// (runs), one request per aggregate, carrying the pair in flight and the
+// pairs waiting behind it as a run (lanerun.go). Pairs of different
+// aggregates go out concurrently, up to the sink's own window. One
+// goroutine, dispatch, sends; the sink's callbacks decide each outcome
+// (result) and complete it.
 type lane struct {
 	e       *Engine
 	idx     int // its index in Engine.lanes
@@ -20,6 +23,9 @@ type lane struct {
 	name    string
 	sink    Sink
 	metrics map[Path]sinkMetrics
+	// runs is the sink as a RunSink when its receiver keeps the
+	// ordered-batch contract (MaxRun above 1), else nil.
+	runs RunSink
 
 	slots   chan struct{} // one token per pair the lane holds: back-pressure
 	ready   chan *task    // to the dispatcher; never blocks (a task holds a slot)
@@ -68,7 +74,7 @@ type task struct {
 
 func newLane(e *Engine, r Route) *lane {
 	name := r.Sink.Name()
-	return &lane{
+	l := &lane{
 		e:         e,
 		route:     r,
 		name:      name,
@@ -82,6 +88,10 @@ func newLane(e *Engine, r Route) *lane {
 		unwritten: map[AggregateKey]int{},
 		failures:  map[int64]failNote{},
 	}
+	if rs, ok := r.Sink.(RunSink); ok && rs.MaxRun() > 1 {
+		l.runs = rs
+	}
+	return l
 }
 
 func (l *lane) ordered(ev *Event) bool { return !l.e.cfg.Unordered && ev.Ordered() }
@@ -233,6 +243,10 @@ func (l *lane) send(ctx context.Context, t *task) {
 			o = Outcome{Kind: Retry, Reason: t.last + "; then the circuit opened", Until: until, Counted: t.counted}
 		}
 		l.complete(t, o, true)
+		return
+	}
+	if run, ds := l.takeRun(t); run != nil {
+		l.runs.SendRun(ctx, ds, func(errs []error) { l.runResult(run, errs) })
 		return
 	}
 	t.tries++

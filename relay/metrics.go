@@ -35,6 +35,10 @@ var (
 		Help:    "Time from the event's commit (stream) or creation (claim path) to the sink's acknowledgement.",
 		Buckets: []float64{.0005, .001, .002, .003, .005, .0075, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300},
 	}, []string{"sink", "path"})
+	receiverOrderViolations = promauto.NewCounterVec(prometheus.CounterOpts{
+		Namespace: "outbox_relay", Name: "receiver_order_violations_total",
+		Help: "Events a receiver with batch.ordered answered ok after an earlier event of their aggregate in the same request that it answered retry or fail: it broke the ordered-batch contract. They are recorded delivered, as answered.",
+	}, []string{"sink"})
 	decodeLatency = promauto.NewHistogram(prometheus.HistogramOpts{
 		Namespace: "outbox_relay", Name: "decode_latency_seconds",
 		Help:    "Time from the event's commit to its arrival in the engine, decoded (stream path): what the walsender and the decoder add before any sink. Each event counts once per process: events the slot sends again (a reconnect, a PostgreSQL restart) are not counted again.",
@@ -169,6 +173,7 @@ func InitMetrics(routes []Route) {
 			heldTotal.WithLabelValues(sink, path)
 			deliveryLatency.WithLabelValues(sink, path)
 		}
+		receiverOrderViolations.WithLabelValues(sink)
 		for _, reason := range handOffReasons {
 			handedOffTotal.WithLabelValues(sink, reason)
 		}

@@ -40,6 +40,33 @@ type Sink interface {
 	Close(ctx context.Context) error
 }
 
+// RunSink is a Sink that can carry a run — consecutive events of one
+// aggregate, in commit order — in one request, to a receiver that applies a
+// request's events in order and, for each aggregate, applies none after the
+// first it does not apply (docs/sinks.md "Ordered batches"). With ordering
+// on, a lane gives it runs only while MaxRun is above 1: the operator
+// declared that the receiver keeps that contract (batch.ordered); without
+// the declaration a lane sends one event of an aggregate at a time, as to
+// any Sink.
+type RunSink interface {
+	Sink
+
+	// MaxRun is the most events one run may hold: 1 when the receiver has
+	// not been declared to keep the contract.
+	MaxRun() int
+
+	// FitRun returns how many of ds, from the first, one request can carry
+	// whole: at least 1 and at most min(len(ds), MaxRun()). A run is never
+	// split across two requests, so a delivery that would not fit ends it.
+	FitRun(ds []*Delivery) int
+
+	// SendRun starts delivering ds, a run FitRun accepted whole, in one
+	// request and in ds's order, and calls done exactly once, possibly on
+	// another goroutine, with one outcome per delivery in ds's order, each
+	// as Send's done would report it. It blocks as Send does.
+	SendRun(ctx context.Context, ds []*Delivery, done func([]error))
+}
+
 // ErrEmptyEventKey is the cause of the Permanent error a Sink reports for an
 // event whose event_key is empty. The key is the event's idempotency key —
 // its ledger pair, webhook-id and Nats-Msg-Id — so every event with an empty

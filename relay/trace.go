@@ -174,7 +174,14 @@ func TraceRoutes(routes []Route, tp trace.TracerProvider) []Route {
 // or the error's class, with status Error and the error's text for a
 // failure. The outcome of an attempt is what the engine decides on; the
 // span does not change it.
-func TracedSink(s Sink, tracer trace.Tracer) Sink { return &tracedSink{Sink: s, tracer: tracer} }
+func TracedSink(s Sink, tracer trace.Tracer) Sink {
+	ts := &tracedSink{Sink: s, tracer: tracer}
+	if rs, ok := s.(RunSink); ok {
+		// A run's events keep one span each, as when sent alone.
+		return &tracedRunSink{tracedSink: ts, runs: rs}
+	}
+	return ts
+}
 
 type tracedSink struct {
 	Sink
@@ -182,8 +189,17 @@ type tracedSink struct {
 }
 
 func (s *tracedSink) Send(ctx context.Context, d *Delivery, done func(error)) {
+	span := s.start(d)
+	s.Sink.Send(ctx, d, func(err error) {
+		end(span, err)
+		done(err)
+	})
+}
+
+// start starts d's span.
+func (s *tracedSink) start(d *Delivery) trace.Span {
 	ev := d.Event
-	// Not ctx: the span's parent is the producer's, not the caller's.
+	// Not the sender's context: the span's parent is the producer's.
 	parent := context.Background()
 	if sc := ev.Trace.parent; sc.IsValid() {
 		parent = trace.ContextWithRemoteSpanContext(parent, sc)
@@ -201,15 +217,45 @@ func (s *tracedSink) Send(ctx context.Context, d *Delivery, done func(error)) {
 		attrs = append(attrs, AttrReplay.Int(d.Replay))
 	}
 	_, span := s.tracer.Start(parent, "deliver "+s.Name(), trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...))
-	s.Sink.Send(ctx, d, func(err error) {
-		if err == nil {
-			span.SetAttributes(AttrOutcome.String(OutcomeDelivered))
-		} else {
-			class, _ := Classify(err)
-			span.SetAttributes(AttrOutcome.String(class.String()))
-			span.SetStatus(codes.Error, ShortError(err.Error()))
+	return span
+}
+
+// end ends a delivery's span with its outcome.
+func end(span trace.Span, err error) {
+	if err == nil {
+		span.SetAttributes(AttrOutcome.String(OutcomeDelivered))
+	} else {
+		class, _ := Classify(err)
+		span.SetAttributes(AttrOutcome.String(class.String()))
+		span.SetStatus(codes.Error, ShortError(err.Error()))
+	}
+	span.End()
+}
+
+// tracedRunSink is a traced RunSink.
+var _ RunSink = (*tracedRunSink)(nil)
+
+type tracedRunSink struct {
+	*tracedSink
+	runs RunSink
+}
+
+func (s *tracedRunSink) MaxRun() int               { return s.runs.MaxRun() }
+func (s *tracedRunSink) FitRun(ds []*Delivery) int { return s.runs.FitRun(ds) }
+
+func (s *tracedRunSink) SendRun(ctx context.Context, ds []*Delivery, done func([]error)) {
+	spans := make([]trace.Span, len(ds))
+	for i, d := range ds {
+		spans[i] = s.start(d)
+	}
+	s.runs.SendRun(ctx, ds, func(errs []error) {
+		for i, span := range spans {
+			var err error
+			if i < len(errs) {
+				err = errs[i]
+			}
+			end(span, err)
 		}
-		span.End()
-		done(err)
+		done(errs)
 	})
 }

@@ -3,6 +3,7 @@ package relay_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"testing"
 
@@ -170,5 +171,39 @@ func TestTracedSink(t *testing.T) {
 	}
 	if spans[2].Parent().IsValid() {
 		t.Errorf("an event without trace context has parent %v, want a root span", spans[2].Parent())
+	}
+}
+
+// TestTracedSinkKeepsRuns: a traced RunSink is still one (else tracing
+// would turn a sink's ordered batches off), and each event of a run gets
+// its own span with its own outcome.
+func TestTracedSinkKeepsRuns(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	retry := relay.TransientError(errors.New("retry"), 0)
+	sink := newFakeRunSink("hook", 10, func(req []*relay.Delivery) []error { return []error{nil, retry} })
+	traced, ok := relay.TraceRoutes([]relay.Route{{Sink: sink}}, tp)[0].Sink.(relay.RunSink)
+	if !ok || traced.MaxRun() != 10 {
+		t.Fatalf("traced sink %T is not a RunSink with MaxRun 10", traced)
+	}
+	ds := []*relay.Delivery{{Event: event(1, "a"), Attempt: 1}, {Event: event(2, "a"), Attempt: 1}}
+	if n := traced.FitRun(ds); n != 2 {
+		t.Fatalf("FitRun = %d, want 2", n)
+	}
+	errc := make(chan []error, 1)
+	traced.SendRun(context.Background(), ds, func(errs []error) { errc <- errs })
+	if errs := <-errc; len(errs) != 2 || errs[0] != nil || errs[1] != retry {
+		t.Fatalf("outcomes %v, want the sink's", errs)
+	}
+	var outcomes []string
+	for _, s := range rec.Ended() {
+		for _, kv := range s.Attributes() {
+			if kv.Key == relay.AttrOutcome {
+				outcomes = append(outcomes, kv.Value.AsString())
+			}
+		}
+	}
+	if want := []string{relay.OutcomeDelivered, "transient"}; !slices.Equal(outcomes, want) {
+		t.Errorf("span outcomes %v, want %v", outcomes, want)
 	}
 }
