@@ -550,7 +550,7 @@ func openSinks(ctx context.Context, cfg *config.Config, scope msgIDScope, log ze
 				MaxBody:             int64(w.MaxBody),
 				PermanentStatuses:   w.PermanentStatuses,
 				Treat409AsDelivered: w.Treat409AsDelivered,
-				Batch:               webhook.Batch{MaxEvents: w.Batch.MaxEvents, MaxWait: time.Duration(w.Batch.MaxWait)},
+				Batch:               webhook.Batch{MaxEvents: w.Batch.MaxEvents, MaxWait: time.Duration(w.Batch.MaxWait), Ordered: w.Batch.Ordered},
 				Logger:              log,
 			})
 			if err != nil {

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/golang-jwt/jwt/v5"
@@ -61,26 +62,119 @@ func (s *Sink) sendBatched(ctx context.Context, d *relay.Delivery, done func(err
 			s.name, d.Event.EventKey, n, s.maxBody)))
 		return
 	}
+	s.queue(ctx, []batchItem{{ctx: ctx, d: d, id: id, enc: enc, done: done}})
+}
+
+// queue hands unit — one event, or a run that one request carries whole —
+// to assemble, or calls each of its events' done when it cannot.
+func (s *Sink) queue(ctx context.Context, unit []batchItem) {
+	fail := func(err error) {
+		for _, it := range unit {
+			it.done(err)
+		}
+	}
+	// gave up: the unit never reached assemble.
+	gaveUp := func(err error) {
+		fail(err)
+		s.mu.Lock()
+		s.inflight -= len(unit)
+		s.drainedLocked()
+		s.mu.Unlock()
+	}
 	s.mu.Lock()
 	if err := s.downLocked(); err != nil {
 		s.mu.Unlock()
-		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, err), 0))
+		fail(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, err), 0))
 		return
 	}
-	s.inflight++
+	s.inflight += len(unit)
 	s.mu.Unlock()
 	select {
-	case s.pending <- batchItem{ctx: ctx, d: d, id: id, enc: enc, done: done}:
+	case s.pending <- unit:
 	case <-ctx.Done():
-		done(relay.TransientError(fmt.Errorf("webhook %s: not sent, waiting for room in a batch: %w", s.name, ctx.Err()), 0))
-		s.finished()
+		gaveUp(relay.TransientError(fmt.Errorf("webhook %s: not sent, waiting for room in a batch: %w", s.name, ctx.Err()), 0))
 	case <-s.closing:
-		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, ErrClosed), 0))
-		s.finished()
+		gaveUp(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, ErrClosed), 0))
 	case <-s.stopped:
-		done(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, s.down()), 0))
-		s.finished()
+		gaveUp(relay.SinkDownError(fmt.Errorf("webhook %s: %w", s.name, s.down()), 0))
 	}
+}
+
+// MaxRun is the most events of one aggregate a request carries: max_events
+// with batch.ordered, else 1 (docs/sinks.md "Ordered batches").
+func (s *Sink) MaxRun() int {
+	if s.batchOrdered {
+		return s.batchMax
+	}
+	return 1
+}
+
+// FitRun returns how many of ds, from the first, one request should carry
+// whole: at most MaxRun, within max_body, none from the first event that
+// cannot be sent (an empty event key, an element over max_body), and no
+// more than the run's share of a request when the aggregates are spread
+// evenly over the concurrency requests in flight, max_events ÷
+// ⌈aggregates ÷ concurrency⌉; at least 1 (docs/sinks.md "Ordered batches").
+func (s *Sink) FitRun(ds []*relay.Delivery, aggregates int) int {
+	perRequest := (max(aggregates, 1) + cap(s.slots) - 1) / cap(s.slots)
+	return max(min(s.fitRun(ds), s.batchMax/perRequest), 1)
+}
+
+// fitRun returns how many of ds, from the first, one request can carry
+// whole, by MaxRun, max_body and events that cannot be sent.
+func (s *Sink) fitRun(ds []*relay.Delivery) int {
+	n, size := 0, 2 // the brackets
+	for _, d := range ds[:min(len(ds), s.MaxRun())] {
+		if d.Event.EventKey == "" {
+			break
+		}
+		add := len(appendBatchItem(nil, IdempotencyKey(d.Event.EventKey, d.Replay), d))
+		if n > 0 {
+			add++ // the comma
+		}
+		if int64(size+add) > s.maxBody {
+			break
+		}
+		n, size = n+1, size+add
+	}
+	return max(n, 1)
+}
+
+// SendRun queues ds, a run of one aggregate's events FitRun accepted whole,
+// for one batch request that carries them side by side in ds's order, and
+// calls done once with each event's outcome from the batch's answer. It
+// blocks as Send does. A single event goes as Send sends it; a run one
+// request cannot carry is not sent (transient: the engine sends it again).
+func (s *Sink) SendRun(ctx context.Context, ds []*relay.Delivery, done func([]error)) {
+	errs := make([]error, len(ds))
+	if len(ds) == 1 {
+		s.Send(ctx, ds[0], func(err error) { errs[0] = err; done(errs) })
+		return
+	}
+	if n := s.fitRun(ds); n < len(ds) || ctx.Err() != nil {
+		err := relay.TransientError(fmt.Errorf("webhook %s: a run of %d events not sent: one request carries %d of them", s.name, len(ds), n), 0)
+		if ctx.Err() != nil {
+			err = relay.TransientError(fmt.Errorf("webhook %s: not sent: %w", s.name, ctx.Err()), 0)
+		}
+		for i := range errs {
+			errs[i] = err
+		}
+		done(errs)
+		return
+	}
+	var left atomic.Int32
+	left.Store(int32(len(ds)))
+	unit := make([]batchItem, len(ds))
+	for i, d := range ds {
+		id := IdempotencyKey(d.Event.EventKey, d.Replay)
+		unit[i] = batchItem{ctx: ctx, d: d, id: id, enc: appendBatchItem(nil, id, d), done: func(err error) {
+			errs[i] = err
+			if left.Add(-1) == 0 {
+				done(errs)
+			}
+		}}
+	}
+	s.queue(ctx, unit)
 }
 
 // appendBatchItem appends the array element of one event:
@@ -108,42 +202,53 @@ func appendJSONString(b []byte, s string) []byte {
 	return append(b, q...)
 }
 
-// assemble gathers pending events into batches and hands each to a worker
-// once it holds a request slot, until ctx ends (Close, which ends it only
-// once no event is pending). A batch goes when it has MaxEvents events,
-// when one more would pass max_body, or once its first event waited
-// MaxWait and a slot is free; while it waits for a slot it keeps taking
-// events.
+// assemble gathers pending events and runs into batches and hands each to a
+// worker once it holds a request slot, until ctx ends (Close, which ends it
+// only once nothing is pending). A batch goes when it has MaxEvents events,
+// when the next event or run would take it past MaxEvents or max_body, or
+// once its first event waited MaxWait and a slot is free; while it waits for
+// a slot it keeps taking events. A run is never split: one that does not
+// fit starts the next batch.
 func (s *Sink) assemble(ctx context.Context) error {
-	var next *batchItem
+	var next []batchItem
 	for {
 		var batch []batchItem
 		size := 2 // the brackets
+		// take adds unit to the batch, or keeps it for the next batch when
+		// it would take the batch past MaxEvents or max_body. An empty
+		// batch takes any unit: each fits a request alone.
+		take := func(unit []batchItem) {
+			add := len(unit) - 1 // the commas
+			if len(batch) > 0 {
+				add++
+			}
+			for _, it := range unit {
+				add += len(it.enc)
+			}
+			if len(batch) > 0 && (len(batch)+len(unit) > s.batchMax || int64(size+add) > s.maxBody) {
+				next = unit
+				return
+			}
+			batch, size = append(batch, unit...), size+add
+		}
 		if next != nil {
-			batch, size, next = append(batch, *next), size+len(next.enc), nil
+			unit := next
+			next = nil
+			take(unit)
 		} else {
 			select {
-			case it := <-s.pending:
-				batch, size = append(batch, it), size+len(it.enc)
+			case unit := <-s.pending:
+				take(unit)
 			case <-ctx.Done():
 				return nil
 			}
-		}
-		// take adds it to the batch, or keeps it for the next batch when it
-		// would take the body over max_body.
-		take := func(it batchItem) {
-			if int64(size+1+len(it.enc)) > s.maxBody {
-				next = &it
-				return
-			}
-			batch, size = append(batch, it), size+1+len(it.enc)
 		}
 		timer := time.NewTimer(s.batchWait)
 	collect:
 		for len(batch) < s.batchMax && next == nil {
 			select {
-			case it := <-s.pending:
-				take(it)
+			case unit := <-s.pending:
+				take(unit)
 			case <-timer.C:
 				break collect
 			}
@@ -154,8 +259,8 @@ func (s *Sink) assemble(ctx context.Context) error {
 			select {
 			case s.slots <- struct{}{}:
 				sent = true
-			case it := <-s.pending:
-				take(it)
+			case unit := <-s.pending:
+				take(unit)
 			}
 		}
 		if !sent {

@@ -116,6 +116,11 @@ type Batch struct {
 	// MaxWait is how long the first event of a batch waits for more
 	// (default DefaultBatchWait).
 	MaxWait time.Duration
+	// Ordered declares that the receiver applies a batch's events in order
+	// and, for each aggregate, applies none after the first it does not
+	// apply: a batch may then carry several events of one aggregate, in
+	// commit order (docs/sinks.md "Ordered batches"). It needs MaxEvents.
+	Ordered bool
 }
 
 // DefaultBatchWait is Batch.MaxWait's default.
@@ -144,6 +149,9 @@ func New(cfg Config) (*Sink, error) {
 		"Traceparent", "Tracestate", "Outbox-Batch-Size"}
 	if cfg.Batch.MaxEvents < 0 || cfg.Batch.MaxWait < 0 {
 		return fail("batch max_events and max_wait must not be negative")
+	}
+	if cfg.Batch.Ordered && cfg.Batch.MaxEvents == 0 {
+		return fail("batch.ordered needs batch.max_events: it says how the receiver applies a batch")
 	}
 	if cfg.Batch.MaxEvents > 0 && cfg.Format == FormatCloudEvents {
 		return fail("batch.max_events: batching cannot be combined with format cloudevents, whose binary mode carries one event per request")
@@ -293,7 +301,8 @@ func New(cfg Config) (*Sink, error) {
 		if s.batchWait == 0 {
 			s.batchWait = DefaultBatchWait
 		}
-		s.pending = make(chan batchItem, s.batchMax)
+		s.batchOrdered = cfg.Batch.Ordered
+		s.pending = make(chan []batchItem, s.batchMax)
 		s.workers.Go("batch assembler", s.assemble)
 	}
 	return s, nil

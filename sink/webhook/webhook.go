@@ -77,9 +77,10 @@ type Sink struct {
 
 	// Batching (docs/sinks.md "Batched delivery"); pending is nil when it
 	// is off. assemble owns the batch being gathered.
-	batchMax  int
-	batchWait time.Duration
-	pending   chan batchItem
+	batchMax     int
+	batchWait    time.Duration
+	batchOrdered bool
+	pending      chan []batchItem // one event, or one run (SendRun)
 
 	mu        sync.Mutex // guards closed, inflight and started
 	closed    bool

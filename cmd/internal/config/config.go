@@ -355,6 +355,11 @@ type BatchConfig struct {
 	MaxEvents int `yaml:"max_events"`
 	// MaxWait is how long the first event of a batch waits for more.
 	MaxWait Duration `yaml:"max_wait"`
+	// Ordered declares that the receiver applies a batch in order and, for
+	// each aggregate, applies none after the first event it does not
+	// apply: a batch may then carry several events of one aggregate
+	// (docs/sinks.md "Ordered batches").
+	Ordered bool `yaml:"ordered"`
 }
 
 // AuthType selects how a webhook request authenticates.

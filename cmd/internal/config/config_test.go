@@ -152,7 +152,7 @@ sinks:
     max_body: 1MB
     permanent_statuses: [400, 422]
     409_means_delivered: true
-    batch: {max_events: 100, max_wait: 20ms}
+    batch: {max_events: 100, max_wait: 20ms, ordered: true}
   - name: bus
     type: nats
     url: nats://a:4222,nats://b:4222
@@ -198,7 +198,7 @@ func fullConfig() config.Config {
 		Headers: map[string]string{"X-Tenant": "acme"},
 		Body:    config.BodyNudge, OnUnknown: config.OnUnknownHold, MaxBody: 1_000_000,
 		PermanentStatuses: []int{400, 422}, Treat409AsDelivered: true,
-		Batch: config.BatchConfig{MaxEvents: 100, MaxWait: config.Duration(20 * time.Millisecond)},
+		Batch: config.BatchConfig{MaxEvents: 100, MaxWait: config.Duration(20 * time.Millisecond), Ordered: true},
 	}
 	bus := config.DefaultSink(config.SinkNATS)
 	bus.Name = "bus"
@@ -917,6 +917,9 @@ func TestLoad_InvalidValues(t *testing.T) {
 		{"batch out of range", hook + "    batch: {max_events: 1001, max_wait: 0s}\n", nil, []string{
 			"relay.yaml:5: sinks[0].batch.max_events: must be between 0 (off) and 1000, got 1001",
 			"relay.yaml:5: sinks[0].batch.max_wait: must be greater than zero, got 0s",
+		}},
+		{"ordered without batching", hook + "    batch: {ordered: true}\n", nil, []string{
+			"relay.yaml:5: sinks[0].batch.ordered: needs max_events",
 		}},
 		{"batch with cloudevents", hook + "    format: cloudevents\n    batch:\n      max_events: 50\n", nil, []string{
 			"relay.yaml:7: sinks[0].batch.max_events: batching cannot be combined with format: cloudevents",

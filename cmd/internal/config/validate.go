@@ -406,6 +406,8 @@ func (v *validator) batch(p string, s *SinkConfig) {
 	}
 	if b.MaxEvents > 0 {
 		v.positive(p+".max_wait", b.MaxWait)
+	} else if b.Ordered {
+		v.fail(p+".ordered", "needs max_events: it says how the receiver applies a batch, and the sink does not batch")
 	}
 }
 
