@@ -19,9 +19,10 @@ import (
 
 // takeRun returns the run t heads when the sink takes runs and t is its
 // aggregate's pair in flight: t and the pairs waiting behind it, as many as
-// one request carries (RunSink.FitRun), taken off the aggregate's queue, with
-// their deliveries. It returns nil when t goes alone. A claim-path pair
-// whose lease has passed ends the run: send settles it when its turn comes.
+// one request should carry (RunSink.FitRun, given the aggregates the lane
+// holds), taken off the aggregate's queue, with their deliveries. It
+// returns nil when t goes alone. A claim-path pair whose lease has passed
+// ends the run: send settles it when its turn comes.
 func (l *lane) takeRun(t *task) (run []*task, ds []*Delivery) {
 	if l.runs == nil || !t.owns {
 		return nil, nil
@@ -34,6 +35,7 @@ func (l *lane) takeRun(t *task) (run []*task, ds []*Delivery) {
 		return nil, nil
 	}
 	behind := append([]*task(nil), q.waiting[:min(len(q.waiting), l.runs.MaxRun()-1)]...)
+	aggregates := len(l.busy)
 	l.mu.Unlock()
 
 	now := time.Now()
@@ -48,7 +50,7 @@ func (l *lane) takeRun(t *task) (run []*task, ds []*Delivery) {
 	for i, r := range run {
 		ds[i] = &Delivery{Event: r.w.Event, Body: l.body(r.w), Attempt: r.w.Event.Attempts + r.tries + 1, Replay: r.w.Replay}
 	}
-	n := min(l.runs.FitRun(ds), len(run))
+	n := min(l.runs.FitRun(ds, aggregates), len(run))
 	if n <= 1 {
 		return nil, nil
 	}

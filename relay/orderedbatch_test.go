@@ -28,6 +28,7 @@ type fakeRunSink struct {
 	requests [][]int64
 	busy     map[string]bool // aggregates with a request in flight
 	overlaps []string
+	told     []int // FitRun's aggregates, in call order
 }
 
 var _ relay.RunSink = (*fakeRunSink)(nil)
@@ -40,7 +41,14 @@ func (s *fakeRunSink) Name() string                { return s.name }
 func (s *fakeRunSink) Close(context.Context) error { return nil }
 func (s *fakeRunSink) MaxRun() int                 { return s.maxRun }
 
-func (s *fakeRunSink) FitRun(ds []*relay.Delivery) int { return min(len(ds), s.maxRun) }
+// FitRun takes as much of ds as MaxRun allows, whatever the aggregates; it
+// records the aggregates it was told of.
+func (s *fakeRunSink) FitRun(ds []*relay.Delivery, aggregates int) int {
+	s.mu.Lock()
+	s.told = append(s.told, aggregates)
+	s.mu.Unlock()
+	return min(len(ds), s.maxRun)
+}
 
 func (s *fakeRunSink) Send(_ context.Context, d *relay.Delivery, done func(error)) {
 	go func() { done(s.request([]*relay.Delivery{d})[0]) }()
@@ -201,6 +209,34 @@ func TestEngine_OrderedBatchCarriesARunOfOneAggregate(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestEngine_OrderedBatchToldTheAggregatesItHolds: when a lane forms a run it
+// tells the sink how many aggregates it holds events of (FitRun), so that a
+// run takes only its share of the requests in flight: here aggregate a's
+// and the four others whose events are in flight.
+func TestEngine_OrderedBatchToldTheAggregatesItHolds(t *testing.T) {
+	r := &receiverAnswers{tries: map[int64]int{}, gate: map[int64]chan struct{}{}}
+	for id := int64(1); id <= 5; id++ {
+		r.gate[id] = make(chan struct{})
+	}
+	sink := newFakeRunSink("s", 10, r.answer)
+	c, _ := startRunRelay(t, sink, false, relay.EngineConfig{})
+	submit(t, c, event(2, "b"), event(3, "c"), event(4, "d"), event(5, "e"), event(6, "a"), event(7, "a"))
+	c.Commit(200)
+	waitFor(t, "events 1-5 at the receiver", func() bool { return sink.requestCount() == 5 })
+	close(r.gate[1])
+	waitFor(t, "the run of events 6 and 7", func() bool { return len(sink.requestsOf(6)) == 1 })
+	sink.mu.Lock()
+	told := slices.Clone(sink.told)
+	sink.mu.Unlock()
+	if !slices.Equal(told, []int{5}) {
+		t.Errorf("FitRun told of %v aggregates, want [5]: a, and b-e with events in flight", told)
+	}
+	for id := int64(2); id <= 5; id++ {
+		close(r.gate[id])
+	}
+	waitSettledAt(t, c, 200)
 }
 
 // TestEngine_OrderedBatchRetryKeepsTheRunsOrder: a run answered ok, retry,

@@ -55,10 +55,14 @@ type RunSink interface {
 	// not been declared to keep the contract.
 	MaxRun() int
 
-	// FitRun returns how many of ds, from the first, one request can carry
-	// whole: at least 1 and at most min(len(ds), MaxRun()). A run is never
-	// split across two requests, so a delivery that would not fit ends it.
-	FitRun(ds []*Delivery) int
+	// FitRun returns how many of ds, from the first, one request should
+	// carry whole: at least 1 and at most min(len(ds), MaxRun()). A run is
+	// never split across two requests, so a delivery that would not fit
+	// ends it. aggregates is how many aggregates the lane holds events of,
+	// ds's among them: a run takes no more than its share of the requests
+	// the sink keeps in flight, so that one aggregate's run does not fill
+	// them while the others' events wait.
+	FitRun(ds []*Delivery, aggregates int) int
 
 	// SendRun starts delivering ds, a run FitRun accepted whole, in one
 	// request and in ds's order, and calls done exactly once, possibly on

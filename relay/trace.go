@@ -240,8 +240,10 @@ type tracedRunSink struct {
 	runs RunSink
 }
 
-func (s *tracedRunSink) MaxRun() int               { return s.runs.MaxRun() }
-func (s *tracedRunSink) FitRun(ds []*Delivery) int { return s.runs.FitRun(ds) }
+func (s *tracedRunSink) MaxRun() int { return s.runs.MaxRun() }
+func (s *tracedRunSink) FitRun(ds []*Delivery, aggregates int) int {
+	return s.runs.FitRun(ds, aggregates)
+}
 
 func (s *tracedRunSink) SendRun(ctx context.Context, ds []*Delivery, done func([]error)) {
 	spans := make([]trace.Span, len(ds))

@@ -187,7 +187,7 @@ func TestTracedSinkKeepsRuns(t *testing.T) {
 		t.Fatalf("traced sink %T is not a RunSink with MaxRun 10", traced)
 	}
 	ds := []*relay.Delivery{{Event: event(1, "a"), Attempt: 1}, {Event: event(2, "a"), Attempt: 1}}
-	if n := traced.FitRun(ds); n != 2 {
+	if n := traced.FitRun(ds, 1); n != 2 {
 		t.Fatalf("FitRun = %d, want 2", n)
 	}
 	errc := make(chan []error, 1)

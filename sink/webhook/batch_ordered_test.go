@@ -82,10 +82,29 @@ func TestBatch_FitRunCutsWhereOneRequestEnds(t *testing.T) {
 		{"first event over max_body", narrow, []*relay.Delivery{huge, sinktest.NewDelivery(2)}, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := tc.s.FitRun(tc.ds); got != tc.want {
+			if got := tc.s.FitRun(tc.ds, 1); got != tc.want {
 				t.Errorf("FitRun = %d, want %d", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestBatch_FitRunSharesTheRequests: a run takes at most its share of a
+// request when the aggregates the lane holds are spread evenly over the
+// requests in flight: over 50 aggregates, 4 requests of 100 carry runs of 7
+// (13 aggregates each) rather than two aggregates' runs of 40 each.
+func TestBatch_FitRunSharesTheRequests(t *testing.T) {
+	t.Parallel()
+	s := MustSink(t, webhook.Config{URL: "http://127.0.0.1:1/", Concurrency: 4, Batch: webhook.Batch{MaxEvents: 100, Ordered: true}})
+	ids := make([]int, 40)
+	for i := range ids {
+		ids[i] = i + 1
+	}
+	run := runOf(ids...)
+	for _, tc := range []struct{ aggregates, want int }{{1, 40}, {4, 40}, {10, 33}, {50, 7}, {400, 1}, {1000, 1}} {
+		if got := s.FitRun(run, tc.aggregates); got != tc.want {
+			t.Errorf("FitRun(40 events, %d aggregates) = %d, want %d", tc.aggregates, got, tc.want)
+		}
 	}
 }
 
