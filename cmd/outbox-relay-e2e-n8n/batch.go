@@ -8,8 +8,12 @@ import (
 	"time"
 )
 
-// Scenarios 5-7: the batched sink (docs/sinks.md "Batched delivery") into
-// the same workflow, which answers per event.
+// Scenarios 5-8: the batched sink (docs/sinks.md "Batched delivery") into
+// the same workflow, which answers per event. Scenario 5's events are each
+// their own aggregate; those of 6-8 fall on -aggregates aggregates, so with
+// batch.ordered a batch carries runs of one aggregate, which the workflow
+// applies in order, stopping an aggregate at its first event not applied
+// (docs/sinks.md "Ordered batches").
 
 // latency is what a scenario measured from commit to side effect.
 type latency struct {
@@ -94,9 +98,34 @@ func (e *e2e) noteLatency(ctx context.Context, r *result, prefix string) {
 	r.Note = strings.TrimPrefix(r.Note+"; "+note, "; ")
 }
 
-// batchRestart: events published over 12 s to the batched sink while n8n
-// is stopped (SIGTERM) after 3 s and started again: every event applied
-// exactly once, none lost.
+// batchHotAggregates: scenario 5 with the events over -aggregates
+// aggregates: with batch.ordered a batch carries several events of one
+// aggregate, so the rate stays near scenario 5's instead of being capped
+// by one event per aggregate per request. Each applied once, in order.
+func (e *e2e) batchHotAggregates(ctx context.Context) result {
+	r := result{Name: fmt.Sprintf("8 batched bulk, %d aggregates", e.opts.aggregates), Events: e.opts.batchEvents, Batched: true}
+	const prefix = "e2e-s8-"
+	base, err := e.n8n.Executions(ctx)
+	if err != nil {
+		r.Err = err
+		return r
+	}
+	e.say("scenario 8: publishing %d events over %d aggregates for the batched sink (max_events %d, concurrency %d, ordered %t)",
+		r.Events, e.opts.aggregates, e.opts.batchMax, e.opts.batchConcurrency, e.opts.batchOrdered)
+	started := time.Now()
+	if err := publish(ctx, e.pool, makeEventsOver(prefix, "batch.hot", r.Events, e.opts.aggregates)); err != nil {
+		r.Err = err
+		return r
+	}
+	s, werr := e.settle(ctx, prefix, base, allAppliedBatched(r.Events))
+	e.fill(ctx, &r, prefix, s, werr, started)
+	e.noteLatency(ctx, &r, prefix)
+	return r
+}
+
+// batchRestart: events over -aggregates aggregates published over 12 s to
+// the batched sink while n8n is stopped (SIGTERM) after 3 s and started
+// again: every event applied exactly once and in order, none lost.
 func (e *e2e) batchRestart(ctx context.Context) result {
 	r := result{Name: "6 batched, n8n restarted", Events: max(e.opts.batchEvents/4, 10), Batched: true}
 	const prefix = "e2e-s6-"
@@ -105,7 +134,7 @@ func (e *e2e) batchRestart(ctx context.Context) result {
 		r.Err = err
 		return r
 	}
-	evs := makeEvents(prefix, "batch.restart", r.Events)
+	evs := makeEventsOver(prefix, "batch.restart", r.Events, e.opts.aggregates)
 	started := time.Now()
 	pubDone := make(chan error, 1)
 	go func() { pubDone <- e.publishPaced(ctx, evs, 12*time.Second) }()
@@ -159,9 +188,13 @@ CREATE TRIGGER e2e_fail_once BEFORE INSERT ON n8n_business_effects
   FOR EACH ROW EXECUTE FUNCTION e2e_fail_once();`
 
 // batchFailing: one event in every max_events fails its business step on
-// the first try. The workflow answers it retry (releasing its claim) and
-// the rest of its batch ok; the relay retries only that event. Every event
-// is applied exactly once, and each failing event was tried exactly twice.
+// the first try; the events fall on -aggregates aggregates. The workflow
+// answers it retry (releasing its claim), the later events of its aggregate
+// in the same batch retry too, not applied, and the rest of the batch ok;
+// the relay sends the failing event again, and those later events after it.
+// Every event is applied exactly once and in order, each failing event was
+// tried exactly twice, and with batch.ordered some batch answered an
+// aggregate's later events "not applied".
 func (e *e2e) batchFailing(ctx context.Context) result {
 	r := result{Name: "7 batched, one failing event per batch", Events: max(e.opts.batchEvents/4, 10), Batched: true}
 	const prefix = "e2e-s7-"
@@ -170,7 +203,12 @@ func (e *e2e) batchFailing(ctx context.Context) result {
 		r.Err = err
 		return r
 	}
-	evs := makeEvents(prefix, "batch.bulk", r.Events)
+	stoppedBefore, err := e.n8n.ExecutionsContaining(ctx, notAppliedAnswer)
+	if err != nil {
+		r.Err = err
+		return r
+	}
+	evs := makeEventsOver(prefix, "batch.bulk", r.Events, e.opts.aggregates)
 	var failing []string
 	for i := range evs {
 		if i%e.opts.batchMax == e.opts.batchMax/2 {
@@ -231,10 +269,25 @@ SELECT count(*) FILTER (WHERE attempts > 1), COALESCE(max(attempts), 0)
 		r.Err = fmt.Errorf("%d events that did not fail were attempted more than once: a failing event failed its whole batch", retriedOthers)
 		return r
 	}
-	r.Note = fmt.Sprintf("%d events failed once and were retried alone (2 tries each); the ledger's most attempts of any other event: %d", len(failing), maxOthers)
+	stopped, err := e.n8n.ExecutionsContaining(ctx, notAppliedAnswer)
+	if err != nil {
+		r.Err = err
+		return r
+	}
+	stopped -= stoppedBefore
+	if e.opts.batchOrdered && stopped == 0 {
+		r.Err = fmt.Errorf("no execution answered %q: no batch carried an event after a failing one of its aggregate, so the ordered-batch contract was not exercised", notAppliedAnswer)
+		return r
+	}
+	r.Note = fmt.Sprintf("%d events failed once and were tried twice; %d executions answered later events of their aggregate %q; the ledger's most attempts of any other event: %d",
+		len(failing), stopped, notAppliedAnswer, maxOthers)
 	e.noteLatency(ctx, &r, prefix)
 	return r
 }
+
+// notAppliedAnswer starts the workflow's message for an event it did not
+// apply because an earlier event of its aggregate in the batch was not.
+const notAppliedAnswer = "not applied: an earlier event of its aggregate in this batch was not applied"
 
 // md5sum is PostgreSQL's md5() of s, as bytes.
 func md5sum(s string) [16]byte { return md5.Sum([]byte(s)) }

@@ -16,8 +16,11 @@ import (
 
 // event is one outbox event a scenario publishes.
 type event struct {
-	Key       string
-	Type      string
+	Key  string
+	Type string
+	// Aggregate is its aggregate_id ("" for its own aggregate, its key);
+	// the aggregate_type is e2e.
+	Aggregate string
 	Payload   string
 	Published time.Time
 }
@@ -32,10 +35,11 @@ func publish(ctx context.Context, pool *pgxpool.Pool, events []event) error {
 		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 			batch := &pgx.Batch{}
 			for _, ev := range part {
-				// One aggregate per event: the scenarios test delivery,
-				// not ordering, and a handed-off event would otherwise
-				// divert the events of its aggregate behind it.
-				batch.Queue(`SELECT outbox_publish($1, 'e2e', $2, $2, $3::jsonb)`, ev.Type, ev.Key, ev.Payload)
+				agg := ev.Aggregate
+				if agg == "" {
+					agg = ev.Key
+				}
+				batch.Queue(`SELECT outbox_publish($1, 'e2e', $2, $3, $4::jsonb)`, ev.Type, agg, ev.Key, ev.Payload)
 			}
 			res := tx.SendBatch(ctx, batch)
 			defer res.Close()
@@ -70,6 +74,9 @@ type dbCounts struct {
 	Effects    int64 // rows in n8n_business_effects
 	Applied    int64 // distinct event keys with an effect
 	Twice      int64 // event keys with more than one effect
+	// OutOfOrder counts effects applied after an effect of a later event
+	// of their aggregate (effects in the order they were written).
+	OutOfOrder int64
 }
 
 // countScenario counts the rows whose event key starts with prefix.
@@ -82,8 +89,12 @@ SELECT (SELECT count(*) FROM integration_outbox WHERE starts_with(event_key, $1)
        (SELECT count(*) FROM n8n_business_effects WHERE starts_with(event_key, $1)),
        (SELECT count(DISTINCT event_key) FROM n8n_business_effects WHERE starts_with(event_key, $1)),
        (SELECT count(*) FROM (SELECT 1 FROM n8n_business_effects WHERE starts_with(event_key, $1)
-                              GROUP BY event_key HAVING count(*) > 1) t)`, prefix).
-		Scan(&c.Outbox, &c.Claims, &c.ClaimsDone, &c.Effects, &c.Applied, &c.Twice)
+                              GROUP BY event_key HAVING count(*) > 1) t),
+       (SELECT count(*) FROM (SELECT o.id, lag(o.id) OVER (PARTITION BY o.aggregate_type, o.aggregate_id ORDER BY b.id) AS prev
+                                FROM integration_outbox o JOIN n8n_business_effects b ON b.event_key = o.event_key
+                               WHERE starts_with(o.event_key, $1)) t
+         WHERE t.prev > t.id)`, prefix).
+		Scan(&c.Outbox, &c.Claims, &c.ClaimsDone, &c.Effects, &c.Applied, &c.Twice, &c.OutOfOrder)
 	if err != nil {
 		return c, fmt.Errorf("count scenario rows: %w", err)
 	}

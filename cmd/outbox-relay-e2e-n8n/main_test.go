@@ -1,6 +1,7 @@
 package main
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -22,6 +23,48 @@ func TestShippedWorkflow(t *testing.T) {
 	}
 	if wf.HeaderCred != (credRef{"outboxRelayToken", "outbox-relay"}) || wf.PostgresCre != (credRef{"outboxRelayPgsql", "outbox-relay-postgres"}) {
 		t.Errorf("credentials %+v, %+v; docs/n8n.md documents outboxRelayToken/outbox-relay and outboxRelayPgsql/outbox-relay-postgres", wf.HeaderCred, wf.PostgresCre)
+	}
+}
+
+// TestShippedWorkflowAnswersWhenANodeFails: in n8n 2.8.4 an execution that
+// fails before its Respond to Webhook node answers 200 with an empty body,
+// which the relay reads as "every event delivered" (docs/n8n.md). So the
+// shipped workflow has no Code node (Code nodes run in n8n's task runner,
+// which a SIGTERM stops before the executions in flight, failing them), and
+// its nodes that reach the database before the answer either answer
+// themselves when they fail (Claim events: 503, nothing was claimed) or
+// let the answer go on (the business step, Settle claims).
+func TestShippedWorkflowAnswersWhenANodeFails(t *testing.T) {
+	raw, err := os.ReadFile(filepath.Join("..", "..", "deploy", "n8n", "outbox-workflow.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wf struct {
+		Nodes []struct {
+			Name, Type, OnError string
+		} `json:"nodes"`
+	}
+	if err := json.Unmarshal(raw, &wf); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{
+		"Claim events":                        "continueErrorOutput",
+		"Apply business effect (placeholder)": "continueRegularOutput",
+		"Settle claims":                       "continueRegularOutput",
+	}
+	for _, n := range wf.Nodes {
+		if n.Type == "n8n-nodes-base.code" {
+			t.Errorf("node %q is a Code node: it fails while n8n shuts down, and the execution then answers 200", n.Name)
+		}
+		if w, ok := want[n.Name]; ok {
+			if n.OnError != w {
+				t.Errorf("node %q: onError %q, want %q", n.Name, n.OnError, w)
+			}
+			delete(want, n.Name)
+		}
+	}
+	for name := range want {
+		t.Errorf("no node %q", name)
 	}
 }
 

@@ -381,6 +381,28 @@ FROM execution_entity WHERE workflowId = '%s' AND mode = 'webhook';`, strings.Re
 	return c, nil
 }
 
+// ExecutionsContaining counts the workflow's webhook executions whose
+// stored data (every node's output, the answer among them) contains text.
+func (s *n8nServer) ExecutionsContaining(ctx context.Context, text string) (int64, error) {
+	if s.queue != nil {
+		return s.queue.executionsContaining(ctx, s.workflow.ID, text)
+	}
+	query := fmt.Sprintf(`SELECT count(*) FROM execution_entity e JOIN execution_data d ON d.executionId = e.id
+ WHERE e.workflowId = '%s' AND e.mode = 'webhook' AND instr(d.data, '%s') > 0;`,
+		strings.ReplaceAll(s.workflow.ID, "'", "''"), strings.ReplaceAll(text, "'", "''"))
+	cmd := exec.CommandContext(ctx, "sqlite3", "-readonly", s.DatabasePath(), query)
+	var out, errOut strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	if err := cmd.Run(); err != nil {
+		return 0, fmt.Errorf("sqlite3 %s: %w: %s", s.DatabasePath(), err, strings.TrimSpace(errOut.String()))
+	}
+	var n int64
+	if _, err := fmt.Sscan(out.String(), &n); err != nil {
+		return 0, fmt.Errorf("sqlite3: unexpected output %q: %w", out.String(), err)
+	}
+	return n, nil
+}
+
 // freePorts returns n distinct free TCP ports on 127.0.0.1. They are free
 // when returned; another process may still take one before it is bound.
 func freePorts(n int) ([]int, error) {

@@ -205,5 +205,18 @@ SELECT count(*) FILTER (WHERE status = 'success'),
 	return c, nil
 }
 
+// executionsContaining counts the workflow's webhook executions whose
+// stored data contains text, in n8n's PostgreSQL database.
+func (q *queueSetup) executionsContaining(ctx context.Context, workflowID, text string) (int64, error) {
+	var n int64
+	err := q.db.QueryRow(ctx, `
+SELECT count(*) FROM execution_entity e JOIN execution_data d ON d."executionId" = e.id
+ WHERE e."workflowId" = $1 AND e.mode = 'webhook' AND strpos(d.data, $2) > 0`, workflowID, text).Scan(&n)
+	if err != nil {
+		return 0, fmt.Errorf("count n8n's executions containing %q: %w", text, err)
+	}
+	return n, nil
+}
+
 // queueLogPath is where the queue profile's Redis logs.
 func queueLogPath(work string) string { return filepath.Join(work, "redis.log") }

@@ -37,7 +37,7 @@ type result struct {
 // the relay unusable, or Ctrl-C, stops the run; the others are recorded and
 // the next scenario runs.
 func (e *e2e) runScenarios(ctx context.Context) []result {
-	all := []func(context.Context) result{e.bulk, e.duplicate, e.outage, e.unpublished, e.batchBulk, e.batchRestart, e.batchFailing}
+	all := []func(context.Context) result{e.bulk, e.duplicate, e.outage, e.unpublished, e.batchBulk, e.batchRestart, e.batchFailing, e.batchHotAggregates}
 	var scenarios []func(context.Context) result
 	for i, s := range all {
 		if e.opts.only == "" || slices.Contains(strings.Split(e.opts.only, ","), strconv.Itoa(i+1)) {
@@ -174,6 +174,9 @@ func (e *e2e) fill(ctx context.Context, r *result, prefix string, s snapshot, wa
 	if s.db.Twice > 0 {
 		problems = append(problems, fmt.Sprintf("%d events were applied MORE THAN ONCE (%d effects for %d events)", s.db.Twice, s.db.Effects, s.db.Applied))
 	}
+	if s.db.OutOfOrder > 0 {
+		problems = append(problems, fmt.Sprintf("%d events were applied OUT OF ORDER: after a later event of their aggregate", s.db.OutOfOrder))
+	}
 	if waitErr != nil && !errors.Is(waitErr, errNotSettled) {
 		problems = append(problems, waitErr.Error())
 	}
@@ -203,14 +206,24 @@ func allApplied(n int) func(snapshot) bool {
 	}
 }
 
-// makeEvents returns n events with keys prefix0001, prefix0002, ...
+// makeEvents returns n events with keys prefix0001, prefix0002, ..., each
+// its own aggregate.
 func makeEvents(prefix, eventType string, n int) []event {
+	return makeEventsOver(prefix, eventType, n, 0)
+}
+
+// makeEventsOver returns n events with keys prefix0001, prefix0002, ...
+// over aggregates aggregates, in turn (0: each its own).
+func makeEventsOver(prefix, eventType string, n, aggregates int) []event {
 	evs := make([]event, n)
 	for i := range evs {
 		evs[i] = event{
 			Key:     fmt.Sprintf("%s%04d", prefix, i+1),
 			Type:    eventType,
 			Payload: fmt.Sprintf(`{"n": %d, "note": "published by outbox-relay-e2e-n8n"}`, i+1),
+		}
+		if aggregates > 0 {
+			evs[i].Aggregate = fmt.Sprintf("%sagg-%02d", prefix, i%aggregates)
 		}
 	}
 	return evs
