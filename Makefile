@@ -227,7 +227,8 @@ chaos: build
 ## shipped workflow deploy/n8n/outbox-workflow.json: bulk delivery, a duplicate,
 ## an n8n outage and an unpublished workflow, then batched delivery (docs/sinks.md
 ## "Batched delivery"): bulk, n8n restarted mid-run, one failing event per
-## batch. Needs Node.js 20.19+, sqlite3 and the PostgreSQL server binaries.
+## batch, bulk over 50 aggregates (ordered batches). Needs Node.js 20.19+,
+## sqlite3 and the PostgreSQL server binaries.
 ## E2E_N8N_FLAGS passes flags (e.g. --keep, -batch-events 1000).
 .PHONY: e2e-n8n e2e-n8n-queue
 e2e-n8n: build
@@ -236,6 +237,6 @@ e2e-n8n: build
 ## e2e-n8n-queue: the same against n8n's queue mode (docs/n8n.md "Queue mode"):
 ## a private redis-server (Debian's package; apt-get installs it when missing
 ## and root), n8n's database on PostgreSQL, the main process, a webhook process
-## and two workers, all started and stopped by the run; scenarios 1, 5, 6, 7.
+## and two workers, all started and stopped by the run; scenarios 1, 5, 6, 7, 8.
 e2e-n8n-queue: build
 	$(GO) run ./cmd/outbox-relay-e2e-n8n --relay $(BIN)/outbox-relay -profile queue $(E2E_N8N_FLAGS)
