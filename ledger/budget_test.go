@@ -48,7 +48,6 @@ func TestHandOverReadsSlicesByBytes(t *testing.T) {
 	read := relay.ReadBytes(budget)
 	f := MustFixture(t)
 	cfg := ledger.DefaultConfig()
-	cfg.Sinks = []ledger.Sink{{Name: "webhook"}, {Name: "nats"}}
 	cfg.MaxInFlightBytes = budget
 	store := mustStore(t, f.pool, cfg)
 	ctx := context.Background()

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"strings"
 	"sync"
 	"time"
 
@@ -85,38 +84,25 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	outbox, ledger := t.outbox, t.ledger
 	// The ordering check: a row waits while a lower id of its aggregate is
 	// unsettled (Unsettled: pending — a NULL status included —, processing
-	// or held; failed and done rows never block), unless the ledger shows
-	// that row delivered to every sink it is routed to (a row the stream
-	// delivered whose status is not marked yet). undelivered is that last
-	// condition for a row p. Routing in SQL mirrors the engine's: $4 sink
-	// names, $5 "takes every type", $6 the sink's globs as one regex (see
-	// globToRegex). Unsettled is the order index's predicate, so the
-	// planner can use it.
+	// or held; done, failed and discarded rows never block). The status is
+	// the row's one state: the stream's settlement writes done in the
+	// transaction of its delivered ledger rows, so the check reads nothing
+	// else (docs/schema.md, "A row's states"). Unsettled is the order
+	// index's predicate, so the planner can use it.
 	//
-	// The check looks for the nearest such row below a run's head, walking
-	// the order index down (a scalar subquery with ORDER BY … DESC LIMIT 1:
-	// an EXISTS would drop the ORDER BY and walk up from the aggregate's
-	// first row). Rows the stream delivered stay pending, and so in the
-	// order index, until their status is marked (with mark_done: off, until
-	// retention prunes them); a handed-off run is mostly held back by the
-	// row just before it, so the walk ends at once instead of passing the
-	// aggregate's whole streamed history
+	// The check looks for the nearest unsettled row below a run's head,
+	// walking the order index down (a scalar subquery with ORDER BY … DESC
+	// LIMIT 1: an EXISTS would drop the ORDER BY and walk up from the
+	// aggregate's first row). The order index holds only unsettled rows, so
+	// the walk never passes the aggregate's settled history
 	// (TestClaimCostIndependentOfStreamedHistory).
-	undelivered := fmt.Sprintf(`
-              AND EXISTS (
-                  SELECT FROM unnest($4::text[], $5::bool[], $6::text[]) AS s(sink, every_type, re)
-                   WHERE (s.every_type OR p.event_type ~ s.re)
-                     AND NOT EXISTS (
-                         SELECT FROM %[1]s AS l
-                          WHERE l.event_key = p.event_key AND l.action = s.sink
-                            AND l.state = 'delivered'))`, ledger)
 
 	// The claim of runs (docs/guarantees.md "Claim runs"): River's
 	// JobGetAvailable shape, with the ordering decided once per aggregate
 	// over a window of due rows (river's JobSchedule: a per-key decision
 	// over the batch, not a correlated subquery per candidate row).
 	//
-	// win: up to $9 due rows, oldest first, after the cursor ($7, $8),
+	// win: up to $5 due rows, oldest first, after the cursor ($3, $4),
 	// through the claim index (poll mode) or the hand-off index. No lock
 	// and no ordering check per row, so the scan costs one index entry a
 	// row however many of them wait behind their aggregate.
@@ -125,7 +111,7 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// its lowest row in the window.
 	// heads, starts: where each aggregate's run starts (the ordering
 	// check, once per aggregate): its window row when no lower row is
-	// unsettled and undelivered; when the nearest such row is claimable
+	// unsettled; when the nearest such row is claimable
 	// too (concurrent writers leave available_at out of id order, so it
 	// may lie outside the window), the aggregate's lowest such row if that
 	// is claimable; otherwise no run.
@@ -134,7 +120,7 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	// least claimRunRows: a run ends before a row not due yet, the
 	// stream's, held, or processing under another claim.
 	// chosen: whole runs, oldest aggregate first, at most $1 rows whose
-	// payloads take at most $10 bytes (the first row whatever its size), so
+	// payloads take at most $6 bytes (the first row whatever its size), so
 	// each aggregate keeps a prefix; only these rows' sizes are read.
 	// locked: chosen rows locked, skipping rows another claimer locked
 	// (found by id: "(…) IS TRUE" keeps the planner from reaching them
@@ -154,7 +140,6 @@ func renderClaim(t tables, opts claimOptions) claimStatements {
 	if opts.unordered {
 		aggType, aggID = "NULL::text", "NULL::text"
 	}
-	undeliveredP := strings.TrimPrefix(strings.TrimSpace(undelivered), "AND ")
 	claim := func(all bool, replays, trace string, newest bool) string {
 		order, rank := "o.available_at, o.id", "min(w.due), min(w.id)"
 		if newest {
@@ -173,20 +158,19 @@ WITH win AS MATERIALIZED (
       FROM %[1]s AS o
      WHERE o.status = 'pending'
        AND o.available_at <= now()%[2]s
-       AND $3::bool IS NOT NULL
-       AND (o.available_at, o.id) > ($7::timestamptz, $8::bigint)
-     ORDER BY %[10]s
-     LIMIT $9),
+       AND (o.available_at, o.id) > ($3::timestamptz, $4::bigint)
+     ORDER BY %[9]s
+     LIMIT $5),
 summary AS (
     SELECT (SELECT count(*) FROM win)::int AS n, last.due AS last_due, last.id AS last_id
       FROM (SELECT NULL) AS one
       LEFT JOIN (SELECT w.due, w.id FROM win AS w ORDER BY w.due DESC, w.id DESC LIMIT 1) AS last ON true),
 aggs AS (
-    SELECT w.at, w.ai, min(w.id) AS head, row_number() OVER (ORDER BY %[11]s) AS rank
+    SELECT w.at, w.ai, min(w.id) AS head, row_number() OVER (ORDER BY %[10]s) AS rank
       FROM win AS w
      WHERE w.at IS NOT NULL AND w.ai IS NOT NULL
      GROUP BY w.at, w.ai
-     ORDER BY %[11]s
+     ORDER BY %[10]s
      LIMIT $1),
 heads AS MATERIALIZED (
     SELECT a.at, a.ai, a.head, a.rank, b.id AS below, b.ok AS below_ok
@@ -195,8 +179,7 @@ heads AS MATERIALIZED (
            SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
             WHERE p.aggregate_type = a.at AND p.aggregate_id = a.ai
               AND p.id < a.head
-              AND %[12]s
-              AND (%[7]s OR %[8]s)
+              AND %[11]s
             ORDER BY p.id DESC
             LIMIT 1) AS b ON true),
 starts AS MATERIALIZED (
@@ -207,13 +190,12 @@ starts AS MATERIALIZED (
       JOIN LATERAL (
            SELECT p.id, (%[7]s) AS ok FROM %[1]s AS p
             WHERE p.aggregate_type = h.at AND p.aggregate_id = h.ai
-              AND %[12]s
-              AND (%[7]s OR %[8]s)
+              AND %[11]s
             ORDER BY p.id
             LIMIT 1) AS f ON f.ok
      WHERE h.below_ok),
 per AS (
-    SELECT GREATEST(($1 + count(*) - 1) / GREATEST(count(*), 1), %[9]d) AS n FROM starts),
+    SELECT GREATEST(($1 + count(*) - 1) / GREATEST(count(*), 1), %[8]d) AS n FROM starts),
 pick AS (
     SELECT r.id, s.at, s.ai, s.rank, row_number() OVER (PARTITION BY s.at, s.ai ORDER BY r.id) AS rn
       FROM starts AS s
@@ -221,8 +203,7 @@ pick AS (
            SELECT p.id, bool_and(%[7]s) OVER (ORDER BY p.id) AS ok FROM %[1]s AS p
             WHERE p.aggregate_type = s.at AND p.aggregate_id = s.ai
               AND p.id >= s.head
-              AND %[12]s
-              AND (%[7]s OR %[8]s)
+              AND %[11]s
             ORDER BY p.id
             LIMIT (SELECT per.n FROM per)) AS r
      WHERE r.ok
@@ -231,11 +212,11 @@ pick AS (
 chosen AS (
     SELECT c.id, c.at, c.ai, c.rn
       FROM (SELECT c.id, c.at, c.ai, c.rn,
-                   sum((SELECT %[13]s FROM %[1]s AS o WHERE o.id = c.id)) OVER w AS upto,
+                   sum((SELECT %[12]s FROM %[1]s AS o WHERE o.id = c.id)) OVER w AS upto,
                    row_number() OVER w AS k
               FROM (SELECT c.id, c.at, c.ai, c.rn, c.rank FROM pick AS c ORDER BY c.rank, c.rn, c.id LIMIT $1) AS c
             WINDOW w AS (ORDER BY c.rank, c.rn, c.id)) AS c
-     WHERE c.k = 1 OR c.upto <= $10::bigint),
+     WHERE c.k = 1 OR c.upto <= $6::bigint),
 locked AS (
     SELECT o.id, c.at, c.ai, c.rn
       FROM %[1]s AS o JOIN chosen AS c ON c.id = o.id
@@ -258,7 +239,7 @@ RETURNING o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.p
           o.created_at, COALESCE(o.attempts, 0), o.available_at, %[3]s AS replays, %[4]s AS trace)
 SELECT s.n, s.last_due, s.last_id, c.*
   FROM summary AS s LEFT JOIN claimed AS c ON true
- ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, undeliveredP, claimRunRows, order, rank, Unsettled("p"), payloadBytes("o"))
+ ORDER BY c.id`, outbox, which, replays, trace, aggType, aggID, claimable, claimRunRows, order, rank, Unsettled("p"), payloadBytes("o"))
 	}
 	shapes := func(all, newest bool) [3]string {
 		return [3]string{
@@ -413,19 +394,6 @@ UPDATE %s SET status = COALESCE(status, 'pending'), available_at = COALESCE(avai
 	}
 }
 
-// routingArrays are the ordering check's routing parameters, one entry per
-// sink.
-func (s *Store) routingArrays() (names []string, every []bool, regex []*string, err error) {
-	for _, r := range s.routes {
-		f, err := newSinkFilter(r.Events)
-		if err != nil {
-			return nil, nil, nil, fmt.Errorf("sink %s: %w", r.Name, err)
-		}
-		names, every, regex = append(names, r.Name), append(every, f.everyType), append(regex, f.regex)
-	}
-	return names, every, regex, nil
-}
-
 // claimStatement returns the claim query for the table's shape (with or
 // without the replays and trace_context columns, looked up once) and the
 // mode.
@@ -526,10 +494,6 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	if err != nil {
 		return nil, err
 	}
-	names, every, regex, err := s.routingArrays()
-	if err != nil {
-		return nil, err
-	}
 	window := max(q.Limit*claimWindowRows, 1000)
 	maxBytes := q.MaxBytes
 	if maxBytes <= 0 {
@@ -548,14 +512,14 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		// to a lagging stream"). Each run still starts at its aggregate's
 		// oldest unsettled row.
 		newestSQL := s.newestClaimStatement()
-		recent, _, err := s.claimFrom(ctx, newestSQL, q, names, every, regex, q.DueSince, 0, window, q.Limit, maxBytes)
+		recent, _, err := s.claimFrom(ctx, newestSQL, q, q.DueSince, 0, window, q.Limit, maxBytes)
 		return recent, err
 	}
 	var newest []*relay.Work
 	if !q.All && s.claimBacklog.Load() {
 		newestSQL := s.newestClaimStatement()
 		share := max(q.Limit/claimNewestShare, 1)
-		newest, _, err = s.claimFrom(ctx, newestSQL, q, names, every, regex, time.Time{}, 0, share*claimWindowRows, share, max(maxBytes/claimNewestShare, 1))
+		newest, _, err = s.claimFrom(ctx, newestSQL, q, time.Time{}, 0, share*claimWindowRows, share, max(maxBytes/claimNewestShare, 1))
 		if err != nil {
 			return nil, err
 		}
@@ -563,7 +527,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 			return newest, nil
 		}
 	}
-	first, win, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, time.Time{}, 0, window, q.Limit-len(newest), maxBytes-relay.PayloadBytes(newest))
+	first, win, err := s.claimFrom(ctx, claimSQL, q, time.Time{}, 0, window, q.Limit-len(newest), maxBytes-relay.PayloadBytes(newest))
 	if err != nil {
 		if len(newest) > 0 {
 			// The newest window's rows are claimed: hand them on.
@@ -586,7 +550,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 		fromDue, fromID = c.due, c.id
 	}
 	c.mu.Unlock()
-	second, win2, err := s.claimFrom(ctx, claimSQL, q, names, every, regex, fromDue, fromID, window, q.Limit-len(first), maxBytes-relay.PayloadBytes(first))
+	second, win2, err := s.claimFrom(ctx, claimSQL, q, fromDue, fromID, window, q.Limit-len(first), maxBytes-relay.PayloadBytes(first))
 	if err != nil {
 		// The first statement's rows are claimed: hand them on.
 		return first, nil
@@ -617,7 +581,7 @@ func (s *Store) setCursor(w claimWindow) {
 // claimFrom runs one claim statement over the window of up to window due
 // rows after (fromDue, fromID), claiming at most limit rows whose payloads
 // take at most maxBytes (the first row whatever its size).
-func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQuery, names []string, every []bool, regex []*string,
+func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQuery,
 	fromDue time.Time, fromID int64, window, limit int, maxBytes int64) ([]*relay.Work, claimWindow, error) {
 	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
 	defer cancel()
@@ -644,7 +608,7 @@ func (s *Store) claimFrom(ctx context.Context, claimSQL string, q relay.ClaimQue
 	// pending, as if never claimed. A round trip per claim no longer waits
 	// for an fsync.
 	err := s.inTx(dbCtx, s.sql.setClaim, func(b *pgx.Batch) {
-		b.Queue(claimSQL, limit, q.Owner, q.All, names, every, regex, cursorDue, fromID, window, maxBytes)
+		b.Queue(claimSQL, limit, q.Owner, cursorDue, fromID, window, maxBytes)
 	}, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
 		if err != nil {

@@ -20,8 +20,8 @@ type claimDB struct {
 }
 
 // mustClaimDB creates and migrates a database and returns a Store on it
-// with the default config and sinks.
-func mustClaimDB(tb testing.TB, sinks ...ledger.Sink) *claimDB {
+// with the default config.
+func mustClaimDB(tb testing.TB) *claimDB {
 	tb.Helper()
 	ctx := context.Background()
 	url := pgtest.NewDatabase(tb)
@@ -38,9 +38,7 @@ func mustClaimDB(tb testing.TB, sinks ...ledger.Sink) *claimDB {
 		tb.Fatalf("pool: %v", err)
 	}
 	tb.Cleanup(pool.Close)
-	cfg := ledger.DefaultConfig()
-	cfg.Sinks = sinks
-	return &claimDB{pool: pool, store: mustStore(tb, pool, cfg)}
+	return &claimDB{pool: pool, store: mustStore(tb, pool, ledger.DefaultConfig())}
 }
 
 // exec runs sql and returns the rows it affected.

@@ -29,7 +29,7 @@ func TestClaimWindowFollowsItsIndexBeforeStatistics(t *testing.T) {
 	if testing.Short() {
 		t.Skip("45,000 rows: skipped with -short")
 	}
-	db := mustClaimDB(t, ledger.Sink{Name: "nats"})
+	db := mustClaimDB(t)
 	ctx := context.Background()
 	for _, table := range []string{"integration_outbox", "integration_idempotency"} {
 		db.exec(t, `ALTER TABLE `+table+` SET (autovacuum_enabled = off)`)

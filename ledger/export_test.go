@@ -16,34 +16,23 @@ func SetHandOverSlice(n int) (restore func()) {
 	return func() { handOverSlice = old }
 }
 
-// GlobToRegex exposes globToRegex to the tests.
-var GlobToRegex = globToRegex
-
-// SinkFilter exposes how the claim query routes a sink's globs in SQL.
-func SinkFilter(globs []string) (everyType bool, regex *string, err error) {
-	f, err := newSinkFilter(globs)
-	return f.everyType, f.regex, err
-}
-
 // ClaimStatement returns the claim query (for an outbox with the replays
 // and trace_context columns) and its arguments, for EXPLAIN.
 func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any, error) {
-	names, every, regex, err := s.routingArrays()
 	i := 0
 	if all {
 		i = 1
 	}
 	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
-	return s.sql.claim.claim[i][2], []any{limit, owner, all, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, err
+	return s.sql.claim.claim[i][2], []any{limit, owner, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, nil
 }
 
 // ClaimNewestStatement returns the claim of the newest due hand-offs
 // first (Claim's share for the aggregates the stream diverts) and its
 // arguments, for EXPLAIN.
 func (s *Store) ClaimNewestStatement(limit int, owner string) (string, []any, error) {
-	names, every, regex, err := s.routingArrays()
 	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
-	return s.sql.claim.newest[2], []any{limit, owner, false, names, every, regex, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, err
+	return s.sql.claim.newest[2], []any{limit, owner, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, nil
 }
 
 // LedgerPairsStatement returns the read of the ledger's pairs of some event
@@ -90,7 +79,7 @@ func (s *Store) BatchStatements(ids []int64, keys, aggregates []string, action, 
 		{"stream restreamed", st.restreamed, []any{ids}, false},
 		{"stream ledgerOf", st.ledgerOf, []any{keys}, false},
 		{"stream claimPairs", st.claimPairs, []any{keys, actions, owner}, true},
-		{"stream markDone", st.markDone, []any{ids}, true},
+		{"stream done", st.done, []any{ids}, true},
 		{"claim ledgerPairs", cl.ledgerPairs, []any{keys}, false},
 		{"claim claimPairs", cl.claimPairs, []any{keys, actions, owner, int64(30000)}, true},
 		{"claim delivered", cl.delivered, []any{keys, actions, owner}, true},
@@ -112,10 +101,6 @@ func (s *Store) ClaimTxSetting() string { return s.sql.setClaim }
 // ScanStatements returns the pending scan's read of an id range ($1, $2]
 // and its recheck of the watch list's ids ($1), for EXPLAIN.
 func (s *Store) ScanStatements() (rng, recheck string) { return s.sql.scanRange, s.sql.scanRecheck }
-
-// MarkDeliveredDoneStatement returns MarkDeliveredDone's statement for an
-// id range ($1, $2], for EXPLAIN.
-func (s *Store) MarkDeliveredDoneStatement() string { return s.sql.markDeliveredDone }
 
 // DivertedStatement returns the read of the diverted aggregates, for
 // EXPLAIN.

@@ -278,8 +278,7 @@ func payloadBytes(o string) string {
 // held in memory (16 bytes a row, and each aggregate once), and ends the
 // snapshot's transaction, so that none stays open while they are delivered
 // (an open snapshot would keep every row version left behind meanwhile from
-// being pruned). Rows the ledger shows delivered everywhere are left out by
-// Deliver's reads.
+// being pruned).
 func (h *handOverRows) read(ctx context.Context) error {
 	if h.closed {
 		return errors.New("read the hand-over's rows: the hand-over was closed")
@@ -405,8 +404,9 @@ func (h *handOverRows) Aggregates(ctx context.Context) ([]relay.AggregateKey, er
 // payloads take at most the store's readBytes (a row larger than that
 // alone), so that the memory a slice holds before the engine takes it is
 // bounded by bytes (docs/performance.md, "Memory") — keeping only those
-// still pending, not handed off and not delivered everywhere (a poller
-// still running may have claimed one since the snapshot), and gives them
+// still pending and not handed off (a poller still running may have
+// claimed one since the snapshot, the stream may have settled one), and
+// gives them
 // to feed. The aggregates with the fewest rows go first, each in id order:
 // the last row or two of the live aggregates, whose streamed events the
 // pin diverts until their rows are fed, before an old backlog. After each
@@ -583,7 +583,7 @@ func (h *handOverRows) Close() {
 }
 
 // markSnapshotIDs reads on db, in the exported snapshot, the ids of the
-// rows pending there and not handed off (and not delivered everywhere), then
+// rows pending there and not handed off, then
 // marks those still so on the primary, by id at READ COMMITTED, in one
 // transaction that also records the hand-over of slot as done at
 // consistent. db is the primary (the fallback of MarkForClaim) or the
@@ -596,7 +596,7 @@ func (s *Store) markSnapshotIDs(ctx context.Context, db beginner, slot, snapshot
 		if _, err := tx.Exec(ctx, setSnapshot, pgx.QueryExecModeSimpleProtocol); err != nil {
 			return fmt.Errorf("import snapshot %s: %w", snapshot, err)
 		}
-		rows, err := tx.Query(ctx, s.sql.pendingUnmarked)
+		rows, err := tx.Query(ctx, s.sql.snapshotPending)
 		if err != nil {
 			return err
 		}
@@ -632,42 +632,6 @@ func (s *Store) markSnapshotIDs(ctx context.Context, db beginner, slot, snapshot
 // beginner is what opens a transaction: a pool or a connection.
 type beginner interface {
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
-}
-
-// deliveredDoneChunk is the id range one MarkDeliveredDone statement covers.
-const deliveredDoneChunk = 10_000
-
-// MarkDeliveredDone sets status 'done' on the rows still pending and not
-// handed off that the ledger shows delivered to every sink they are routed
-// to (DeliveredEverywhere), and returns how many. It repairs what the
-// engine's own marking (mark_done: async) leaves behind: ids it held in
-// memory when the relay crashed, rows it could not see yet. The relay runs
-// it at the start of each phase beside the sources, and poll mode whatever
-// mark_done says, so that the claim path and a legacy poller read the status
-// they expect (docs/operations.md, "what the relay writes back"). It walks
-// the pending ids in ranges of deliveredDoneChunk, one short transaction
-// each, skipping rows another transaction has locked (they are being
-// settled), so a backlog of a million rows neither delays streaming nor
-// holds locks for long. With no sinks configured it marks nothing. Safe to
-// repeat and to cancel between chunks.
-func (s *Store) MarkDeliveredDone(ctx context.Context) (int64, error) {
-	if len(s.routes) == 0 {
-		return 0, nil
-	}
-	var lo, hi pgtype.Int8
-	if err := s.pool.QueryRow(ctx, s.sql.pendingRange).Scan(&lo, &hi); err != nil {
-		return 0, fmt.Errorf("mark delivered rows done: find the pending rows: %w", err)
-	}
-	var marked int64
-	for from := lo.Int64 - 1; lo.Valid && from < hi.Int64; from += deliveredDoneChunk {
-		to := min(from+deliveredDoneChunk, hi.Int64)
-		tag, err := s.pool.Exec(ctx, s.sql.markDeliveredDone, from, to)
-		if err != nil {
-			return marked, fmt.Errorf("mark delivered rows done (ids %d to %d): %w", from+1, to, err)
-		}
-		marked += tag.RowsAffected()
-	}
-	return marked, nil
 }
 
 // BeginSlot records, before a slot named slot is created, that its

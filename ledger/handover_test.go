@@ -381,94 +381,6 @@ func TestHandOverBadSnapshot(t *testing.T) {
 	}
 }
 
-// TestMarkDeliveredDone: the start-up repair marks done the pending rows
-// the ledger shows delivered to every sink they are routed to, and only
-// those, routing by event type as the engine does.
-func TestMarkDeliveredDone(t *testing.T) {
-	f := MustFixture(t)
-	ctx := context.Background()
-	ids := f.MustInsert(t,
-		row{Key: "both"},
-		row{Key: "one"},
-		row{Key: "sending"},
-		row{Key: "handed-off", HandedOff: true},
-		row{Key: "held", Status: "held"},
-		row{Key: "none"},
-		row{Key: "order-webhook-only", Type: "order.placed"},
-	)
-	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES
-		('both', 'webhook', 'delivered', 1), ('both', 'nats', 'delivered', 1),
-		('one', 'webhook', 'delivered', 1),
-		('sending', 'webhook', 'delivered', 1), ('sending', 'nats', 'sending', 1),
-		('handed-off', 'webhook', 'delivered', 1), ('handed-off', 'nats', 'delivered', 1),
-		('held', 'webhook', 'delivered', 1), ('held', 'nats', 'delivered', 1),
-		('order-webhook-only', 'webhook', 'delivered', 1)`)
-
-	if n, err := f.storeFor(t).MarkDeliveredDone(ctx); err != nil || n != 0 {
-		t.Fatalf("MarkDeliveredDone(no sinks) = %d, %v; want 0, nil", n, err)
-	}
-	// nats takes only test.* events: order-webhook-only needs webhook alone.
-	n, err := f.storeFor(t, ledger.Sink{Name: "webhook"}, ledger.Sink{Name: "nats", Events: []string{"test.*"}}).MarkDeliveredDone(ctx)
-	if err != nil {
-		t.Fatalf("MarkDeliveredDone: %v", err)
-	}
-	if n != 2 {
-		t.Errorf("MarkDeliveredDone marked %d rows, want 2", n)
-	}
-	for i, want := range []string{"done", "pending", "pending", "pending", "held", "pending", "done"} {
-		if got := f.MustRow(t, ids[i]); got.Status != want {
-			t.Errorf("row %d status = %s, want %s", i, got.Status, want)
-		}
-	}
-	// With one sink, "one" and "sending" qualify too.
-	if n, err := f.storeFor(t, ledger.Sink{Name: "webhook"}).MarkDeliveredDone(ctx); err != nil || n != 2 {
-		t.Errorf("MarkDeliveredDone(webhook) = %d, %v; want 2", n, err)
-	}
-}
-
-// TestMarkDeliveredDoneChunksAndSkipsLocked: the start-up pass covers
-// pending ids far apart (several id ranges) and passes over a row another
-// transaction holds locked instead of waiting for it, so it can run beside
-// the stream.
-func TestMarkDeliveredDoneChunksAndSkipsLocked(t *testing.T) {
-	f := MustFixture(t)
-	ctx := context.Background()
-	first := f.MustInsert(t, row{Key: "first"}, row{Key: "locked"})
-	f.MustExec(t, `SELECT setval('integration_outbox_id_seq', 35000)`)
-	last := f.MustInsert(t, row{Key: "last"})
-	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES
-		('first', 'nats', 'delivered', 1), ('locked', 'nats', 'delivered', 1), ('last', 'nats', 'delivered', 1)`)
-
-	tx, err := f.pool.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tx.Rollback(ctx)
-	if _, err := tx.Exec(ctx, `SELECT 1 FROM integration_outbox WHERE id = $1 FOR UPDATE`, first[1]); err != nil {
-		t.Fatal(err)
-	}
-	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	n, err := f.storeFor(t, ledger.Sink{Name: "nats"}).MarkDeliveredDone(cctx)
-	if err != nil {
-		t.Fatalf("MarkDeliveredDone beside a locked row: %v", err)
-	}
-	if n != 2 {
-		t.Errorf("marked %d rows, want 2 (first and last, not the locked one)", n)
-	}
-	for id, want := range map[int64]string{first[0]: "done", first[1]: "pending", last[0]: "done"} {
-		if got := f.MustRow(t, id); got.Status != want {
-			t.Errorf("row %d status = %s, want %s", id, got.Status, want)
-		}
-	}
-	if err := tx.Rollback(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if n, err := f.storeFor(t, ledger.Sink{Name: "nats"}).MarkDeliveredDone(ctx); err != nil || n != 1 {
-		t.Errorf("after the lock is gone: marked %d, %v; want 1", n, err)
-	}
-}
-
 // TestHandOverRecord: BeginSlot records that a slot's hand-over has not
 // happened (HandedOver false) until the hand-over records it; checkpoints
 // saved since keep the record; a BeginSlot for a new slot of the same name
@@ -572,7 +484,7 @@ func TestHandOverRecordBackfilled(t *testing.T) {
 func TestPendingScanWaitsForAHandOver(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	store := f.storeFor(t, ledger.Sink{Name: "nats"})
+	store := f.store
 	f.MustInsert(t, row{Key: "backlog-1"}, row{Key: "backlog-2"})
 	time.Sleep(10 * time.Millisecond)
 	if n, _, err := store.Stuck(ctx, 0); err != nil || n != 2 {
@@ -782,16 +694,17 @@ func TestHandOverReportsEachAggregateOnceFed(t *testing.T) {
 }
 
 // TestHandOverLeavesOutRowsSettledSinceTheSnapshot: a row of the snapshot
-// that another relay delivered everywhere, handed off or claimed before its
-// slice is read is not fed again.
+// that another relay settled (its status done), handed off or claimed
+// before its slice is read is not fed again.
 func TestHandOverLeavesOutRowsSettledSinceTheSnapshot(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	store := f.storeFor(t, ledger.Sink{Name: "nats"})
+	store := f.store
 	ids := f.MustInsert(t, row{Key: "delivered"}, row{Key: "handed-off"}, row{Key: "claimed"}, row{Key: "kept"})
 	slot, created, h := f.mustOpenHandOver(t, store)
 	defer h.Close()
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES ('delivered', 'nats', 'delivered', 1)`)
+	f.MustExec(t, `UPDATE integration_outbox SET status = 'done', processed_at = now() WHERE id = $1`, ids[0])
 	f.MustExec(t, `UPDATE integration_outbox SET handoff_at = now() WHERE id = $1`, ids[1])
 	f.MustExec(t, `UPDATE integration_outbox SET status = 'processing' WHERE id = $1`, ids[2])
 	fed := &feedLog{}

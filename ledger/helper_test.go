@@ -61,20 +61,7 @@ func MustFixtureNames(tb testing.TB, names migrations.Names, setup string) *fixt
 	tb.Cleanup(pool.Close)
 	cfg := ledger.DefaultConfig()
 	cfg.Outbox, cfg.Ledger, cfg.Checkpoint = names.Outbox, names.Ledger, names.Checkpoint
-	// The routes of the record of delivery (ledger.DeliveredEverywhere):
-	// two sinks that take every event.
-	cfg.Sinks = []ledger.Sink{{Name: "webhook"}, {Name: "nats"}}
 	return &fixture{url: url, pool: pool, store: mustStore(tb, pool, cfg), names: names}
-}
-
-// storeFor returns a store on f's tables whose record of delivery is routed
-// to sinks instead of the fixture's two.
-func (f *fixture) storeFor(tb testing.TB, sinks ...ledger.Sink) *ledger.Store {
-	tb.Helper()
-	cfg := ledger.DefaultConfig()
-	cfg.Outbox, cfg.Ledger, cfg.Checkpoint = f.names.Outbox, f.names.Ledger, f.names.Checkpoint
-	cfg.Sinks = sinks
-	return mustStore(tb, f.pool, cfg)
 }
 
 // row is an outbox row to insert; empty fields take the table's defaults,

@@ -85,7 +85,7 @@ func TestLedgerHoldsTheLongestKey(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	sink := randomText(relay.MaxSinkNameBytes)
-	store := f.storeFor(t, ledger.Sink{Name: sink})
+	store := f.store
 	for _, w := range ledgerWrites(f, store, sink) {
 		t.Run(w.name, func(t *testing.T) {
 			key := randomText(relay.MaxEventKeyBytes)

@@ -53,25 +53,12 @@ type Config struct {
 	// DefaultConfig sets it.
 	AsyncCommit bool
 
-	// Sinks route the readers of the record of delivery: a row is
-	// delivered once the ledger shows it delivered to every sink it is
-	// routed to (DeliveredEverywhere), and the claim query's ordering
-	// check waits for an earlier row of an aggregate only while it is
-	// undelivered to a sink both are routed to.
-	Sinks []Sink
 	// Unordered drops the ordering check (ordering: none).
 	Unordered bool
 	// MaxInFlightBytes is the engine's byte budget
 	// (delivery.max_inflight_bytes) [relay.DefaultMaxInFlightBytes]: a
 	// hand-over reads its rows in slices of relay.ReadBytes of it.
 	MaxInFlightBytes int64
-}
-
-// Sink is a sink's name (the ledger's action) and the event_type globs it
-// takes (empty: all).
-type Sink struct {
-	Name   string
-	Events []string
 }
 
 // DefaultConfig returns the default table names with AsyncCommit on.
@@ -88,7 +75,6 @@ type Store struct {
 	asyncCommit bool
 	sql         statements
 	outbox      string // quoted, for the few statements built elsewhere
-	routes      []Sink
 	origin      originState
 	// decodingStandbySlot is the physical slot the standby the stream
 	// decodes on streams through (SetDecodingStandby).
@@ -128,7 +114,6 @@ type statements struct {
 	handedOver           string
 	beginSlot            string
 	handoverDone         string
-	pendingUnmarked      string
 	snapshotPending      string
 	snapshotPendingAmong string
 	snapshotEarly        string
@@ -136,8 +121,6 @@ type statements struct {
 	markForClaimByID     string
 	handOverRead         [2]string // without, with trace_context
 	payloadSizes         string
-	pendingRange         string
-	markDeliveredDone    string
 	setAsyncCommit       string
 	setSynchronousCommit string
 	setPlanning          string
@@ -171,8 +154,7 @@ const planTx = `set_config('enable_seqscan', 'off', true), set_config('jit', 'of
 const planClaimTx = planTx + `, set_config('enable_sort', 'off', true), set_config('enable_incremental_sort', 'off', true)`
 
 // New returns a Store on pool. Empty names in cfg take the defaults; the
-// names are quoted here, once, so no name is ever read as SQL. It returns
-// an error for a sink's event glob the engine would refuse.
+// names are quoted here, once, so no name is ever read as SQL.
 func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	def := DefaultConfig()
 	if cfg.Outbox.Name == "" {
@@ -184,12 +166,7 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 	if cfg.Checkpoint.Name == "" {
 		cfg.Checkpoint = def.Checkpoint
 	}
-	t := tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted(), sinks: cfg.Sinks}
-	for _, alias := range []string{"o", "p"} {
-		if _, err := DeliveredEverywhere(t.ledger, cfg.Sinks, alias); err != nil {
-			return nil, err
-		}
-	}
+	t := tables{outbox: cfg.Outbox.Quoted(), ledger: cfg.Ledger.Quoted(), checkpoint: cfg.Checkpoint.Quoted()}
 	if cfg.MaxInFlightBytes <= 0 {
 		cfg.MaxInFlightBytes = relay.DefaultMaxInFlightBytes
 	}
@@ -199,26 +176,13 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 		asyncCommit: cfg.AsyncCommit,
 		sql:         render(t, claimOptions{unordered: cfg.Unordered}),
 		tables:      t,
-		routes:      cfg.Sinks,
 		readBytes:   relay.ReadBytes(cfg.MaxInFlightBytes),
 	}, nil
 }
 
-// tables are the relay's tables, quoted, and the sinks that route the record
-// of delivery.
+// tables are the relay's tables, quoted.
 type tables struct {
 	outbox, ledger, checkpoint string
-	sinks                      []Sink
-}
-
-// deliveredEverywhere is DeliveredEverywhere for the row aliased o (New has
-// checked the globs).
-func (t tables) deliveredEverywhere(o string) string {
-	cond, err := DeliveredEverywhere(t.ledger, t.sinks, o)
-	if err != nil {
-		panic(err)
-	}
-	return cond
 }
 
 func render(t tables, claim claimOptions) statements {
@@ -234,7 +198,7 @@ SELECT (SELECT count(*) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NO
        coalesce((SELECT extract(epoch FROM now() - min(created_at)) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NOT NULL), 0)::float8,
        greatest((SELECT reltuples FROM pg_class WHERE oid = to_regclass(%[2]s)), 0)::float8`, outbox, relay.QuoteLiteral(outbox)),
 		statsStatuses: fmt.Sprintf(`
-SELECT status, count(*) FROM %s WHERE status IN ('processing', 'failed', 'held') GROUP BY status`, outbox),
+SELECT status, count(*) FROM %s WHERE status IN ('processing', 'failed', 'held', 'discarded') GROUP BY status`, outbox),
 
 		loadCheckpoint: fmt.Sprintf(`SELECT confirmed_lsn::text FROM %s WHERE slot_name = $1`, checkpoint),
 
@@ -257,23 +221,15 @@ UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirme
  WHERE slot_name = $1`, checkpoint),
 		handoverDone: fmt.Sprintf(`SELECT handover_lsn IS NOT NULL FROM %s WHERE slot_name = $1`, checkpoint),
 
-		// The rows pending in the new slot's snapshot: they become the
-		// claim path's, due now when they had no available_at. Rows the
-		// ledger shows delivered everywhere are done, their status not
-		// marked yet (mark_done: off, or the marking trails).
-		pendingUnmarked: fmt.Sprintf(`
-SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
- WHERE %s AND NOT %s`, outbox, StreamOwned("o"), t.deliveredEverywhere("o")),
 		// A slice of a hand-over's rows, read again to be delivered: those
-		// still the stream's (pending, not handed off) and not delivered
-		// everywhere.
+		// still the stream's (pending, not handed off).
 		handOverRead: [2]string{handOverRead(t, "NULL::text"), handOverRead(t, "o.trace_context::text")},
 		// The payload bytes of the rows $1, which a hand-over's slices are
 		// cut by before their payloads are read.
 		payloadSizes: fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[])`, payloadBytes("o"), outbox),
-		// The rows pending in a new slot's snapshot, to deliver: the read
-		// the stream waits for, so it leaves the ledger to Deliver's reads
-		// of each slice (a row delivered everywhere is left out there).
+		// The rows pending in a new slot's snapshot, not handed off: the
+		// rows the slot will never stream, to deliver (or, on a standby,
+		// to mark for the claim path).
 		snapshotPending: fmt.Sprintf(`
 SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
  WHERE %s`, outbox, StreamOwned("o")),
@@ -318,24 +274,10 @@ SELECT n.id, n.aggregate_type, n.aggregate_id FROM newest AS n
  ORDER BY n.id`, outbox, StreamOwned("o")),
 		markForClaimByID: fmt.Sprintf(`
 UPDATE %s AS o SET status = 'pending', handoff_at = now(), available_at = COALESCE(o.available_at, now())
- WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE AND NOT %s`, outbox, StreamOwned("o"), t.deliveredEverywhere("o")),
-
-		// One id range at a time ($1, $2], in id order, skipping rows
-		// another statement has locked (the engine's own MarkDone): it runs
-		// beside the stream and never waits for, or deadlocks with, it.
-		// The range is read by id alone, like the pending scan's (scan.go).
-		pendingRange: fmt.Sprintf(`
-SELECT min(o.id), max(o.id) FROM %s AS o WHERE %s`, outbox, StreamOwned("o")),
-		markDeliveredDone: fmt.Sprintf(`
-WITH c AS (
-SELECT o.id FROM %s AS o
- WHERE o.id > $1 AND o.id <= $2 AND %s IS TRUE
-   AND %s
-   FOR UPDATE SKIP LOCKED)
-UPDATE %s AS o SET status = 'done', processed_at = now() FROM c WHERE o.id = c.id`, outbox, StreamOwned("o"), t.deliveredEverywhere("o"), outbox),
+ WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE`, outbox, StreamOwned("o")),
 
 		// Every transaction inTx runs (settlements, claims, ledger claims,
-		// marks, checkpoints) starts with one of these statements.
+		// checkpoints) starts with one of these statements.
 		// Each also turns sequential scans and JIT off for the transaction
 		// (planTx): its statements find their rows by key. The hand-over's
 		// own transactions (a whole-table pass) do not.
@@ -400,9 +342,6 @@ type step struct {
 func exec(kind, sql string, args ...any) step { return step{kind: kind, sql: sql, args: args} }
 func ids(kind, sql string, args ...any) step {
 	return step{kind: kind, sql: sql, args: args, ids: true}
-}
-func idsStep(kind, sql string, args ...any) step {
-	return ids(kind, sql, args...)
 }
 
 // runSteps runs steps in one transaction and one round trip (besides BEGIN
@@ -500,5 +439,5 @@ func handOverRead(t tables, trace string) string {
 SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,
        o.created_at, COALESCE(o.attempts, 0), o.available_at, %s
   FROM %s AS o
- WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE AND NOT %s`, trace, t.outbox, StreamOwned("o"), t.deliveredEverywhere("o"))
+ WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE`, trace, t.outbox, StreamOwned("o"))
 }

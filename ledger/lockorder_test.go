@@ -41,7 +41,7 @@ func waitForLockWaiters(tb testing.TB, db *claimDB, n int) {
 // pair so that the settlement waits for it first and the renewal second.
 func TestSettlementAndLeaseRenewalLockInOneOrder(t *testing.T) {
 	ctx := context.Background()
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	insertRows(t, db, 1, "a")
 	owner := ledger.NewOwner()
 	works, err := db.store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: owner})
@@ -104,7 +104,7 @@ func TestSettlementAndLeaseRenewalLockInOneOrder(t *testing.T) {
 // a trace.
 func TestSettleClaimReportsRowsDeletedSinceTheirClaim(t *testing.T) {
 	ctx := context.Background()
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	insertRows(t, db, 1, "a", "b", "c")
 	owner := ledger.NewOwner()
 	works, err := db.store.Claim(ctx, relay.ClaimQuery{All: true, Limit: 10, Owner: owner})

@@ -112,19 +112,18 @@ func TestStreamHandOffOfANullStatusRowReachesTheClaimPath(t *testing.T) {
 	mustClaimIDs(t, f.store, ids...)
 }
 
-// TestNullStatusRowsAreTheStreams: the other readers of the rows the stream
+// TestNullStatusRowsAreTheStreams: the other writers of the rows the stream
 // owns take a NULL status as pending: reconcile hands such a row to the
-// claim path (writing status pending), and the start-up pass marks one the
-// ledger shows delivered everywhere done.
+// claim path (writing status pending), and the stream's settlement writes
+// one it delivered done.
 func TestNullStatusRowsAreTheStreams(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	ids := f.MustInsert(t, row{Key: "old", NullStatus: true}, row{Key: "delivered", NullStatus: true})
 	f.MustExec(t, `UPDATE integration_outbox SET created_at = now() - interval '1 hour' WHERE id = $1`, ids[0])
-	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES
-		('delivered', 'webhook', 'delivered', 1), ('delivered', 'nats', 'delivered', 1)`)
-	if n, err := f.store.MarkDeliveredDone(ctx); err != nil || n != 1 {
-		t.Errorf("MarkDeliveredDone = %d, %v; want the delivered row marked", n, err)
+	w := streamWork(ids[1], "delivered", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))
+	if _, err := f.store.SettleStream(ctx, []*relay.Work{w}, "relay-a"); err != nil {
+		t.Fatal(err)
 	}
 	if got := f.MustRow(t, ids[1]); got.Status != "done" {
 		t.Errorf("delivered row = %v, want done", got)

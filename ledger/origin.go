@@ -60,7 +60,7 @@ func (s *Store) BeginTerm() {
 // StreamFrom binds the stream's writes to the server a replication session
 // streams from, named by IDENTIFY_SYSTEM's system identifier and timeline;
 // the stream calls it at the start of every session, before it writes
-// anything. From then on SettleStream, MarkDone and SaveCheckpoint check in
+// anything. From then on SettleStream and SaveCheckpoint check in
 // their own transaction that the server is on that timeline and roll back
 // otherwise. Within a term (see BeginTerm) only the first session may change
 // the server: a later change returns relay.ErrServerChanged. Safe to repeat

@@ -36,7 +36,7 @@ func serverOrigin(t *testing.T, q interface {
 }
 
 // TestStreamFromGuardsStreamWrites: once the stream is bound to a timeline
-// the server is not on, SettleStream, MarkDone and SaveCheckpoint roll
+// the server is not on, SettleStream and SaveCheckpoint roll
 // back with relay.ErrServerChanged and change nothing; bound to the
 // server's own, they write.
 func TestStreamFromGuardsStreamWrites(t *testing.T) {
@@ -52,8 +52,9 @@ func TestStreamFromGuardsStreamWrites(t *testing.T) {
 	if _, err := f.store.SettleStream(ctx, dead, "relay-a"); !errors.Is(err, relay.ErrServerChanged) {
 		t.Errorf("SettleStream on another timeline = %v, want ErrServerChanged", err)
 	}
-	if _, _, err := f.store.MarkDone(ctx, ids[1:]); !errors.Is(err, relay.ErrServerChanged) {
-		t.Errorf("MarkDone on another timeline = %v, want ErrServerChanged", err)
+	done := []*relay.Work{streamWork(ids[1], "k2", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))}
+	if _, err := f.store.SettleStream(ctx, done, "relay-a"); !errors.Is(err, relay.ErrServerChanged) {
+		t.Errorf("SettleStream (done) on another timeline = %v, want ErrServerChanged", err)
 	}
 	if err := f.store.SaveCheckpoint(ctx, "s", 42); !errors.Is(err, relay.ErrServerChanged) {
 		t.Errorf("SaveCheckpoint on another timeline = %v, want ErrServerChanged", err)
@@ -74,8 +75,8 @@ func TestStreamFromGuardsStreamWrites(t *testing.T) {
 	if _, err := f.store.SettleStream(ctx, dead, "relay-a"); err != nil {
 		t.Fatalf("SettleStream on the stream's timeline: %v", err)
 	}
-	if _, _, err := f.store.MarkDone(ctx, ids[1:]); err != nil {
-		t.Fatalf("MarkDone on the stream's timeline: %v", err)
+	if _, err := f.store.SettleStream(ctx, done, "relay-a"); err != nil {
+		t.Fatalf("SettleStream (done) on the stream's timeline: %v", err)
 	}
 	if err := f.store.SaveCheckpoint(ctx, "s", 42); err != nil {
 		t.Fatalf("SaveCheckpoint on the stream's timeline: %v", err)
@@ -258,8 +259,9 @@ func TestOriginGuardNeedsNoPrivileges(t *testing.T) {
 		t.Fatal(err)
 	}
 	ids := f.MustInsert(t, row{Key: "k1"})
-	if _, _, err := store.MarkDone(ctx, ids); err != nil {
-		t.Fatalf("MarkDone as %s: %v", role, err)
+	done := []*relay.Work{streamWork(ids[0], "k1", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))}
+	if _, err := store.SettleStream(ctx, done, "relay-a"); err != nil {
+		t.Fatalf("SettleStream as %s: %v", role, err)
 	}
 	if err := store.SaveCheckpoint(ctx, "s", 42); err != nil {
 		t.Fatalf("SaveCheckpoint as %s: %v", role, err)

@@ -87,7 +87,7 @@ func insertBacklogAndRecent(tb testing.TB, db *claimDB, n int) []int64 {
 // shared among the aggregates (docs/guarantees.md "Claim
 // runs"). The claim of one row per aggregate per round took 1 row of each.
 func TestClaimTakesRunsOfAnAggregate(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	ids := insertRows(t, db, 40, "a", "b")
 	got := claimIDs(t, db, ledger.NewOwner(), 50)
 	if want := ids["a"][:25]; !slices.Equal(got["a"], want) {
@@ -103,7 +103,7 @@ func TestClaimTakesRunsOfAnAggregate(t *testing.T) {
 // and where a run stops, and a run ends before a row another claimer has
 // locked.
 func TestClaimRunRespectsTheOtherRelaysRows(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	ctx := context.Background()
 	ids := insertRows(t, db, 10, "a")["a"]
 
@@ -141,7 +141,7 @@ func TestClaimRunRespectsTheOtherRelaysRows(t *testing.T) {
 // A row not due yet (a retry's backoff, a scheduled row) ends its
 // aggregate's run: the rows after it wait for it.
 func TestClaimRunStopsAtARowNotDue(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	ids := insertRows(t, db, 6, "a")["a"]
 	db.exec(t, `UPDATE integration_outbox SET available_at = now() + interval '1 hour' WHERE id = $1`, ids[3])
 	if got := claimIDs(t, db, ledger.NewOwner(), 50)["a"]; !slices.Equal(got, ids[:3]) {
@@ -153,7 +153,7 @@ func TestClaimRunStopsAtARowNotDue(t *testing.T) {
 // behind them: a claim whose window is full of rows that must wait looks
 // further on.
 func TestClaimLooksPastAHeldBackFront(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	// 3,000 rows of aggregate h behind a held row, then one row of c.
 	db.exec(t, `
 		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, status, available_at)
@@ -180,7 +180,7 @@ func TestClaimLooksPastAHeldBackFront(t *testing.T) {
 // drain-claim, four writers: the claim took nothing, each aggregate's window
 // head waiting behind its lower rows due a few milliseconds later).
 func TestClaimRunStartsBelowTheWindow(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	ids := insertRows(t, db, 3000, "a")["a"]
 	// The first 1,500 rows are due after the others.
 	db.exec(t, `UPDATE integration_outbox SET available_at = now() - interval '1 second' WHERE id <= $1`, ids[1499])
@@ -196,7 +196,7 @@ func TestClaimRunStartsBelowTheWindow(t *testing.T) {
 // it scanned every handed-off row for each chosen row (make bench's
 // slot-recreated: 30 s per claim over 200,000 rows).
 func TestClaimLocksChosenRowsByIDAfterAHandOver(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "nats"})
+	db := mustClaimDB(t)
 	db.exec(t, `
 		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, available_at)
 		SELECT 'e', 'a', (g % 100)::text, 'k' || g, '{}', now() - interval '1 minute' FROM generate_series(1, 20000) AS g`)
@@ -219,7 +219,7 @@ func TestClaimLocksChosenRowsByIDAfterAHandOver(t *testing.T) {
 // killed with runs in flight — diverts the aggregate's new events behind it
 // instead of streaming them past it, and its re-stream check skips it.
 func TestPollClaimMakesRowsTheClaimPaths(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	ctx := context.Background()
 	ids := insertRows(t, db, 3, "a")["a"]
 	if got := claimIDs(t, db, ledger.NewOwner(), 2)["a"]; !slices.Equal(got, ids[:2]) {
@@ -248,7 +248,7 @@ func TestPollClaimMakesRowsTheClaimPaths(t *testing.T) {
 // its fresh events) in the next claim, not once the whole backlog is
 // through.
 func TestClaimTakesTheNewestHandOffsDuringABacklog(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	ctx := context.Background()
 	z := insertBacklogAndRecent(t, db, 5000)
 	owner := ledger.NewOwner()
@@ -277,7 +277,7 @@ func TestClaimTakesTheNewestHandOffsDuringABacklog(t *testing.T) {
 // of the backlog behind it (docs/architecture.md, "The claim path yields to
 // a lagging stream").
 func TestClaimDueSinceTakesOnlyRecentAggregates(t *testing.T) {
-	db := mustClaimDB(t, ledger.Sink{Name: "hook"})
+	db := mustClaimDB(t)
 	ctx := context.Background()
 	z := insertBacklogAndRecent(t, db, 2000)
 	works, err := db.store.Claim(ctx, relay.ClaimQuery{Limit: 100, Owner: ledger.NewOwner(), DueSince: time.Now().Add(-10 * time.Second)})

@@ -11,19 +11,18 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// The pending scan. Rows the stream delivered keep status pending until
-// their status is marked (mark_done: async trails the deliveries; with
-// mark_done: off they stay pending and the ledger says they are done), so
-// "which rows are still the stream's and not delivered" cannot be answered
-// by an index: counting them every few seconds would read the whole table
-// each time. The scan instead walks the outbox once by id, in chunks, and
-// keeps the rows it finds pending, not handed off and not delivered
-// everywhere (DeliveredEverywhere) in a watch list that it checks again on
-// each step: rows the stream is still delivering leave it within moments,
-// rows nobody delivers (a slot made by someone else while the relay was
-// down) stay and raise the stuck-rows alarm. Each step reads the
-// ids added since the last one and the watch list: its cost follows the
-// write rate, not the table's size.
+// The pending scan: the rows still the stream's (StreamOwned: pending, not
+// handed off) — those it is delivering now, and those it will never stream
+// (a slot made by someone else while the relay was down) — without reading
+// the whole table every few seconds. No index holds just those rows: the
+// claim index holds the claim path's pending rows too, a backlog of a
+// recreated slot's hand-over among them. The scan walks the outbox once by
+// id, in chunks, and keeps the rows it finds the stream's in a watch list
+// that it checks again on each step: rows the stream settles leave it
+// within moments (their status is written in the settlement), rows nobody
+// delivers stay and raise the stuck-rows alarm. Each step reads the ids
+// added since the last one and the watch list: its cost follows the write
+// rate, not the table's size.
 //
 // A row whose id was taken by a transaction that commits only after the
 // scan passed that id (a transaction open longer than a step) is not seen;
@@ -66,7 +65,7 @@ type watched struct {
 }
 
 // scanPending advances the scan and returns the watch list: the rows
-// pending, not handed off and not delivered everywhere.
+// pending and not handed off.
 func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
 	sc := &s.scan
 	sc.mu.Lock()
@@ -75,11 +74,11 @@ func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
 		sc.watch = map[int64]watchEntry{}
 	}
 	if s.handingOver.Load() > 0 {
-		// A new slot's hand-over is marking every row pending before the
-		// slot: whatever the scan watches now, or would read, is on its way
-		// to the claim path, and not stuck (docs/architecture.md, "slot
-		// creation"). The scan resumes from its floor afterwards, where
-		// those rows read as handed off.
+		// A new slot's hand-over is delivering every row pending before
+		// the slot: whatever the scan watches now, or would read, is on its
+		// way, and not stuck (docs/architecture.md, "slot creation"). The
+		// scan resumes from its floor afterwards, where those rows read as
+		// settled or handed off.
 		clear(sc.watch)
 		return nil, nil
 	}
@@ -106,8 +105,7 @@ func (s *Store) scanStep(ctx context.Context) error {
 		sc.floor = low.Int64 - 1
 		sc.started = true
 	}
-	// The rows on the watch list that are still pending (or claimed) and
-	// not delivered.
+	// The rows on the watch list that are still pending (or claimed).
 	if len(sc.watch) > 0 {
 		ids := make([]int64, 0, len(sc.watch))
 		for id := range sc.watch {
@@ -167,18 +165,21 @@ func scanStatements(t tables) (start, top, rng, recheck string) {
 	watchedStatus := fmt.Sprintf("(%s OR o.status = 'processing') AND o.handoff_at IS NULL", isPending)
 	start = fmt.Sprintf(`SELECT min(o.id) FROM %s AS o WHERE %s`, t.outbox, pending)
 	top = fmt.Sprintf(`SELECT max(id) FROM %s`, t.outbox)
-	// A row pending in the step's range is probed in the ledger, one
-	// primary-key prefix per routed sink; rows whose status is marked are
-	// filtered out before. Both reads find their rows by id alone: the
-	// status test is wrapped in "(…) IS TRUE", which no index serves, or the
+	// Both reads find their rows by id alone: the status test is wrapped
+	// in "(…) IS TRUE", which no index serves, or the
 	// planner (before the outbox's first ANALYZE) combined the ids with the
 	// status index's entries for every pending row, the claim path's
 	// backlog included (TestPendingScanReadsItsIdsBeforeStatistics).
-	rng = fmt.Sprintf(`SELECT o.id, %s, true FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND (%s) IS TRUE AND NOT %s`,
-		due, t.outbox, pending, t.deliveredEverywhere("o"))
+	rng = fmt.Sprintf(`SELECT o.id, %s, true FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND (%s) IS TRUE`,
+		due, t.outbox, pending)
 	// The watch list's ids may lie far apart (a row stuck for hours among
-	// the last second's): a probe each.
-	recheck = fmt.Sprintf(`SELECT o.id, %s, %s FROM %s AS o WHERE o.id = ANY($1::bigint[]) AND (%s) IS TRUE AND NOT %s`,
-		due, isPending, t.outbox, watchedStatus, t.deliveredEverywhere("o"))
+	// the last second's): a probe of the primary key each, whatever the
+	// statistics (as "o.id = ANY($1)" the planner scanned the whole outbox
+	// for 2,000 ids before its first ANALYZE).
+	recheck = fmt.Sprintf(`
+SELECT o.id, %s, %s
+  FROM (SELECT DISTINCT id FROM unnest($1::bigint[]) AS u(id)) AS t
+ CROSS JOIN LATERAL (SELECT * FROM %s AS o WHERE o.id = t.id OFFSET 0) AS o
+ WHERE (%s) IS TRUE`, due, isPending, t.outbox, watchedStatus)
 	return start, top, rng, recheck
 }

@@ -65,7 +65,7 @@ var ErrNoStandbySnapshotPrivilege = errors.New("the role may not call pg_log_sta
 // a standby (docs/standby.md, "the hand-over on a standby"). The standby
 // cannot be written, so it reads on standby, in the snapshot that
 // CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported there, the ids of the
-// rows pending and not handed off (and not delivered everywhere): the rows
+// rows pending and not handed off: the rows
 // committed before the slot's consistent point, which it will never stream.
 // Then, on the primary, in one transaction, it marks those of them still
 // pending and not handed off for the claim path, by id, and records the

@@ -24,8 +24,8 @@ type Stats struct {
 // Stats reads the outbox's counts and the slot's retained WAL. It never
 // reads the whole table: pending rows are the rows handed to the claim path
 // (their own index) and the pending scan's watch list (rows still the
-// stream's and not delivered, see scan.go); processing, failed and held rows
-// come from the status index; done is the table's estimated size
+// stream's, see scan.go); processing, failed, held and discarded rows come
+// from the status index; done is the table's estimated size
 // (pg_class.reltuples) less the others. Callers refresh on an interval,
 // never per scrape.
 func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration) (Stats, error) {
@@ -63,7 +63,7 @@ func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration
 		return st, fmt.Errorf("outbox stats: %w", err)
 	}
 	st.Rows["pending"] = handed + int64(len(watch))
-	st.Rows["done"] = max(int64(total)-st.Rows["pending"]-st.Rows["processing"]-st.Rows["failed"]-st.Rows["held"], 0)
+	st.Rows["done"] = max(int64(total)-st.Rows["pending"]-st.Rows["processing"]-st.Rows["failed"]-st.Rows["held"]-st.Rows["discarded"], 0)
 	err = s.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint
 		FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&st.SlotExists, &st.RetainedWAL)
 	if err != nil {
@@ -75,7 +75,7 @@ func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration
 // Publish sets the relay's gauges from st.
 func (st Stats) Publish() {
 	var pending int64
-	for _, status := range []string{"pending", "processing", "done", "failed", "held"} {
+	for _, status := range []string{"pending", "processing", "done", "failed", "held", "discarded"} {
 		relay.RowsGauge.WithLabelValues(status).Set(float64(st.Rows[status]))
 	}
 	pending = st.Rows["pending"] + st.Rows["processing"]

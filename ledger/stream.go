@@ -19,7 +19,7 @@ type streamStatements struct {
 	// relay claimed and when deliveredNew meets another row of a pair.
 	deliveredNew string
 	delivered    string
-	walPosition  string
+	done         string
 	handOffs     string
 	deadLetter   string
 	held         string
@@ -29,7 +29,6 @@ type streamStatements struct {
 	ledgerOf     string
 	gone         string
 	claimPairs   string
-	markDone     string
 	diverted     string
 }
 
@@ -68,10 +67,19 @@ SELECT t.k, t.a, 'delivered', 1, now(), now()
   FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
  WHERE NOT EXISTS (SELECT FROM %[1]s AS l WHERE l.event_key = t.k AND l.action = t.a AND l.state = 'delivered' OFFSET 0)`, ledger),
 		delivered: deliveredSQL(ledger, false),
-		// Where the write ended in the WAL: the mark-done loop waits until
-		// the walsender has decoded past it before it writes the next batch
-		// (relay.StreamStore.MarkDone).
-		walPosition: `SELECT pg_current_wal_insert_lsn()::text`,
+
+		// Delivered to every sink it is routed to (or routed to none): the
+		// row's status is done, written in the transaction of its delivered
+		// ledger rows, so that no reader ever asks the ledger whether a row
+		// is delivered (docs/schema.md, "A row's states").
+		done: invisible(fmt.Sprintf(`
+WITH t AS (SELECT * FROM unnest($1::bigint[]) AS t(id)),
+changed AS (
+UPDATE %s AS o
+   SET status = 'done', processed_at = now()
+  FROM t
+ WHERE o.id = t.id AND %s IS TRUE
+RETURNING o.id)`, outbox, StreamOwned("o"))),
 
 		// A hand-off: the row becomes the claim path's, due at available_at,
 		// its status written pending (pending.go).
@@ -166,14 +174,6 @@ SELECT t.k, t.a, 'sending', 1, $3, now()
    SET state = 'sending', owner = EXCLUDED.owner, claimed_at = now(), attempts = l.attempts + 1
  WHERE l.state = 'unknown'
 RETURNING l.event_key, l.action`, ledger),
-
-		markDone: fmt.Sprintf(`
-WITH t AS (SELECT unnest($1::bigint[]) AS id),
-changed AS (
-UPDATE %s o SET status = 'done', processed_at = now()
- WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE
-RETURNING o.id)
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id OFFSET 0)`, outbox, StreamOwned("o"), outbox),
 
 		// Read at every stream session's start, before its first event.
 		// Pending rows may be a large backlog the stream owns (a slot
@@ -502,9 +502,10 @@ func split(works []*relay.Work) *settlementRows {
 // an overlapping batch.
 //
 // Every pair the stream delivered gets its delivered ledger row here, the
-// one record of delivery on both paths (docs/operations.md, "what the relay
-// writes back"); the row's status is marked done later and off the
-// acknowledgement path (MarkDone).
+// record of each delivery on both paths, and every row its status in the
+// same transaction: done, a hand-off, failed or held (docs/operations.md,
+// "what the relay writes back"). The pairs are written before the rows
+// (docs/architecture.md, "Lock order").
 func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
 	r := split(works)
 	setCommit := ""
@@ -530,6 +531,9 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 		if len(r.releaseKeys) > 0 {
 			steps = append(steps, exec(fmt.Sprintf("withdraw %d ledger claims", len(r.releaseKeys)), st.release, r.releaseKeys, r.releaseActions, owner))
 		}
+		if len(r.doneIDs) > 0 {
+			steps = append(steps, ids(fmt.Sprintf("mark %d rows done", len(r.doneIDs)), st.done, r.doneIDs))
+		}
 		if len(r.handIDs) > 0 {
 			steps = append(steps, ids(fmt.Sprintf("hand off %d rows", len(r.handIDs)), st.handOffs, r.handIDs, r.handAt, r.handErrs, r.handN))
 		}
@@ -554,29 +558,6 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 		return nil, fmt.Errorf("settle %d stream events: %w", len(works), err)
 	}
 	return invisible, nil
-}
-
-// MarkDone implements relay.StreamStore. It returns, besides the ids it
-// could not see, the WAL position its write ended at. It commits
-// synchronously: a logical walsender decodes only WAL that is flushed, and
-// an asynchronous commit waits for the WAL writer (wal_writer_delay, 200 ms
-// by default) before the walsender can pass it — which the engine waits for
-// before it writes the next batch (measured: 2,000 rows marked a second
-// after a 100,000-row transaction, instead of tens of thousands). One flush
-// per batch of up to a thousand rows.
-func (s *Store) MarkDone(ctx context.Context, ids []int64) ([]int64, relay.LSN, error) {
-	if len(ids) == 0 {
-		return nil, 0, nil
-	}
-	var at relay.LSN
-	invisible, err := s.runStreamSteps(ctx, s.sql.setSynchronousCommit, []step{
-		idsStep("mark rows done", s.sql.stream.markDone, ids),
-		{kind: "read the WAL position", sql: s.sql.stream.walPosition, check: func(row pgx.Row) error { return row.Scan(&at) }},
-	})
-	if err != nil {
-		return nil, 0, fmt.Errorf("mark %d rows done: %w", len(ids), err)
-	}
-	return invisible, at, nil
 }
 
 // Diverted implements relay.StreamStore: the distinct aggregates (non-NULL

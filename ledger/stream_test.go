@@ -170,13 +170,6 @@ func TestSettleEmpty(t *testing.T) {
 	if _, err := f.store.SettleStream(ctx, nil, "relay-a"); err != nil {
 		t.Errorf("SettleStream(nil) = %v, want nil", err)
 	}
-	// Done with every pair delivered before (Prepare found them in the
-	// ledger): nothing to write either; MarkDone marks the row.
-	w := streamWork(1, "e1", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))
-	w.Pairs[0].State = relay.PairDelivered
-	if _, err := f.store.SettleStream(ctx, []*relay.Work{w}, "relay-a"); err != nil {
-		t.Errorf("SettleStream(nothing to write) = %v, want nil", err)
-	}
 }
 
 func TestSettleIsAtomic(t *testing.T) {
@@ -203,27 +196,32 @@ func TestSettleIsAtomic(t *testing.T) {
 	}
 }
 
-// TestSettleOneTransaction settles 5,000 pairs with hand-offs and dead
-// letters and checks they were written by one transaction (one xmin).
+// TestSettleOneTransaction settles 5,000 delivered pairs of 100 rows, with
+// hand-offs and dead letters, and checks they were written by one
+// transaction (one xmin): the rows' done status with their ledger rows.
 func TestSettleOneTransaction(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	ids := f.MustInsertPending(t, "big", 200)
+	ids := f.MustInsertPending(t, "big", 300)
 	var works []*relay.Work
-	for i := range 5000 {
-		works = append(works, streamWork(0, fmt.Sprintf("big-%d", i), relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)))
+	for i, id := range ids[:100] {
+		var pairs []*relay.Pair
+		for s := range 50 {
+			pairs = append(pairs, outcomePair(fmt.Sprint("sink-", s), relay.Delivered))
+		}
+		works = append(works, streamWork(id, fmt.Sprint("big-", i+1), relay.Decision{Kind: relay.Done}, pairs...))
 	}
-	for _, id := range ids[:100] {
+	for _, id := range ids[100:200] {
 		works = append(works, streamWork(id, fmt.Sprint("h", id), relay.Decision{Kind: relay.Later, Reason: "circuit open"}))
 	}
-	for _, id := range ids[100:] {
+	for _, id := range ids[200:] {
 		works = append(works, streamWork(id, fmt.Sprint("d", id), relay.Decision{Kind: relay.DeadLetter, Reason: "rejected"}))
 	}
 	start := time.Now()
 	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
 		t.Fatalf("SettleStream: %v", err)
 	}
-	t.Logf("SettleStream of 5,000 delivered pairs, 100 hand-offs and 100 dead letters took %v", time.Since(start))
+	t.Logf("SettleStream of 5,000 delivered pairs of 100 rows, 100 hand-offs and 100 dead letters took %v", time.Since(start))
 
 	n := f.MustCount(t, `SELECT count(DISTINCT x) FROM (
 		SELECT xmin::text AS x FROM integration_idempotency
@@ -233,6 +231,9 @@ func TestSettleOneTransaction(t *testing.T) {
 	}
 	if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency WHERE state = 'delivered'"); n != 5000 {
 		t.Errorf("%d delivered rows, want 5000", n)
+	}
+	if n := f.MustCount(t, "SELECT count(*) FROM integration_outbox WHERE status = 'done' AND processed_at IS NOT NULL"); n != 100 {
+		t.Errorf("%d rows done, want 100", n)
 	}
 }
 
@@ -250,9 +251,6 @@ func TestSettleCommitSettingIsLocal(t *testing.T) {
 	w := streamWork(0, "e", relay.Decision{Kind: relay.Done}, outcomePair("a", relay.Delivered))
 	if _, err := store.SettleStream(ctx, []*relay.Work{w}, "relay-a"); err != nil {
 		t.Fatalf("SettleStream: %v", err)
-	}
-	if _, _, err := store.MarkDone(ctx, []int64{1}); err != nil {
-		t.Fatalf("MarkDone: %v", err)
 	}
 	var setting string
 	if err := pool.QueryRow(ctx, "SHOW synchronous_commit").Scan(&setting); err != nil {
@@ -377,7 +375,12 @@ func TestRestreamedHugeTransaction(t *testing.T) {
 	}
 }
 
-func TestMarkDone(t *testing.T) {
+// TestSettleStreamWritesDone: an event decided done gets its status in the
+// settlement that writes its delivered ledger rows — also when every pair
+// was delivered before (a re-streamed row whose status an earlier version
+// left pending) — on a row still the stream's only; a row another owner
+// holds is left to it, and a row the statement cannot see is reported.
+func TestSettleStreamWritesDone(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	ids := f.MustInsert(t,
@@ -385,13 +388,25 @@ func TestMarkDone(t *testing.T) {
 		row{Key: "handed-off", HandedOff: true},
 		row{Key: "failed", Status: "failed"},
 		row{Key: "held", Status: "held"},
+		row{Key: "recorded"},
 	)
+	recorded := outcomePair("webhook", relay.Delivered)
+	recorded.State = relay.PairDelivered
+	works := []*relay.Work{
+		streamWork(ids[0], "owned", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+		streamWork(ids[1], "handed-off", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+		streamWork(ids[2], "failed", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+		streamWork(ids[3], "held", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+		streamWork(ids[4], "recorded", relay.Decision{Kind: relay.Done}, recorded),
+		streamWork(999_999, "gone", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+	}
 	for range 2 { // safe to repeat
-		if _, _, err := f.store.MarkDone(ctx, append(ids, 999_999)); err != nil {
-			t.Fatalf("MarkDone: %v", err)
+		invisible, err := f.store.SettleStream(ctx, works, "relay-a")
+		if err != nil || fmt.Sprint(invisible) != "[999999]" {
+			t.Fatalf("SettleStream = %v, %v; want the missing row reported", invisible, err)
 		}
 	}
-	for i, want := range []string{"done", "pending", "failed", "held"} {
+	for i, want := range []string{"done", "pending", "failed", "held", "done"} {
 		got := f.MustRow(t, ids[i])
 		if got.Status != want {
 			t.Errorf("row %d status = %s, want %s", i, got.Status, want)
@@ -400,8 +415,8 @@ func TestMarkDone(t *testing.T) {
 			t.Errorf("row %d processed_at not set", i)
 		}
 	}
-	if _, _, err := f.store.MarkDone(ctx, nil); err != nil {
-		t.Errorf("MarkDone(nil) = %v", err)
+	if got := f.MustLedger(t, "owned")["webhook"]; got.State != "delivered" {
+		t.Errorf("owned/webhook = %+v, want delivered", got)
 	}
 }
 
@@ -458,8 +473,9 @@ func TestQuotedNames(t *testing.T) {
 	if err != nil {
 		t.Fatalf("SettleStream: %v", err)
 	}
-	if _, _, err := f.store.MarkDone(ctx, ids); err != nil {
-		t.Fatalf("MarkDone: %v", err)
+	done := streamWork(ids[2], "k3", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))
+	if _, err := f.store.SettleStream(ctx, []*relay.Work{done}, "relay-a"); err != nil {
+		t.Fatalf("SettleStream(done): %v", err)
 	}
 	restreamed := []*relay.Work{streamWork(ids[0], "k1", relay.Decision{}, &relay.Pair{Sink: "webhook"})}
 	if err := f.store.PrepareStream(ctx, restreamed, true, "relay-a"); err != nil || !restreamed[0].Skip || restreamed[0].Pairs[0].State != relay.PairDelivered {
@@ -480,9 +496,6 @@ func TestQuotedNames(t *testing.T) {
 	if done, err := f.store.HandedOver(ctx, "s"); err != nil || done {
 		t.Fatalf("HandedOver after BeginSlot = %v, %v", done, err)
 	}
-	if _, err := f.storeFor(t, ledger.Sink{Name: "webhook"}).MarkDeliveredDone(ctx); err != nil {
-		t.Fatalf("MarkDeliveredDone: %v", err)
-	}
 	claims := []*relay.Work{streamWork(0, "k9", relay.Decision{}, &relay.Pair{Sink: "hold", Hold: true})}
 	if err := f.store.PrepareStream(ctx, claims, false, "me"); err != nil || !claims[0].Pairs[0].Claimed {
 		t.Fatalf("PrepareStream(hold claim) = %v, %s", err, prepared(claims[0]))
@@ -492,7 +505,7 @@ func TestQuotedNames(t *testing.T) {
 		t.Fatalf("SettleStream(hold): %v", err)
 	}
 	if got := f.MustRow(t, ids[2]); got.Status != "done" {
-		t.Errorf("k3 status = %s, want done (MarkDone ran first)", got.Status)
+		t.Errorf("k3 status = %s, want done (its settlement ran first)", got.Status)
 	}
 	if got := f.MustLedger(t, "k3")["hold"]; got.State != "unknown" {
 		t.Errorf("k3/hold = %+v, want unknown", got)
@@ -543,8 +556,9 @@ func TestSettleReportsInvisibleRows(t *testing.T) {
 	if err != nil || len(invisible) != 1 || invisible[0] != id {
 		t.Fatalf("SettleStream reported %v (%v), want [%d]", invisible, err, id)
 	}
-	if invisible, _, err = f.store.MarkDone(ctx, []int64{id}); err != nil || len(invisible) != 1 {
-		t.Fatalf("MarkDone reported %v (%v), want [%d]", invisible, err, id)
+	done := []*relay.Work{streamWork(id, "invisible", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered))}
+	if invisible, err = f.store.SettleStream(ctx, done, "relay-a"); err != nil || len(invisible) != 1 {
+		t.Fatalf("SettleStream(done) reported %v (%v), want [%d]", invisible, err, id)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
@@ -875,27 +889,31 @@ func TestSettleStreamStoresAnyReason(t *testing.T) {
 	}
 }
 
-// TestPendingScanSeesOnlyRowsNotDelivered: the pending scan (Stuck, Stats)
-// finds the rows pending, not handed off and not delivered everywhere in
-// the ledger — and only those — however many the stream delivered before
-// without their status marked (mark_done: off), and stops watching a row
-// once its ledger rows are written.
-func TestPendingScanSeesOnlyRowsNotDelivered(t *testing.T) {
+// TestPendingScanSeesOnlyTheStreamsRows: the pending scan (Stuck, Stats)
+// finds the rows pending and not handed off — and only those — among many
+// the stream settled, by their status alone: a pending row is watched even
+// when the ledger shows it delivered (an earlier version left its status
+// pending; reconcile hands it to the claim path), and a row leaves the
+// watch list once its status is written.
+func TestPendingScanSeesOnlyTheStreamsRows(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	store := f.storeFor(t, ledger.Sink{Name: "nats"})
+	store := f.store
 	exec := func(sql string, args ...any) {
 		t.Helper()
 		if _, err := f.pool.Exec(ctx, sql, args...); err != nil {
 			t.Fatalf("%s: %v", sql, err)
 		}
 	}
-	// 120,000 rows an hour old, all delivered by the stream but 3; 2 handed
+	// 120,000 rows an hour old, all done but 5, of which 2 are handed
 	// off; a young one.
-	exec(`INSERT INTO integration_outbox (event_key, payload, created_at, available_at)
-		SELECT 'k' || g, '{}', now() - interval '1 hour', now() - interval '1 hour' FROM generate_series(1, 120000) g`)
+	exec(`INSERT INTO integration_outbox (event_key, payload, created_at, available_at, status, processed_at)
+		SELECT 'k' || g, '{}', now() - interval '1 hour', now() - interval '1 hour',
+		       CASE WHEN g IN (7, 8, 9, 60001, 119999) THEN 'pending' ELSE 'done' END,
+		       CASE WHEN g NOT IN (7, 8, 9, 60001, 119999) THEN now() END
+		  FROM generate_series(1, 120000) g`)
 	exec(`INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
-		SELECT event_key, 'nats', 'delivered', 1, now() FROM integration_outbox WHERE id NOT IN (7, 8, 9, 60001, 119999)`)
+		SELECT event_key, 'nats', 'delivered', 1, now() FROM integration_outbox WHERE id = 60001`)
 	exec(`UPDATE integration_outbox SET handoff_at = now() WHERE id IN (8, 9)`)
 	exec(`INSERT INTO integration_outbox (event_key, payload) VALUES ('young', '{}')`)
 
@@ -916,11 +934,10 @@ func TestPendingScanSeesOnlyRowsNotDelivered(t *testing.T) {
 	if st.Rows["pending"] != 6 || st.Stuck != 3 {
 		t.Fatalf("Stats: pending %d, stuck %d; want 6 (3 stuck, 2 handed off, 1 young) and 3", st.Rows["pending"], st.Stuck)
 	}
-	// Delivered at last: no longer watched.
-	exec(`INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
-		SELECT event_key, 'nats', 'delivered', 1, now() FROM integration_outbox WHERE id IN (7, 60001, 119999)`)
+	// Settled at last: no longer watched.
+	exec(`UPDATE integration_outbox SET status = 'done', processed_at = now() WHERE id IN (7, 60001, 119999)`)
 	if rows, _, err = store.Stuck(ctx, time.Minute); err != nil || rows != 0 {
-		t.Fatalf("Stuck after recording = %d, %v; want 0", rows, err)
+		t.Fatalf("Stuck after settling = %d, %v; want 0", rows, err)
 	}
 }
 

@@ -55,8 +55,8 @@ func (s *Store) RepairDue(ctx context.Context) (int64, error) {
 	return tag.RowsAffected(), nil
 }
 
-// Stuck counts the rows pending, not the claim path's, not delivered, and
-// due longer than after ago, and returns the age of the oldest. It never
+// Stuck counts the rows pending, not the claim path's, and due longer than
+// after ago, and returns the age of the oldest. It never
 // claims them: only a hand-off, the slot hand-over or `outbox-relay
 // reconcile` makes a row the claim path's. It reads the pending scan's
 // watch list (scan.go), so its cost follows the write rate.
@@ -221,8 +221,9 @@ const reconcileBatch = 10_000
 // --older-than D`: the repair for rows a slot will never stream (the slot
 // was dropped and recreated by someone else while the relay was down). The
 // claim path then delivers them; pairs the ledger shows delivered are
-// skipped, so rows the stream delivered but did not mark done are only
-// settled.
+// skipped, so a row the stream delivered whose status an earlier version
+// left pending (docs/operations.md, "what the relay writes back") is
+// settled done without being sent.
 //
 // Run it with olderThan well above the stream's lag: a row the stream is
 // still delivering when it is marked may reach a sink from both paths. It
@@ -246,14 +247,14 @@ func (s *Store) Reconcile(ctx context.Context, olderThan time.Duration) (int64, 
 	sql := fmt.Sprintf(`
 WITH batch AS (
     SELECT o.id FROM %[1]s AS o
-     WHERE %[3]s AND NOT %[2]s
+     WHERE %[2]s
        AND o.created_at < now() - $1::bigint * interval '1 millisecond'
      ORDER BY o.id
      LIMIT $2
        FOR UPDATE)
 UPDATE %[1]s AS o SET status = 'pending', handoff_at = now(), available_at = COALESCE(o.available_at, now())
   FROM batch
- WHERE o.id = batch.id AND %[3]s IS TRUE AND NOT %[2]s`, s.outbox, s.tables.deliveredEverywhere("o"), StreamOwned("o"))
+ WHERE o.id = batch.id AND %[2]s IS TRUE`, s.outbox, StreamOwned("o"))
 	var marked int64
 	for {
 		var n int64

@@ -558,7 +558,7 @@ func TestEngine_RenewsLeasesOfClaimWorkInFlight(t *testing.T) {
 
 // TestEngine_RunLeavesNoGoroutines: once Run returns, every goroutine the
 // engine started has ended — lanes with inline retries waiting on their
-// timers, the settle loops, mark-done and lease renewal — whether it was
+// timers, the settle loops and lease renewal — whether it was
 // drained first or not.
 func TestEngine_RunLeavesNoGoroutines(t *testing.T) {
 	for _, drain := range []bool{true, false} {
@@ -572,7 +572,7 @@ func TestEngine_RunLeavesNoGoroutines(t *testing.T) {
 			})
 			var renewals atomic.Int32
 			claims := &fakeClaimStore{extendLeases: func(context.Context, []int64, string) error { renewals.Add(1); return nil }}
-			e, err := relay.NewEngine(relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me", MarkDone: true,
+			e, err := relay.NewEngine(relay.EngineConfig{Stream: newFakeStore(), Claim: claims, Owner: "me",
 				Routes: []relay.Route{{Sink: sink}}, Policy: relay.Policy{InlineAttempts: 5, LaneBlockMax: 10 * time.Second},
 				Logger: testLogger(t)})
 			if err != nil {
@@ -690,38 +690,6 @@ func TestEngine_SubmitClaimedBatchLargerThanMaxUnsettled(t *testing.T) {
 	}
 }
 
-// TestEngine_MarkDoneForgetsRowsOnceMarked: a row whose mark-done found it
-// invisible is tried again, and forgotten once it is marked. Before, its
-// count of tries stayed in memory for good: one map entry per such row, for
-// as long as the relay ran.
-func TestEngine_MarkDoneForgetsRowsOnceMarked(t *testing.T) {
-	const rows = 20
-	store := newFakeStore()
-	for i := int64(1); i <= rows; i++ {
-		store.invisibleFor[i] = 2
-	}
-	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
-	c := e.Stream()
-	for i := int64(1); i <= rows; i++ {
-		submit(t, c, event(i, fmt.Sprint(i)))
-	}
-	c.Commit(100)
-	waitSettledAt(t, c, 100)
-	waitFor(t, "rows marked done", func() bool {
-		store.mu.Lock()
-		defer store.mu.Unlock()
-		return len(store.done) == rows
-	})
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := e.Drain(ctx); err != nil { // one more flush: the queue is empty
-		t.Fatal(err)
-	}
-	if n := e.MarkRetries(); n != 0 {
-		t.Fatalf("the mark-done queue still counts tries of %d rows, all marked done", n)
-	}
-}
-
 // TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder: an event of an
 // aggregate that goes to the claim path as it enters its lane (the sink's
 // circuit is open) must not disturb the aggregate's event already in flight:
@@ -760,38 +728,6 @@ func TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder(t *testing.T) {
 	}
 	close(release)
 	waitFor(t, "row 11 settled", func() bool { _, ok := rec.decision(11); return ok })
-}
-
-// TestEngine_MarkDoneWaitsForTheWalsender: marking rows done is WAL the
-// walsender decodes before any event committed after it. A batch of marks
-// goes out only once the stream has decoded past the previous one (a
-// commit or keepalive position at or beyond where it ended), so a backlog
-// of marks never queues in front of fresh events: after a drain, the marks
-// trail the walsender instead of writing seconds of WAL at once.
-func TestEngine_MarkDoneWaitsForTheWalsender(t *testing.T) {
-	store := newFakeStore()
-	store.markAt = 5000 // where each batch of marks ends in the WAL
-	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
-	c := e.Stream()
-	marks := store.markCalls
-	submit(t, c, event(1, "a"))
-	c.Commit(100)
-	waitFor(t, "the first batch of marks", func() bool { return marks() == 1 })
-
-	submit(t, c, event(2, "b"))
-	c.Commit(200)
-	waitSettledAt(t, c, 200)
-	time.Sleep(time.Second) // five mark intervals
-	if n := marks(); n != 1 {
-		t.Fatalf("%d batches of marks while the stream had decoded only to 0/C8, short of the previous batch's end (0/1388): want the second to wait", n)
-	}
-	c.Keepalive(5000) // the walsender has decoded the first batch
-	waitFor(t, "the second batch once the walsender passed the first", func() bool { return marks() == 2 })
-	store.mu.Lock()
-	defer store.mu.Unlock()
-	if !store.done[1] || !store.done[2] {
-		t.Fatalf("done %v, want rows 1 and 2", store.done)
-	}
 }
 
 // panickySink panics on its first Send: a bug in a sink.
@@ -1051,39 +987,6 @@ func TestEngine_RunStopsAtItsFirstUndeliveredRow(t *testing.T) {
 	}
 	if d, _ := rec.decision(3); d.Kind != relay.Later {
 		t.Fatalf("row 3 decided %v, want Later (back to the claim path behind row 1)", d.Kind)
-	}
-}
-
-// TestEngine_DrainMarksWhileTheLoopWaits: a stop (Drain) marks the rows
-// still waiting at once, while the paced loop may still be waiting for the
-// walsender to pass its previous batch. Both write where their batch ended
-// in the WAL; under -race this failed on the loop's unlocked read of it
-// (CI, TestRelay_Standby on PostgreSQL 16).
-func TestEngine_DrainMarksWhileTheLoopWaits(t *testing.T) {
-	store := newFakeStore()
-	store.markAt = 5000
-	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}, MarkDone: true})
-	c := e.Stream()
-	marks := store.markCalls
-	submit(t, c, event(1, "a"))
-	c.Commit(100)
-	waitFor(t, "the first batch of marks", func() bool { return marks() == 1 })
-	submit(t, c, event(2, "b"))
-	c.Commit(200)
-	waitSettledAt(t, c, 200)
-	time.Sleep(2 * 200 * time.Millisecond) // the loop now waits for the walsender to pass 0/1388
-	store.mu.Lock()
-	store.markAt = 6000 // the stop's batch ends further on
-	store.mu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if err := e.Drain(ctx); err != nil {
-		t.Fatal(err)
-	}
-	store.mu.Lock()
-	defer store.mu.Unlock()
-	if !store.done[2] {
-		t.Fatalf("done %v after Drain, want row 2 marked", store.done)
 	}
 }
 

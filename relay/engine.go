@@ -48,9 +48,6 @@ type EngineConfig struct {
 	// (delivery.max_inflight_bytes) [DefaultMaxInFlightBytes]. An event
 	// larger than it is taken alone.
 	MaxInFlightBytes int64
-	// MarkDone marks fully delivered stream rows done, in batches, off the
-	// acknowledgement path [false: the ledger is the record].
-	MarkDone bool
 	// Stream and Claim are the paths' stores; Claim may be nil when no
 	// claim path feeds the engine.
 	Stream StreamStore
@@ -121,7 +118,6 @@ type Engine struct {
 	done         chan struct{} // closed when Run has returned
 
 	settle map[Path]*settleQueue
-	marks  *markQueue
 
 	started chan struct{}
 
@@ -172,7 +168,6 @@ func NewEngine(cfg EngineConfig) (*Engine, error) {
 		settledCount: map[Path]*atomic.Uint64{PathStream: new(atomic.Uint64), PathClaim: new(atomic.Uint64)},
 		started:      make(chan struct{}),
 		done:         make(chan struct{}),
-		marks:        newMarkQueue(),
 		now:          time.Now,
 	}
 	e.idle = sync.NewCond(&e.mu)
@@ -263,9 +258,6 @@ func (e *Engine) Run(ctx context.Context) error {
 		q := e.settle[p]
 		g.Go("settle "+string(p), func(ctx context.Context) error { q.run(ctx); return nil })
 	}
-	if e.cfg.MarkDone {
-		g.Go("mark done", func(ctx context.Context) error { e.markDoneLoop(ctx); return nil })
-	}
 	if e.cfg.Claim != nil {
 		g.Go("lease renewer", func(ctx context.Context) error { e.renewLeases(ctx); return nil })
 	}
@@ -334,12 +326,7 @@ const DefaultStallAfter = 5 * time.Minute
 // error if that comes first: ctx is its bound (shutdown_timeout).
 func (e *Engine) Drain(ctx context.Context) error {
 	e.draining.Store(true)
-	err := e.waitInFlight(ctx, settleWait{what: "events", count: func() int { return len(e.inflight[PathStream]) + len(e.inflight[PathClaim]) }})
-	if err != nil {
-		return err
-	}
-	e.flushMarkDone(ctx)
-	return nil
+	return e.waitInFlight(ctx, settleWait{what: "events", count: func() int { return len(e.inflight[PathStream]) + len(e.inflight[PathClaim]) }})
 }
 
 // WaitSettled waits until every stream work taken so far is settled, or
@@ -763,9 +750,6 @@ func (e *Engine) settled(w *Work) {
 	e.mu.Unlock()
 	e.settledCount[w.path].Add(1)
 	e.unsettled.give(w)
-	if e.cfg.MarkDone && w.path == PathStream && w.Decision.Kind == Done {
-		e.marks.add(w.Event.ID)
-	}
 }
 
 // diverts reports whether a pair with this outcome leaves its event with

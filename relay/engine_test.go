@@ -21,7 +21,7 @@ func TestEngine_PerAggregateOrder(t *testing.T) {
 	store := newFakeStore()
 	sink := newFakeSink("s", nil)
 	sink.delay = func() time.Duration { return time.Duration(rand.IntN(300)) * time.Microsecond }
-	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}, MarkDone: true})
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
 	c := e.Stream()
 
 	const aggregates, perAggregate = 100, 20
@@ -56,11 +56,11 @@ func TestEngine_PerAggregateOrder(t *testing.T) {
 			t.Fatalf("%v recorded %d times", k, n)
 		}
 	}
-	waitFor(t, "rows marked done", func() bool {
-		store.mu.Lock()
-		defer store.mu.Unlock()
-		return len(store.done) == aggregates*perAggregate
-	})
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	if len(store.done) != aggregates*perAggregate {
+		t.Fatalf("%d rows done once every event is settled, want %d: the settlement writes the status", len(store.done), aggregates*perAggregate)
+	}
 }
 
 // TestEngine_AckWaitsForSlowTransaction: the settled position never passes
@@ -508,19 +508,20 @@ func TestEngine_HoldUnknownOutcome(t *testing.T) {
 }
 
 // TestEngine_RowNotVisibleYet: the walsender can send a transaction before
-// its rows are visible to other sessions. A hand-off or mark-done that finds
-// its row invisible is retried, and the acknowledgement waits for it.
+// its rows are visible to other sessions. A dead letter or a done status
+// that finds its row invisible is written again, and the acknowledgement
+// waits for it.
 func TestEngine_RowNotVisibleYet(t *testing.T) {
 	store := newFakeStore()
 	store.invisibleFor[1] = 3 // the dead letter of event 1
-	store.invisibleFor[2] = 3 // the mark-done of event 2
+	store.invisibleFor[2] = 3 // the done status of event 2
 	sink := newFakeSink("s", func(d *relay.Delivery) error {
 		if d.Event.ID == 1 {
 			return relay.PermanentError(errors.New("400"))
 		}
 		return nil
 	})
-	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}, MarkDone: true})
+	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}})
 	c := e.Stream()
 	submit(t, c, event(1, "a"), event(2, "b"))
 	c.Commit(100)
@@ -531,11 +532,11 @@ func TestEngine_RowNotVisibleYet(t *testing.T) {
 	if dead == "" {
 		t.Fatal("settled before the dead letter of the invisible row was written")
 	}
-	waitFor(t, "row 2 marked done", func() bool {
-		store.mu.Lock()
-		defer store.mu.Unlock()
-		return store.done[2]
-	})
+	store.mu.Lock()
+	defer store.mu.Unlock()
+	if !store.done[2] {
+		t.Fatal("settled before the done status of the invisible row was written")
+	}
 }
 
 // TestEngine_RestartReloadsDiverted: rows a new slot's hand-over gives the
@@ -618,42 +619,4 @@ func TestEngine_RestreamedSkipsStillNeedACheckpoint(t *testing.T) {
 	if n := len(sink.sent()); n != 0 {
 		t.Fatalf("%d sends of events the database shows settled", n)
 	}
-}
-
-// TestEngine_WaitDecodedFollowsTheStream: waitDecodedPast returns once the
-// stream reports a position at or past its own, and while anyone waits
-// the consumer asks for positions (PositionWanted); two may wait at once.
-// With one flag for both, the first waiter to finish cleared it under the
-// other.
-func TestEngine_WaitDecodedFollowsTheStream(t *testing.T) {
-	e := startEngine(t, relay.EngineConfig{Stream: newFakeStore(), Routes: []relay.Route{{Sink: newFakeSink("s", nil)}}})
-	c := e.Stream()
-	if err := c.Restart(context.Background(), 0); err != nil {
-		t.Fatal(err)
-	}
-	wait := func(at relay.LSN) <-chan bool {
-		done := make(chan bool, 1)
-		go func() { done <- e.WaitDecodedPast(context.Background(), at) }()
-		return done
-	}
-	first, second := wait(500), wait(1000)
-	waitFor(t, "a position wanted", c.PositionWanted)
-	c.Keepalive(400)
-	select {
-	case <-first:
-		t.Fatal("WaitDecoded(500) returned at position 400")
-	case <-time.After(50 * time.Millisecond):
-	}
-	c.Keepalive(600)
-	if ok := <-first; !ok {
-		t.Error("WaitDecoded(500) = false at 600")
-	}
-	if !c.PositionWanted() {
-		t.Error("no position wanted while WaitDecoded(1000) still waits")
-	}
-	c.Commit(1000)
-	if ok := <-second; !ok {
-		t.Error("WaitDecoded(1000) = false at 1000")
-	}
-	waitFor(t, "no position wanted once nobody waits", func() bool { return !c.PositionWanted() })
 }

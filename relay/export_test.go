@@ -1,7 +1,6 @@
 package relay
 
 import (
-	"context"
 	"time"
 )
 
@@ -15,10 +14,6 @@ func (p Policy) Decide(now time.Time, attempts int, outcomes []Outcome, sinks []
 	return p.decide(now, attempts, outcomes, sinks)
 }
 
-// WaitDecodedPast is Engine.waitDecodedPast: what the mark-done loop waits
-// with before its next batch.
-func (e *Engine) WaitDecodedPast(ctx context.Context, at LSN) bool { return e.waitDecodedPast(ctx, at) }
-
 // Undiverted is Engine.undiverted: what the claim path's settlement calls
 // once an aggregate has nothing left at the claim path.
 func (e *Engine) Undiverted(a AggregateKey, seq uint64) { e.undiverted(a, seq) }
@@ -29,11 +24,3 @@ func (e *Engine) SetClock(now func() time.Time) { e.now = now }
 // DataErrorsBeforeFallback is how many refusals of a row's data the
 // settlement takes before it writes a plain dead letter instead.
 const DataErrorsBeforeFallback = dataErrorsBeforeFallback
-
-// MarkRetries is how many rows the mark-done queue keeps a count of tries
-// for.
-func (e *Engine) MarkRetries() int {
-	e.marks.mu.Lock()
-	defer e.marks.mu.Unlock()
-	return len(e.marks.tries)
-}

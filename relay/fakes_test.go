@@ -21,7 +21,6 @@ import (
 type fakeStore struct {
 	prepareStream func(ctx context.Context, works []*relay.Work, restreamed bool, owner string) error
 	settleStream  func(ctx context.Context, works []*relay.Work, owner string) ([]int64, error)
-	markDone      func(ctx context.Context, ids []int64) ([]int64, relay.LSN, error)
 	diverted      func(ctx context.Context) ([]relay.AggregateKey, error)
 
 	mu          sync.Mutex
@@ -37,12 +36,10 @@ type fakeStore struct {
 	// fake did not write them so (settled before a restart).
 	notOwned     map[int64]bool
 	divertedAggs []relay.AggregateKey
-	// invisibleFor makes the row changes (and mark-done) of an id report
-	// the row invisible this many more times.
+	// invisibleFor makes the row changes of an id report the row
+	// invisible this many more times.
 	invisibleFor map[int64]int
 	settles      int       // SettleStream calls that wrote something
-	marks        [][]int64 // the ids of each MarkDone call
-	markAt       relay.LSN // the WAL position MarkDone reports
 	prepares     [][]int64 // the ids of each PrepareStream call
 }
 
@@ -54,7 +51,7 @@ func newFakeStore() *fakeStore {
 		handOffs: map[int64]relay.Decision{}, deadLetters: map[int64]string{}, held: map[int64]string{},
 		done: map[int64]bool{}, notOwned: map[int64]bool{}, invisibleFor: map[int64]int{},
 	}
-	s.prepareStream, s.settleStream, s.markDone, s.diverted = s.prepare, s.settle, s.markRowsDone, s.divertedRows
+	s.prepareStream, s.settleStream, s.diverted = s.prepare, s.settle, s.divertedRows
 	return s
 }
 
@@ -68,10 +65,6 @@ func (s *fakeStore) SettleStream(ctx context.Context, works []*relay.Work, owner
 
 // Gone reports none of the invisible rows as deleted.
 func (s *fakeStore) Gone(context.Context, []*relay.Work) ([]int64, error) { return nil, nil }
-
-func (s *fakeStore) MarkDone(ctx context.Context, ids []int64) ([]int64, relay.LSN, error) {
-	return s.markDone(ctx, ids)
-}
 
 func (s *fakeStore) Diverted(ctx context.Context) ([]relay.AggregateKey, error) {
 	return s.diverted(ctx)
@@ -122,7 +115,8 @@ func (s *fakeStore) ownedLocked(id int64) bool {
 }
 
 // settle is what ledger.SettleStream does: ledger pairs, then the row
-// changes of rows it can see; it reports the others invisible.
+// changes (done included) of rows it can see; it reports the others
+// invisible.
 func (s *fakeStore) settle(_ context.Context, works []*relay.Work, owner string) ([]int64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -147,7 +141,7 @@ func (s *fakeStore) settle(_ context.Context, works []*relay.Work, owner string)
 				}
 			}
 		}
-		if d.Kind == relay.Done || d.Kind == relay.Skip {
+		if d.Kind == relay.Skip {
 			continue
 		}
 		if s.invisibleFor[ev.ID] > 0 {
@@ -159,6 +153,8 @@ func (s *fakeStore) settle(_ context.Context, works []*relay.Work, owner string)
 			continue // every row change is conditional on the row being the stream's
 		}
 		switch d.Kind {
+		case relay.Done:
+			s.done[ev.ID] = true
 		case relay.Later:
 			s.handOffs[ev.ID] = d
 		case relay.DeadLetter:
@@ -168,29 +164,6 @@ func (s *fakeStore) settle(_ context.Context, works []*relay.Work, owner string)
 		}
 	}
 	return invisible, nil
-}
-
-func (s *fakeStore) markRowsDone(_ context.Context, ids []int64) ([]int64, relay.LSN, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.marks = append(s.marks, slices.Clone(ids))
-	var invisible []int64
-	for _, id := range ids {
-		if s.invisibleFor[id] > 0 {
-			s.invisibleFor[id]--
-			invisible = append(invisible, id)
-			continue
-		}
-		s.done[id] = true
-	}
-	return invisible, s.markAt, nil
-}
-
-// markCalls reports how many MarkDone calls were made.
-func (s *fakeStore) markCalls() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return len(s.marks)
 }
 
 func (s *fakeStore) divertedRows(context.Context) ([]relay.AggregateKey, error) {

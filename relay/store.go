@@ -131,11 +131,14 @@ type StreamStore interface {
 
 	// SettleStream writes the works' decisions in one transaction: a
 	// delivered ledger row for each delivered pair (insert-only; the record
-	// of delivery), Later as a hand-off to the
-	// claim path (handoff_at, available_at, attempts, last_error), DeadLetter
-	// as status failed, Hold as status held with the pair 'unknown'; claims
-	// of pairs not sent are withdrawn. Every row change is conditional on
-	// the row still being the stream's (pending, not handed off). It may
+	// of each delivery), and each row's status — Done as status done, Later
+	// as a hand-off to the claim path (handoff_at, available_at, attempts,
+	// last_error), DeadLetter as status failed, Hold as status held with the
+	// pair 'unknown'; claims of pairs not sent are withdrawn. The status is
+	// the row's one state: written with the pairs, never after them. Every
+	// row change is conditional on the row still being the stream's
+	// (pending, not handed off); a row no longer the stream's is left to its
+	// new owner. It may
 	// commit asynchronously: the synchronous checkpoint written before each
 	// acknowledgement makes it durable. It returns the ids of rows it could
 	// not see: the walsender may send a transaction before its rows are
@@ -151,14 +154,6 @@ type StreamStore interface {
 	// Those are settled without a write; the others wait to become
 	// visible. It only reads.
 	Gone(ctx context.Context, works []*Work) ([]int64, error)
-
-	// MarkDone sets status done on rows still pending and not handed off,
-	// off the acknowledgement path (mark_done: async). It returns the ids
-	// it could not see yet, and the WAL position its write ended at: the
-	// engine writes the next batch once the stream has decoded past it, so
-	// that status marks never queue in front of fresh events. Safe to
-	// repeat.
-	MarkDone(ctx context.Context, ids []int64) (invisible []int64, at LSN, err error)
 
 	// Diverted returns the aggregates with a row at the claim path (handed
 	// off and not settled) or held: the stream hands their later events off
@@ -282,8 +277,7 @@ type HandOverRows interface {
 	Early(ctx context.Context) ([]*Event, []AggregateKey, error)
 	// Deliver reads the rows again, a slice at a time, and gives them to
 	// feed (Consumer.HandOver), each aggregate's in id order; rows no
-	// longer pending, or handed off, or delivered everywhere since the
-	// snapshot are left out. After each slice it calls fed with the
+	// longer pending, or handed off, since the snapshot are left out. After each slice it calls fed with the
 	// aggregates whose every row is now fed. Once every slice is fed it
 	// waits for settled (Consumer.HandOverSettled), then records the
 	// hand-over of slot as done at consistent, and returns how many rows
@@ -351,11 +345,6 @@ type Consumer interface {
 	// or the engine stops (ErrEngineStopped), or none of them settled for
 	// the engine's StallAfter: then it returns an error naming some.
 	HandOverSettled(ctx context.Context) error
-	// PositionWanted reports whether the consumer waits to learn how far
-	// the walsender has decoded (its write-back is paced by it): the source
-	// then asks the server for its position (a keepalive) more often than
-	// every status interval while the stream is idle.
-	PositionWanted() bool
 }
 
 // Lock is a held session lock on a dedicated connection (an owner or leader

@@ -18,11 +18,8 @@ type streamFeed struct {
 	horizon atomic.Uint64
 	// decoded is the highest position the stream has reported (a
 	// transaction's end, a keepalive): the walsender has decoded the WAL
-	// up to it. The mark-done loop paces itself by it.
+	// up to it. StreamView tells by it whether the stream has caught up.
 	decoded atomic.Uint64
-	// waiters counts the writers waiting for decoded to pass their last
-	// write (PositionWanted): the mark-done loop.
-	waiters atomic.Int32
 	// sentLag and sentAt are the last lag Sent reported and when
 	// (UnixNano; 0: never).
 	sentLag, sentAt atomic.Int64
@@ -251,14 +248,6 @@ func (f *streamFeed) Sent(lag time.Duration) {
 
 // Settled implements Consumer.
 func (f *streamFeed) Settled() (LSN, bool) { return f.tracker.position() }
-
-// PositionWanted implements Consumer: rows wait to be marked done, and the
-// mark-done loop writes each batch once the walsender has passed the
-// previous one. Asked from the moment rows wait, not only while the loop
-// waits: the stream schedules its next request when it sends one.
-func (f *streamFeed) PositionWanted() bool {
-	return f.waiters.Load() > 0 || f.e.marks.waiting() > 0
-}
 
 // Divert implements Consumer.
 func (f *streamFeed) Divert(aggs []AggregateKey) (release func([]AggregateKey)) {

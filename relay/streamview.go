@@ -3,8 +3,7 @@ package relay
 import "time"
 
 // StuckRow is a row the stuck-rows alarm counts: pending, the stream's (not
-// handed off), not delivered everywhere, and due longer than sweep_after
-// ago.
+// handed off), and due longer than sweep_after ago.
 type StuckRow struct {
 	ID  int64
 	Due time.Time

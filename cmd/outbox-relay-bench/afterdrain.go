@@ -9,7 +9,7 @@ import (
 // phaseSteadyAfterDrain starts the relay with -backlog events queued and,
 // the moment the last of them has arrived at both sinks, starts -rate
 // events/s for -duration: the latency of new events while the relay is
-// still writing back the backlog (marking rows done, settling the ledger).
+// still writing back the backlog (settling its ledger rows and statuses).
 // The bare pglogrepl client decodes the same events beside it, on its own
 // slot created after the backlog (so it does not decode the backlog).
 func phaseSteadyAfterDrain(ctx context.Context, e *env, r *report) error {

@@ -20,9 +20,6 @@
 //	            slot exists while it is stopped, into JetStream: events/s
 //	            (the median of -drain-runs drains, each on fresh rows), the
 //	            ratio to the ceiling and the CPU each process spent per event.
-//	drain-js-nomark
-//	            the same with delivery.mark_done: off (the ledger is the
-//	            record of delivery: no UPDATE of the outbox row per event).
 //	drain-both  the same into JetStream and the webhook together.
 //	floor       a bare pglogrepl client alone under the steady load (for half
 //	            of -duration, at most 10 s): commit→decode latency, the
@@ -50,8 +47,6 @@
 //	            every process of pg_stat_activity; the relay's statements'
 //	            execution time by kind (pg_stat_statements, preloaded in the
 //	            cluster and tracking this phase's database only); relay CPU.
-//	            Run with the defaults (mark_done: async), then again beside
-//	            them with delivery.mark_done: off.
 //	            The table notes say how records are charged and the limits.
 //
 //	poller      the seed poller (every -poller-interval a FOR UPDATE SKIP
@@ -178,7 +173,7 @@ func main() {
 	fs := flag.NewFlagSet("outbox-relay-bench", flag.ExitOnError)
 	fs.StringVar(&o.relayBin, "relay", "", "path to the outbox-relay binary (default: bin/outbox-relay)")
 	fs.StringVar(&o.natsServer, "nats-server", "", "nats-server binary (default: build github.com/nats-io/nats-server/v2 from go.mod, else nats-server in PATH)")
-	fs.IntVar(&o.n, "n", 200000, "rows for the drain phases (ceiling, drain-js, drain-js-nomark, drain-both)")
+	fs.IntVar(&o.n, "n", 200000, "rows for the drain phases (ceiling, drain-js, drain-both)")
 	fs.IntVar(&o.backlog, "backlog", 200000, "events queued before steady-after-drain starts the relay")
 	fs.IntVar(&o.writeBackN, "writeback-n", 50000, "events queued for the write-back phase's drain window")
 	fs.DurationVar(&o.writeBackDuration, "writeback-duration", 30*time.Second, "the write-back phase's steady window (at -rate)")

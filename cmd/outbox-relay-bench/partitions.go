@@ -65,7 +65,7 @@ func phasePartitions(ctx context.Context, e *env, r *report) error {
 	}
 	n := e.o.n
 	r.method("partitions: a partition is an outbox table with its own ledger, checkpoint, publication, slot and `outbox-relay run` process, in the same database. " +
-		"Each setup drains the same -n events (one partition: all of them in one table; two: half in each, inserted side by side), inserted while the relays were stopped, into JetStream (mark_done default). " +
+		"Each setup drains the same -n events (one partition: all of them in one table; two: half in each, inserted side by side), inserted while the relays were stopped, into JetStream. " +
 		"The walsender CPU is each walsender's own, read from /proc before its relay stops; it decodes every change of the database, published or not.")
 	var one float64
 	for _, parts := range []int{1, 2} {

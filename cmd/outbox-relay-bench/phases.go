@@ -22,7 +22,7 @@ import (
 )
 
 // allPhases are the phases in the order they run.
-var allPhases = []string{"ceiling", "drain-js", "drain-js-nomark", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated", "verify"}
+var allPhases = []string{"ceiling", "drain-js", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated", "verify"}
 
 // extraPhases run only when -phases names them.
 var extraPhases = []string{"partitions", "standby", "floor-pair", "large-payloads"}
@@ -39,9 +39,8 @@ func isPhase(p string) bool {
 // phaseFuncs maps each phase to its function.
 var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"ceiling":            phaseCeiling,
-	"drain-js":           func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "") },
-	"drain-js-nomark":    func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false, "off") },
-	"drain-both":         func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, true, "") },
+	"drain-js":           func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, false) },
+	"drain-both":         func(ctx context.Context, e *env, r *report) error { return phaseDrain(ctx, e, r, true) },
 	"drain-both-batched": phaseDrainBothBatched,
 	"floor":              phaseFloor,
 	"steady-js":          func(ctx context.Context, e *env, r *report) error { return phaseSteady(ctx, e, r, false) },
@@ -263,19 +262,15 @@ func (e *env) drain(ctx context.Context, r *report, s relaySetup, n, per, parall
 }
 
 // phaseDrain times the relay draining -n rows into JetStream (and the
-// webhook), with delivery.mark_done set to markDone (empty: the default,
-// async), -drain-runs times on fresh rows, and reports the median run.
-func phaseDrain(ctx context.Context, e *env, r *report, webhook bool, markDone string) error {
-	s := relaySetup{name: "drain-js", webhook: webhook, markDone: markDone}
+// webhook), -drain-runs times on fresh rows, and reports the median run.
+func phaseDrain(ctx context.Context, e *env, r *report, webhook bool) error {
+	s := relaySetup{name: "drain-js", webhook: webhook}
 	what, target, floor := "JetStream", "≥ 40% of the ceiling", 0.40
 	if webhook {
 		s.name, what, target, floor = "drain-both", "JetStream + webhook", "— (CPU caps both sinks near 20,000/s here)", 0
 	}
-	if markDone == "off" {
-		s.name, what = s.name+"-nomark", what+" with `mark_done: off` (the ledger is the record)"
-	}
 	rate, err := drainPhase(ctx, e, r, s, what, target, floor)
-	if err == nil && !webhook && markDone == "" {
+	if err == nil && !webhook {
 		r.drainJS = rate
 	}
 	return err

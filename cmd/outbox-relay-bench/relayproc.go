@@ -25,8 +25,6 @@ type relaySetup struct {
 	// batch is the webhook's batch.max_events; 0: one event per request.
 	batch int
 	mode  string // source.mode; empty: the default (auto)
-	// markDone is delivery.mark_done; empty: the default (async).
-	markDone string
 	// httpPort is where the relay serves /metrics; 0: any free port.
 	httpPort int
 	// outbox, when set, is a second outbox table of the database (a
@@ -103,9 +101,6 @@ func (e *env) writeConfig(s relaySetup) (string, error) {
 		if s.batch > 0 {
 			fmt.Fprintf(&b, "    batch: {max_events: %d}\n", s.batch)
 		}
-	}
-	if s.markDone != "" {
-		fmt.Fprintf(&b, "delivery:\n  mark_done: %s\n", s.markDone)
 	}
 	fmt.Fprintf(&b, "http:\n  listen: 127.0.0.1:%d\n", s.httpPort)
 	if e.o.profileDir != "" {

@@ -127,20 +127,14 @@ func (e *env) beginWriteBack(ctx context.Context, c writeBackConns, db, label st
 }
 
 // endWriteBack waits until the relay has written back the window's events
-// (no row pending without a delivered ledger row, the slot confirmed past
-// lastLSN; at most a minute), ends
+// (no row pending, the slot confirmed past lastLSN; at most a minute), ends
 // the window and attributes its WAL with pg_waldump.
-func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWindow, db, slot, markDone, lastLSN string, events int) (writeBackResult, error) {
+func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWindow, db, slot, lastLSN string, events int) (writeBackResult, error) {
 	res := writeBackResult{events: events}
 	deadline := time.Now().Add(time.Minute)
-	// With the default mark_done: async every delivered row ends 'done'; with
-	// off it stays 'pending' beside its delivered ledger rows
+	// Every delivered row ends 'done', written in its settlement
 	// (docs/operations.md).
 	query := `SELECT EXISTS (SELECT FROM integration_outbox o WHERE o.status = 'pending')`
-	if markDone == "off" {
-		query = `SELECT EXISTS (SELECT FROM integration_outbox o WHERE o.status = 'pending'
-   AND NOT EXISTS (SELECT FROM integration_idempotency l WHERE l.event_key = o.event_key AND l.state = 'delivered'))`
-	}
 	for {
 		var pending, confirmed bool
 		if err := c.db.QueryRow(ctx, query).Scan(&pending); err != nil {
@@ -209,25 +203,11 @@ func (e *env) endWriteBack(ctx context.Context, c writeBackConns, w *writeBackWi
 // statements' execution time by kind from pg_stat_statements. Two windows
 // on one database: the relay draining -writeback-n queued events, then
 // -rate events/s for -writeback-duration. A physical slot holds the WAL
-// until pg_waldump has read it.
-// phaseWriteBack measures what the relay writes back with the defaults and,
-// beside them, with `delivery.mark_done: off` (docs/performance.md, "What
-// the relay writes back, per event").
+// until pg_waldump has read it (docs/performance.md, "What the relay
+// writes back, per event").
 func phaseWriteBack(ctx context.Context, e *env, r *report) error {
-	if err := writeBack(ctx, e, r, ""); err != nil {
-		return err
-	}
-	return writeBack(ctx, e, r, "off")
-}
-
-// writeBack runs the phase's two windows with delivery.mark_done set to
-// markDone (empty: the default).
-func writeBack(ctx context.Context, e *env, r *report, markDone string) error {
 	phase, db := "write-back", "bench_write_back"
-	if markDone != "" {
-		phase, db = phase+"-mark-"+markDone, db+"_mark_"+markDone
-	}
-	s := relaySetup{name: phase, webhook: true, markDone: markDone}
+	s := relaySetup{name: phase, webhook: true}
 	cfg, done, err := e.setUpRelay(ctx, db, &s)
 	if err != nil {
 		return err
@@ -284,11 +264,7 @@ func writeBack(ctx context.Context, e *env, r *report, markDone string) error {
 	if err := e.quiet(ctx, phase+" (drain)", r, e.roots(nil)); err != nil {
 		return err
 	}
-	setting := "defaults (`mark_done: async`)"
-	if markDone != "" {
-		setting = "`mark_done: " + markDone + "`"
-	}
-	drainLabel := fmt.Sprintf("%s, drain of %s queued events", setting, thousands(n))
+	drainLabel := fmt.Sprintf("drain of %s queued events", thousands(n))
 	w, err := e.beginWriteBack(ctx, c, db, drainLabel)
 	if err != nil {
 		return err
@@ -302,7 +278,7 @@ func writeBack(ctx context.Context, e *env, r *report, markDone string) error {
 	if err := e.waitArrived(ctx, rp, dt, n, 2*time.Minute); err != nil {
 		return err
 	}
-	drain, err := e.endWriteBack(ctx, c, w, db, s.slot(), markDone, w.startLSN, n)
+	drain, err := e.endWriteBack(ctx, c, w, db, s.slot(), w.startLSN, n)
 	if err != nil {
 		return err
 	}
@@ -325,7 +301,7 @@ func writeBack(ctx context.Context, e *env, r *report, markDone string) error {
 	if err := e.quiet(ctx, phase+" (steady)", r, e.roots(rp)); err != nil {
 		return err
 	}
-	steadyLabel := fmt.Sprintf("%s, %s events/s for %.0f s", setting, thousands(int(e.o.rate)), d.Seconds())
+	steadyLabel := fmt.Sprintf("%s events/s for %.0f s", thousands(int(e.o.rate)), d.Seconds())
 	if w, err = e.beginWriteBack(ctx, c, db, steadyLabel); err != nil {
 		return err
 	}
@@ -342,7 +318,7 @@ func writeBack(ctx context.Context, e *env, r *report, markDone string) error {
 	if err := e.waitArrived(ctx, rp, st, load.sent, time.Minute); err != nil {
 		return err
 	}
-	steady, err := e.endWriteBack(ctx, c, w, db, s.slot(), markDone, lastLSN, load.sent)
+	steady, err := e.endWriteBack(ctx, c, w, db, s.slot(), lastLSN, load.sent)
 	if err != nil {
 		return err
 	}

@@ -260,7 +260,7 @@ func checkMissing(f runFacts) invariant {
 // the record of delivery on both paths (docs/operations.md, "what the relay
 // writes back"); nothing left sending or unknown, no row for an event that
 // does not exist; a pair refused for good has no delivered row; and every
-// event no sink refused ends done (mark_done: async, the default).
+// event no sink refused ends done (its status written in its settlement).
 func checkLedger(f runFacts, byKey map[string]event) invariant {
 	var v violations
 	state := map[string]map[string][]string{} // action → key → states

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // defaultListLimit is how many rows dlq list shows without --limit.
@@ -39,6 +41,35 @@ type selectionFlags struct {
 	since     string
 	ids       string
 	limit     int
+	status    string // dlq list and retry: --status
+}
+
+// registerStatus adds --status: which of the dead-letter queue's statuses
+// (admin.DLQStatuses) dlq list and retry take, failed and held unless told.
+func (f *selectionFlags) registerStatus(cmd *cobra.Command) {
+	cmd.Flags().StringVar(&f.status, "status", strings.Join(admin.DeadStatuses, ","),
+		"only events with these statuses (comma-separated: "+strings.Join(admin.DLQStatuses, ", ")+")")
+}
+
+// statuses reads --status.
+func (f *selectionFlags) statuses() ([]string, error) {
+	var out []string
+	for part := range strings.SplitSeq(f.status, ",") {
+		part = strings.TrimSpace(part)
+		if part == "" {
+			continue
+		}
+		if !slices.Contains(admin.DLQStatuses, part) {
+			return nil, usageError{fmt.Errorf("--status %q: want %s", part, strings.Join(admin.DLQStatuses, ", "))}
+		}
+		if !slices.Contains(out, part) {
+			out = append(out, part)
+		}
+	}
+	if len(out) == 0 {
+		return nil, usageError{fmt.Errorf("--status: no status given (%s)", strings.Join(admin.DLQStatuses, ", "))}
+	}
+	return out, nil
 }
 
 func (f *selectionFlags) register(cmd *cobra.Command, sinkHelp string, withLimit bool, limitDefault int) {
@@ -132,9 +163,10 @@ unknown and the sink has on_unknown: hold; they block their aggregate until a pe
   list     show them, with each sink's ledger state
   retry    make them deliverable again: status pending, attempts 0, due now, handed to the claim
            path; their ledger rows that are not 'delivered' are cleared (every sink, or --sink)
-  discard  settle them without delivery: status done, last_error prefixed "discarded: "
+  discard  settle them without delivery: status discarded, last_error kept
 
-retry and discard ask for confirmation unless --yes, and work in transactions of 1,000 rows.`,
+list and retry take discarded events too with --status discarded. retry and discard ask for
+confirmation unless --yes, and work in transactions of 1,000 rows.`,
 	}
 	cmd.AddCommand(newDLQListCommand(g), newDLQRetryCommand(g), newDLQDiscardCommand(g))
 	return cmd
@@ -147,14 +179,18 @@ func newDLQListCommand(g *globals) *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "list",
-		Short: "List failed and held events with each sink's ledger state",
+		Short: "List failed and held events (or discarded ones) with each sink's ledger state",
 		Args:  noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			statuses, err := sel.statuses()
+			if err != nil {
+				return err
+			}
 			cfg, err := g.loadOpsConfig()
 			if err != nil {
 				return err
 			}
-			s, err := sel.selection(cfg, admin.DeadStatuses, time.Now())
+			s, err := sel.selection(cfg, statuses, time.Now())
 			if err != nil {
 				return err
 			}
@@ -174,7 +210,7 @@ func newDLQListCommand(g *globals) *cobra.Command {
 				enc.SetIndent("", "  ")
 				return enc.Encode(page.Entries)
 			}
-			printDLQ(cmd.OutOrStdout(), page.Entries, configuredSinks(cfg))
+			printDLQ(cmd.OutOrStdout(), page.Entries, configuredSinks(cfg), statuses)
 			if page.More {
 				fmt.Fprintf(cmd.OutOrStdout(), "showing the first %d; --limit N (0: all) shows more\n", sel.limit)
 			}
@@ -182,15 +218,17 @@ func newDLQListCommand(g *globals) *cobra.Command {
 		},
 	}
 	sel.register(cmd, "only events routed to this sink and not delivered to it", true, defaultListLimit)
+	sel.registerStatus(cmd)
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (full last_error and ledger rows)")
 	return cmd
 }
 
-// printDLQ prints entries as a table; the sinks column shows each sink that
-// routes the event, and any other sink the ledger names.
-func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig) {
+// printDLQ prints entries, chosen among statuses, as a table; the sinks
+// column shows each sink that takes the event, and any other sink the
+// ledger names.
+func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig, statuses []string) {
 	if len(entries) == 0 {
-		fmt.Fprintln(w, "no failed or held events match")
+		fmt.Fprintf(w, "no %s events match\n", strings.Join(statuses, " or "))
 		return
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
@@ -205,7 +243,7 @@ func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig) {
 		}
 		var cells []string
 		for _, s := range sinks {
-			if !routes(s.Events, e.EventType) {
+			if !(&relay.Route{Events: s.Events}).Takes(&relay.Event{EventType: e.EventType}) {
 				continue
 			}
 			state := states[s.Name]
@@ -225,7 +263,11 @@ func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig) {
 			excerpt(agg, 32), excerpt(e.EventKey, 36), strings.Join(cells, " "), lastError)
 	}
 	tw.Flush()
-	fmt.Fprintf(w, "%d events: %d failed, %d held (- : no ledger row for that sink)\n", len(entries), counts["failed"], counts["held"])
+	var byStatus []string
+	for _, st := range statuses {
+		byStatus = append(byStatus, fmt.Sprintf("%d %s", counts[st], st))
+	}
+	fmt.Fprintf(w, "%d events: %s (- : no ledger row for that sink)\n", len(entries), strings.Join(byStatus, ", "))
 	if cut {
 		fmt.Fprintln(w, "errors are cut to their first line and "+strconv.Itoa(lastErrorWidth)+" characters: dlq list --json shows every error whole")
 	}
@@ -235,24 +277,6 @@ func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig) {
 // webhook error's prefix (sink, event key, status) and the start of the
 // receiver's body, which says what it refused.
 const lastErrorWidth = 240
-
-// routes reports whether a sink with these globs takes the event type, by
-// the engine's rule: "*" takes every type, NULL included; other globs are
-// path.Match patterns and never match NULL.
-func routes(globs []string, eventType *string) bool {
-	for _, g := range globs {
-		if g == "*" {
-			return true
-		}
-		if eventType == nil {
-			continue
-		}
-		if ok, _ := path.Match(g, *eventType); ok {
-			return true
-		}
-	}
-	return false
-}
 
 func orDash(s *string) string {
 	if s == nil {
@@ -286,24 +310,32 @@ func newDLQRetryCommand(g *globals) *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "retry",
-		Short: "Make failed and held events deliverable again",
-		Long: `Retry resets the chosen failed and held events — status pending, attempts 0, available_at
-and handoff_at now (the claim path takes them, in replication mode too), last_error cleared —
-and deletes their ledger rows that are not 'delivered' ('sending' claims, 'unknown' outcomes),
-for every sink or only --sink, in one transaction per 1,000 events. Sinks that already have
-an event keep their 'delivered' row and do not get it again.`,
+		Short: "Make failed and held events (or discarded ones) deliverable again",
+		Long: `Retry resets the chosen failed and held events (with --status, discarded ones too) —
+status pending, attempts 0, available_at and handoff_at now (the claim path takes them, in
+replication mode too), last_error cleared — and deletes their ledger rows that are not
+'delivered' ('sending' claims, 'unknown' outcomes), for every sink or only --sink, in one
+transaction per 1,000 events. Sinks that already have an event keep their 'delivered' row
+and do not get it again.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			statuses, err := sel.statuses()
+			if err != nil {
+				return err
+			}
+			action := admin.ActionRetry
+			action.Statuses = statuses
 			return changeRows(cmd, g, &sel, yes, rowChange{
-				action: admin.ActionRetry,
+				action: action,
 				question: func(n int, sink string) string {
-					return fmt.Sprintf("Reset %s failed/held events to pending and clear their undelivered ledger rows for %s?", count(n), sinkScope(sink))
+					return fmt.Sprintf("Reset %s %s events to pending and clear their undelivered ledger rows for %s?", count(n), strings.Join(statuses, "/"), sinkScope(sink))
 				},
 				notDeliveredFilter: true,
 			})
 		},
 	}
 	sel.register(cmd, "only events routed to this sink and not delivered to it; only its undelivered ledger rows are cleared", true, 0)
+	sel.registerStatus(cmd)
 	cmd.Flags().BoolVarP(&yes, "yes", "y", false, "do not ask for confirmation")
 	return cmd
 }
@@ -317,17 +349,15 @@ func newDLQDiscardCommand(g *globals) *cobra.Command {
 		Use:   "discard",
 		Short: "Settle failed and held events without delivering them",
 		Long: `Discard marks the chosen failed and held events as settled without delivering them: status
-done, processed_at now, last_error prefixed with "discarded: ". The five statuses are fixed
-(the claim query, the ordering check and legacy pollers rely on them), so a discarded event is
-a done event with that prefix: it no longer blocks its aggregate and retention prunes it like
-any done row. Find them with: SELECT … WHERE status = 'done' AND last_error LIKE 'discarded: %'.
-The ledger is left as it is.`,
+discarded, processed_at now, last_error kept. A discarded event no longer blocks its aggregate,
+retention prunes it like a done one, and dlq list --status discarded, retry --status discarded
+and replay take it. The ledger is left as it is.`,
 		Args: noArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return changeRows(cmd, g, &sel, yes, rowChange{
 				action: admin.ActionDiscard,
 				question: func(n int, _ string) string {
-					return fmt.Sprintf("Discard %s failed/held events (status done, not delivered)?", count(n))
+					return fmt.Sprintf("Discard %s failed/held events (status discarded, not delivered)?", count(n))
 				},
 				notDeliveredFilter: true,
 			})

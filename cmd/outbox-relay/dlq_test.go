@@ -7,7 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 func TestDLQList(t *testing.T) {
@@ -179,21 +181,82 @@ func TestDLQRetry(t *testing.T) {
 	}
 }
 
+// TestDLQDiscard: discard settles the chosen events with a status of their
+// own, discarded (docs/schema.md, "A row's states"), their last error kept
+// as it was: status counts them, dlq list --status discarded shows them, and
+// a discarded held event no longer holds its aggregate's later events back
+// at the claim path.
 func TestDLQDiscard(t *testing.T) {
 	d := newOpsDB(t)
-	failed := d.insert(t, "k1", "order.created", "failed", "HTTP 400: bad")
+	ctx := t.Context()
+	held := d.insert(t, "k1", "order.created", "held", "HTTP 400: bad")
 	other := d.insert(t, "k2", "invoice.paid", "failed", "HTTP 400")
+	// A later event of the same aggregate (order/A1), at the claim path.
+	later := d.insert(t, "k3", "order.created", "pending", "")
+	d.exec(t, `UPDATE integration_outbox SET handoff_at = now(), available_at = now() WHERE id = $1`, later)
+	store, err := ledger.New(d.pool, ledger.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	claim := func() []int64 {
+		t.Helper()
+		works, err := store.Claim(ctx, relay.ClaimQuery{Limit: 10, Owner: ledger.OwnerPrefix + "dlq-test"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var ids []int64
+		for _, w := range works {
+			ids = append(ids, w.Event.ID)
+		}
+		return ids
+	}
+	if got := claim(); len(got) != 0 {
+		t.Fatalf("claimed %v behind a held event of the aggregate", got)
+	}
+
 	code, out, errOut := execute(t, "dlq", "discard", "--config", d.config, "--event-type", "order.*", "--yes")
 	if code != exitOK || !strings.Contains(out, "discarded 1 events") {
 		t.Fatalf("exit %d\n%s%s", code, out, errOut)
 	}
 	var lastError string
-	d.pool.QueryRow(t.Context(), `SELECT last_error FROM integration_outbox WHERE id = $1 AND status = 'done'`, failed).Scan(&lastError)
-	if lastError != "discarded: HTTP 400: bad" {
-		t.Fatalf("last_error %q", lastError)
+	var processed bool
+	d.pool.QueryRow(ctx, `SELECT last_error, processed_at IS NOT NULL FROM integration_outbox WHERE id = $1 AND status = 'discarded'`, held).Scan(&lastError, &processed)
+	if lastError != "HTTP 400: bad" || !processed {
+		t.Fatalf("discarded row: last_error %q, processed_at set %v; want status discarded, the error kept, processed_at set", lastError, processed)
 	}
 	if s, _ := d.status(t, other); s != "failed" {
 		t.Fatalf("the other event is %s", s)
+	}
+
+	code, out, errOut = execute(t, "status", "--config", d.config, "--json")
+	var st admin.Status
+	if code != exitOK || json.Unmarshal([]byte(out), &st) != nil || st.Rows["discarded"] != 1 || st.Rows["done"] != 0 || st.Rows["held"] != 0 {
+		t.Fatalf("status --json: exit %d, rows %v\n%s%s", code, st.Rows, out, errOut)
+	}
+	if _, out, _ = execute(t, "status", "--config", d.config); !strings.Contains(out, "discarded 1") {
+		t.Fatalf("status does not show the discarded row:\n%s", out)
+	}
+	listed := func(args ...string) string {
+		t.Helper()
+		code, out, errOut := execute(t, append([]string{"dlq", "list", "--config", d.config, "--json"}, args...)...)
+		var entries []admin.Entry
+		if code != exitOK || json.Unmarshal([]byte(out), &entries) != nil {
+			t.Fatalf("dlq list %v: exit %d\n%s%s", args, code, out, errOut)
+		}
+		var got []string
+		for _, e := range entries {
+			got = append(got, fmt.Sprintf("%d:%s", e.ID, e.Status))
+		}
+		return strings.Join(got, " ")
+	}
+	if got, want := listed(), fmt.Sprintf("%d:failed", other); got != want {
+		t.Errorf("dlq list = %q, want %q (failed and held only)", got, want)
+	}
+	if got, want := listed("--status", "discarded"), fmt.Sprintf("%d:discarded", held); got != want {
+		t.Errorf("dlq list --status discarded = %q, want %q", got, want)
+	}
+	if got := claim(); fmt.Sprint(got) != fmt.Sprint([]int64{later}) {
+		t.Fatalf("claimed %v after the discard, want the aggregate's later event %d", got, later)
 	}
 }
 

@@ -438,9 +438,9 @@ func byKey(ds []delivery) map[string][]delivery {
 
 var _ = strings.Contains
 
-// doneSQL is the SQL condition "the outbox row o is done": with the
-// default mark_done: async every delivered row ends with status done
-// (docs/operations.md, "what the relay writes back").
+// doneSQL is the SQL condition "the outbox row o is done": the settlement
+// writes a delivered row's status (docs/operations.md, "what the relay
+// writes back").
 const doneSQL = `(o.status = 'done')`
 
 // doneRows counts the outbox rows that are done (doneSQL) and match where.

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/outbox-relay/outbox-relay/migrations/pgtest"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
@@ -96,7 +98,7 @@ func TestRelay_EndToEnd(t *testing.T) {
 		t.Fatalf("%d events without exactly one ledger row per sink", n)
 	}
 	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE status <> 'done'`); n != 0 {
-		t.Fatalf("%d rows not marked done (mark_done: async is the default)", n)
+		t.Fatalf("%d rows not done", n)
 	}
 }
 
@@ -341,3 +343,111 @@ func TestRelay_IdleOutboxKeepsWALBounded(t *testing.T) {
 }
 
 var _ = os.Getenv
+
+// TestRelay_KillNineLeavesNoDeliveredRowPending: the stream's settlement
+// writes a delivered event's status done in the transaction that writes its
+// delivered ledger rows (docs/architecture.md, "One event's path"). While
+// events flow, no row the slot has been acknowledged past is still pending;
+// and a relay killed with SIGKILL mid-stream leaves no row pending whose
+// every sink has its delivered ledger row — the rows a crash left behind for
+// a repair pass when the status was marked after the settlement.
+func TestRelay_KillNineLeavesNoDeliveredRowPending(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	cfgPath := s.configFile(t, "")
+	var logs syncBuffer
+	relay1 := s.startProcess(t, cfgPath, &logs)
+	s.waitSlot(t)
+	ctx := context.Background()
+
+	// Writers publish one event per transaction and note, after each
+	// commit, a WAL position at or past it.
+	type published struct {
+		key   string
+		after relay.LSN
+	}
+	var (
+		mu   sync.Mutex
+		pubs []published
+		wg   sync.WaitGroup
+	)
+	stop := make(chan struct{})
+	for w := range 3 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				key := fmt.Sprintf("k9-w%d-%d", w, i)
+				var res string
+				if err := s.pool.QueryRow(ctx, `SELECT outbox_publish('order.placed', 'order', $1, $2, jsonb_build_object('i', $3::int))`,
+					fmt.Sprintf("w%d-%d", w, i%10), key, i).Scan(&res); err != nil {
+					t.Errorf("publish %s: %v", key, err)
+					return
+				}
+				var after relay.LSN
+				if err := s.pool.QueryRow(ctx, `SELECT pg_current_wal_lsn()::text`).Scan(&after); err != nil {
+					t.Errorf("WAL position: %v", err)
+					return
+				}
+				mu.Lock()
+				pubs = append(pubs, published{key, after})
+				mu.Unlock()
+				time.Sleep(2 * time.Millisecond)
+			}
+		})
+	}
+	stopWriters := sync.OnceFunc(func() { close(stop); wg.Wait() })
+	t.Cleanup(stopWriters)
+
+	// The slot's confirmed position is read first, the statuses after: a
+	// row found pending then was pending when the slot had passed it.
+	checked := 0
+	for deadline := time.Now().Add(4 * time.Second); time.Now().Before(deadline) || checked < 200; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline.Add(30 * time.Second)) {
+			t.Fatalf("the slot was acknowledged past only %d events in 34 s", checked)
+		}
+		confirmed, _ := s.slotLSN(t)
+		var passed []string
+		mu.Lock()
+		for _, p := range pubs {
+			if p.after <= confirmed {
+				passed = append(passed, p.key)
+			}
+		}
+		mu.Unlock()
+		rows, err := s.pool.Query(ctx, `SELECT event_key, coalesce(status, 'NULL') FROM integration_outbox WHERE event_key = ANY($1) AND status IS DISTINCT FROM 'done'`, passed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var key, status string
+		if _, err := pgx.ForEachRow(rows, []any{&key, &status}, func() error {
+			t.Errorf("event %s is %s, and the slot is acknowledged past its commit (at %v)", key, status, confirmed)
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		checked = len(passed)
+		if t.Failed() {
+			t.FailNow()
+		}
+	}
+	t.Logf("%d events the slot was acknowledged past, each done by then", checked)
+
+	relay1.Process.Signal(syscall.SIGKILL)
+	relay1.Wait()
+	stopWriters()
+	deliveredPending := `SELECT count(*) FROM integration_outbox AS o
+ WHERE (o.status = 'pending' OR o.status IS NULL)
+   AND (SELECT count(*) FROM integration_idempotency AS l WHERE l.event_key = o.event_key AND l.state = 'delivered') = 2`
+	if n := s.scalar(t, deliveredPending); n != 0 {
+		t.Fatalf("after the kill, %d rows are pending although both sinks have their delivered ledger row", n)
+	}
+	t.Logf("killed with %d events published, %d done", len(pubs), s.doneRows(t, "true"))
+
+	s.startProcess(t, cfgPath, &logs)
+	keys := s.keys(t, "true")
+	s.waitAllDelivered(t, 120*time.Second, keys)
+	s.waitDone(t, "true", int64(len(keys)))
+}

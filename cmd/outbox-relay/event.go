@@ -157,8 +157,6 @@ func describeEventState(r admin.EventReport, now time.Time) string {
 	switch r.State {
 	case admin.EventWithStream:
 		return "pending with the stream: on its way, or waiting for the slot to send it"
-	case admin.EventDelivered:
-		return "delivered to every sink it is routed to; its status is not marked done yet (delivery.mark_done)"
 	case admin.EventAtClaimPath:
 		if r.AvailableAt != nil && r.AvailableAt.After(now) {
 			return "at the claim path: due in " + roundAge(r.AvailableAt.Sub(now))

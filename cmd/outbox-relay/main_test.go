@@ -227,6 +227,28 @@ func TestRun_RefusesNoSinks(t *testing.T) {
 	}
 }
 
+// TestRun_WarnsThatMarkDoneOffIsGone: delivery.mark_done: off still loads,
+// and run says at its start that it is no longer honoured: the settlement
+// writes every row's status (docs/configuration.md, "Removed keys").
+func TestRun_WarnsThatMarkDoneOffIsGone(t *testing.T) {
+	cfg := filepath.Join(t.TempDir(), "relay.yaml")
+	doc := fmt.Sprintf(`database_url: postgres://nobody@127.0.0.1:1/x?connect_timeout=2
+http: {listen: "127.0.0.1:0"}
+data_dir: %q
+delivery: {mark_done: off}
+sinks:
+  - {name: n8n, type: webhook, url: "http://127.0.0.1:9/webhook/outbox"}
+`, t.TempDir())
+	if err := os.WriteFile(cfg, []byte(doc), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var out, stderr bytes.Buffer
+	code := Execute(context.Background(), []string{"run", "--config", cfg}, &out, &stderr)
+	if code != exitFailure || !strings.Contains(stderr.String(), "delivery.mark_done: off is no longer supported") {
+		t.Errorf("run with mark_done: off: exit %d, stderr %q; want the warning, then the failure to connect", code, stderr.String())
+	}
+}
+
 // TestOperatorCommandsNeedNoSinkSecrets: status, dlq, replay, reconcile
 // and migrate never send, so a sink secret whose variable is unset on the
 // operator's machine does not stop them (here they get as far as the

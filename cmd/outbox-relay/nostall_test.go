@@ -518,7 +518,6 @@ func TestRepublishedKeyAfterPruneIsDeliveredOnBothPaths(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			s := newSetup(t, pgtest.NewDatabase(t))
 			cfg := s.configFileWith(t, "", "source:\n  mode: "+mode+"\n  poll_interval: 100ms\n")
-			replaceInFile(t, cfg, "delivery:\n", "delivery:\n  mark_done: async\n")
 			s.startInProcess(t, cfg)
 			if mode == "replication" {
 				s.waitStreaming(t)

@@ -37,7 +37,6 @@ The ledger prevents double delivery if the stream did deliver some of them.`,
 			tables.Outbox, tables.Ledger, tables.Checkpoint = resolved.Outbox, resolved.Ledger, resolved.Checkpoint
 			lcfg := ledger.DefaultConfig()
 			lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = tables.Outbox, tables.Ledger, tables.Checkpoint
-			lcfg.Sinks = ledgerSinks(cfg)
 			store, err := ledger.New(pool, lcfg)
 			if err != nil {
 				return err

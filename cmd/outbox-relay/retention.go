@@ -7,7 +7,6 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
@@ -24,9 +23,8 @@ func retentionConfig(r config.RetentionConfig) admin.RetentionConfig {
 // then every retention.interval until ctx ends, and returns nil then. It
 // returns at once when retention is disabled. A failed pass is logged and
 // retried at the next interval. db needs DELETE on the outbox and the
-// ledger; tables should be schema-qualified as run resolves them. sinks
-// route the record of delivery; a row the relay's slot could still send
-// again is never pruned (admin.Horizon).
+// ledger; tables should be schema-qualified as run resolves them. A row the
+// relay's slot could still send again is never pruned (admin.Horizon).
 //
 // Pruning is safe on several relays at once (rows locked by another pass
 // are skipped), but only one needs to do it: run starts it for the
@@ -34,7 +32,7 @@ func retentionConfig(r config.RetentionConfig) admin.RetentionConfig {
 //
 // standby, when set, is the standby the relay decodes on (source.standby_url):
 // the slot, and with it the horizon, lives there.
-func runRetention(ctx context.Context, db, standby admin.DB, tables config.Tables, sinks []ledger.Sink, cfg *config.Config, log zerolog.Logger) error {
+func runRetention(ctx context.Context, db, standby admin.DB, tables config.Tables, cfg *config.Config, log zerolog.Logger) error {
 	r := cfg.Retention
 	if !r.Enabled {
 		return nil
@@ -47,7 +45,6 @@ func runRetention(ctx context.Context, db, standby admin.DB, tables config.Table
 	if standby != nil {
 		rc.Horizon = admin.NewHorizonOn(cfg.Source.Slot, standby)
 	}
-	rc.DeliveredPending = cfg.Delivery.MarkDone == config.MarkDoneOff
-	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint, Sinks: sinks},
+	return admin.RunRetention(ctx, db, admin.Tables{Outbox: tables.Outbox, Ledger: tables.Ledger, Checkpoint: tables.Checkpoint},
 		rc, time.Duration(r.Interval), log)
 }

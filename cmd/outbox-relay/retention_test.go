@@ -23,7 +23,7 @@ func TestRunRetention(t *testing.T) {
 
 	// Disabled: returns at once, prunes nothing.
 	cfg.Retention.Enabled = false
-	if err := runRetention(context.Background(), d.pool, nil, tables, nil, cfg, zerolog.Nop()); err != nil {
+	if err := runRetention(context.Background(), d.pool, nil, tables, cfg, zerolog.Nop()); err != nil {
 		t.Fatal(err)
 	}
 	if s, _ := d.status(t, old); s != "done" {
@@ -35,7 +35,7 @@ func TestRunRetention(t *testing.T) {
 	cfg.Retention.Interval = config.Duration(time.Hour)
 	ctx, cancel := context.WithCancel(context.Background())
 	errc := make(chan error, 1)
-	go func() { errc <- runRetention(ctx, d.pool, nil, tables, nil, cfg, zerolog.Nop()) }()
+	go func() { errc <- runRetention(ctx, d.pool, nil, tables, cfg, zerolog.Nop()) }()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var n int

@@ -98,6 +98,10 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 		log.Warn().Str("cpu_scheduling", cfg.CPUScheduling).
 			Msg("cpu_scheduling is no longer used: the relay leaves the kernel's scheduling alone; remove the key (docs/configuration.md, \"Removed keys\")")
 	}
+	if cfg.Delivery.MarkDone == config.MarkDoneOff {
+		log.Warn().Str("mark_done", string(cfg.Delivery.MarkDone)).
+			Msg("delivery.mark_done: off is no longer supported: every row's status is written in the settlement that records its delivery (done, in the same transaction as its ledger rows); remove the key (docs/configuration.md, \"Removed keys\")")
+	}
 
 	// The endpoints serve from the start to the very end (probes during
 	// start-up and the drain); the server has shut down when run returns.
@@ -171,9 +175,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = r.tables.Outbox, r.tables.Ledger, r.tables.Checkpoint
 	lcfg.Unordered = cfg.Delivery.Ordering == config.OrderingNone
 	lcfg.MaxInFlightBytes = int64(cfg.Delivery.MaxInFlightBytes)
-	for _, rt := range r.routes {
-		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
-	}
 	if r.store, err = ledger.New(pool, lcfg); err != nil {
 		return err
 	}
@@ -183,7 +184,11 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if r.standbyPool != nil {
 		where.Standby = r.standbyPool // the slot lives there (docs/standby.md)
 	}
-	con.Attach(console.Backend{DB: pool, Tables: admin.Tables{Outbox: r.tables.Outbox, Ledger: r.tables.Ledger, Checkpoint: r.tables.Checkpoint, Sinks: lcfg.Sinks},
+	var sinks []admin.Sink
+	for _, rt := range r.routes {
+		sinks = append(sinks, admin.Sink{Name: rt.Sink.Name(), Events: rt.Events})
+	}
+	con.Attach(console.Backend{DB: pool, Tables: admin.Tables{Outbox: r.tables.Outbox, Ledger: r.tables.Ledger, Checkpoint: r.tables.Checkpoint, Sinks: sinks},
 		Where: where, Health: r.health.view})
 
 	routes, stopTracing, err := traceDeliveries(ctx, r.routes, log)
@@ -221,7 +226,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 			if r.standbyPool != nil {
 				standby = r.standbyPool
 			}
-			return runRetention(ctx, pool, standby, r.tables, lcfg.Sinks, cfg, log)
+			return runRetention(ctx, pool, standby, r.tables, cfg, log)
 		})
 	}
 	workers.Go("stall detector", func(ctx context.Context) error { stall.run(ctx); return nil })
@@ -276,7 +281,6 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				},
 				Unordered:        cfg.Delivery.Ordering == config.OrderingNone,
 				MaxInFlightBytes: int64(cfg.Delivery.MaxInFlightBytes),
-				MarkDone:         cfg.Delivery.MarkDone == config.MarkDoneAsync,
 				Stream:           r.store,
 				Claim:            r.store,
 				Owner:            r.owner, // the claim path holds this owner's lock
@@ -329,23 +333,6 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				cc.Notify = migrations.NotifyChannel(r.tables.Outbox)
 			}
 			return claim.New(cc)
-		},
-		// Rows the stream delivered keep status pending until marked
-		// (the ledger says they are done). Polling, the claim path and a
-		// legacy poller beside it read the status column: in poll mode the
-		// rows are marked done first, whatever mark_done says. With
-		// mark_done: async, rows whose marking a crash lost are marked at
-		// each start. Beside the sources, not before: on a large table the
-		// pass takes a while.
-		Startup: func(ctx context.Context, mode string) {
-			if mode != "poll" && cfg.Delivery.MarkDone != config.MarkDoneAsync {
-				return
-			}
-			if n, err := r.store.MarkDeliveredDone(ctx); err != nil && ctx.Err() == nil {
-				log.Warn().Err(err).Msg("mark rows the ledger shows delivered; they stay pending until the next start")
-			} else if n > 0 {
-				log.Info().Int64("rows", n).Msg("marked done: rows the ledger shows delivered to every sink")
-			}
 		},
 		Slots:             ledger.NewSlots(r.pool, cfg.DatabaseURL.Reveal(), cfg.Source.Slot),
 		ReplicationRetry:  time.Duration(cfg.Source.ReplicationRetry),
@@ -418,7 +405,7 @@ func (r *relayRun) standbyConfig(sc *supervisor.Config) {
 
 // newPool opens the relay's connection pool. pgxpool's default (4, or the
 // CPU count) is too small for the loops that share it — settlement,
-// mark-done, checkpoints, the claim path, stats — and a checkpoint waiting
+// checkpoints, the claim path, stats — and a checkpoint waiting
 // for a connection stalls the stream; pool_max_conns in the URL still wins.
 func newPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	pcfg, err := pgxpool.ParseConfig(url)
@@ -637,18 +624,6 @@ func sinksDown(routes []relay.Route) func() []string {
 		}
 		return lines
 	}
-}
-
-// ledgerSinks are the names and event globs of the sinks run delivers to:
-// how the ledger routes the record of delivery
-// (ledger.DeliveredEverywhere).
-func ledgerSinks(cfg *config.Config) []ledger.Sink {
-	sinks := configuredSinks(cfg)
-	out := make([]ledger.Sink, len(sinks))
-	for i, s := range sinks {
-		out[i] = ledger.Sink{Name: s.Name, Events: s.Events}
-	}
-	return out
 }
 
 // resolveTables schema-qualifies the outbox (the replication stream names

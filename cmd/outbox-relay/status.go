@@ -264,7 +264,11 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 		return nil, admin.Tables{}, connectError(cfg, err)
 	}
 	t := cfg.Tables()
-	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint, Sinks: ledgerSinks(cfg)})
+	var sinks []admin.Sink
+	for _, s := range configuredSinks(cfg) {
+		sinks = append(sinks, admin.Sink{Name: s.Name, Events: s.Events})
+	}
+	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint, Sinks: sinks})
 	if err == nil {
 		err = requireMigrated(ctx, pool, tables, configuredTarget(cfg))
 	}

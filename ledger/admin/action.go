@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"strings"
 	"time"
-
-	"github.com/outbox-relay/outbox-relay/ledger"
 )
 
 // Action is one of the operator's changes of outbox rows — retry, discard,
@@ -25,7 +23,8 @@ type Action struct {
 // The actions. Each changes only rows whose status it takes, so a row that
 // moved on since it was selected is left alone and not counted.
 var (
-	// ActionRetry makes failed and held rows deliverable again (Retry).
+	// ActionRetry makes failed and held rows deliverable again (Retry);
+	// given Statuses with discarded, discarded ones too.
 	ActionRetry = Action{Name: "retry", Done: "retried", Statuses: DeadStatuses, batch: Retry}
 	// ActionDiscard settles failed and held rows without delivering them
 	// (Discard); it keeps every sink's ledger rows.
@@ -63,7 +62,7 @@ func (a Action) Apply(ctx context.Context, db DB, t Tables, ids []int64, sinks [
 
 // Sink returns the configured sink called name, or an error that names the
 // sinks there are.
-func (t Tables) Sink(name string) (ledger.Sink, error) {
+func (t Tables) Sink(name string) (Sink, error) {
 	var names []string
 	for _, s := range t.Sinks {
 		if s.Name == name {
@@ -74,7 +73,7 @@ func (t Tables) Sink(name string) (ledger.Sink, error) {
 	if len(names) == 0 {
 		names = []string{"none"}
 	}
-	return ledger.Sink{}, fmt.Errorf("no such sink %q (configured: %s)", name, strings.Join(names, ", "))
+	return Sink{}, fmt.Errorf("no such sink %q (configured: %s)", name, strings.Join(names, ", "))
 }
 
 // ParseSince reads the start of a selection by time: an RFC 3339 time, a

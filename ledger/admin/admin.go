@@ -33,52 +33,45 @@ const BatchSize = 1000
 // these.
 const CLIApplicationName = "outbox-relay-cli"
 
-// Tables names the relay's tables, as configured, and the sinks that route
-// the record of delivery.
+// Tables names the relay's tables, as configured, and its sinks.
 type Tables struct {
 	Outbox, Ledger, Checkpoint relay.QualifiedName
-	// Sinks are the configured sinks' names and event globs. A pending row
-	// not handed off that the ledger shows delivered to every sink it is
-	// routed to is done, its status not marked yet (mark_done: off, or the
-	// marking trails): ledger.DeliveredEverywhere. Without them (a command
-	// run without the configuration) only the status column counts.
-	Sinks []ledger.Sink
+	// Sinks are the configured sinks: status reports those that were down,
+	// event which take an event. Nothing reads a row's state through them:
+	// that is its status (docs/schema.md, "A row's states").
+	Sinks []Sink
 }
 
-// delivered is the SQL condition "the row aliased o is done, its status not
-// marked yet": pending, not handed off, and delivered everywhere by the
-// ledger (docs/operations.md, "what the relay writes back").
-func (t Tables) delivered(o string) string {
-	cond, err := ledger.DeliveredEverywhere(t.Ledger.Quoted(), t.Sinks, o)
-	if err != nil {
-		// The configuration was validated with the same globs; a glob the
-		// ledger cannot render leaves only the status column.
-		cond = "false"
-	}
-	return fmt.Sprintf("(%s AND %s)", ledger.StreamOwned(o), cond)
+// Sink is a configured sink: its name (the ledger's action) and the event
+// globs it takes.
+type Sink struct {
+	Name   string
+	Events []string
+}
+
+// Takes reports whether the sink takes an event of type eventType, by the
+// engine's one routing rule (relay.Route.Takes).
+func (s Sink) Takes(eventType *string) bool {
+	return (&relay.Route{Events: s.Events}).Takes(&relay.Event{EventType: eventType})
 }
 
 // waitsForEarlier is the SQL condition "the row aliased o waits behind an
 // earlier event of its aggregate": a lower id of the same aggregate that
-// is unsettled (ledger.Unsettled) and not delivered everywhere — the claim
-// query's ordering check (docs/architecture.md, "the claim path"), which a
-// row blocked so cannot pass: it is not a row the claim path could take.
+// is unsettled (ledger.Unsettled) — the claim query's ordering check
+// (docs/architecture.md, "the claim path"), which a row blocked so cannot
+// pass: it is not a row the claim path could take.
 func (t Tables) waitsForEarlier(o string) string {
-	cond, err := ledger.DeliveredEverywhere(t.Ledger.Quoted(), t.Sinks, "p")
-	if err != nil {
-		cond = "false"
-	}
 	return fmt.Sprintf(`(%[1]s.aggregate_type IS NOT NULL AND %[1]s.aggregate_id IS NOT NULL AND EXISTS (
            SELECT FROM %[2]s AS p
             WHERE p.aggregate_type = %[1]s.aggregate_type AND p.aggregate_id = %[1]s.aggregate_id AND p.id < %[1]s.id
-              AND %[4]s AND NOT %[3]s))`, o, t.Outbox.Quoted(), cond, ledger.Unsettled("p"))
+              AND %[3]s))`, o, t.Outbox.Quoted(), ledger.Unsettled("p"))
 }
 
-// status is the SQL expression of the row aliased o's status, with rows the
-// ledger shows delivered everywhere counted as done, and a NULL status as
-// pending (ledger.Pending).
-func (t Tables) status(o string) string {
-	return fmt.Sprintf("CASE WHEN %s THEN 'done' WHEN %s THEN 'pending' ELSE %s.status END", t.delivered(o), ledger.Pending(o), o)
+// statusOf is the SQL expression of the row aliased o's status, a NULL status
+// read as pending (ledger.Pending): the row's one state (docs/schema.md,
+// "A row's states").
+func statusOf(o string) string {
+	return fmt.Sprintf("CASE WHEN %s THEN 'pending' ELSE %s.status END", ledger.Pending(o), o)
 }
 
 // DB is what the operations need of a database handle; *pgx.Conn,

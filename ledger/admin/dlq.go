@@ -8,11 +8,27 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// DeadStatuses are the statuses the dlq commands work on: dead letters and
-// rows held for a person.
+// DeadStatuses are the statuses the dlq commands work on unless told
+// otherwise: dead letters and rows held for a person.
 var DeadStatuses = []string{"failed", "held"}
+
+// Discarded is the status dlq discard writes: settled without delivery
+// (docs/schema.md, "A row's states").
+const Discarded = "discarded"
+
+// legacyDiscardPrefix starts the last_error of a row an earlier version
+// discarded: it wrote status done. Verify and event read such a row as
+// discarded, not as a done row lacking its deliveries; the relay itself
+// writes and reads only the status.
+const legacyDiscardPrefix = "discarded: "
+
+// DLQStatuses are the statuses dlq list and retry may be asked for: the
+// dead letters, the held rows and the discarded ones.
+var DLQStatuses = []string{"failed", "held", Discarded}
 
 // Selection chooses outbox rows for the dlq and replay commands. The zero
 // value of each filter means "any".
@@ -23,11 +39,11 @@ type Selection struct {
 	IDs []int64
 	// Since keeps rows created at or after it.
 	Since time.Time
-	// EventType is a path.Match glob over event_type, as in a sink's
-	// events; a NULL event_type matches only "*".
+	// EventType is a glob over event_type, matched as a sink's events
+	// are (relay.Route.Takes): a NULL event_type matches only "*".
 	EventType string
-	// Routes keeps rows whose event_type matches one of these globs (a
-	// sink's events), with the same NULL rule.
+	// Routes keeps rows whose event_type a sink with these events takes
+	// (relay.Route.Takes); empty: every row.
 	Routes []string
 	// NotDeliveredTo keeps rows the ledger does not show delivered to this
 	// sink: the dead letters that concern it.
@@ -39,34 +55,14 @@ type Selection struct {
 	After int64
 }
 
-// matches applies the glob filters, which SQL cannot express exactly.
+// matches applies the glob filters by the routing rule (relay.Route.Takes),
+// which no SQL renders.
 func (s Selection) matches(eventType *string) bool {
-	if s.EventType != "" && !globMatch(s.EventType, eventType) {
+	ev := &relay.Event{EventType: eventType}
+	if s.EventType != "" && !(&relay.Route{Events: []string{s.EventType}}).Takes(ev) {
 		return false
 	}
-	if len(s.Routes) == 0 {
-		return true
-	}
-	for _, g := range s.Routes {
-		if globMatch(g, eventType) {
-			return true
-		}
-	}
-	return false
-}
-
-// globMatch matches like the engine routes: "*" takes every event type
-// (NULL and ones with a '/', which path.Match's "*" does not match); other
-// globs are path.Match patterns and never match NULL.
-func globMatch(glob string, eventType *string) bool {
-	if glob == "*" {
-		return true
-	}
-	if eventType == nil {
-		return false
-	}
-	ok, err := path.Match(glob, *eventType)
-	return err == nil && ok
+	return (&relay.Route{Events: s.Routes}).Takes(ev)
 }
 
 // SelectIDs returns the ids of the rows sel chooses, in id order. It pages
@@ -81,13 +77,12 @@ func SelectIDs(ctx context.Context, db DB, t Tables, sel Selection) ([]int64, er
 	if len(sel.Statuses) == 0 {
 		return nil, fmt.Errorf("select rows: no statuses given")
 	}
-	// Only done and pending are read otherwise than the status column says
-	// (Tables.status: a pending row delivered everywhere is done, a NULL
-	// status is pending); a selection of neither reads the column, through
-	// the status index: a page of dead letters reads the dead letters, not
-	// the table.
-	status := t.status("o")
-	if !slices.Contains(sel.Statuses, "done") && !slices.Contains(sel.Statuses, "pending") {
+	// Only pending is read otherwise than the status column says (statusOf:
+	// a NULL status is pending); a selection without it reads the column,
+	// through the status index: a page of dead letters reads the dead
+	// letters, not the table.
+	status := statusOf("o")
+	if !slices.Contains(sel.Statuses, "pending") {
 		status = "o.status"
 	}
 	q := fmt.Sprintf(`
@@ -228,15 +223,17 @@ type Changed struct {
 	LedgerRows int64
 }
 
-// Retry makes the dead letters and held rows among ids deliverable again,
+// Retry makes the dead letters, held and discarded rows among ids
+// deliverable again,
 // in one statement (one transaction): status pending, attempts 0,
 // available_at and handoff_at now (the claim path takes handed-off rows in
 // replication mode as in poll mode), last_error, processed_at and the claim
 // cleared. The ledger rows of the chosen sinks (nil: every sink) that are
 // not 'delivered' — 'sending' claims and 'unknown' outcomes — are deleted,
 // so the claim path claims afresh; delivered pairs stay, so a sink that has
-// the event does not get it again. Only rows still failed or held change:
-// Retry is safe to repeat. Pass at most a few thousand ids (BatchSize).
+// the event does not get it again. Only rows still failed, held or
+// discarded change: Retry is safe to repeat. Pass at most a few thousand
+// ids (BatchSize).
 func Retry(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (Changed, error) {
 	var c Changed
 	err := db.QueryRow(ctx, fmt.Sprintf(`
@@ -244,7 +241,7 @@ WITH reset AS (
     UPDATE %s AS o
        SET status = 'pending', attempts = 0, available_at = now(), handoff_at = now(),
            last_error = NULL, processed_at = NULL, locked_at = NULL, locked_by = NULL
-     WHERE o.id = ANY($1::bigint[]) AND o.status IN ('failed', 'held')
+     WHERE o.id = ANY($1::bigint[]) AND o.status IN ('failed', 'held', 'discarded')
     RETURNING o.event_key),
 cleared AS (
     DELETE FROM %s AS l USING reset AS r
@@ -259,25 +256,18 @@ SELECT (SELECT count(*) FROM reset), (SELECT count(*) FROM cleared)`, t.Outbox.Q
 	return c, nil
 }
 
-// DiscardPrefix starts the last_error of a discarded row.
-//
-// The five statuses are fixed (docs/schema.md), and the claim query, the ordering check
-// and a legacy poller all rely on them, so a discarded row becomes 'done'
-// (settled, no longer blocking, pruned by retention like any done row) and
-// keeps its error behind this prefix: WHERE last_error LIKE 'discarded: %'
-// finds them.
-const DiscardPrefix = "discarded: "
-
 // Discard settles the dead letters and held rows among ids without
-// delivering them: status done, processed_at now, last_error prefixed with
-// DiscardPrefix. The ledger is left as it is (the record of what happened).
+// delivering them: status discarded, processed_at now, last_error kept. A
+// discarded row is settled — it blocks no later event of its aggregate,
+// retention prunes it like a done row, replay and retry take it — and is
+// told from a delivered one by its status alone (docs/schema.md, "A row's
+// states"). The ledger is left as it is (the record of what happened).
 // Only rows still failed or held change: Discard is safe to repeat.
 func Discard(ctx context.Context, db DB, t Tables, ids []int64) (Changed, error) {
 	tag, err := db.Exec(ctx, fmt.Sprintf(`
 UPDATE %s
-   SET status = 'done', processed_at = now(), locked_at = NULL, locked_by = NULL,
-       last_error = $2 || coalesce(last_error, '')
- WHERE id = ANY($1::bigint[]) AND status IN ('failed', 'held')`, t.Outbox.Quoted()), ids, DiscardPrefix)
+   SET status = 'discarded', processed_at = now(), locked_at = NULL, locked_by = NULL
+ WHERE id = ANY($1::bigint[]) AND status IN ('failed', 'held')`, t.Outbox.Quoted()), ids)
 	if err != nil {
 		return Changed{}, fmt.Errorf("discard %d rows: %w", len(ids), err)
 	}

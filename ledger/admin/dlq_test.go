@@ -162,10 +162,10 @@ func TestRetryAndDiscard(t *testing.T) {
 			if err != nil || c.Rows != 2 {
 				t.Fatalf("discard: %+v %v", c, err)
 			}
-			if r := f.MustRow(t, dead); r.status != "done" || *r.lastError != "discarded: HTTP 400: bad" {
-				t.Fatalf("discarded row: %+v %q", r, *r.lastError)
+			if r := f.MustRow(t, dead); r.status != "discarded" || r.lastError == nil || *r.lastError != "HTTP 400: bad" {
+				t.Fatalf("discarded row: %+v, want status discarded and its error kept", r)
 			}
-			if r := f.MustRow(t, deadNoErr); r.status != "done" || *r.lastError != "discarded: " {
+			if r := f.MustRow(t, deadNoErr); r.status != "discarded" || r.lastError != nil {
 				t.Fatalf("discarded row: %+v", r)
 			}
 			if r := f.MustRow(t, pending); r.status != "pending" {
@@ -173,6 +173,19 @@ func TestRetryAndDiscard(t *testing.T) {
 			}
 			if c, err := admin.Discard(ctx, f.pool, f.tables, []int64{dead}); err != nil || c.Rows != 0 {
 				t.Fatalf("second discard: %+v %v", c, err)
+			}
+			// A discarded row is retried and replayed as a failed one is.
+			if c, err := admin.Retry(ctx, f.pool, f.tables, []int64{dead}, nil); err != nil || c.Rows != 1 {
+				t.Fatalf("retry of a discarded row: %+v %v", c, err)
+			}
+			if r := f.MustRow(t, dead); r.status != "pending" || !r.handedOff {
+				t.Fatalf("retried discarded row: %+v", r)
+			}
+			if c, err := admin.Replay(ctx, f.pool, f.tables, []int64{deadNoErr}, nil); err != nil || c.Rows != 1 {
+				t.Fatalf("replay of a discarded row: %+v %v", c, err)
+			}
+			if r := f.MustRow(t, deadNoErr); r.status != "pending" || !r.handedOff {
+				t.Fatalf("replayed discarded row: %+v", r)
 			}
 		})
 	}

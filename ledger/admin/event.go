@@ -11,7 +11,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/ledger"
 )
 
 // ErrEventNotFound is returned by LookupEvent for an event the outbox does
@@ -28,16 +28,12 @@ type EventRef struct {
 // "What happened to one event").
 type EventState string
 
-// The states of an event, from its status column, its hand-off and the
-// ledger.
+// The states of an event: its status column (docs/schema.md, "A row's
+// states") and, for a pending one, its hand-off.
 const (
 	// EventWithStream: pending, and the stream's (not handed off) — on its
 	// way, or waiting for the slot to send it.
 	EventWithStream EventState = "stream"
-	// EventDelivered: pending and not handed off, but the ledger shows it
-	// delivered to every sink it is routed to: done, its status not marked
-	// yet (mark_done: off, or the marking trails).
-	EventDelivered EventState = "delivered"
 	// EventAtClaimPath: pending and handed off; the claim path takes it once
 	// available_at has passed.
 	EventAtClaimPath EventState = "claim_path"
@@ -84,9 +80,8 @@ type EventReport struct {
 	// when the payload is NULL.
 	PayloadBytes *int64 `json:"payload_bytes"`
 	// WaitsBehind is the oldest earlier event of the same aggregate that is
-	// not settled (pending, processing or held, and not delivered
-	// everywhere): this event is sent only after it. Nil when there is none
-	// or this event is settled.
+	// not settled (pending, processing or held): this event is sent only
+	// after it. Nil when there is none or this event is settled.
 	WaitsBehind *EventBrief `json:"waits_behind,omitempty"`
 	// Sinks are the configured sinks, in their order, then any other sink
 	// the ledger names.
@@ -106,7 +101,7 @@ type EventSink struct {
 	// Configured is false for a sink only the ledger names (one removed
 	// from the configuration).
 	Configured bool `json:"configured"`
-	// Routed: the sink's events globs take the event's type (relay.Matches).
+	// Routed: the sink takes the event (relay.Route.Takes).
 	Routed bool `json:"routed"`
 	// Delivered: the ledger shows the event delivered to the sink.
 	Delivered bool `json:"delivered"`
@@ -169,7 +164,7 @@ SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.stat
 	if err != nil {
 		return r, err
 	}
-	r.State = eventState(r, len(t.Sinks) > 0)
+	r.State = eventState(r)
 	switch r.State {
 	case EventWithStream, EventAtClaimPath, EventProcessing, EventHeld:
 		if r.WaitsBehind, err = waitsBehind(ctx, db, t, r); err != nil {
@@ -207,7 +202,7 @@ SELECT action, state, attempts, owner, claimed_at, delivered_at, next_attempt_at
 	for _, s := range t.Sinks {
 		l := ledgerRows[s.Name]
 		delete(ledgerRows, s.Name)
-		out = append(out, EventSink{Name: s.Name, Configured: true, Routed: relay.Matches(s.Events, r.EventType),
+		out = append(out, EventSink{Name: s.Name, Configured: true, Routed: s.Takes(r.EventType),
 			Delivered: l != nil && l.State == "delivered", Ledger: l})
 	}
 	for _, name := range names {
@@ -218,17 +213,14 @@ SELECT action, state, attempts, owner, claimed_at, delivered_at, next_attempt_at
 	return out, nil
 }
 
-// eventState is what the relay makes of r: its status, its hand-off and,
-// when the sinks are known, the ledger's record of delivery (the rule of
-// Tables.delivered).
-func eventState(r EventReport, sinksKnown bool) EventState {
+// eventState is what the relay makes of r: its status and, when pending,
+// its hand-off. A row an earlier version discarded is done with last_error
+// prefixed legacyDiscardPrefix.
+func eventState(r EventReport) EventState {
 	switch r.Status {
 	case "", "pending":
-		switch {
-		case r.HandoffAt != nil:
+		if r.HandoffAt != nil {
 			return EventAtClaimPath
-		case r.Status != "" && sinksKnown && deliveredEverywhere(r.Sinks):
-			return EventDelivered
 		}
 		return EventWithStream
 	case "processing":
@@ -237,24 +229,15 @@ func eventState(r EventReport, sinksKnown bool) EventState {
 		return EventHeld
 	case "failed":
 		return EventFailed
+	case Discarded:
+		return EventDiscarded
 	case "done":
-		if r.LastError != nil && strings.HasPrefix(*r.LastError, DiscardPrefix) {
+		if r.LastError != nil && strings.HasPrefix(*r.LastError, legacyDiscardPrefix) {
 			return EventDiscarded
 		}
 		return EventDone
 	}
 	return EventOther
-}
-
-// deliveredEverywhere reports whether every configured sink the event is
-// routed to has it.
-func deliveredEverywhere(sinks []EventSink) bool {
-	for _, s := range sinks {
-		if s.Configured && s.Routed && !s.Delivered {
-			return false
-		}
-	}
-	return true
 }
 
 // waitsBehind returns the oldest earlier event of r's aggregate that is not
@@ -268,8 +251,8 @@ func waitsBehind(ctx context.Context, db DB, t Tables, r EventReport) (*EventBri
 	err := db.QueryRow(ctx, fmt.Sprintf(`
 SELECT p.id, p.event_key, p.status FROM %s AS p
  WHERE p.aggregate_type = $1 AND p.aggregate_id = $2 AND p.id < $3
-   AND p.status IN ('pending', 'processing', 'held') AND NOT %s
- ORDER BY p.id LIMIT 1`, t.Outbox.Quoted(), t.delivered("p")), *r.AggregateType, *r.AggregateID, r.ID).Scan(&b.ID, &b.EventKey, &b.Status)
+   AND %s
+ ORDER BY p.id LIMIT 1`, t.Outbox.Quoted(), ledger.Unsettled("p")), *r.AggregateType, *r.AggregateID, r.ID).Scan(&b.ID, &b.EventKey, &b.Status)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return nil, nil

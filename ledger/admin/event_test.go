@@ -9,13 +9,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
 // eventSinks are the sinks the lookup tests configure: n8n takes order.*,
 // nats every event (a NULL event_type included).
-var eventSinks = []ledger.Sink{{Name: "n8n", Events: []string{"order.*"}}, {Name: "nats", Events: []string{"*"}}}
+var eventSinks = []admin.Sink{{Name: "n8n", Events: []string{"order.*"}}, {Name: "nats", Events: []string{"*"}}}
 
 // sinkOf returns the report's entry for sink name.
 func sinkOf(tb testing.TB, r admin.EventReport, name string) admin.EventSink {
@@ -93,8 +92,9 @@ func deref(s *string) string {
 	return *s
 }
 
-// TestLookupEvent_States: what the relay makes of a row, from its status,
-// its hand-off and the ledger.
+// TestLookupEvent_States: what the relay makes of a row, from its status
+// and its hand-off alone (docs/schema.md, "A row's states"): a pending row
+// the ledger shows delivered everywhere is still the stream's.
 func TestLookupEvent_States(t *testing.T) {
 	f := MustFixture(t)
 	f.tables.Sinks = eventSinks
@@ -109,7 +109,9 @@ func TestLookupEvent_States(t *testing.T) {
 	f.MustLedger(t, "delivered", "n8n", "delivered", 0)
 	claimed := f.MustInsert(t, row{key: "claimed", status: "processing"})
 	set(claimed, "locked_by = 'relay-b:2:0', locked_at = now(), handoff_at = now()")
-	discarded := f.MustInsert(t, row{key: "discarded", status: "done", lastError: admin.DiscardPrefix + "HTTP 422"})
+	discarded := f.MustInsert(t, row{key: "discarded", status: "discarded", lastError: "HTTP 422"})
+	// Discarded by an earlier version: done, last_error prefixed.
+	discardedBefore := f.MustInsert(t, row{key: "discarded-before", status: "done", lastError: "discarded: HTTP 422"})
 	nullStatus := f.MustInsert(t, row{key: "null-status"})
 	set(nullStatus, "status = NULL")
 	for _, tt := range []struct {
@@ -117,12 +119,13 @@ func TestLookupEvent_States(t *testing.T) {
 		state admin.EventState
 	}{
 		{stream, admin.EventWithStream},
-		{delivered, admin.EventDelivered},
+		{delivered, admin.EventWithStream},
 		{claimed, admin.EventProcessing},
 		{f.MustInsert(t, row{key: "held", status: "held"}), admin.EventHeld},
 		{f.MustInsert(t, row{key: "failed", status: "failed"}), admin.EventFailed},
 		{f.MustInsert(t, row{key: "done", status: "done"}), admin.EventDone},
 		{discarded, admin.EventDiscarded},
+		{discardedBefore, admin.EventDiscarded},
 		{nullStatus, admin.EventWithStream},
 	} {
 		r, err := admin.LookupEvent(ctx, f.pool, f.tables, admin.EventRef{ID: tt.id})
@@ -130,7 +133,7 @@ func TestLookupEvent_States(t *testing.T) {
 			t.Errorf("event %d: state %q, %v; want %q", tt.id, r.State, err, tt.state)
 		}
 	}
-	// Without the configuration, only the status column counts.
+	// Without the configuration, the same.
 	noSinks := f.tables
 	noSinks.Sinks = nil
 	if r, err := admin.LookupEvent(ctx, f.pool, noSinks, admin.EventRef{ID: delivered}); err != nil || r.State != admin.EventWithStream || sinkOf(t, r, "n8n").Configured {

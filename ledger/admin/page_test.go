@@ -12,7 +12,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
@@ -71,7 +70,7 @@ func (e *explainDB) explain(ctx context.Context, sql string, args []any) {
 // another by id.
 func TestListPage_ReadsOnlyTheDeadLetters(t *testing.T) {
 	f := MustFixture(t)
-	f.tables.Sinks = []ledger.Sink{{Name: "hook", Events: []string{"*"}}, {Name: "nats", Events: []string{"order.*"}}}
+	f.tables.Sinks = []admin.Sink{{Name: "hook", Events: []string{"*"}}, {Name: "nats", Events: []string{"order.*"}}}
 	ctx := context.Background()
 	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_type, aggregate_type, aggregate_id, event_key, payload, status, processed_at)
 		SELECT 'order.placed', 'order', 'agg-' || (g %% 1000), 'done-' || g, jsonb_build_object('pad', repeat('x', 40)), 'done', now()

@@ -7,15 +7,14 @@ import (
 
 // ReplayStatuses are the statuses replay takes: every settled row. Pending
 // and processing rows are on their way already and are never touched.
-var ReplayStatuses = []string{"done", "failed", "held"}
+var ReplayStatuses = []string{"done", "failed", "held", Discarded}
 
 // InFlightStatuses are the statuses of rows on their way: a replay leaves
 // them alone, and says how many matched.
 var InFlightStatuses = []string{"pending", "processing"}
 
-// Replay makes the settled rows among ids (done — a pending row the ledger
-// shows delivered everywhere counts as done —, failed, held) deliverable
-// again and counts the replay, in one statement (one transaction): status
+// Replay makes the settled rows among ids (done, failed, held, discarded)
+// deliverable again and counts the replay, in one statement (one transaction): status
 // pending, attempts 0, available_at and handoff_at now, last_error,
 // processed_at and the claim cleared, replays incremented. Every ledger row
 // of the chosen sinks (nil: every sink) is deleted, delivered or not, so the
@@ -31,7 +30,7 @@ func Replay(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (
 WITH was AS (
     SELECT o.id
       FROM %[1]s AS o
-     WHERE o.id = ANY($1::bigint[]) AND (o.status IN ('done', 'failed', 'held') OR %[3]s)
+     WHERE o.id = ANY($1::bigint[]) AND o.status IN ('done', 'failed', 'held', 'discarded')
        FOR UPDATE),
 replayed AS (
     UPDATE %[1]s AS o
@@ -46,7 +45,7 @@ cleared AS (
      WHERE l.event_key = r.event_key
        AND ($2::text[] IS NULL OR l.action = ANY($2::text[]))
     RETURNING 1)
-SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.delivered("o")),
+SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted()),
 		ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
 	if err != nil {
 		return Changed{}, fmt.Errorf("replay %d rows: %w", len(ids), err)

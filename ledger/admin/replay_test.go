@@ -66,20 +66,16 @@ func TestReplay(t *testing.T) {
 }
 
 // TestReplayRightAfterAStreamDelivery: an operator replays an event moments
-// after the stream delivered it, while the stream's marking of its status
-// (mark_done: async, off the acknowledgement path) is still to come. The
-// replay must stand: the late mark leaves the replayed row alone, and the
-// claim path takes it and finds no delivered ledger row, so it delivers it
-// again. (With the stream's deliveries held in memory, a write arriving
-// after the replay could record the event as delivered again, and the
-// replayed row would never be sent.)
+// after the stream delivered it. Its settlement wrote the row done with its
+// delivered ledger row, in one transaction, so the replay finds it settled
+// and takes it; the claim path then finds no delivered ledger row and
+// delivers it again. (When the status was marked after the settlement, the
+// replay had to read the ledger to know the row was done, and a late mark
+// could land on the replayed row.)
 func TestReplayRightAfterAStreamDelivery(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	f.tables.Sinks = []ledger.Sink{{Name: "nats"}}
-	cfg := ledger.DefaultConfig()
-	cfg.Sinks = f.tables.Sinks
-	store, err := ledger.New(f.pool, cfg)
+	store, err := ledger.New(f.pool, ledger.DefaultConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,16 +86,15 @@ func TestReplayRightAfterAStreamDelivery(t *testing.T) {
 	if _, err := store.SettleStream(ctx, []*relay.Work{delivered}, "relay-a"); err != nil {
 		t.Fatal(err)
 	}
-	// Settled and recorded; its status is not marked yet.
+	if r := f.MustRow(t, id); r.status != "done" {
+		t.Fatalf("the settled row: %+v, want done", r)
+	}
 	c, err := admin.Replay(ctx, f.pool, f.tables, []int64{id}, nil)
 	if err != nil || c.Rows != 1 || c.LedgerRows != 1 {
-		t.Fatalf("replay of the delivered, unmarked row: %+v %v; want the row and its ledger row", c, err)
-	}
-	if _, _, err := store.MarkDone(ctx, []int64{id}); err != nil {
-		t.Fatal(err)
+		t.Fatalf("replay of the delivered row: %+v %v; want the row and its ledger row", c, err)
 	}
 	if r := f.MustRow(t, id); r.status != "pending" || !r.handedOff {
-		t.Fatalf("the stream's late mark changed the replayed row: %+v", r)
+		t.Fatalf("the replayed row: %+v, want pending and handed to the claim path", r)
 	}
 	works, err := store.Claim(ctx, relay.ClaimQuery{Limit: 10, Owner: "outbox-relay:test"})
 	if err != nil || len(works) != 1 {

@@ -15,14 +15,14 @@ import (
 
 // RetentionConfig says what Prune deletes.
 type RetentionConfig struct {
-	// DoneAfter: done outbox rows processed longer ago than this are
-	// deleted. A done row without processed_at (written so by a legacy
-	// poller) ages from its created_at, and so does a pending row the
-	// ledger shows delivered everywhere (mark_done: off).
+	// DoneAfter: done and discarded outbox rows processed longer ago than
+	// this are deleted. Such a row without processed_at (written so by a
+	// legacy poller) ages from its created_at.
 	DoneAfter time.Duration
 	// LedgerAfter: ledger rows delivered (or claimed) longer ago than this
-	// are deleted once their outbox row is done or gone. A ledger row with
-	// neither time is deleted once its outbox row is gone.
+	// are deleted once their outbox row is gone (a done or discarded row's
+	// go with it). A ledger row with neither time is deleted once its
+	// outbox row is gone.
 	LedgerAfter time.Duration
 	// Batch is the number of rows per DELETE [1000].
 	Batch int
@@ -33,11 +33,6 @@ type RetentionConfig struct {
 	// Horizon, when set, keeps every row the relay's slot could still send
 	// again (see Horizon); RunRetention makes one for Slot.
 	Horizon *Horizon
-	// DeliveredPending prunes pending rows the ledger shows delivered to
-	// every sink (Tables.Sinks) like done rows, aged from created_at:
-	// delivery.mark_done: off, where such rows are never marked done. With
-	// the marking on they become done and are pruned as such.
-	DeliveredPending bool
 	// Slot names the relay's replication slot, for RunRetention.
 	Slot string
 }
@@ -129,12 +124,10 @@ func (h *Horizon) advance(ctx context.Context, db DB) (horizonBounds, error) {
 	return b, nil
 }
 
-// Prune deletes old done outbox rows with their ledger rows, and old
-// ledger rows whose outbox row is done or gone, Batch rows per statement
+// Prune deletes old done and discarded outbox rows with their ledger rows,
+// and old ledger rows whose outbox row is gone, Batch rows per statement
 // (each its own short transaction), until none is left, and returns how
-// many of each it deleted. With cfg.DeliveredPending (mark_done: off) it
-// also deletes old pending rows the ledger shows delivered everywhere
-// (Tables.Sinks), with their ledger rows.
+// many of each it deleted.
 //
 // It never deletes a row the relay's slot could still send again
 // (cfg.Horizon), a pending, processing, held or failed row, nor any ledger
@@ -196,37 +189,16 @@ DELETE FROM %[1]s AS o
  WHERE o.id IN (
        SELECT x.id FROM %[1]s AS x
         WHERE x.id > $4 AND x.id <= $5
-          AND x.status = 'done' AND coalesce(x.processed_at, x.created_at) < now() - $1 * interval '1 microsecond'
+          AND x.status IN ('done', 'discarded') AND coalesce(x.processed_at, x.created_at) < now() - $1 * interval '1 microsecond'
           AND %[3]s
         ORDER BY x.id
         LIMIT $2
           FOR UPDATE SKIP LOCKED)
-   AND o.status = 'done'
+   AND o.status IN ('done', 'discarded')
 RETURNING o.event_key),
 ledger AS (
 DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
 SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), behindSlot("x"))
-
-	// Rows the stream delivered whose status is not marked (mark_done:
-	// off) stay pending with a delivered ledger row per routed sink
-	// (docs/operations.md, "what the relay writes back"): they age from
-	// created_at and go with their ledger rows.
-	pruneDelivered := fmt.Sprintf(`
-WITH gone AS (
-DELETE FROM %[1]s AS o
- WHERE o.id IN (
-       SELECT x.id FROM %[1]s AS x
-        WHERE x.id > $4 AND x.id <= $5
-          AND %[3]s AND x.created_at < now() - $1 * interval '1 microsecond'
-          AND %[4]s
-        ORDER BY x.id
-        LIMIT $2
-          FOR UPDATE SKIP LOCKED)
-   AND %[5]s
-RETURNING o.event_key),
-ledger AS (
-DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
-SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), t.delivered("x"), behindSlot("x"), t.delivered("o"))
 
 	// An event's ledger rows are its record of delivery: they go with its
 	// row (pruneDone, above), never before it (docs/guarantees.md,
@@ -273,9 +245,6 @@ SELECT coalesce(n.event_key, m.event_key), coalesce(n.action, m.action), n.event
 	ledgerSliceFirst, ledgerSliceNext := ledgerSlice(">="), ledgerSlice(">")
 
 	prunes := []string{pruneDone}
-	if cfg.DeliveredPending && len(t.Sinks) > 0 {
-		prunes = append(prunes, pruneDelivered)
-	}
 	if bounds.none {
 		prunes = nil
 	}

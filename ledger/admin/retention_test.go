@@ -17,7 +17,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/rs/zerolog"
 
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
@@ -294,41 +293,37 @@ func TestPrune_KeepsRowsTheSlotHasNotPassed(t *testing.T) {
 	}
 }
 
-// TestPrune_DeliveredRowsWithoutStatus: with mark_done: off the rows the
-// stream delivered stay pending with a delivered ledger row for every sink
-// they are routed to; retention prunes them by created_at with those rows,
-// and keeps a pending row that lacks one.
-func TestPrune_DeliveredRowsWithoutStatus(t *testing.T) {
+// TestPrune_DiscardedRowsLikeDone: a discarded row is settled (dlq
+// discard): retention prunes it by processed_at with its ledger rows, as it
+// prunes a done row. A pending row goes by its status, never by the
+// ledger: one the ledger shows delivered everywhere is kept (an earlier
+// version left its status pending; reconcile hands it to the claim path,
+// which settles it done).
+func TestPrune_DiscardedRowsLikeDone(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	f.tables.Sinks = []ledger.Sink{{Name: "nats"}, {Name: "hook", Events: []string{"order.*"}}}
 	led := f.tables.Ledger.Quoted()
-	all := f.MustInsert(t, row{key: "both", created: 9 * day})
-	natsOnly := f.MustInsert(t, row{key: "nats-only", eventType: str("lead.created"), created: 9 * day})
-	half := f.MustInsert(t, row{key: "half", created: 9 * day})
-	young := f.MustInsert(t, row{key: "young", created: day})
+	old := f.MustInsert(t, row{key: "old", status: "discarded", created: 9 * day, processed: 8 * day})
+	young := f.MustInsert(t, row{key: "young", status: "discarded", created: 9 * day, processed: day})
+	recorded := f.MustInsert(t, row{key: "recorded", created: 9 * day})
 	MustExec(t, f.pool, fmt.Sprintf(`INSERT INTO %s (event_key, action, state, attempts, delivered_at) VALUES
-		('both', 'nats', 'delivered', 1, now()), ('both', 'hook', 'delivered', 1, now()),
-		('nats-only', 'nats', 'delivered', 1, now()),
-		('half', 'nats', 'delivered', 1, now()),
-		('young', 'nats', 'delivered', 1, now()), ('young', 'hook', 'delivered', 1, now())`, led))
-	// With the marking on, such rows become done first: left alone.
-	if done, ledgerRows, err := admin.Prune(ctx, f.pool, f.tables, week); err != nil || done != 0 || ledgerRows != 0 {
-		t.Fatalf("mark_done: async: pruned %d rows and %d ledger rows (%v), want none", done, ledgerRows, err)
-	}
-	off := week
-	off.DeliveredPending = true
-	done, ledgerRows, err := admin.Prune(ctx, f.pool, f.tables, off)
+		('old', 'nats', 'delivered', 1, now() - interval '40 days'), ('old', 'hook', 'unknown', 1, now() - interval '40 days'),
+		('young', 'nats', 'delivered', 1, now() - interval '1 day'),
+		('recorded', 'nats', 'delivered', 1, now() - interval '40 days')`, led))
+	done, ledgerRows, err := admin.Prune(ctx, f.pool, f.tables, week)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if done != 2 || ledgerRows != 3 {
-		t.Fatalf("pruned %d rows and %d ledger rows, want 2 (both, nats-only) and 3", done, ledgerRows)
+	if done != 1 || ledgerRows != 2 {
+		t.Fatalf("pruned %d rows and %d ledger rows, want 1 (old) and its 2", done, ledgerRows)
 	}
-	for id, want := range map[int64]int64{all: 0, natsOnly: 0, half: 1, young: 1} {
+	for id, want := range map[int64]int64{old: 0, young: 1, recorded: 1} {
 		if n := f.MustCount(t, f.tables.Outbox, `id = $1`, id); n != want {
 			t.Errorf("row %d: %d left, want %d", id, n, want)
 		}
+	}
+	if got := f.MustLedgerStates(t, "recorded"); got["nats"] != "delivered" {
+		t.Errorf("the pending row's ledger rows: %v, want kept", got)
 	}
 }
 

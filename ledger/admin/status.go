@@ -103,8 +103,9 @@ type Status struct {
 	Connections []Session         `json:"connections"`
 	Slot        SlotStatus        `json:"slot"`
 	Checkpoint  *CheckpointStatus `json:"checkpoint,omitempty"`
-	// Rows counts outbox rows by status; the five statuses (docs/schema.md) are
-	// always present, others (a legacy poller's) only when they occur.
+	// Rows counts outbox rows by status; the relay's statuses
+	// (docs/schema.md, "A row's states") are always present, others (a
+	// legacy poller's) only when they occur.
 	Rows map[string]int64 `json:"rows"`
 	// OldestPendingSeconds is the age of the oldest pending row (by
 	// created_at), nil when none is pending.
@@ -149,8 +150,8 @@ type Where struct {
 
 func (w Where) onStandby() bool { return w.Standby != nil || w.StandbyErr != nil }
 
-// Statuses are the outbox statuses (docs/schema.md).
-var Statuses = []string{"pending", "processing", "held", "failed", "done"}
+// Statuses are the outbox statuses (docs/schema.md, "A row's states").
+var Statuses = []string{"pending", "processing", "held", "failed", "done", Discarded}
 
 // ReadStatus reads the state of the relays of w.Slot from the database,
 // and the slot from the server it is on (w): ReadRelays, and the counts.
@@ -229,7 +230,7 @@ func (st *Status) readCounts(ctx context.Context, db DB, t Tables) error {
 	for _, s := range Statuses {
 		st.Rows[s] = 0
 	}
-	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT %s, count(*) FROM %s AS o GROUP BY 1`, t.status("o"), t.Outbox.Quoted()))
+	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT %s, count(*) FROM %s AS o GROUP BY 1`, statusOf("o"), t.Outbox.Quoted()))
 	if err != nil {
 		return fmt.Errorf("count outbox rows: %w", err)
 	}
@@ -242,8 +243,8 @@ func (st *Status) readCounts(ctx context.Context, db DB, t Tables) error {
 	}
 	st.Held, st.Failed = st.Rows["held"], st.Rows["failed"]
 
-	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE %s AND NOT %s`,
-		t.Outbox.Quoted(), ledger.Pending("o"), t.delivered("o"))).Scan(&st.OldestPendingSeconds)
+	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE %s`,
+		t.Outbox.Quoted(), ledger.Pending("o"))).Scan(&st.OldestPendingSeconds)
 	if err != nil {
 		return fmt.Errorf("oldest pending row: %w", err)
 	}
@@ -475,8 +476,8 @@ func deref[T any](p *T) T {
 type Progress struct {
 	// StallAfter is the age beyond which a waiting row counts.
 	StallAfterSeconds float64 `json:"stall_after_seconds"`
-	// StreamWaiting counts rows the stream owns (pending, not handed off,
-	// not in the delivered record) created more than StallAfter ago, while
+	// StreamWaiting counts rows the stream owns (pending, not handed off)
+	// created more than StallAfter ago, while
 	// the slot exists; OldestStreamWaitingSeconds is the oldest one's age.
 	StreamWaiting              int64    `json:"stream_waiting"`
 	OldestStreamWaitingSeconds *float64 `json:"oldest_stream_waiting_seconds,omitempty"`
@@ -521,9 +522,9 @@ SELECT count(*) FILTER (WHERE stream AND created_at < now() - make_interval(secs
        extract(epoch FROM now() - min(due) FILTER (WHERE NOT stream AND due < now() - make_interval(secs => $1)))::float8
   FROM (SELECT o.created_at, coalesce(o.available_at, o.created_at) AS due, $2 AND o.handoff_at IS NULL AS stream
           FROM %s AS o
-         WHERE %s AND NOT %s
+         WHERE %s
            AND NOT %s) AS w`,
-		t.Outbox.Quoted(), ledger.Pending("o"), t.delivered("o"), t.waitsForEarlier("o")), after, slotExists).
+		t.Outbox.Quoted(), ledger.Pending("o"), t.waitsForEarlier("o")), after, slotExists).
 		Scan(&p.StreamWaiting, &p.OldestStreamWaitingSeconds, &p.ClaimWaiting, &p.OldestClaimWaitingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("rows waiting: %w", err)

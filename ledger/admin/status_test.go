@@ -76,6 +76,7 @@ func TestReadStatus_Counts(t *testing.T) {
 	f.MustInsert(t, row{key: "f1", status: "failed"})
 	f.MustInsert(t, row{key: "f2", status: "failed"})
 	f.MustInsert(t, row{key: "d", status: "done"})
+	f.MustInsert(t, row{key: "x", status: "discarded"})
 	f.MustLedger(t, "d", "nats", "delivered", 10*time.Minute)
 	f.MustLedger(t, "d", "n8n", "delivered", 2*time.Hour) // not in the last hour
 	f.MustLedger(t, "h", "n8n", "unknown", 0)
@@ -87,7 +88,7 @@ func TestReadStatus_Counts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]int64{"pending": 2, "processing": 0, "held": 1, "failed": 2, "done": 1}
+	want := map[string]int64{"pending": 2, "processing": 0, "held": 1, "failed": 2, "done": 1, "discarded": 1}
 	if fmt.Sprint(st.Rows) != fmt.Sprint(want) || st.Held != 1 || st.Failed != 2 {
 		t.Fatalf("rows %v held %d failed %d, want %v", st.Rows, st.Held, st.Failed, want)
 	}
@@ -309,17 +310,17 @@ func TestReadProgress(t *testing.T) {
 	if p := read(); p.Stalled != "" || !strings.Contains(p.Note, "outbox-relay reconcile") {
 		t.Fatalf("stream checkpointing: %+v", p)
 	}
-	// Delivered by the stream to its one sink, status not marked yet:
+	// Settled by the stream (its status written with its ledger row):
 	// nothing waits.
-	f.tables.Sinks = []ledger.Sink{{Name: "nats"}}
 	f.MustLedger(t, "old", "nats", "delivered", time.Second)
+	MustExec(t, f.pool, "UPDATE "+outbox+" SET status = 'done', processed_at = now() WHERE event_key = 'old'")
 	if p := read(); p.StreamWaiting != 0 || p.Stalled != "" || p.Note != "" {
 		t.Fatalf("the old row delivered: %+v", p)
 	}
-	// Handed off, it is the claim path's, whose last sign of life is the
-	// ledger delivery above.
+	// Handed off instead, it is the claim path's, whose last sign of life
+	// is the settlement above.
 	MustExec(t, f.pool, "DELETE FROM "+f.tables.Ledger.Quoted()+" WHERE event_key = 'old'")
-	MustExec(t, f.pool, "UPDATE "+outbox+" SET handoff_at = now() WHERE event_key = 'old'")
+	MustExec(t, f.pool, "UPDATE "+outbox+" SET status = 'pending', handoff_at = now() WHERE event_key = 'old'")
 	if p := read(); p.StreamWaiting != 0 || p.ClaimWaiting != 1 || p.Stalled != "" {
 		t.Fatalf("handed off: %+v", p)
 	}
@@ -360,7 +361,7 @@ func TestReadProgress_HeldAggregateIsNoStall(t *testing.T) {
 func TestReadStatus_SinksDown(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
-	f.tables.Sinks = []ledger.Sink{{Name: "nats"}, {Name: "n8n"}, {Name: "nats2"}}
+	f.tables.Sinks = []admin.Sink{{Name: "nats"}, {Name: "n8n"}, {Name: "nats2"}}
 	f.MustInsert(t, row{key: "a", lastError: "sink nats: sink-down: publish a: nats connection to nats://n1:4222 is RECONNECTING"})
 	f.MustInsert(t, row{key: "b", lastError: "sink n8n: transient: 503; sink nats: circuit open: sink is down"})
 	f.MustInsert(t, row{key: "c", lastError: "sink n8n: transient: 503 Service Unavailable"})

@@ -23,8 +23,8 @@ import (
 // row's status — and reports the gaps:
 //
 //   - missing: a done row that a routed sink has no delivered ledger row for;
-//   - stuck: a row pending or processing, not delivered everywhere, due
-//     longer ago than StuckAfter;
+//   - stuck: a row pending or processing (its status alone:
+//     docs/schema.md, "A row's states"), due longer ago than StuckAfter;
 //   - unrouted: a ledger row for a sink the row is not routed to, or that is
 //     not configured;
 //   - orphaned: a ledger row whose outbox row is gone, though retention could
@@ -98,9 +98,9 @@ const (
 )
 
 // classify reads an outbox row's status: the one place verify interprets
-// it, beside doneSQL, which says the same in SQL. A discarded row is done
-// with last_error prefixed DiscardPrefix (docs/operations.md, "dead
-// letters"), or has status 'discarded'.
+// it, beside doneSQL, which says the same in SQL. A discarded row has
+// status 'discarded', or, discarded by an earlier version, is done with
+// last_error prefixed legacyDiscardPrefix.
 func classify(status, lastError pgtype.Text) rowFate {
 	if !status.Valid {
 		return fateOnItsWay
@@ -115,7 +115,7 @@ func classify(status, lastError pgtype.Text) rowFate {
 	case "discarded":
 		return fateDiscarded
 	case "done":
-		if lastError.Valid && strings.HasPrefix(lastError.String, DiscardPrefix) {
+		if lastError.Valid && strings.HasPrefix(lastError.String, legacyDiscardPrefix) {
 			return fateDiscarded
 		}
 		return fateDone
@@ -125,7 +125,7 @@ func classify(status, lastError pgtype.Text) rowFate {
 
 // doneSQL is classify's fateDone in SQL, for the queries a report prints.
 func doneSQL(o string) string {
-	return fmt.Sprintf("%[1]s.status = 'done' AND coalesce(%[1]s.last_error, '') NOT LIKE %[2]s", o, relay.QuoteLiteral(DiscardPrefix+"%"))
+	return fmt.Sprintf("%[1]s.status = 'done' AND coalesce(%[1]s.last_error, '') NOT LIKE %[2]s", o, relay.QuoteLiteral(legacyDiscardPrefix+"%"))
 }
 
 // onItsWaySQL is classify's fateOnItsWay in SQL.
@@ -277,7 +277,8 @@ func Verify(ctx context.Context, db DB, t Tables, o VerifyOptions) (*VerifyRepor
 	}
 	r.IDs = ranges
 	r.IDsText = rangesText(ranges)
-	r.sql = newReportSQL(t, r, o.Sinks, checked)
+	v.types = make([]map[pgtype.Text]bool, len(o.Sinks))
+	r.sql = newReportSQL(t, r, o.Sinks, v.types)
 
 	for _, rg := range ranges {
 		if err := v.walk(ctx, rg); err != nil {
@@ -297,6 +298,11 @@ func Verify(ctx context.Context, db DB, t Tables, o VerifyOptions) (*VerifyRepor
 				return nil, err
 			}
 		}
+	}
+	// The queries are rendered once every row has been routed: they name
+	// the event types each sink took (reportSQL).
+	for _, g := range r.Gaps {
+		g.SQL = r.sql.forKind(g.Kind, g.Sink)
 	}
 	r.Took = time.Since(start)
 	return r, nil
@@ -384,6 +390,10 @@ type verifier struct {
 	// (every one, or VerifyOptions.Sink), in the order of r.Sinks.
 	names   []string
 	checked []int
+	// types records, per configured sink (by index), each event type of
+	// the window's rows and whether the sink takes it: the routing the
+	// report's queries name (reportSQL), decided here, never in SQL.
+	types []map[pgtype.Text]bool
 }
 
 // pause waits after a statement that took took, when the caller bounds
@@ -459,14 +469,15 @@ func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
 		if x.eventType.Valid {
 			ev.EventType = &x.eventType.String
 		}
-		everywhere := true
 		for ti, si := range v.checked {
 			s := &v.o.Sinks[si]
 			delivered := x.delivered&(1<<si) != 0
 			if s.Stream != nil {
 				s.Stream.row(r, s.Name, x, delivered, fate)
 			}
-			if !s.Route.Takes(&ev) {
+			takes := s.Route.Takes(&ev)
+			v.routed(si, x.eventType, takes)
+			if !takes {
 				if (x.delivered|x.pending)&(1<<si) != 0 {
 					r.add(GapUnrouted, s.Name, Gap{ID: x.id, EventKey: x.key, Detail: "ledger row for a sink that does not take event_type " + orText(x.eventType, "NULL")})
 				}
@@ -484,7 +495,6 @@ func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
 				}
 				continue
 			}
-			everywhere = false
 			switch fate {
 			case fateDone:
 				tally.Missing++
@@ -510,7 +520,7 @@ func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
 				r.add(GapUnrouted, action, Gap{ID: x.id, EventKey: x.key, Detail: "ledger row for a sink that is not configured"})
 			}
 		}
-		if fate == fateOnItsWay && !everywhere && x.due.Valid && r.AsOf.Sub(x.due.Time) > v.o.StuckAfter {
+		if fate == fateOnItsWay && x.due.Valid && r.AsOf.Sub(x.due.Time) > v.o.StuckAfter {
 			r.add(GapStuck, "", Gap{ID: x.id, EventKey: x.key,
 				Detail: fmt.Sprintf("%s, due %s ago", orText(x.status, "pending"), r.AsOf.Sub(x.due.Time).Round(time.Second))})
 		}
@@ -523,6 +533,22 @@ func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
 		}
 	}
 	return nil
+}
+
+// routed records that sink si takes (or not) events of type eventType.
+// Route.Takes is given a row's id, key, event type and creation time, and
+// routes by the type alone: one decision per type serves the report's
+// queries. At most maxReportTypes types are kept per sink.
+func (v *verifier) routed(si int, eventType pgtype.Text, takes bool) {
+	m := v.types[si]
+	if m == nil {
+		m = map[pgtype.Text]bool{}
+		v.types[si] = m
+	}
+	if _, ok := m[eventType]; ok || len(m) > maxReportTypes {
+		return
+	}
+	m[eventType] = takes
 }
 
 func orText(s pgtype.Text, null string) string {

@@ -57,8 +57,8 @@ type Store interface {
 	ExpireLeases(ctx context.Context, lease time.Duration) ([]relay.Lease, error)
 	// RepairDue makes pending rows with a NULL available_at due now.
 	RepairDue(ctx context.Context) (int64, error)
-	// StuckRows returns the rows pending, not the claim path's and not
-	// delivered, due longer than after ago, oldest first.
+	// StuckRows returns the rows pending and not the claim path's, due
+	// longer than after ago, oldest first.
 	StuckRows(ctx context.Context, after time.Duration) ([]relay.StuckRow, error)
 	// Listen calls notified for every NOTIFY on channel until ctx ends or
 	// the connection fails.

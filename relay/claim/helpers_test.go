@@ -345,9 +345,6 @@ func newRig(tb testing.TB, f *fixture, o options) *rig {
 	}
 	lcfg := ledger.DefaultConfig()
 	lcfg.Unordered = o.Unordered
-	for _, rt := range o.Routes {
-		lcfg.Sinks = append(lcfg.Sinks, ledger.Sink{Name: rt.Sink.Name(), Events: rt.Events})
-	}
 	store := mustStore(tb, f.pool, lcfg)
 	engine, err := relay.NewEngine(relay.EngineConfig{
 		Routes:       o.Routes,

@@ -74,8 +74,8 @@ func TestOnAggregateSettledAfterLastHandedOffRow(t *testing.T) {
 	time.Sleep(300 * time.Millisecond) // more claims
 	rows := f.MustRows(t)
 	for _, key := range []string{"a4", "c3"} {
-		if rows[key].HandedOff || rows[key].Status != "pending" {
-			t.Errorf("%s: %+v, want delivered by the stream (pending, not handed off: mark_done is off)", key, rows[key])
+		if rows[key].HandedOff || rows[key].Status != "done" {
+			t.Errorf("%s: %+v, want delivered by the stream (done, never handed off)", key, rows[key])
 		}
 	}
 	if r := rows["b3"]; r.Status != "pending" {

@@ -162,7 +162,6 @@ func (r *recordingConsumer) Commit(relay.LSN)                         {}
 func (r *recordingConsumer) Keepalive(relay.LSN)                      {}
 func (r *recordingConsumer) Settled() (relay.LSN, bool)               { return 0, false }
 func (r *recordingConsumer) Restart(context.Context, relay.LSN) error { return nil }
-func (r *recordingConsumer) PositionWanted() bool                     { return false }
 func (r *recordingConsumer) Sent(time.Duration)                       {}
 func (r *recordingConsumer) HandOver(context.Context, []*relay.Event) error {
 	return nil

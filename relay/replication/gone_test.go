@@ -83,9 +83,7 @@ func startRelayRigWith(t *testing.T, e *testEnv, sink relay.Sink, claim *claimRe
 		t.Fatal(err)
 	}
 	t.Cleanup(pool.Close)
-	lcfg := ledger.DefaultConfig()
-	lcfg.Sinks = []ledger.Sink{{Name: sink.Name()}}
-	store := mustStore(t, pool, lcfg)
+	store := mustStore(t, pool, ledger.DefaultConfig())
 	logs := &logBuffer{}
 	log := zerolog.New(zerolog.MultiLevelWriter(logs, zerolog.NewTestWriter(t))).With().Timestamp().Logger()
 	owner := ledger.NewOwner()

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -37,8 +36,6 @@ type fakeConsumer struct {
 	submitHook func(ctx context.Context, events []*relay.Event) error
 	// restartHook, when set, runs at the start of Restart.
 	restartHook func(ctx context.Context, horizon relay.LSN) error
-	// positionWanted is what PositionWanted reports.
-	positionWanted atomic.Bool
 
 	mu         sync.Mutex
 	holdEvents bool
@@ -56,9 +53,6 @@ type fakeConsumer struct {
 	undiverted []map[relay.AggregateKey]bool // of each Divert call, the aggregates released
 	// eventsAtCommit[i] is how many events had been submitted when commits[i] came.
 	eventsAtCommit []int
-
-	decoded relay.LSN // the highest commit or keepalive position
-	waiting atomic.Int32
 
 	openEvents int        // events of the transaction being submitted
 	pending    []position // committed or reported, not yet settled
@@ -91,7 +85,6 @@ func (c *fakeConsumer) Commit(endLSN relay.LSN) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.commits = append(c.commits, endLSN)
-	c.decoded = max(c.decoded, endLSN)
 	c.eventsAtCommit = append(c.eventsAtCommit, len(c.events))
 	c.pending = append(c.pending, position{lsn: endLSN, events: c.openEvents > 0})
 	c.openEvents = 0
@@ -101,7 +94,6 @@ func (c *fakeConsumer) Keepalive(walEnd relay.LSN) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.keepalives++
-	c.decoded = max(c.decoded, walEnd)
 	c.pending = append(c.pending, position{lsn: walEnd})
 }
 
@@ -189,12 +181,6 @@ func (c *fakeConsumer) divertCalls() ([][]relay.AggregateKey, int) {
 		}
 	}
 	return append([][]relay.AggregateKey(nil), c.diverts...), n
-}
-
-// PositionWanted implements relay.Consumer: positionWanted, when set, and
-// while WaitDecoded waits, as the engine does.
-func (c *fakeConsumer) PositionWanted() bool {
-	return c.positionWanted.Load() || c.waiting.Load() > 0
 }
 
 func (c *fakeConsumer) Restart(ctx context.Context, horizon relay.LSN) error {

@@ -923,35 +923,3 @@ func TestResumesAfterServerRestart(t *testing.T) {
 		}
 	}
 }
-
-// TestPositionAskedOftenWhileWanted: while the consumer wants to learn how
-// far the walsender has decoded (its write-back is paced by it), an idle
-// stream asks the server for its position every positionPoll instead of
-// every status interval; otherwise it asks at the status interval only.
-func TestPositionAskedOftenWhileWanted(t *testing.T) {
-	e := newEnv(t)
-	c := &fakeConsumer{}
-	start(t, e.config(t, c, &fakeCheckpoint{}, &claimRecorder{url: e.url}))
-	waitStreaming(t, c, 1)
-	keepalives := func() int {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		return c.keepalives
-	}
-	count := func() int {
-		before := keepalives()
-		time.Sleep(time.Second)
-		return keepalives() - before
-	}
-	idle := count()
-	c.positionWanted.Store(true)
-	time.Sleep(600 * time.Millisecond) // the update already scheduled goes out first
-	wanted := count()
-	t.Logf("keepalives in a second: %d idle, %d while the position is wanted", idle, wanted)
-	if idle > 6 {
-		t.Errorf("%d keepalives in an idle second while nobody wants the position, want a few (one per status interval)", idle)
-	}
-	if wanted < 15 {
-		t.Errorf("%d keepalives in a second while the position is wanted, want one per positionPoll (20 ms)", wanted)
-	}
-}

@@ -538,19 +538,9 @@ func (r *receiver) sendStatus(ctx context.Context) error {
 		r.acked = pos
 		raise(&r.s.acknowledged, pos)
 	}
-	every := r.every
-	if !r.inTxn && !r.blocked && r.s.cfg.Consumer.PositionWanted() {
-		// The consumer's write-back waits for the walsender's position:
-		// the reply to this update tells it.
-		every = min(every, positionPoll)
-	}
-	r.next = time.Now().Add(every)
+	r.next = time.Now().Add(r.every)
 	return nil
 }
-
-// positionPoll is how often an idle stream asks the server for its position
-// while the consumer wants it (relay.Consumer.PositionWanted).
-const positionPoll = 20 * time.Millisecond
 
 // position returns the position to acknowledge: the consumer's settled
 // position, except that a position passing events is acknowledged only after

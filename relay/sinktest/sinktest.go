@@ -314,10 +314,7 @@ func (s *memStores) SettleStream(_ context.Context, works []*relay.Work, _ strin
 	s.record(works)
 	return nil, nil
 }
-func (s *memStores) Gone(context.Context, []*relay.Work) ([]int64, error) { return nil, nil }
-func (s *memStores) MarkDone(context.Context, []int64) ([]int64, relay.LSN, error) {
-	return nil, 0, nil
-}
+func (s *memStores) Gone(context.Context, []*relay.Work) ([]int64, error)   { return nil, nil }
 func (s *memStores) Diverted(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
 func (s *memStores) Claim(context.Context, relay.ClaimQuery) ([]*relay.Work, error) {
 	return nil, nil

@@ -105,11 +105,6 @@ type Config struct {
 	// Claim builds the claim source feeding e; all takes every due row
 	// (poll mode), otherwise only rows handed to the claim path.
 	Claim func(e *relay.Engine, all bool) (Runner, error)
-	// Startup, when set, runs beside the sources at the start of each
-	// phase, mode "replication" or "poll" (marking done the rows the
-	// stream delivered, for the claim path in poll mode and for tools that
-	// read the status column).
-	Startup func(ctx context.Context, mode string)
 	// Slots watches the relay's slot.
 	Slots Slots
 	// Standby, when set, watches the standby the stream decodes on
@@ -289,12 +284,11 @@ func (s *Supervisor) Run(ctx context.Context) error {
 // lease (its owner lock) was lost.
 const leaseLostPause = time.Second
 
-// worker is one of a phase's workers: a source feeding the engine, or
-// (task) a pass that runs beside them and may finish.
+// worker is one of a phase's workers: a source feeding the engine, or a
+// watch beside them.
 type worker struct {
 	name string
 	run  func(ctx context.Context) error
-	task bool
 }
 
 // phase runs one phase: a fresh engine, and over it the workers build
@@ -339,11 +333,7 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 	}
 	g, gctx := relay.NewGroup(ctx)
 	for _, w := range workers {
-		if w.task {
-			g.GoTask(w.name, w.run)
-		} else {
-			g.Go(w.name, w.run)
-		}
+		g.Go(w.name, w.run)
 	}
 
 	select {
@@ -514,11 +504,7 @@ func (s *Supervisor) pollPhase(d time.Duration) func(e *relay.Engine) ([]worker,
 			l = l.Dur("for", d)
 		}
 		l.Msg("polling: the claim path takes every due row")
-		ws := []worker{{name: "claim path", run: claim.Run}}
-		if s.cfg.Startup != nil {
-			ws = append(ws, worker{name: "start-up pass", task: true, run: func(ctx context.Context) error { s.cfg.Startup(ctx, "poll"); return nil }})
-		}
-		return ws, nil
+		return []worker{{name: "claim path", run: claim.Run}}, nil
 	}
 }
 
@@ -544,9 +530,6 @@ func (s *Supervisor) streamPhase(e *relay.Engine) ([]worker, error) {
 	ws := []worker{{name: "stream", run: source.Run}, {name: "claim path", run: claim.Run}}
 	if s.cfg.Standby != nil {
 		ws = append(ws, worker{name: "standby watch", run: s.watchStandby})
-	}
-	if s.cfg.Startup != nil {
-		ws = append(ws, worker{name: "start-up pass", task: true, run: func(ctx context.Context) error { s.cfg.Startup(ctx, "replication"); return nil }})
 	}
 	return ws, nil
 }

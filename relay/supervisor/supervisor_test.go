@@ -23,9 +23,8 @@ func (nopStore) PrepareStream(context.Context, []*relay.Work, bool, string) erro
 func (nopStore) SettleStream(context.Context, []*relay.Work, string) ([]int64, error) {
 	return nil, nil
 }
-func (nopStore) MarkDone(context.Context, []int64) ([]int64, relay.LSN, error) { return nil, 0, nil }
-func (nopStore) Gone(context.Context, []*relay.Work) ([]int64, error)          { return nil, nil }
-func (nopStore) Diverted(context.Context) ([]relay.AggregateKey, error)        { return nil, nil }
+func (nopStore) Gone(context.Context, []*relay.Work) ([]int64, error)   { return nil, nil }
+func (nopStore) Diverted(context.Context) ([]relay.AggregateKey, error) { return nil, nil }
 
 func newEngine() (*relay.Engine, error) {
 	return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test"})

@@ -162,10 +162,14 @@ const (
 
 func (Ordering) choices() []string { return strs(OrderingAggregate, OrderingNone) }
 
-// MarkDone says whether delivered rows are marked done in the outbox.
+// MarkDone is delivery.mark_done, a removed setting: the settlement writes
+// every row's status, done in the transaction of its delivered ledger rows.
+// Both values still load so that a configuration written for an earlier
+// version does; run warns about off, which it can no longer honour
+// (docs/configuration.md, "Removed keys").
 type MarkDone string
 
-// MarkDone modes.
+// MarkDone values.
 const (
 	MarkDoneAsync MarkDone = "async"
 	MarkDoneOff   MarkDone = "off"

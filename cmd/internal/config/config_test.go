@@ -1362,6 +1362,22 @@ func TestSinkConfig_CloudEventsSource(t *testing.T) {
 	}
 }
 
+// TestLoad_RemovedMarkDoneStillLoads: delivery.mark_done loads with either
+// value it had; run warns about off, which it no longer honours
+// (docs/configuration.md, "Removed keys"), and another value is still an
+// error naming the key.
+func TestLoad_RemovedMarkDoneStillLoads(t *testing.T) {
+	for _, v := range []config.MarkDone{config.MarkDoneAsync, config.MarkDoneOff} {
+		cfg, err := load(t, "delivery:\n  mark_done: "+string(v)+"\n")
+		if err != nil {
+			t.Fatalf("mark_done: %s: %v", v, err)
+		}
+		if cfg.Delivery.MarkDone != v {
+			t.Errorf("MarkDone = %q, want %q (run reads it to warn)", cfg.Delivery.MarkDone, v)
+		}
+	}
+}
+
 // TestLoad_RemovedCPUSchedulingStillLoads: a configuration written for a
 // version that had cpu_scheduling loads, whatever its value; run warns
 // that the key is no longer used (docs/configuration.md, "Removed keys").

@@ -77,7 +77,7 @@ func MustServer(tb testing.TB) *fixture {
 	n := migrations.DefaultNames()
 	f := &fixture{pool: pool, logs: &syncBuffer{},
 		tables: admin.Tables{Outbox: n.Outbox, Ledger: n.Ledger, Checkpoint: n.Checkpoint,
-			Sinks: []ledger.Sink{{Name: "hook", Events: []string{"*"}}, {Name: "nats", Events: []string{"order.*"}}}}}
+			Sinks: []admin.Sink{{Name: "hook", Events: []string{"*"}}, {Name: "nats", Events: []string{"order.*"}}}}}
 	done := make(chan struct{})
 	tb.Cleanup(func() { close(done) })
 	s := console.New(console.Config{AdminToken: adminToken, ReadToken: readToken, Feed: relay.NewFeed(false), Done: done,

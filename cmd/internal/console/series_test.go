@@ -7,7 +7,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 )
 
@@ -119,7 +118,7 @@ func TestSeries_KeepsTheLastHour(t *testing.T) {
 func TestStatus_State(t *testing.T) {
 	m := newTestMetrics()
 	s := New(Config{AdminToken: "x", Gatherer: m.reg})
-	b := &Backend{Tables: admin.Tables{Sinks: []ledger.Sink{{Name: "hook"}}}}
+	b := &Backend{Tables: admin.Tables{Sinks: []admin.Sink{{Name: "hook"}}}}
 	t0 := time.Now()
 	state := func(at time.Time, st *admin.Status) string {
 		t.Helper()
