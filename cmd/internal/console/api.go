@@ -41,10 +41,10 @@ func (s *Server) handleDeadLetters(w http.ResponseWriter, r *http.Request) error
 	sel := admin.Selection{Statuses: admin.DeadStatuses, Limit: deadLetterPage, EventType: q.Get("type")}
 	switch status := q.Get("status"); status {
 	case "":
-	case "failed", "held":
+	case "failed", "held", admin.Discarded:
 		sel.Statuses = []string{status}
 	default:
-		return errorf(http.StatusBadRequest, "status %q: failed or held (none: both)", status)
+		return errorf(http.StatusBadRequest, "status %q: failed, held or discarded (none: failed and held)", status)
 	}
 	if err := checkGlob("type", sel.EventType); err != nil {
 		return err

@@ -352,7 +352,7 @@ func TestAPI_DeadLetters(t *testing.T) {
 	for _, tc := range []struct{ query, want string }{
 		{"sink=kafka", `sink: no such sink \"kafka\" (configured: hook, nats)`},
 		{"type=[oops", `type \"[oops\" is not a valid glob`},
-		{"status=done", `status \"done\": failed or held`},
+		{"status=done", `status \"done\": failed, held or discarded`},
 		{"after=abc", `after \"abc\": an event id`},
 		{"limit=0", `limit \"0\": from 1 to 500`},
 		{"since=yesterday", `since \"yesterday\": write an RFC 3339 time`},
@@ -393,7 +393,7 @@ func TestAPI_RetryAndDiscard(t *testing.T) {
 	// Discard by filter: the sink nats takes order.*, so c (invoice) stays.
 	status, body = f.call(t, "POST", "/api/v1/dead-letters/discard", adminToken, map[string]any{"sink": "nats"})
 	expect(t, "discard for nats", status, body, 200, `"rows":1`, "discarded 1 event")
-	if f.status(t, b) != "done" || f.status(t, c) != "failed" {
+	if f.status(t, b) != "discarded" || f.status(t, c) != "failed" {
 		t.Errorf("after discard: b %s, c %s", f.status(t, b), f.status(t, c))
 	}
 
