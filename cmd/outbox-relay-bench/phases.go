@@ -22,7 +22,7 @@ import (
 )
 
 // allPhases are the phases in the order they run.
-var allPhases = []string{"ceiling", "drain-js", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated", "verify"}
+var allPhases = []string{"ceiling", "drain-js", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated", "verify", "payload-sizes"}
 
 // extraPhases run only when -phases names them.
 var extraPhases = []string{"partitions", "standby", "floor-pair", "large-payloads"}
@@ -57,6 +57,7 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"drain-claim":        phaseDrainClaim,    // claim.go
 	"slot-recreated":     phaseSlotRecreated, // claim.go
 	"verify":             phaseVerify,        // verify.go
+	"payload-sizes":      phasePayloadSizes,  // payloads.go
 	"large-payloads":     phaseLargePayloads, // largepayloads.go
 }
 
