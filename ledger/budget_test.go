@@ -34,7 +34,7 @@ func (f *fixture) mustInsertLarge(tb testing.TB, key, agg string, size int) int6
 }
 
 // TestHandOverReadsSlicesByBytes: a new slot's hand-over reads its rows —
-// Early's and each slice of Deliver — in slices whose payloads take at most
+// NewestUnblocked's and each slice of Deliver — in slices whose payloads take at most
 // relay.ReadBytes of the engine's budget, a row larger than that alone,
 // and still feeds every row, each aggregate's in id order. Before, a slice
 // was cut by count only (1,000 rows): 900 rows of 600 KiB were 540 MB in
@@ -64,19 +64,19 @@ func TestHandOverReadsSlicesByBytes(t *testing.T) {
 	slot, created, h := f.mustOpenHandOver(t, store)
 	defer h.Close()
 
-	early, earlyAggs, err := h.Early(ctx)
+	early, earlyAggs, err := h.NewestUnblocked(ctx)
 	if err != nil {
-		t.Fatalf("Early: %v", err)
+		t.Fatalf("NewestUnblocked: %v", err)
 	}
 	if n := payloadBytes(early); len(early) > 1 && n > read {
-		t.Errorf("Early read %d rows of %d payload bytes at once, want at most %d", len(early), n, read)
+		t.Errorf("NewestUnblocked read %d rows of %d payload bytes at once, want at most %d", len(early), n, read)
 	}
 	// Every row is among the newest: only the aggregates whose every row
-	// Early fed are left out of the pin.
+	// NewestUnblocked fed are left out of the pin.
 	for _, a := range earlyAggs {
 		for _, id := range ids {
 			if aggOf[id] == a.ID && !slices.ContainsFunc(early, func(ev *relay.Event) bool { return ev.ID == id }) {
-				t.Errorf("Early reported aggregate %s fed, but its row %d was not", a.ID, id)
+				t.Errorf("NewestUnblocked reported aggregate %s fed, but its row %d was not", a.ID, id)
 			}
 		}
 	}
@@ -115,7 +115,7 @@ func TestHandOverReadsSlicesByBytes(t *testing.T) {
 	if !slices.Equal(got, ids) {
 		t.Errorf("fed %v, want every row %v", got, ids)
 	}
-	t.Logf("Early fed %d rows; Deliver fed slices of %v rows", len(early), fed.feeds)
+	t.Logf("NewestUnblocked fed %d rows; Deliver fed slices of %v rows", len(early), fed.feeds)
 }
 
 // TestClaimTakesByBytes: a claim takes rows until their payloads use the

@@ -223,7 +223,7 @@ func TestDivertedCostIndependentOfTheStreamsBacklog(t *testing.T) {
 	}
 }
 
-// TestEarlyCostIndependentOfTheBacklog: Early runs while the whole read of
+// TestEarlyCostIndependentOfTheBacklog: NewestUnblocked runs while the whole read of
 // a new slot's snapshot runs, for the events committed just before the
 // slot; it must read the newest rows and a row or two of each of their
 // aggregates, not the backlog behind them.
@@ -242,19 +242,19 @@ func TestEarlyCostIndependentOfTheBacklog(t *testing.T) {
 		t.Fatal(err)
 	}
 	buffers, text := explainBuffers(t, f, f.store.EarlyStatement(), above, above+1000)
-	t.Logf("Early's read touched %d buffers behind 50,000 pending rows", buffers)
+	t.Logf("NewestUnblocked's read touched %d buffers behind 50,000 pending rows", buffers)
 	// The newest 1,000 rows and each of their aggregates' first rows: a
 	// few thousand buffers. Not every pending row sorted by id, nor the
 	// whole claim index (make bench: 0.1 s of the query's 0.15 s).
 	if buffers > 4000 || !strings.Contains(text, "integration_outbox_pkey") {
-		t.Errorf("Early's read touched %d buffers: it reads the backlog\n%s", buffers, text)
+		t.Errorf("NewestUnblocked's read touched %d buffers: it reads the backlog\n%s", buffers, text)
 	}
 	var n int
 	if err := f.pool.QueryRow(ctx, "SELECT count(*) FROM ("+f.store.EarlyStatement()+") AS e", above, above+1000).Scan(&n); err != nil {
 		t.Fatal(err)
 	}
 	if n != 300 {
-		t.Errorf("Early took %d rows, want the 300 fresh ones", n)
+		t.Errorf("NewestUnblocked took %d rows, want the 300 fresh ones", n)
 	}
 }
 

@@ -106,7 +106,7 @@ func (s *Store) ScanStatements() (rng, recheck string) { return s.sql.scanRange,
 // EXPLAIN.
 func (s *Store) DivertedStatement() string { return s.sql.stream.diverted }
 
-// SetEarlySlice sets how many of the newest rows Early looks at, until
+// SetEarlySlice sets how many of the newest rows NewestUnblocked looks at, until
 // restore.
 func SetEarlySlice(n int) (restore func()) {
 	old := earlySlice
@@ -114,6 +114,6 @@ func SetEarlySlice(n int) (restore func()) {
 	return func() { earlySlice = old }
 }
 
-// EarlyStatement returns the read of Early's rows (its arguments: the
+// EarlyStatement returns the read of NewestUnblocked's rows (its arguments: the
 // range of ids, open below), for EXPLAIN.
 func (s *Store) EarlyStatement() string { return s.sql.snapshotEarly }

@@ -22,7 +22,7 @@ import (
 // the store's readBytes as well (sliceBytes).
 var handOverSlice = relay.HandOverWindow / 2
 
-// earlySlice is how many of the newest rows pending in the snapshot Early
+// earlySlice is how many of the newest rows pending in the snapshot NewestUnblocked
 // looks at.
 var earlySlice = relay.HandOverWindow / 2
 
@@ -113,7 +113,7 @@ func (h *handOverRows) Pending(ctx context.Context, aggs []relay.AggregateKey) (
 	return out, nil
 }
 
-// Early implements relay.HandOverRows. It reads, in the snapshot, the rows
+// NewestUnblocked implements relay.HandOverRows. It reads, in the snapshot, the rows
 // pending there among the newest earlySlice ids and keeps those whose
 // aggregate has every pending row among them (and those without one): the
 // events committed just before the slot, of aggregates without a backlog,
@@ -122,7 +122,7 @@ func (h *handOverRows) Pending(ctx context.Context, aggs []relay.AggregateKey) (
 // returns them with the aggregates whose every row it returns, for the
 // caller to feed; Deliver leaves them out and counts them, and feeds the
 // others. It returns nothing once the read is done.
-func (h *handOverRows) Early(ctx context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
+func (h *handOverRows) NewestUnblocked(ctx context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
 	rows, err := h.earlyRows(ctx)
 	if err != nil || len(rows) == 0 {
 		return nil, nil, err
@@ -168,14 +168,14 @@ func (h *handOverRows) Early(ctx context.Context) ([]*relay.Event, []relay.Aggre
 	return events, aggs, nil
 }
 
-// earlyRow is a row Early may feed: its id and its aggregate, if it has one.
+// earlyRow is a row NewestUnblocked may feed: its id and its aggregate, if it has one.
 type earlyRow struct {
 	id      int64
 	agg     relay.AggregateKey
 	ordered bool
 }
 
-// earlyRows reads Early's rows on the second transaction, in id order.
+// earlyRows reads NewestUnblocked's rows on the second transaction, in id order.
 func (h *handOverRows) earlyRows(ctx context.Context) ([]earlyRow, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -215,9 +215,9 @@ func (h *handOverRows) earlyRows(ctx context.Context) ([]earlyRow, error) {
 	return out, nil
 }
 
-// recordEarly records the rows Early feeds, for Deliver to leave out, and
+// recordEarly records the rows NewestUnblocked feeds, for Deliver to leave out, and
 // reports false when the read has run since earlyRows: Deliver has every
-// row then, and Early feeds none.
+// row then, and NewestUnblocked feeds none.
 func (h *handOverRows) recordEarly(ids []int64) (bool, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -372,7 +372,7 @@ type handOverRows struct {
 	readDone   bool                        // the read ran
 	readErr    error                       // the read's
 	inSnapshot map[relay.AggregateKey]bool // aggs as a set, made when Pending asks after the read
-	early      map[int64]bool              // the rows Early took
+	early      map[int64]bool              // the rows NewestUnblocked took
 	earlyFed   int64                       // how many it returned
 
 	aggs   []relay.AggregateKey // the rows' aggregates
@@ -430,7 +430,7 @@ func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent rela
 	h.mu.Lock()
 	early, total := h.early, h.earlyFed
 	h.mu.Unlock()
-	if len(early) > 0 { // fed by Early
+	if len(early) > 0 { // fed by NewestUnblocked
 		h.rows = slices.DeleteFunc(h.rows, func(r pendingRow) bool { return early[r.id] })
 	}
 	readSQL, err := h.s.handOverReadStatement(ctx)

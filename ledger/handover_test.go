@@ -600,10 +600,10 @@ func TestHandOverPendingAsksTheSnapshot(t *testing.T) {
 }
 
 // TestHandOverEarlyFeedsTheNewestCompleteAggregates: before the read ends,
-// Early feeds the newest rows whose aggregates have no other row pending in
+// NewestUnblocked feeds the newest rows whose aggregates have no other row pending in
 // the snapshot (the events committed just before the slot), in id order,
 // with rows without an aggregate; an aggregate with an older row waits for
-// Deliver, which leaves Early's rows out and counts them.
+// Deliver, which leaves NewestUnblocked's rows out and counts them.
 func TestHandOverEarlyFeedsTheNewestCompleteAggregates(t *testing.T) {
 	defer ledger.SetEarlySlice(4)()
 	f := MustFixture(t)
@@ -613,17 +613,17 @@ func TestHandOverEarlyFeedsTheNewestCompleteAggregates(t *testing.T) {
 		agg("s1", "s1"), agg("s2-1", "s2"), row{Key: "free"}, agg("s2-2", "s2"), agg("big-4", "big"))
 	slot, created, h := f.mustOpenHandOver(t, f.store)
 	defer h.Close()
-	events, aggs, err := h.Early(ctx)
+	events, aggs, err := h.NewestUnblocked(ctx)
 	if err != nil {
-		t.Fatalf("Early: %v", err)
+		t.Fatalf("NewestUnblocked: %v", err)
 	}
 	early := &feedLog{events: events}
 	// The newest four: s2-1, free, s2-2, big-4; big has older rows.
 	if got := early.keys(); !slices.Equal(got, []string{"s2-1", "free", "s2-2"}) {
-		t.Errorf("Early fed %v, want [s2-1 free s2-2]", got)
+		t.Errorf("NewestUnblocked fed %v, want [s2-1 free s2-2]", got)
 	}
 	if want := []relay.AggregateKey{{Type: "order", ID: "s2"}}; !slices.Equal(aggs, want) {
-		t.Errorf("Early's aggregates %v, want %v", aggs, want)
+		t.Errorf("NewestUnblocked's aggregates %v, want %v", aggs, want)
 	}
 	if _, err := h.Aggregates(ctx); err != nil {
 		t.Fatal(err)
@@ -634,15 +634,15 @@ func TestHandOverEarlyFeedsTheNewestCompleteAggregates(t *testing.T) {
 		t.Fatalf("Deliver: %v", err)
 	}
 	if got := fed.keys(); !slices.Equal(got, []string{"s1", "big-1", "big-2", "big-3", "big-4"}) {
-		t.Errorf("Deliver fed %v, want [s1 big-1 big-2 big-3 big-4] (Early's rows left out)", got)
+		t.Errorf("Deliver fed %v, want [s1 big-1 big-2 big-3 big-4] (NewestUnblocked's rows left out)", got)
 	}
 	if n != 8 {
-		t.Errorf("Deliver reported %d rows, want 8 (Early's three counted)", n)
+		t.Errorf("Deliver reported %d rows, want 8 (NewestUnblocked's three counted)", n)
 	}
 }
 
 // TestHandOverEarlyAfterTheReadFeedsNothing: once the read is done Deliver
-// has every row; Early leaves them to it.
+// has every row; NewestUnblocked leaves them to it.
 func TestHandOverEarlyAfterTheReadFeedsNothing(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
@@ -652,8 +652,8 @@ func TestHandOverEarlyAfterTheReadFeedsNothing(t *testing.T) {
 	if _, err := h.Aggregates(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if events, aggs, err := h.Early(ctx); err != nil || len(events)+len(aggs) != 0 {
-		t.Errorf("Early after the read = %d rows, %v, %v; want nothing", len(events), aggs, err)
+	if events, aggs, err := h.NewestUnblocked(ctx); err != nil || len(events)+len(aggs) != 0 {
+		t.Errorf("NewestUnblocked after the read = %d rows, %v, %v; want nothing", len(events), aggs, err)
 	}
 }
 

@@ -244,7 +244,7 @@ SELECT DISTINCT o.aggregate_type, o.aggregate_id FROM %s AS o
 		maxID: fmt.Sprintf(`SELECT COALESCE(max(id), 0) FROM %s`, outbox),
 		// The rows pending in a new slot's snapshot with an id in ($1, $2]
 		// (the newest ids), of those whose aggregate has no other row
-		// pending there (or none): what Early feeds before the whole read
+		// pending there (or none): what NewestUnblocked feeds before the whole read
 		// ends. The ids are a range of the primary key, whatever the
 		// backlog: ORDER BY id DESC LIMIT was planned as a scan of every
 		// pending row and a sort, and a range open above with the claim

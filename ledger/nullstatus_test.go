@@ -22,7 +22,7 @@ import (
 // TestHandOverTakesNullStatusRows: rows with a NULL status pending when a
 // new slot is created are the hand-over's like pending ones: the snapshot
 // reports their aggregates (Pending, Aggregates), an aggregate with an
-// older such row is not complete among the newest rows (Early), and
+// older such row is not complete among the newest rows (NewestUnblocked), and
 // Deliver feeds them in id order. Before, the snapshot's readers read only
 // status = 'pending': the row was never fed, and the slot never streams it.
 func TestHandOverTakesNullStatusRows(t *testing.T) {
@@ -43,8 +43,8 @@ func TestHandOverTakesNullStatusRows(t *testing.T) {
 		t.Errorf("Pending before the read = %v, %v; want [m n] (m's one row has a NULL status)", got, err)
 	}
 	// The newest row, n-2, has an older row of its aggregate pending: n-1.
-	if events, aggs, err := h.Early(ctx); err != nil || len(events)+len(aggs) != 0 {
-		t.Errorf("Early = %d rows %v, %v; want nothing: n-2's aggregate has n-1 before it", len(events), aggs, err)
+	if events, aggs, err := h.NewestUnblocked(ctx); err != nil || len(events)+len(aggs) != 0 {
+		t.Errorf("NewestUnblocked = %d rows %v, %v; want nothing: n-2's aggregate has n-1 before it", len(events), aggs, err)
 	}
 	if aggs, err := h.Aggregates(ctx); err != nil || !slices.Equal(aggs, []relay.AggregateKey{n, m}) {
 		t.Errorf("Aggregates = %v, %v; want [n m]", aggs, err)

@@ -270,11 +270,11 @@ type HandOverRows interface {
 	// events' aggregates, to deliver those with none at once), and from
 	// another goroutine.
 	Pending(ctx context.Context, aggs []AggregateKey) ([]AggregateKey, error)
-	// Early returns, for the caller to feed before the read (Aggregates),
+	// NewestUnblocked returns, for the caller to feed before the read (Aggregates),
 	// the newest rows whose aggregates have no other row to hand over (and
 	// rows without an aggregate), and those aggregates; Deliver leaves the
 	// rows out and counts them. It returns nothing once the read is done.
-	Early(ctx context.Context) ([]*Event, []AggregateKey, error)
+	NewestUnblocked(ctx context.Context) ([]*Event, []AggregateKey, error)
 	// Deliver reads the rows again, a slice at a time, and gives them to
 	// feed (Consumer.HandOver), each aggregate's in id order; rows no
 	// longer pending, or handed off, since the snapshot are left out. After each slice it calls fed with the

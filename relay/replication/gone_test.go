@@ -176,7 +176,7 @@ func TestHandOverSettlesARowDeletedBeforeItsOutcome(t *testing.T) {
 			if err := e.conn.QueryRow(context.Background(), `SELECT id FROM integration_outbox WHERE event_key = 'old-gone'`).Scan(&goneID); err != nil {
 				t.Fatal(err)
 			}
-			e.pushPastEarly(t) // the old rows go through Deliver, not Early
+			e.pushPastNewestUnblocked(t) // the old rows go through Deliver, not NewestUnblocked
 			deleter := mustConnect(t, e.url)
 			var deleteOnce sync.Once
 			sink := &scriptedSink{answer: func(d *relay.Delivery) error {
@@ -236,7 +236,7 @@ func TestReconnectAfterAHandOverRowWasDeleted(t *testing.T) {
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 3) g`)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id) VALUES ('old-gone', 'x', 'order', 'gone')`)
-	e.pushPastEarly(t)
+	e.pushPastNewestUnblocked(t)
 	admin := mustConnect(t, e.url)
 	var once sync.Once
 	var firstPID int32 // the walsender of the first session

@@ -58,11 +58,11 @@ func TestSlotRecreatedOnlyAfterConsumerSettled(t *testing.T) {
 	}
 }
 
-// pushPastEarly writes 1,001 rows of aggregate bulk/1 after the test's
+// pushPastNewestUnblocked writes 1,001 rows of aggregate bulk/1 after the test's
 // backlog: the rows before them are not among the newest 1,000 that the
-// hand-over feeds first (HandOverRows.Early), and bulk/1 has a row older
-// than those, so Early feeds nothing and Deliver everything.
-func (e *testEnv) pushPastEarly(t *testing.T) {
+// hand-over feeds first (HandOverRows.NewestUnblocked), and bulk/1 has a row older
+// than those, so NewestUnblocked feeds nothing and Deliver everything.
+func (e *testEnv) pushPastNewestUnblocked(t *testing.T) {
 	t.Helper()
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'bulk-' || g, 'x', 'bulk', '1' FROM generate_series(1, 1001) g`)
@@ -89,7 +89,7 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 	e := newEnv(t)
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'old-' || g, 'x', 'order', '1' FROM generate_series(1, 3) g`)
-	e.pushPastEarly(t)
+	e.pushPastNewestUnblocked(t)
 	c := &fakeConsumer{}
 	claim := &claimRecorder{url: e.url}
 	var divertsAtMark atomic.Int32
@@ -136,12 +136,12 @@ func TestStreamsWhileTheHandOverMarks(t *testing.T) {
 // 200,000 took 0.7 s in make bench's slot-recreated, and every fresh event
 // waited for it). An event of an aggregate without rows in the snapshot
 // reaches the consumer during the read, and so does one of an aggregate
-// whose rows were all among the newest (Early fed them first); one of an
+// whose rows were all among the newest (NewestUnblocked fed them first); one of an
 // aggregate with older rows there is held until the rows' aggregates are
 // pinned.
 func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 	e := newEnv(t)
-	// order/1's rows are older than the newest 1,000 (Early's), order/3's
+	// order/1's rows are older than the newest 1,000 (NewestUnblocked's), order/3's
 	// one row is the newest.
 	mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 		SELECT 'old-' || g, 'x', 'order', '1' FROM generate_series(1, 3) g`)
@@ -177,13 +177,13 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 				return errors.New("an event of an aggregate without rows in the snapshot did not reach the consumer during the read")
 			}
 		}
-		// And one of the aggregate whose one row Early fed.
+		// And one of the aggregate whose one row NewestUnblocked fed.
 		if _, err := conn.Exec(ctx, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id) VALUES ('again', 'x', 'order', '3')`); err != nil {
 			return err
 		}
 		for deadline := time.Now().Add(10 * time.Second); c.commitOf("again") == 0; time.Sleep(20 * time.Millisecond) {
 			if time.Now().After(deadline) {
-				return errors.New("an event of an aggregate whose rows Early fed did not reach the consumer during the read")
+				return errors.New("an event of an aggregate whose rows NewestUnblocked fed did not reach the consumer during the read")
 			}
 		}
 		if keys := keysOf(c.handedOver()); !slices.Contains(keys, "recent") || slices.Contains(keys, "old-1") {
@@ -238,9 +238,9 @@ func TestStreamsWhileTheSnapshotIsRead(t *testing.T) {
 }
 
 // TestFailedHandOverMakesTheSlotAgain: when the read of the newest rows
-// (Early), of the snapshot's rows or their delivery fails while the slot
+// (NewestUnblocked), of the snapshot's rows or their delivery fails while the slot
 // streams, the session ends (events
-// held at the gate are streamed again by the next session, from the slot);
+// held at the handOverGate are streamed again by the next session, from the slot);
 // the next one finds the slot without its hand-over record, makes it again
 // and hands every pending row over, so nothing pending before the first
 // slot is left to a slot that will never stream it. A diversion the first
@@ -251,7 +251,7 @@ func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
 			e := newEnv(t)
 			mustExec(t, e.conn, `INSERT INTO integration_outbox (event_key, event_type, aggregate_type, aggregate_id)
 				SELECT 'old-' || g, 'x', 'order', g::text FROM generate_series(1, 4) g`)
-			e.pushPastEarly(t)
+			e.pushPastNewestUnblocked(t)
 			c := &fakeConsumer{}
 			claim := &claimRecorder{url: e.url}
 			var calls atomic.Int32
@@ -264,7 +264,7 @@ func TestFailedHandOverMakesTheSlotAgain(t *testing.T) {
 			wantDiverts := 1 // the next session's; the failed one never pinned
 			switch step {
 			case "early":
-				claim.beforeEarly = fail
+				claim.beforeNewestUnblocked = fail
 			case "read":
 				claim.beforeAggregates = fail
 			case "deliver":

@@ -312,9 +312,9 @@ type claimRecorder struct {
 	// snapshot, before the session starts streaming.
 	afterOpen func(ctx context.Context)
 	// beforeAggregates, when set, runs before the hand-over reads its rows;
-	// its error fails the read. beforeEarly does the same for Early.
-	beforeAggregates func(ctx context.Context) error
-	beforeEarly      func(ctx context.Context) error
+	// its error fails the read. beforeNewestUnblocked does the same for NewestUnblocked.
+	beforeAggregates      func(ctx context.Context) error
+	beforeNewestUnblocked func(ctx context.Context) error
 	// afterFeed, when set, runs after each slice Deliver feeds, and
 	// afterFed after each call of its fed with the aggregates released.
 	afterFeed func(ctx context.Context, events []*relay.Event)
@@ -391,13 +391,13 @@ func (r *recordedHandOver) Aggregates(ctx context.Context) ([]relay.AggregateKey
 	return r.HandOverRows.Aggregates(ctx)
 }
 
-func (r *recordedHandOver) Early(ctx context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
-	if r.c.beforeEarly != nil {
-		if err := r.c.beforeEarly(ctx); err != nil {
+func (r *recordedHandOver) NewestUnblocked(ctx context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
+	if r.c.beforeNewestUnblocked != nil {
+		if err := r.c.beforeNewestUnblocked(ctx); err != nil {
 			return nil, nil, err
 		}
 	}
-	return r.HandOverRows.Early(ctx)
+	return r.HandOverRows.NewestUnblocked(ctx)
 }
 
 func (r *recordedHandOver) Deliver(ctx context.Context, slot string, consistent relay.LSN, feed func(context.Context, []*relay.Event) error, fed func([]relay.AggregateKey), settled func(context.Context) error) (int64, error) {
@@ -472,7 +472,7 @@ func (noRows) Len() int                                                 { return
 func (noRows) Pending(context.Context, []relay.AggregateKey) ([]relay.AggregateKey, error) {
 	return nil, nil
 }
-func (noRows) Early(context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
+func (noRows) NewestUnblocked(context.Context) ([]*relay.Event, []relay.AggregateKey, error) {
 	return nil, nil, nil
 }
 func (noRows) Deliver(context.Context, string, relay.LSN, func(context.Context, []*relay.Event) error, func([]relay.AggregateKey), func(context.Context) error) (int64, error) {

@@ -197,11 +197,11 @@ func (s *Source) stream(ctx context.Context, conn *pgconn.PgConn, acked relay.LS
 	q := newQueue()
 	consumer := s.cfg.Consumer
 	if handOver != nil {
-		consumer = &gate{Consumer: consumer, h: handOver, clear: map[relay.AggregateKey]bool{}}
+		consumer = &handOverGate{Consumer: consumer, h: handOver, clear: map[relay.AggregateKey]bool{}}
 	}
 	workers.Go("decoder", func(ctx context.Context) error { return newDecoder(consumer, s.outbox).run(ctx, q) })
 	if handOver != nil {
-		workers.GoTask("hand-over", func(ctx context.Context) error { return s.finish(ctx, handOver) })
+		workers.GoTask("hand-over", func(ctx context.Context) error { return s.deliverHandOver(ctx, handOver) })
 	}
 
 	saveTimeout := maxSaveTimeout
