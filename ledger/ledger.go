@@ -1,6 +1,10 @@
-// Package ledger is the PostgreSQL side of the stream path: the idempotency
-// ledger, the outbox rows' status as the stream settles them, and the slot's
-// checkpoint (docs/schema.md).
+// Package ledger holds every statement the relay runs on its tables
+// (docs/schema.md): the idempotency ledger and the outbox rows' status as
+// both paths settle them (stream.go, claim.go), a new slot's hand-over
+// (handover.go), the slot's checkpoint (checkpoint.go), leadership
+// (leader.go), the scans for stuck rows (scan.go) and upkeep (upkeep.go).
+// Package ledger/admin holds the operator's statements (status, dlq,
+// replay, verify).
 //
 // Every write is conditional on the row still being where the writer expects
 // it (the stream's: StreamOwned; the claim's: processing and locked by the
