@@ -28,6 +28,7 @@ var Metrics = map[string]string{
 	"outbox_relay_held_total":                        "counter",
 	"outbox_relay_handed_off_total":                  "counter",
 	"outbox_relay_receiver_order_violations_total":   "counter",
+	"outbox_relay_sink_paused":                       "gauge",
 	"outbox_relay_delivery_latency_seconds":          "histogram",
 	"outbox_relay_decode_latency_seconds":            "histogram",
 	"outbox_relay_walsender_lag_seconds":             "histogram",

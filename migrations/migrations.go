@@ -345,6 +345,7 @@ var sqlMigrations = []string{
 	"013_unsettled_index.sql",
 	"014_msgid_scope.sql",
 	"015_notify_state.sql",
+	"016_sink_pauses.sql",
 }
 
 // Latest returns the schema version a fully migrated outbox table has: the
@@ -454,6 +455,7 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"Delivered":             DeliveredTable(n.Outbox).Quoted(),
 		"MsgIDScope":            MsgIDScopeTable(n.Outbox).Quoted(),
 		"NotifyState":           NotifyStateTable(n.Outbox).Quoted(),
+		"SinkPauses":            SinkPausesTable(n.Outbox).Quoted(),
 		"DeadLetterIndexName":   relay.QuoteIdentifier(deadLetterIndex(n.Outbox).Name),
 		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
 		"UnsettledIndexName":    relay.QuoteIdentifier(unsettledIndex(n.Outbox).Name),
@@ -519,6 +521,12 @@ func MsgIDScopeTable(outbox relay.QualifiedName) relay.QualifiedName {
 // beside the outbox, in its schema.
 func NotifyStateTable(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_relay_notify"))
+}
+
+// SinkPausesTable holds one row per paused sink (016), beside the outbox,
+// in its schema.
+func SinkPausesTable(outbox relay.QualifiedName) relay.QualifiedName {
+	return outbox.Sibling(derivedName(outbox.Name, "_relay_pauses"))
 }
 
 // deadLetterIndex is the partial index of the failed and held rows in the

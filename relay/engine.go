@@ -65,6 +65,9 @@ type EngineConfig struct {
 	StallAfter time.Duration
 	Logger     zerolog.Logger
 
+	// Pauses, when set, says which sinks an operator paused; nil: none is.
+	Pauses PauseStore
+
 	// Feed, when set, is told each pair's outcome (the admin API's live
 	// feed); it never blocks a lane.
 	Feed *Feed
@@ -241,6 +244,9 @@ func (e *Engine) Run(ctx context.Context) error {
 	if err := e.loadDivertedRetrying(ctx); err != nil {
 		return err
 	}
+	if err := e.loadPauses(ctx); err != nil {
+		return err
+	}
 	g, ctx := NewGroup(ctx)
 	sendCtx, cancelSends := context.WithCancel(ctx)
 	defer cancelSends()
@@ -257,6 +263,9 @@ func (e *Engine) Run(ctx context.Context) error {
 	for _, p := range []Path{PathStream, PathClaim} {
 		q := e.settle[p]
 		g.Go("settle "+string(p), func(ctx context.Context) error { q.run(ctx); return nil })
+	}
+	if e.cfg.Pauses != nil {
+		g.Go("pause watch", func(ctx context.Context) error { e.watchPauses(ctx); return nil })
 	}
 	if e.cfg.Claim != nil {
 		g.Go("lease renewer", func(ctx context.Context) error { e.renewLeases(ctx); return nil })

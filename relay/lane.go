@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -41,6 +42,9 @@ type lane struct {
 	diverted  map[AggregateKey]uint64
 	unwritten map[AggregateKey]int
 	circuit   circuit
+	// paused is set while an operator has paused the sink: its pairs are
+	// deferred as an open circuit defers them (pause.go).
+	paused atomic.Bool
 	// failures holds what the log said of each event that failed here and
 	// is not delivered or settled for good (failNote): a repeat of the same
 	// failure, in this pass or a later claim, is not logged again.
@@ -108,10 +112,9 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 	ev := t.w.Event
 	now := time.Now()
 	l.mu.Lock()
-	if until, open := l.circuit.isOpen(l.e.now()); open {
-		l.circuit.wait(ev.ID)
+	if o, closed := l.closed(ev.ID); closed {
 		l.mu.Unlock()
-		l.complete(t, Outcome{Kind: Deferred, Reason: "circuit open: sink is down", Until: until, Why: "sink_down"}, true)
+		l.complete(t, o, true)
 		return
 	}
 	if l.ordered(ev) {
@@ -216,8 +219,8 @@ func (l *lane) dispatch(ctx, sendCtx context.Context) {
 	}
 }
 
-// send gives t to the sink, unless the sink's circuit is open or the
-// engine is halted.
+// send gives t to the sink, unless the sink is paused, its circuit is open
+// or the engine is halted.
 func (l *lane) send(ctx context.Context, t *task) {
 	if l.e.halted.Load() {
 		l.complete(t, haltedOutcome(t), true)
@@ -232,15 +235,11 @@ func (l *lane) send(ctx context.Context, t *task) {
 		return
 	}
 	l.mu.Lock()
-	until, open := l.circuit.isOpen(l.e.now())
-	if open {
-		l.circuit.wait(t.w.Event.ID)
-	}
+	o, closed := l.closed(t.w.Event.ID)
 	l.mu.Unlock()
-	if open {
-		o := Outcome{Kind: Deferred, Reason: "circuit open: sink is down", Until: until, Why: "sink_down"}
+	if closed {
 		if t.counted > 0 {
-			o = Outcome{Kind: Retry, Reason: t.last + "; then the circuit opened", Until: until, Counted: t.counted}
+			o = Outcome{Kind: Retry, Reason: t.last + "; then " + o.Reason, Until: o.Until, Counted: t.counted}
 		}
 		l.complete(t, o, true)
 		return

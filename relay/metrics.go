@@ -150,7 +150,7 @@ func SetMode(mode string) {
 // handOffReasons are the reason label values of handed_off_total: why the
 // stream handed an event to the claim path (Outcome.Why; "retries" for a
 // counted failure). TestHandOffReasons holds the list to the code.
-var handOffReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down", "ordering", "stopping", "claimed"}
+var handOffReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down", "ordering", "stopping", "claimed", "paused"}
 
 // InitMetrics creates at 0 the labelled series of each route's sink (both
 // paths, every hand-off reason) and of both modes, which would otherwise
@@ -174,6 +174,7 @@ func InitMetrics(routes []Route) {
 			deliveryLatency.WithLabelValues(sink, path)
 		}
 		receiverOrderViolations.WithLabelValues(sink)
+		sinkPaused.WithLabelValues(sink)
 		for _, reason := range handOffReasons {
 			handedOffTotal.WithLabelValues(sink, reason)
 		}

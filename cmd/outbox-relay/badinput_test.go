@@ -486,12 +486,14 @@ func TestBadInput_MissingGrants(t *testing.T) {
 		outbox = `"public"."integration_outbox"`
 		ledger = `"public"."integration_idempotency"`
 		ckpt   = `"public"."relay_checkpoint"`
+		pauses = `"public"."integration_outbox_relay_pauses"`
 	)
 	all := func(except string) []string {
 		grants := []string{
 			"GRANT USAGE ON SCHEMA public TO {{role}}",
 			"GRANT SELECT, UPDATE, DELETE ON " + outbox + " TO {{role}}",
 			"GRANT SELECT, INSERT, UPDATE, DELETE ON " + ledger + ", " + ckpt + " TO {{role}}",
+			"GRANT SELECT ON " + pauses + " TO {{role}}",
 		}
 		if except != "" {
 			grants = append(grants, except)

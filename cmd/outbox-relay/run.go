@@ -290,6 +290,9 @@ func (r *relayRun) supervisorConfig() supervisor.Config {
 				StallAfter: time.Duration(cfg.HTTP.StallAfter),
 				Logger:     log,
 				Feed:       r.feed,
+				// The pauses live on the primary, beside the outbox
+				// (docs/sinks.md, "Pause and resume").
+				Pauses: admin.NewPauseReader(r.pool, r.tables.Outbox),
 			})
 		},
 		Stream: func(e *relay.Engine) (supervisor.Runner, error) {

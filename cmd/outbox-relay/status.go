@@ -37,6 +37,7 @@ whether a relay runs or not:
               retained WAL, the position acknowledged to it, and the relay's checkpoint
   rows        outbox rows by status, the age of the oldest pending row
   delivered   per sink, ledger rows delivered in the last hour
+  paused      the sinks an operator paused (outbox-relay sink pause), since when and why
   sink down   per sink, the pending rows whose last attempt found it down, and why (a
               running relay's /readyz names the sinks down now)
   progress    stalled when rows have waited longer than http.stall_after (5m when 0) on a
@@ -174,6 +175,9 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 	for _, sink := range sortedKeys(st.SinksDown) {
 		d := st.SinksDown[sink]
 		line("sink down:", "%s: %d pending rows found it down at their last attempt; newest: %s", sink, d.Waiting, d.LastError)
+	}
+	for _, p := range st.Paused {
+		line("paused:", "%s since %s%s (outbox-relay sink resume %s)", p.Sink, p.PausedAt.UTC().Format(time.RFC3339), reasonNote(p.Reason), p.Sink)
 	}
 	if p := st.Progress; p != nil {
 		after := time.Duration(p.StallAfterSeconds * float64(time.Second))

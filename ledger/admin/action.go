@@ -2,6 +2,7 @@ package admin
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -60,8 +61,12 @@ func (a Action) Apply(ctx context.Context, db DB, t Tables, ids []int64, sinks [
 	return total, nil
 }
 
-// Sink returns the configured sink called name, or an error that names the
-// sinks there are.
+// ErrNoSuchSink is wrapped by the error of an operation given a sink name
+// the configuration does not have.
+var ErrNoSuchSink = errors.New("no such sink")
+
+// Sink returns the configured sink called name, or an error wrapping
+// ErrNoSuchSink that names the sinks there are.
 func (t Tables) Sink(name string) (Sink, error) {
 	var names []string
 	for _, s := range t.Sinks {
@@ -73,7 +78,7 @@ func (t Tables) Sink(name string) (Sink, error) {
 	if len(names) == 0 {
 		names = []string{"none"}
 	}
-	return Sink{}, fmt.Errorf("no such sink %q (configured: %s)", name, strings.Join(names, ", "))
+	return Sink{}, fmt.Errorf("%w %q (configured: %s)", ErrNoSuchSink, name, strings.Join(names, ", "))
 }
 
 // ParseSince reads the start of a selection by time: an RFC 3339 time, a

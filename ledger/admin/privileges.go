@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -113,7 +114,10 @@ func NeededPrivileges(t Tables, retention bool) []TableGrant {
 		outbox = append(outbox, "DELETE")
 	}
 	rw := []string{"SELECT", "INSERT", "UPDATE", "DELETE"}
-	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}}
+	// The paused sinks are read, never written, by run: the operator's
+	// commands write them (docs/operations.md, "Pause and resume a sink").
+	pauses := migrations.SinkPausesTable(t.Outbox)
+	return []TableGrant{{t.Outbox, outbox}, {t.Ledger, rw}, {t.Checkpoint, rw}, {pauses, []string{"SELECT"}}}
 }
 
 // TableGrant is a set of privileges on one table.

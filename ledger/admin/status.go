@@ -121,6 +121,9 @@ type Status struct {
 	// such rows are listed; the configured sinks (Tables.Sinks) are looked
 	// for.
 	SinksDown map[string]SinkDown `json:"sinks_down,omitempty"`
+	// Paused are the sinks an operator paused (PauseSink), by name: no
+	// relay sends to them until they are resumed.
+	Paused []Pause `json:"paused"`
 	// Progress is what the tables show of a stall (ReadProgress); the
 	// status command fills it in.
 	Progress *Progress `json:"progress,omitempty"`
@@ -262,6 +265,9 @@ SELECT action, count(*) FROM %s
 	}
 	if st.SinksDown, err = sinksDown(ctx, db, t); err != nil {
 		return err
+	}
+	if st.Paused, err = Pauses(ctx, db, t.Outbox); err != nil {
+		return fmt.Errorf("read the paused sinks: %w", err)
 	}
 	return nil
 }

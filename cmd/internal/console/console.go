@@ -109,6 +109,8 @@ func (s *Server) Register(mux *http.ServeMux) {
 	mux.Handle("POST /api/v1/dead-letters/retry", act(s.handleChange(admin.ActionRetry)))
 	mux.Handle("POST /api/v1/dead-letters/discard", act(s.handleChange(admin.ActionDiscard)))
 	mux.Handle("POST /api/v1/replay", act(s.handleChange(admin.ActionReplay)))
+	mux.Handle("POST /api/v1/sinks/{name}/pause", act(s.handlePause(true)))
+	mux.Handle("POST /api/v1/sinks/{name}/resume", act(s.handlePause(false)))
 	mux.Handle("GET /api/v1/feed", read(s.handleFeed))
 	mux.Handle("/api/", read(func(w http.ResponseWriter, r *http.Request) error {
 		return errorf(http.StatusNotFound, "no such endpoint: %s %s (docs/operations.md, \"Console and admin API\", lists them)", r.Method, r.URL.Path)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"path"
 	"sync"
 	"time"
 )
@@ -97,6 +98,9 @@ func describe(r *http.Request) string {
 		return "discard dead letters"
 	case "/api/v1/replay":
 		return "replay events"
+	}
+	if name := r.PathValue("name"); name != "" {
+		return path.Base(r.URL.Path) + " sink " + name
 	}
 	return r.Method + " " + r.URL.Path
 }

@@ -56,6 +56,8 @@ type sinkView struct {
 	SinceStart totals `json:"since_start"`
 	// LastMinute is its flow over the last minute: rate and latency.
 	LastMinute flow `json:"last_minute"`
+	// Paused is its pause, while an operator has paused it.
+	Paused *admin.Pause `json:"paused,omitempty"`
 }
 
 type totals struct {
@@ -89,7 +91,10 @@ func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) error {
 		)
 		err := s.withDB(r.Context(), readTimeout, func(ctx context.Context, backend *Backend) (err error) {
 			b = backend
-			st, err = admin.ReadRelays(ctx, b.DB, b.Tables, b.Where)
+			if st, err = admin.ReadRelays(ctx, b.DB, b.Tables, b.Where); err != nil {
+				return err
+			}
+			st.Paused, err = admin.Pauses(ctx, b.DB, b.Tables.Outbox)
 			return err
 		})
 		if err != nil {
@@ -147,6 +152,12 @@ func (s *Server) status(st *admin.Status, b *Backend, now sample, a access) stat
 			LastMinute: flowBetween(minuteAgo, now, sink.Name)}
 		if v.Events == nil {
 			v.Events = []string{"*"}
+		}
+		for _, p := range st.Paused {
+			if p.Sink == sink.Name {
+				v.Paused = &p
+				resp.Errors = append(resp.Errors, fmt.Sprintf("sink %s is paused: its events wait with the claim path until it is resumed", sink.Name))
+			}
 		}
 		resp.Sinks = append(resp.Sinks, v)
 		st.DeliveredLastHour[sink.Name] = int64(flowBetween(hourAgo, now, sink.Name).Delivered)

@@ -207,12 +207,33 @@ function renderSinks(st) {
       el("td", { class: "num", text: num(s.since_start.delivered) }),
       el("td", { class: "num", text: num(s.since_start.failed) }),
       el("td", { class: "num", text: num(s.since_start.retried) }),
+      el("td", { class: s.paused ? "paused" : "", id: "sink-state-" + s.name,
+        title: s.paused ? "paused " + time(s.paused.paused_at) + (s.paused.reason ? ": " + s.paused.reason : "") : "",
+        text: s.paused ? "paused" : "delivering" }),
+      el("td", { class: "actions" }, pauseButton(s)),
     ));
   });
   const legend = $("legend");
   legend.replaceChildren(...(st.sinks || []).map((s, i) => el("span", {}, el("span", { class: "swatch c" + (i % 5) }), s.name)));
   drawChart($("chart-rate"), st.chart.times, sinks.map((n) => st.chart.rate[n] || []), (v) => num(v, v < 10 ? 1 : 0) + "/s");
   drawChart($("chart-p99"), st.chart.times, sinks.map((n) => (st.chart.p99[n] || []).map((v) => v === null ? null : v)), seconds);
+}
+
+// pauseButton pauses or resumes sink s (docs/operations.md, "Pause and
+// resume a sink"): the same code as outbox-relay sink pause|resume.
+function pauseButton(s) {
+  const action = s.paused ? "resume" : "pause";
+  const button = el("button", { class: "act", id: action + "-" + s.name, text: s.paused ? "Resume" : "Pause" });
+  button.disabled = access !== "admin";
+  button.addEventListener("click", async () => {
+    button.disabled = true;
+    const res = await api("sinks/" + encodeURIComponent(s.name) + "/" + action, { method: "POST" });
+    const note = $("sinks-result");
+    note.className = "note " + (res.ok ? "ok" : "bad");
+    note.textContent = res.ok ? res.body.message : res.body.error;
+    pollStatus();
+  });
+  return button;
 }
 
 // drawChart draws one line per series over times, with the top value and

@@ -1,0 +1,135 @@
+package admin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
+)
+
+// Pause is a sink an operator paused (docs/sinks.md, "Pause and resume"):
+// one row of the pauses table (migration 016).
+type Pause struct {
+	Sink     string    `json:"sink"`
+	PausedAt time.Time `json:"paused_at"`
+	Reason   string    `json:"reason,omitempty"`
+	PausedBy string    `json:"paused_by,omitempty"`
+}
+
+// pauseSQL are the pauses table's statements, rendered once for its name.
+type pauseSQL struct {
+	pause, resume, list string
+}
+
+func newPauseSQL(outbox relay.QualifiedName) pauseSQL {
+	p := migrations.SinkPausesTable(outbox).Quoted()
+	return pauseSQL{
+		// A second pause keeps the first one's time, reason and author:
+		// the sink has been paused since then.
+		pause: fmt.Sprintf(`
+INSERT INTO %s AS p (sink, reason, paused_by) VALUES ($1, $2, $3)
+ON CONFLICT (sink) DO UPDATE SET sink = p.sink
+RETURNING paused_at, reason, paused_by, xmax <> 0`, p),
+
+		resume: fmt.Sprintf(`DELETE FROM %s WHERE sink = $1 RETURNING paused_at`, p),
+
+		list: fmt.Sprintf(`SELECT sink, paused_at, reason, paused_by FROM %s ORDER BY sink`, p),
+	}
+}
+
+// PauseSink pauses the configured sink name: from now on no relay on the
+// outbox sends to it (each notices within relay.PausePoll), its events wait
+// with the claim path without an attempt, and the pause holds across
+// restarts until ResumeSink. by says who paused it. Pausing a paused sink
+// changes nothing and reports already; the returned Pause is the one in
+// force. A name the configuration does not have is an error wrapping
+// ErrNoSuchSink.
+func PauseSink(ctx context.Context, db DB, t Tables, name, reason, by string) (p Pause, already bool, err error) {
+	if _, err := t.Sink(name); err != nil {
+		return Pause{}, false, err
+	}
+	p.Sink = name
+	err = db.QueryRow(ctx, newPauseSQL(t.Outbox).pause, name, reason, by).Scan(&p.PausedAt, &p.Reason, &p.PausedBy, &already)
+	if err != nil {
+		return Pause{}, false, fmt.Errorf("pause sink %s: %w", name, pauseTableError(t.Outbox, err))
+	}
+	return p, already, nil
+}
+
+// ResumeSink lifts the pause of the configured sink name: each relay sends
+// to it again within relay.PausePoll, and the events it held are delivered
+// by the claim path in per-aggregate order. It reports since when the sink
+// had been paused; resuming a sink that is not paused changes nothing and
+// reports was false. A name the configuration does not have is an error
+// wrapping ErrNoSuchSink.
+func ResumeSink(ctx context.Context, db DB, t Tables, name string) (since time.Time, was bool, err error) {
+	if _, err := t.Sink(name); err != nil {
+		return time.Time{}, false, err
+	}
+	err = db.QueryRow(ctx, newPauseSQL(t.Outbox).resume, name).Scan(&since)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return time.Time{}, false, nil
+	case err != nil:
+		return time.Time{}, false, fmt.Errorf("resume sink %s: %w", name, pauseTableError(t.Outbox, err))
+	}
+	return since, true, nil
+}
+
+// Pauses lists the paused sinks by name. A row of a sink the configuration
+// no longer has is listed too: it pauses nothing until a sink of that name
+// comes back.
+func Pauses(ctx context.Context, db DB, outbox relay.QualifiedName) ([]Pause, error) {
+	rows, err := db.Query(ctx, newPauseSQL(outbox).list)
+	if err != nil {
+		return nil, pauseTableError(outbox, err)
+	}
+	var out []Pause
+	var p Pause
+	_, err = pgx.ForEachRow(rows, []any{&p.Sink, &p.PausedAt, &p.Reason, &p.PausedBy}, func() error {
+		out = append(out, p)
+		return nil
+	})
+	if err != nil {
+		return nil, pauseTableError(outbox, err)
+	}
+	return out, nil
+}
+
+// pauseTableError names the fix when the pauses table is missing.
+func pauseTableError(outbox relay.QualifiedName, err error) error {
+	if pgErr, ok := errors.AsType[*pgconn.PgError](err); ok && pgErr.Code == "42P01" { // undefined_table
+		return fmt.Errorf("table %s does not exist: run outbox-relay migrate: %w", migrations.SinkPausesTable(outbox), err)
+	}
+	return err
+}
+
+// PauseReader is the engine's relay.PauseStore: the paused sinks, read from
+// the pauses table.
+type PauseReader struct {
+	db   DB
+	list string
+}
+
+var _ relay.PauseStore = (*PauseReader)(nil)
+
+// NewPauseReader returns the engine's reader of the paused sinks of outbox
+// (schema-qualified, as Resolve returns it).
+func NewPauseReader(db DB, outbox relay.QualifiedName) *PauseReader {
+	return &PauseReader{db: db, list: fmt.Sprintf(`SELECT sink FROM %s`, migrations.SinkPausesTable(outbox).Quoted())}
+}
+
+// PausedSinks returns the paused sinks' names (relay.PauseStore).
+func (r *PauseReader) PausedSinks(ctx context.Context) ([]string, error) {
+	rows, err := r.db.Query(ctx, r.list)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
