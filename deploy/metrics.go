@@ -29,6 +29,8 @@ var Metrics = map[string]string{
 	"outbox_relay_handed_off_total":                  "counter",
 	"outbox_relay_receiver_order_violations_total":   "counter",
 	"outbox_relay_sink_paused":                       "gauge",
+	"outbox_relay_sink_rate_limit":                   "gauge",
+	"outbox_relay_rate_limit_wait_seconds_total":     "counter",
 	"outbox_relay_delivery_latency_seconds":          "histogram",
 	"outbox_relay_decode_latency_seconds":            "histogram",
 	"outbox_relay_walsender_lag_seconds":             "histogram",

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"golang.org/x/time/rate"
 )
 
 // Route connects a sink to the engine.
@@ -23,6 +24,10 @@ type Route struct {
 	Events []string
 	// Nudge sends {"id","event_key","event_type"} instead of the envelope.
 	Nudge bool
+	// RateLimit, when set, bounds the events sent to the sink per second
+	// (NewRateLimit; docs/sinks.md, "Rate limits"); share one per sink
+	// across the process's engines.
+	RateLimit *rate.Limiter
 	// Hold (on_unknown: hold) claims each event in the ledger before sending
 	// and holds it for a person when the outcome is unknown, instead of
 	// sending it again.

@@ -73,7 +73,8 @@ type task struct {
 	counted int    // failed attempts of this pass that count
 	last    string // the last failure
 	due     time.Time
-	index   int // in the retry heap
+	since   time.Time // when it entered the lane: its wait for the rate limit counts from then
+	index   int       // in the retry heap
 }
 
 func newLane(e *Engine, r Route) *lane {
@@ -111,6 +112,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 	}
 	ev := t.w.Event
 	now := time.Now()
+	t.since = now
 	l.mu.Lock()
 	if o, closed := l.closed(ev.ID); closed {
 		l.mu.Unlock()
@@ -244,7 +246,11 @@ func (l *lane) send(ctx context.Context, t *task) {
 		l.complete(t, o, true)
 		return
 	}
+	if !l.admit(ctx, t) {
+		return
+	}
 	if run, ds := l.takeRun(t); run != nil {
+		l.admitMore(ctx, len(ds)-1)
 		l.runs.SendRun(ctx, ds, func(errs []error) { l.runResult(run, errs) })
 		return
 	}

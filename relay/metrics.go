@@ -150,7 +150,7 @@ func SetMode(mode string) {
 // handOffReasons are the reason label values of handed_off_total: why the
 // stream handed an event to the claim path (Outcome.Why; "retries" for a
 // counted failure). TestHandOffReasons holds the list to the code.
-var handOffReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down", "ordering", "stopping", "claimed", "paused"}
+var handOffReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down", "ordering", "stopping", "claimed", "paused", "rate_limited"}
 
 // InitMetrics creates at 0 the labelled series of each route's sink (both
 // paths, every hand-off reason) and of both modes, which would otherwise
@@ -175,6 +175,12 @@ func InitMetrics(routes []Route) {
 		}
 		receiverOrderViolations.WithLabelValues(sink)
 		sinkPaused.WithLabelValues(sink)
+		rateLimitWait.WithLabelValues(sink)
+		limit := 0.0
+		if r.RateLimit != nil {
+			limit = float64(r.RateLimit.Limit())
+		}
+		sinkRateLimit.WithLabelValues(sink).Set(limit)
 		for _, reason := range handOffReasons {
 			handedOffTotal.WithLabelValues(sink, reason)
 		}

@@ -600,9 +600,15 @@ func openSinks(ctx context.Context, cfg *config.Config, scope msgIDScope, log ze
 			return routes, fmt.Errorf("sinks[%d] (%s): unknown type %q", i, sc.Name, sc.Type)
 		}
 		isHook := sc.Type == config.SinkWebhook
-		routes = append(routes, relay.Route{Sink: sink, Events: sc.Events,
+		rt := relay.Route{Sink: sink, Events: sc.Events,
 			Nudge: isHook && sc.Webhook.Body == config.BodyNudge,
-			Hold:  isHook && sc.Webhook.OnUnknown == config.OnUnknownHold})
+			Hold:  isHook && sc.Webhook.OnUnknown == config.OnUnknownHold}
+		if rl := sc.RateLimit; rl.On() {
+			// One limiter per sink for the process: every engine term and
+			// both paths share it (docs/sinks.md, "Rate limits").
+			rt.RateLimit = relay.NewRateLimit(rl.PerSecond, rl.Burst)
+		}
+		routes = append(routes, rt)
 	}
 	return routes, nil
 }

@@ -37,6 +37,8 @@ whether a relay runs or not:
               retained WAL, the position acknowledged to it, and the relay's checkpoint
   rows        outbox rows by status, the age of the oldest pending row
   delivered   per sink, ledger rows delivered in the last hour
+  rate limit  per sink with sinks[].rate_limit, the limit (a running relay's metrics and
+              console show the time waited on it)
   paused      the sinks an operator paused (outbox-relay sink pause), since when and why
   sink down   per sink, the pending rows whose last attempt found it down, and why (a
               running relay's /readyz names the sinks down now)
@@ -80,6 +82,12 @@ whether a relay runs or not:
 			for _, s := range configuredSinks(cfg) {
 				if _, ok := st.DeliveredLastHour[s.Name]; !ok {
 					st.DeliveredLastHour[s.Name] = 0
+				}
+				if rl := s.RateLimit; rl.On() {
+					if st.RateLimits == nil {
+						st.RateLimits = map[string]admin.RateLimit{}
+					}
+					st.RateLimits[s.Name] = admin.RateLimit{PerSecond: rl.PerSecond, Burst: rl.Burst}
 				}
 			}
 			if asJSON {
@@ -175,6 +183,10 @@ func printStatus(w io.Writer, st *admin.Status, now time.Time) {
 	for _, sink := range sortedKeys(st.SinksDown) {
 		d := st.SinksDown[sink]
 		line("sink down:", "%s: %d pending rows found it down at their last attempt; newest: %s", sink, d.Waiting, d.LastError)
+	}
+	for _, sink := range sortedKeys(st.RateLimits) {
+		rl := st.RateLimits[sink]
+		line("rate limit:", "%s %g/s, burst %d (the time waited on it: outbox_relay_rate_limit_wait_seconds_total, and the console)", sink, rl.PerSecond, rl.Burst)
 	}
 	for _, p := range st.Paused {
 		line("paused:", "%s since %s%s (outbox-relay sink resume %s)", p.Sink, p.PausedAt.UTC().Format(time.RFC3339), reasonNote(p.Reason), p.Sink)

@@ -124,9 +124,19 @@ type Status struct {
 	// Paused are the sinks an operator paused (PauseSink), by name: no
 	// relay sends to them until they are resumed.
 	Paused []Pause `json:"paused"`
+	// RateLimits are the configured sinks' rate limits (docs/sinks.md,
+	// "Rate limits"), by sink; the status command fills them in from the
+	// configuration.
+	RateLimits map[string]RateLimit `json:"rate_limits,omitempty"`
 	// Progress is what the tables show of a stall (ReadProgress); the
 	// status command fills it in.
 	Progress *Progress `json:"progress,omitempty"`
+}
+
+// RateLimit is a sink's configured rate limit.
+type RateLimit struct {
+	PerSecond float64 `json:"per_second"`
+	Burst     int     `json:"burst"`
 }
 
 // SinkDown is what the outbox shows of a sink that was down.

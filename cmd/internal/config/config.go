@@ -222,10 +222,23 @@ type SinkConfig struct {
 	// TLS configures the connection to a webhook (https://) or a NATS
 	// server; the zero value uses the system roots and no client
 	// certificate.
-	TLS     TLSConfig     `yaml:"tls"`
-	Webhook WebhookConfig `yaml:",inline"`
-	NATS    NATSConfig    `yaml:",inline"`
+	TLS TLSConfig `yaml:"tls"`
+	// RateLimit bounds the events per second sent to the sink
+	// (docs/sinks.md, "Rate limits"); the zero value sets no limit.
+	RateLimit RateLimitConfig `yaml:"rate_limit"`
+	Webhook   WebhookConfig   `yaml:",inline"`
+	NATS      NATSConfig      `yaml:",inline"`
 }
+
+// RateLimitConfig is a sink's rate limit: a token bucket refilled at
+// PerSecond events a second that holds at most Burst.
+type RateLimitConfig struct {
+	PerSecond float64 `yaml:"per_second"`
+	Burst     int     `yaml:"burst"`
+}
+
+// On reports whether a limit is set.
+func (r RateLimitConfig) On() bool { return r.PerSecond != 0 || r.Burst != 0 }
 
 // Format selects how a sink renders an event.
 type Format string

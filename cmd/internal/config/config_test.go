@@ -996,6 +996,16 @@ func TestLoad_InvalidValues(t *testing.T) {
 			`relay.yaml:5: sinks[0].events[2]: "" is not a valid pattern`,
 		}},
 		{"no events", hook + "    events: []\n", nil, []string{"relay.yaml:5: sinks[0].events: must list at least one pattern"}},
+		{"rate limit", hook + "    rate_limit: {per_second: 0, burst: 5}\n" + bus[len("sinks:\n"):] + "    rate_limit:\n      per_second: -3\n      burst: 5\n", nil, []string{
+			"relay.yaml:5: sinks[0].rate_limit.per_second: must be greater than zero (events per second), got 0",
+			"relay.yaml:9: sinks[1].rate_limit.per_second: must be greater than zero (events per second), got -3",
+		}},
+		{"rate limit without a burst", hook + "    rate_limit: {per_second: 200}\n", nil, []string{
+			"relay.yaml:5: sinks[0].rate_limit.burst: must be at least 1, got 0",
+		}},
+		{"rate limit not a number", hook + "    rate_limit: {per_second: fast, burst: 10}\n", nil, []string{
+			`relay.yaml:5: sinks[0].rate_limit.per_second: expected a number, got "fast"`,
+		}},
 		{"webhook limits", hook + "    timeout: 0s\n    concurrency: 0\n    permanent_statuses: [422, 200, 401]\n", nil, []string{
 			"relay.yaml:5: sinks[0].timeout: must be greater than zero",
 			"relay.yaml:6: sinks[0].concurrency: must be at least 1",

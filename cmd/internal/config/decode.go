@@ -1,9 +1,11 @@
 package config
 
 import (
+	"cmp"
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"math"
 	"reflect"
 	"regexp"
 	"strconv"
@@ -147,6 +149,13 @@ func scalar(n *yaml.Node, typ reflect.Type, fail func(format string, args ...any
 			fail("expected an integer, got %q", n.Value)
 		}
 		n.Tag, n.Value = "!!int", strconv.FormatInt(i, 10)
+	case typ.Kind() == reflect.Float64:
+		var f float64
+		if f, err = strconv.ParseFloat(n.Value, 64); err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+			err = cmp.Or(err, errors.New("not finite"))
+			fail("expected a number, got %q", n.Value)
+		}
+		n.Tag, n.Value = "!!float", strconv.FormatFloat(f, 'g', -1, 64)
 	default:
 		n.Tag = "!!str"
 	}

@@ -262,7 +262,7 @@ func isSingleValue(t reflect.Type) bool {
 		return true
 	}
 	switch t.Kind() {
-	case reflect.String, reflect.Bool, reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+	case reflect.String, reflect.Bool, reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64, reflect.Float64:
 		return true
 	}
 	return false

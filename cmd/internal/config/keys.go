@@ -13,7 +13,7 @@ type Key struct {
 	// Path is the key as errors and the docs write it:
 	// "source.poll_interval", and "sinks[].timeout" for a key of each sink.
 	Path string
-	// Type says what the value is: "string", "integer", "boolean",
+	// Type says what the value is: "string", "integer", "number", "boolean",
 	// "duration" (1s, 5m), "size" (16MiB), "secret" (a string never
 	// printed), the values of an enumeration ("auto | replication | poll"),
 	// "list of durations" and the like, or "map of strings".
@@ -91,6 +91,8 @@ func typeName(t reflect.Type) string {
 		return "boolean"
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
 		return "integer"
+	case reflect.Float64:
+		return "number"
 	}
 	return "string"
 }

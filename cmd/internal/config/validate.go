@@ -286,6 +286,12 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 	}
 	v.tls(p, s)
 	v.format(p, s)
+	if r := s.RateLimit; r.On() {
+		if !(r.PerSecond > 0) {
+			v.fail(p+".rate_limit.per_second", "must be greater than zero (events per second), got %g", r.PerSecond)
+		}
+		v.atLeast(p+".rate_limit.burst", r.Burst, 1)
+	}
 	switch s.Type {
 	case SinkWebhook:
 		v.webhook(p, s)

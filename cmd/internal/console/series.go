@@ -25,7 +25,10 @@ const (
 // sinkCounts are one sink's counters at a sample, both paths summed.
 type sinkCounts struct {
 	delivered, failed, retried, held, handedOff float64
-	latency                                     histogram
+	// rateLimit is the sink's rate limit (0: none), limitWait the seconds
+	// its lane waited on it.
+	rateLimit, limitWait float64
+	latency              histogram
 }
 
 // histogram is a cumulative histogram: counts[i] observations at most
@@ -123,6 +126,14 @@ func gather(g prometheus.Gatherer, now time.Time) (sample, error) {
 				c := s.sinks[sink]
 				c.handedOff += m.GetCounter().GetValue()
 				s.sinks[sink] = c
+			case "outbox_relay_sink_rate_limit":
+				c := s.sinks[sink]
+				c.rateLimit = m.GetGauge().GetValue()
+				s.sinks[sink] = c
+			case "outbox_relay_rate_limit_wait_seconds_total":
+				c := s.sinks[sink]
+				c.limitWait += m.GetCounter().GetValue()
+				s.sinks[sink] = c
 			case "outbox_relay_delivery_latency_seconds":
 				h := m.GetHistogram()
 				bounds := make([]float64, 0, len(h.GetBucket()))
@@ -213,15 +224,18 @@ func (s *series) oldest() (sample, bool) {
 
 // flow is a sink's flow between two samples.
 type flow struct {
-	Seconds          float64  `json:"seconds"`
-	Delivered        float64  `json:"delivered"`
-	Failed           float64  `json:"failed"`
-	Retried          float64  `json:"retried"`
-	Held             float64  `json:"held"`
-	HandedOff        float64  `json:"handed_off"`
-	RatePerSecond    float64  `json:"rate_per_second"`
-	LatencyP50Second *float64 `json:"latency_p50_seconds"`
-	LatencyP99Second *float64 `json:"latency_p99_seconds"`
+	Seconds   float64 `json:"seconds"`
+	Delivered float64 `json:"delivered"`
+	Failed    float64 `json:"failed"`
+	Retried   float64 `json:"retried"`
+	Held      float64 `json:"held"`
+	HandedOff float64 `json:"handed_off"`
+	// RateLimitWaitSeconds is the time the sink's lane waited on its rate
+	// limit.
+	RateLimitWaitSeconds float64  `json:"rate_limit_wait_seconds"`
+	RatePerSecond        float64  `json:"rate_per_second"`
+	LatencyP50Second     *float64 `json:"latency_p50_seconds"`
+	LatencyP99Second     *float64 `json:"latency_p99_seconds"`
 }
 
 // flowBetween is sink's flow from a to b.
@@ -234,6 +248,8 @@ func flowBetween(a, b sample, sink string) flow {
 		Retried:   nonNegative(y.retried - x.retried),
 		Held:      nonNegative(y.held - x.held),
 		HandedOff: nonNegative(y.handedOff - x.handedOff),
+
+		RateLimitWaitSeconds: nonNegative(y.limitWait - x.limitWait),
 	}
 	if f.Seconds > 0 {
 		f.RatePerSecond = f.Delivered / f.Seconds

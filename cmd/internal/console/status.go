@@ -56,6 +56,10 @@ type sinkView struct {
 	SinceStart totals `json:"since_start"`
 	// LastMinute is its flow over the last minute: rate and latency.
 	LastMinute flow `json:"last_minute"`
+	// RateLimit is its rate limit in events per second, 0 without one
+	// (docs/sinks.md, "Rate limits"); the time its lane waited on it is
+	// in since_start and last_minute.
+	RateLimit float64 `json:"rate_limit_per_second"`
 	// Paused is its pause, while an operator has paused it.
 	Paused *admin.Pause `json:"paused,omitempty"`
 }
@@ -66,6 +70,8 @@ type totals struct {
 	Retried   float64 `json:"retried"`
 	Held      float64 `json:"held"`
 	HandedOff float64 `json:"handed_off"`
+	// RateLimitWaitSeconds is the time the lane waited on the rate limit.
+	RateLimitWaitSeconds float64 `json:"rate_limit_wait_seconds"`
 }
 
 // chartView is the flow over the last minutes, one point per sample:
@@ -148,8 +154,8 @@ func (s *Server) status(st *admin.Status, b *Backend, now sample, a access) stat
 	for _, sink := range b.Tables.Sinks {
 		c := now.sinks[sink.Name]
 		v := sinkView{Name: sink.Name, Events: sink.Events,
-			SinceStart: totals{Delivered: c.delivered, Failed: c.failed, Retried: c.retried, Held: c.held, HandedOff: c.handedOff},
-			LastMinute: flowBetween(minuteAgo, now, sink.Name)}
+			SinceStart: totals{Delivered: c.delivered, Failed: c.failed, Retried: c.retried, Held: c.held, HandedOff: c.handedOff, RateLimitWaitSeconds: c.limitWait},
+			LastMinute: flowBetween(minuteAgo, now, sink.Name), RateLimit: c.rateLimit}
 		if v.Events == nil {
 			v.Events = []string{"*"}
 		}

@@ -210,6 +210,9 @@ function renderSinks(st) {
       el("td", { class: s.paused ? "paused" : "", id: "sink-state-" + s.name,
         title: s.paused ? "paused " + time(s.paused.paused_at) + (s.paused.reason ? ": " + s.paused.reason : "") : "",
         text: s.paused ? "paused" : "delivering" }),
+      el("td", { class: "num", id: "sink-limit-" + s.name,
+        title: s.rate_limit_per_second ? "waited " + seconds(s.since_start.rate_limit_wait_seconds) + " on the limit since start" : "no rate limit",
+        text: s.rate_limit_per_second ? num(s.rate_limit_per_second) + "/s · waited " + seconds(s.last_minute.rate_limit_wait_seconds) : "—" }),
       el("td", { class: "actions" }, pauseButton(s)),
     ));
   });
