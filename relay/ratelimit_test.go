@@ -50,3 +50,33 @@ func TestEngine_RateLimitNeverHoldsTheStream(t *testing.T) {
 		t.Fatalf("%d sent, %d handed off (%d over the rate limit): want the rest of 100 handed off", sent, len(handOffs), limitedOff)
 	}
 }
+
+// TestEngine_RateLimitCountsEventsOfARun: at a sink that takes runs (an
+// ordered batch), each event of a run takes a token, not each request:
+// 21 events of one aggregate at 20 a second, a burst of 1, take a second
+// though they go out in three requests.
+func TestEngine_RateLimitCountsEventsOfARun(t *testing.T) {
+	sink := newFakeRunSink("s", 10, func(req []*relay.Delivery) []error { return make([]error, len(req)) })
+	store := newFakeStore()
+	c := startEngine(t, relay.EngineConfig{Stream: store, Owner: "me", Policy: relay.Policy{LaneBlockMax: 5 * time.Second},
+		Routes: []relay.Route{{Sink: sink, RateLimit: relay.NewRateLimit(20, 1)}}}).Stream()
+	var events []*relay.Event
+	for i := range 21 {
+		events = append(events, event(int64(i+1), "a"))
+	}
+	start := time.Now()
+	submit(t, c, events...)
+	c.Commit(100)
+	waitSettledAt(t, c, 100)
+	took := time.Since(start)
+	if n := sink.requestCount(); n >= 21 {
+		t.Fatalf("%d requests: the events did not go out in runs", n)
+	}
+	if took < 900*time.Millisecond {
+		t.Fatalf("21 events in %d requests took %s at 20 events/s: the limit counted requests, not events", sink.requestCount(), took)
+	}
+	delivered, handOffs, _ := store.snapshot()
+	if len(delivered) != 21 || len(handOffs) != 0 {
+		t.Fatalf("%d delivered, %d handed off, want 21 delivered", len(delivered), len(handOffs))
+	}
+}
