@@ -2,10 +2,12 @@ package console_test
 
 import (
 	"context"
+	"encoding/json"
 	"strings"
 	"testing"
 
 	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // TestAPI_PauseAndResume: a pause through the API is the row the CLI
@@ -63,4 +65,37 @@ func (f *fixture) pauses(tb testing.TB) int {
 		tb.Fatal(err)
 	}
 	return n
+}
+
+// namedSink is a relay.Sink that only has a name: the metrics' label.
+type namedSink string
+
+func (s namedSink) Name() string                                         { return string(s) }
+func (namedSink) Send(context.Context, *relay.Delivery, func(err error)) {}
+func (namedSink) Close(context.Context) error                            { return nil }
+
+// TestAPI_StatusShowsTheRateLimit: a sink's rate limit and the time its
+// lane waited on it are on its row of the status, from the relay's
+// metrics; a sink without a limit shows 0.
+func TestAPI_StatusShowsTheRateLimit(t *testing.T) {
+	f := MustServer(t)
+	relay.InitMetrics([]relay.Route{{Sink: namedSink("hook"), RateLimit: relay.NewRateLimit(200, 20)}, {Sink: namedSink("nats")}})
+	status, body := f.call(t, "GET", "/api/v1/status", readToken, nil)
+	expect(t, "status", status, body, 200, `"rate_limit_wait_seconds":`)
+	var st struct {
+		Sinks []struct {
+			Name      string  `json:"name"`
+			RateLimit float64 `json:"rate_limit_per_second"`
+		} `json:"sinks"`
+	}
+	if err := json.Unmarshal([]byte(body), &st); err != nil {
+		t.Fatal(err)
+	}
+	limits := map[string]float64{}
+	for _, s := range st.Sinks {
+		limits[s.Name] = s.RateLimit
+	}
+	if limits["hook"] != 200 || limits["nats"] != 0 {
+		t.Errorf("rate limits %v, want hook 200 and nats 0", limits)
+	}
 }
