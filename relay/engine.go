@@ -32,6 +32,9 @@ type Route struct {
 	// and holds it for a person when the outcome is unknown, instead of
 	// sending it again.
 	Hold bool
+	// Filter, when set, is the sink's sinks[].filter: the sink takes only
+	// the events it accepts (Takes).
+	Filter Filter
 }
 
 // EngineConfig configures an Engine. Zero values take the defaults in
@@ -605,8 +608,9 @@ func (e *Engine) divertedAmong(aggs []AggregateKey) []AggregateKey {
 	return out
 }
 
-// route builds the work of ev: one pair per sink that takes its type, or
-// none when the ledger cannot record its deliveries (refuse.go).
+// route builds the work of ev: one pair per sink that takes it (Takes), or
+// none when the ledger cannot record its deliveries (refuse.go). A pair
+// whose sink's filter failed on ev is dead-lettered unsent (dispatch).
 func (e *Engine) route(p Path, ev *Event) *Work {
 	e.readTrace(ev)
 	w := &Work{Event: ev, path: p, size: ev.Size()}
@@ -615,8 +619,13 @@ func (e *Engine) route(p Path, ev *Event) *Work {
 		return w
 	}
 	for _, l := range e.lanes {
-		if l.route.Takes(ev) {
-			w.Pairs = append(w.Pairs, &Pair{Sink: l.name, Hold: l.route.Hold})
+		takes, err := l.route.Takes(ev)
+		if takes {
+			p := &Pair{Sink: l.name, Hold: l.route.Hold}
+			if err != nil {
+				p.refused = ShortError(err.Error())
+			}
+			w.Pairs = append(w.Pairs, p)
 			w.lanes = append(w.lanes, l)
 		}
 	}
@@ -678,6 +687,8 @@ func (e *Engine) dispatch(ctx context.Context, w *Work, now time.Time) {
 		switch {
 		case p.State == PairDelivered:
 			l.complete(t, Outcome{Kind: Delivered}, false)
+		case p.refused != "":
+			l.complete(t, Outcome{Kind: Failed, Reason: p.refused}, false)
 		case p.State == PairBlocked:
 			l.complete(t, Outcome{Kind: Deferred, Reason: "another owner (" + orUnknown(p.PrevOwner) + ") holds a live claim to send it",
 				Until: now.Add(time.Second), Why: "claimed"}, false)

@@ -39,6 +39,10 @@ type Event struct {
 	// forward Trace (docs/ecosystem.md).
 	TraceContext []byte
 	Trace        TraceHeaders
+
+	// payload caches Payload decoded for the sinks' filters
+	// (PayloadValue); nil until one asks.
+	payload *decodedPayload
 }
 
 // Type returns the event type, or "" when NULL.

@@ -1,10 +1,67 @@
 package relay
 
+import (
+	"encoding/json"
+	"fmt"
+)
+
 // Takes reports whether r's sink takes ev: the one routing rule
-// (docs/configuration.md, "sinks"). The engine routes every event by it, and
-// verify (ledger/admin) judges by it which sinks an outbox row should have
-// reached, so a rule added here — a filter, say — changes both at once.
-// Verify gives it a row's id, key, event type and creation time only: a
-// rule that reads more (the payload, the aggregate) must make verify read
-// it too.
-func (r *Route) Takes(ev *Event) bool { return Matches(r.Events, ev.EventType) }
+// (docs/configuration.md, "sinks"; docs/sinks.md, "Filters"). The engine
+// routes every event by it, and verify, status, dlq and event (ledger/admin,
+// cmd/outbox-relay) judge by it which sinks an outbox row should have
+// reached, so a rule added here changes them all at once. A reader that
+// gives it less than the row (no payload, no aggregate) judges a sink with
+// a filter wrongly: every caller reads the columns Filter reads.
+//
+// A sink takes an event whose type matches its globs and, when it has a
+// filter, that the filter accepts. When the filter fails on ev (a missing
+// field, a type error), Takes returns true with the error: the pair is
+// routed and dead-lettered with that error, never sent (docs/sinks.md,
+// "Filters").
+func (r *Route) Takes(ev *Event) (bool, error) {
+	if !Matches(r.Events, ev.EventType) {
+		return false, nil
+	}
+	if r.Filter == nil {
+		return true, nil
+	}
+	ok, err := r.Filter.Match(ev)
+	if err != nil {
+		return true, fmt.Errorf("filter: %w", err)
+	}
+	return ok, nil
+}
+
+// Filter is a sink's compiled sinks[].filter (docs/sinks.md, "Filters").
+// Its implementation (relay/celfilter) lives beside relay so that relay
+// depends on no expression language.
+type Filter interface {
+	// Match reports whether the sink takes ev. An error says the filter
+	// could not be evaluated on ev; it is the event's, never transient,
+	// and the same on every call. Match must be cheap and bounded: it runs
+	// once per event and sink on the routing step.
+	Match(ev *Event) (bool, error)
+}
+
+// PayloadValue returns ev's payload decoded from JSON (objects as
+// map[string]any, numbers as float64), nil for a NULL payload. It decodes
+// once per Event however many sinks' filters ask; it is not safe for
+// concurrent use, as an event is routed on one goroutine.
+func (ev *Event) PayloadValue() (any, error) {
+	if ev.payload == nil {
+		p := &decodedPayload{}
+		if ev.Payload != nil {
+			if err := json.Unmarshal(ev.Payload, &p.v); err != nil {
+				p.err = fmt.Errorf("payload is not JSON: %w", err)
+			}
+		}
+		ev.payload = p
+	}
+	return ev.payload.v, ev.payload.err
+}
+
+// decodedPayload is an Event's payload once decoded (PayloadValue).
+type decodedPayload struct {
+	v   any
+	err error
+}

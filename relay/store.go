@@ -49,6 +49,9 @@ type Pair struct {
 	Claimed bool
 	// Outcome is set by the engine once the pair is done.
 	Outcome Outcome
+	// refused is the error of the sink's filter on the event (Takes): the
+	// pair fails unsent (docs/sinks.md, "Filters").
+	refused string
 }
 
 // Path names where a Work came from: the stream (PathStream) or the claim

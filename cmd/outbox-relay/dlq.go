@@ -20,7 +20,6 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
-	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // defaultListLimit is how many rows dlq list shows without --limit.
@@ -114,7 +113,7 @@ func (f *selectionFlags) selection(cfg *config.Config, statuses []string, now ti
 		if err != nil {
 			return sel, err
 		}
-		sel.Routes = s.Events
+		sel.Routes, sel.Filter = s.Events, s.CompiledFilter()
 	}
 	return sel, nil
 }
@@ -243,7 +242,7 @@ func printDLQ(w io.Writer, entries []admin.Entry, sinks []config.SinkConfig, sta
 		}
 		var cells []string
 		for _, s := range sinks {
-			if !(&relay.Route{Events: s.Events}).Takes(&relay.Event{EventType: e.EventType}) {
+			if !(admin.Sink{Events: s.Events, Filter: s.CompiledFilter()}).Takes(e.Event()) {
 				continue
 			}
 			state := states[s.Name]

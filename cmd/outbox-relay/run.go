@@ -186,7 +186,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	var sinks []admin.Sink
 	for _, rt := range r.routes {
-		sinks = append(sinks, admin.Sink{Name: rt.Sink.Name(), Events: rt.Events})
+		sinks = append(sinks, admin.Sink{Name: rt.Sink.Name(), Events: rt.Events, Filter: rt.Filter})
 	}
 	con.Attach(console.Backend{DB: pool, Tables: admin.Tables{Outbox: r.tables.Outbox, Ledger: r.tables.Ledger, Checkpoint: r.tables.Checkpoint, Sinks: sinks},
 		Where: where, Health: r.health.view})
@@ -600,7 +600,7 @@ func openSinks(ctx context.Context, cfg *config.Config, scope msgIDScope, log ze
 			return routes, fmt.Errorf("sinks[%d] (%s): unknown type %q", i, sc.Name, sc.Type)
 		}
 		isHook := sc.Type == config.SinkWebhook
-		rt := relay.Route{Sink: sink, Events: sc.Events,
+		rt := relay.Route{Sink: sink, Events: sc.Events, Filter: sc.CompiledFilter(),
 			Nudge: isHook && sc.Webhook.Body == config.BodyNudge,
 			Hold:  isHook && sc.Webhook.OnUnknown == config.OnUnknownHold}
 		if rl := sc.RateLimit; rl.On() {

@@ -282,7 +282,7 @@ func connectOps(ctx context.Context, cfg *config.Config) (*pgxpool.Pool, admin.T
 	t := cfg.Tables()
 	var sinks []admin.Sink
 	for _, s := range configuredSinks(cfg) {
-		sinks = append(sinks, admin.Sink{Name: s.Name, Events: s.Events})
+		sinks = append(sinks, admin.Sink{Name: s.Name, Events: s.Events, Filter: s.CompiledFilter()})
 	}
 	tables, err := admin.Resolve(ctx, pool, admin.Tables{Outbox: t.Outbox, Ledger: t.Ledger, Checkpoint: t.Checkpoint, Sinks: sinks})
 	if err == nil {

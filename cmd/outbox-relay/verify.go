@@ -206,7 +206,7 @@ func applyReceiverQuery(sinks []config.SinkConfig, only, query string) error {
 func verifySinks(sinks []config.SinkConfig, deep bool) []admin.VerifySink {
 	out := make([]admin.VerifySink, len(sinks))
 	for i, s := range sinks {
-		out[i] = admin.VerifySink{Name: s.Name, Route: relay.Route{Events: s.Events}}
+		out[i] = admin.VerifySink{Name: s.Name, Route: relay.Route{Events: s.Events, Filter: s.CompiledFilter()}}
 		if deep && s.Type == config.SinkWebhook {
 			out[i].ReceiverQuery = s.Webhook.ReceiverQuery
 		}

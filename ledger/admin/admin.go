@@ -42,17 +42,32 @@ type Tables struct {
 	Sinks []Sink
 }
 
-// Sink is a configured sink: its name (the ledger's action) and the event
-// globs it takes.
+// Sink is a configured sink: its name (the ledger's action), the event
+// globs it takes and its filter (sinks[].filter), if any.
 type Sink struct {
 	Name   string
 	Events []string
+	Filter relay.Filter
 }
 
-// Takes reports whether the sink takes an event of type eventType, by the
-// engine's one routing rule (relay.Route.Takes).
-func (s Sink) Takes(eventType *string) bool {
-	return (&relay.Route{Events: s.Events}).Takes(&relay.Event{EventType: eventType})
+// Takes reports whether the sink takes ev, by the engine's one routing rule
+// (relay.Route.Takes): ev must carry what the filter reads (the payload,
+// the aggregate). An event the filter fails on is taken: its pair is
+// dead-lettered with the error.
+func (s Sink) Takes(ev *relay.Event) bool {
+	takes, _ := (&relay.Route{Events: s.Events, Filter: s.Filter}).Takes(ev)
+	return takes
+}
+
+// filtered reports whether a configured sink has a filter: then a reader
+// that routes rows must read their payloads (relay.Route.Takes).
+func (t Tables) filtered() bool {
+	for _, s := range t.Sinks {
+		if s.Filter != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // waitsForEarlier is the SQL condition "the row aliased o waits behind an

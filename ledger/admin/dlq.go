@@ -45,6 +45,9 @@ type Selection struct {
 	// Routes keeps rows whose event_type a sink with these events takes
 	// (relay.Route.Takes); empty: every row.
 	Routes []string
+	// Filter, with Routes, is that sink's filter (sinks[].filter): the
+	// rows are read with their payloads, BatchSize at a time.
+	Filter relay.Filter
 	// NotDeliveredTo keeps rows the ledger does not show delivered to this
 	// sink: the dead letters that concern it.
 	NotDeliveredTo string
@@ -55,14 +58,13 @@ type Selection struct {
 	After int64
 }
 
-// matches applies the glob filters by the routing rule (relay.Route.Takes),
-// which no SQL renders.
-func (s Selection) matches(eventType *string) bool {
-	ev := &relay.Event{EventType: eventType}
-	if s.EventType != "" && !(&relay.Route{Events: []string{s.EventType}}).Takes(ev) {
+// matches applies the glob and the sink's filter by the routing rule
+// (relay.Route.Takes), which no SQL renders.
+func (s Selection) matches(ev *relay.Event) bool {
+	if s.EventType != "" && !relay.Matches([]string{s.EventType}, ev.EventType) {
 		return false
 	}
-	return (&relay.Route{Events: s.Routes}).Takes(ev)
+	return Sink{Events: s.Routes, Filter: s.Filter}.Takes(ev)
 }
 
 // SelectIDs returns the ids of the rows sel chooses, in id order. It pages
@@ -86,7 +88,7 @@ func SelectIDs(ctx context.Context, db DB, t Tables, sel Selection) ([]int64, er
 		status = "o.status"
 	}
 	q := fmt.Sprintf(`
-SELECT o.id, o.event_type
+SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, CASE WHEN $7 THEN o.payload::text END
   FROM %s AS o
  WHERE o.id > $1 AND %s = ANY($2::text[])
    AND ($3::bigint[] IS NULL OR o.id = ANY($3::bigint[]))
@@ -109,20 +111,20 @@ SELECT o.id, o.event_type
 	var out []int64
 	after := max(sel.After, -1<<63)
 	for {
-		rows, err := db.Query(ctx, q, after, sel.Statuses, ids, since, sink, BatchSize)
+		rows, err := db.Query(ctx, q, after, sel.Statuses, ids, since, sink, BatchSize, sel.Filter != nil)
 		if err != nil {
 			return nil, fmt.Errorf("select rows: %w", err)
 		}
 		var (
-			id        int64
-			eventType *string
-			n         int
+			ev relay.Event
+			n  int
 		)
-		_, err = pgx.ForEachRow(rows, []any{&id, &eventType}, func() error {
+		_, err = pgx.ForEachRow(rows, []any{&ev.ID, &ev.EventKey, &ev.EventType, &ev.AggregateType, &ev.AggregateID, &ev.Payload}, func() error {
 			n++
-			after = id
-			if sel.matches(eventType) && (sel.Limit <= 0 || len(out) < sel.Limit) {
-				out = append(out, id)
+			after = ev.ID
+			row := relay.Event{ID: ev.ID, EventKey: ev.EventKey, EventType: ev.EventType, AggregateType: ev.AggregateType, AggregateID: ev.AggregateID, Payload: ev.Payload}
+			if sel.matches(&row) && (sel.Limit <= 0 || len(out) < sel.Limit) {
+				out = append(out, ev.ID)
 			}
 			return nil
 		})
@@ -150,6 +152,15 @@ type Entry struct {
 	AvailableAt   *time.Time  `json:"available_at"`
 	ProcessedAt   *time.Time  `json:"processed_at"`
 	Ledger        []LedgerRow `json:"ledger"`
+
+	// payload is the payload's text, read when a sink of Tables has a
+	// filter (Event).
+	payload []byte
+}
+
+// Event returns what the routing rule reads of e (Sink.Takes).
+func (e Entry) Event() *relay.Event {
+	return &relay.Event{ID: e.ID, EventKey: e.EventKey, EventType: e.EventType, AggregateType: e.AggregateType, AggregateID: e.AggregateID, Payload: e.payload}
 }
 
 // LedgerRow is one sink's ledger row for an event.
@@ -169,15 +180,15 @@ func List(ctx context.Context, db DB, t Tables, ids []int64) ([]Entry, error) {
 		rows, err := db.Query(ctx, fmt.Sprintf(`
 SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, coalesce(o.status, ''),
        coalesce(o.attempts, 0)::int4, coalesce(o.replays, 0)::int4, o.last_error,
-       o.created_at, o.available_at, o.processed_at
-  FROM %s AS o WHERE o.id = ANY($1::bigint[]) ORDER BY o.id`, t.Outbox.Quoted()), batch)
+       o.created_at, o.available_at, o.processed_at, CASE WHEN $2 THEN o.payload::text END
+  FROM %s AS o WHERE o.id = ANY($1::bigint[]) ORDER BY o.id`, t.Outbox.Quoted()), batch, t.filtered())
 		if err != nil {
 			return nil, fmt.Errorf("list rows: %w", err)
 		}
 		entries, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Entry, error) {
 			var e Entry
 			err := r.Scan(&e.ID, &e.EventKey, &e.EventType, &e.AggregateType, &e.AggregateID, &e.Status,
-				&e.Attempts, &e.Replays, &e.LastError, &e.CreatedAt, &e.AvailableAt, &e.ProcessedAt)
+				&e.Attempts, &e.Replays, &e.LastError, &e.CreatedAt, &e.AvailableAt, &e.ProcessedAt, &e.payload)
 			e.Ledger = []LedgerRow{}
 			return e, err
 		})

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // ErrEventNotFound is returned by LookupEvent for an event the outbox does
@@ -86,6 +87,9 @@ type EventReport struct {
 	// Sinks are the configured sinks, in their order, then any other sink
 	// the ledger names.
 	Sinks []EventSink `json:"sinks"`
+
+	// payload is the payload's text, read when a sink has a filter.
+	payload []byte
 }
 
 // EventBrief names another event.
@@ -140,12 +144,12 @@ func LookupEvent(ctx context.Context, db DB, t Tables, ref EventRef) (EventRepor
 SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.status,
        coalesce(o.attempts, 0)::int4, coalesce(o.replays, 0)::int4, o.last_error,
        o.created_at, o.available_at, o.handoff_at, o.locked_at, o.locked_by, o.processed_at,
-       octet_length(o.payload::text)::int8
-  FROM %s AS o WHERE %s`, t.Outbox.Quoted(), where), arg).Scan(
+       octet_length(o.payload::text)::int8, CASE WHEN $2 THEN o.payload::text END
+  FROM %s AS o WHERE %s`, t.Outbox.Quoted(), where), arg, t.filtered()).Scan(
 		&r.ID, &r.EventKey, &r.EventType, &r.AggregateType, &r.AggregateID, &status,
 		&r.Attempts, &r.Replays, &r.LastError,
 		&r.CreatedAt, &r.AvailableAt, &r.HandoffAt, &r.LockedAt, &r.LockedBy, &r.ProcessedAt,
-		&r.PayloadBytes)
+		&r.PayloadBytes, &r.payload)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var left int64
 		if ref.Key != "" {
@@ -174,7 +178,7 @@ SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.stat
 	return r, nil
 }
 
-// eventSinks returns the configured sinks, routed by the event's type, with
+// eventSinks returns the configured sinks, routed by Sink.Takes, with
 // their ledger rows, then the ledger rows of sinks not configured.
 func eventSinks(ctx context.Context, db DB, t Tables, r EventReport) ([]EventSink, error) {
 	rows, err := db.Query(ctx, fmt.Sprintf(`
@@ -199,10 +203,11 @@ SELECT action, state, attempts, owner, claimed_at, delivered_at, next_attempt_at
 		return nil, fmt.Errorf("read the ledger rows of event %d: %w", r.ID, err)
 	}
 	out := make([]EventSink, 0, len(t.Sinks)+len(names))
+	ev := &relay.Event{ID: r.ID, EventKey: r.EventKey, EventType: r.EventType, AggregateType: r.AggregateType, AggregateID: r.AggregateID, Payload: r.payload}
 	for _, s := range t.Sinks {
 		l := ledgerRows[s.Name]
 		delete(ledgerRows, s.Name)
-		out = append(out, EventSink{Name: s.Name, Configured: true, Routed: s.Takes(r.EventType),
+		out = append(out, EventSink{Name: s.Name, Configured: true, Routed: s.Takes(ev),
 			Delivered: l != nil && l.State == "delivered", Ledger: l})
 	}
 	for _, name := range names {

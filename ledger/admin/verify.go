@@ -136,11 +136,14 @@ func onItsWaySQL(o string) string {
 // verifyRow is one outbox row of the window with its ledger rows. Value
 // types keep the decoding of a million rows cheap.
 type verifyRow struct {
-	id                int64
-	key               string
-	eventType         pgtype.Text
-	status, lastError pgtype.Text
-	created, due      pgtype.Timestamptz
+	id        int64
+	key       string
+	eventType pgtype.Text
+	// aggType, aggID and payload are what a sink's filter reads; payload
+	// is read only when a checked sink has one (verifier.filtered).
+	aggType, aggID, payload pgtype.Text
+	status, lastError       pgtype.Text
+	created, due            pgtype.Timestamptz
 	// delivered and pending have bit i set when the ledger has a row for
 	// the i-th configured sink (VerifyOptions.Sinks), delivered or not;
 	// unknown names the sinks of its rows that are not configured.
@@ -166,7 +169,8 @@ func newVerifySQL(t Tables) verifySQL {
 		// as bitmasks over the configured sinks' names ($4), cheap to
 		// decode a million times; a sink not configured is named.
 		slice: fmt.Sprintf(`
-SELECT o.id, o.event_key, o.event_type, o.status, o.last_error, o.created_at,
+SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, CASE WHEN $5 THEN o.payload::text END,
+       o.status, o.last_error, o.created_at,
        GREATEST(o.created_at, coalesce(o.available_at, o.created_at)),
        l.delivered, l.pending, l.unknown
   FROM %[1]s AS o
@@ -242,6 +246,7 @@ func Verify(ctx context.Context, db DB, t Tables, o VerifyOptions) (*VerifyRepor
 		v.names = append(v.names, s.Name)
 		if o.Sink == "" || s.Name == o.Sink {
 			v.checked = append(v.checked, i)
+			v.filtered = v.filtered || s.Route.Filter != nil
 		}
 	}
 	if len(v.checked) == 0 {
@@ -385,6 +390,9 @@ type verifier struct {
 	o  VerifyOptions
 	q  verifySQL
 	r  *VerifyReport
+	// filtered: a checked sink has a filter, so the walk reads payloads
+	// (a slice's at a time).
+	filtered bool
 	// names are the configured sinks' names, bit i of a row's ledger
 	// masks being names[i]; checked are the indexes of the sinks checked
 	// (every one, or VerifyOptions.Sink), in the order of r.Sinks.
@@ -421,13 +429,13 @@ func (v *verifier) walk(ctx context.Context, rg IDRange) error {
 	slice := make([]verifyRow, 0, v.o.Slice)
 	for from := rg.From; from <= rg.To; {
 		began := time.Now()
-		rows, err := v.db.Query(ctx, v.q.slice, from, rg.To, v.o.Slice, v.names)
+		rows, err := v.db.Query(ctx, v.q.slice, from, rg.To, v.o.Slice, v.names, v.filtered)
 		if err != nil {
 			return fmt.Errorf("verify: read ids %d-%d: %w", from, rg.To, err)
 		}
 		slice = slice[:0]
 		var x verifyRow
-		_, err = pgx.ForEachRow(rows, []any{&x.id, &x.key, &x.eventType, &x.status, &x.lastError, &x.created, &x.due, &x.delivered, &x.pending, &x.unknown},
+		_, err = pgx.ForEachRow(rows, []any{&x.id, &x.key, &x.eventType, &x.aggType, &x.aggID, &x.payload, &x.status, &x.lastError, &x.created, &x.due, &x.delivered, &x.pending, &x.unknown},
 			func() error {
 				slice = append(slice, x)
 				return nil
@@ -465,9 +473,10 @@ func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
 		}
 		r.LastID = x.id
 		fate := classify(x.status, x.lastError)
-		ev := relay.Event{ID: x.id, EventKey: x.key, CreatedAt: x.created.Time}
-		if x.eventType.Valid {
-			ev.EventType = &x.eventType.String
+		ev := relay.Event{ID: x.id, EventKey: x.key, CreatedAt: x.created.Time,
+			EventType: textPtr(x.eventType), AggregateType: textPtr(x.aggType), AggregateID: textPtr(x.aggID)}
+		if x.payload.Valid {
+			ev.Payload = []byte(x.payload.String)
 		}
 		for ti, si := range v.checked {
 			s := &v.o.Sinks[si]
@@ -475,11 +484,15 @@ func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
 			if s.Stream != nil {
 				s.Stream.row(r, s.Name, x, delivered, fate)
 			}
-			takes := s.Route.Takes(&ev)
+			takes, _ := s.Route.Takes(&ev) // a filter's error: routed, dead-lettered
 			v.routed(si, x.eventType, takes)
 			if !takes {
 				if (x.delivered|x.pending)&(1<<si) != 0 {
-					r.add(GapUnrouted, s.Name, Gap{ID: x.id, EventKey: x.key, Detail: "ledger row for a sink that does not take event_type " + orText(x.eventType, "NULL")})
+					detail := "ledger row for a sink that does not take event_type " + orText(x.eventType, "NULL")
+					if s.Route.Filter != nil {
+						detail += " or whose filter refuses it"
+					}
+					r.add(GapUnrouted, s.Name, Gap{ID: x.id, EventKey: x.key, Detail: detail})
 				}
 				continue
 			}
@@ -536,10 +549,13 @@ func (v *verifier) check(ctx context.Context, slice []verifyRow) error {
 }
 
 // routed records that sink si takes (or not) events of type eventType.
-// Route.Takes is given a row's id, key, event type and creation time, and
-// routes by the type alone: one decision per type serves the report's
-// queries. At most maxReportTypes types are kept per sink.
+// Without a filter, Route.Takes routes by the type alone: one decision per
+// type serves the report's queries. At most maxReportTypes types are kept
+// per sink; a sink with a filter keeps none (reportSQL.takenBy).
 func (v *verifier) routed(si int, eventType pgtype.Text, takes bool) {
+	if v.o.Sinks[si].Route.Filter != nil {
+		return
+	}
 	m := v.types[si]
 	if m == nil {
 		m = map[pgtype.Text]bool{}
@@ -549,6 +565,14 @@ func (v *verifier) routed(si int, eventType pgtype.Text, takes bool) {
 		return
 	}
 	m[eventType] = takes
+}
+
+// textPtr is s as a *string, nil for NULL.
+func textPtr(s pgtype.Text) *string {
+	if !s.Valid {
+		return nil
+	}
+	return &s.String
 }
 
 func orText(s pgtype.Text, null string) string {

@@ -56,11 +56,11 @@ func timestampLiteral(at time.Time) string {
 // takenBy returns the SQL condition "the row aliased o has one of the
 // window's event types that sink takes" (taken true) or does not take
 // (false), from Verify's own routing; ok is false when sink is not
-// configured or its types are too many to name.
+// configured, has a filter or its types are too many to name.
 func (q reportSQL) takenBy(sink, o string, taken bool) (cond string, ok bool) {
 	i := slices.IndexFunc(q.all, func(s VerifySink) bool { return s.Name == sink })
-	if i < 0 || i >= len(q.types) || len(q.types[i]) > maxReportTypes {
-		return "", false
+	if i < 0 || i >= len(q.types) || len(q.types[i]) > maxReportTypes || q.all[i].Route.Filter != nil {
+		return "", false // a filter reads the payload, which no SQL renders
 	}
 	var names []string
 	null := false

@@ -461,7 +461,7 @@ func TestVerify_PlansUseIndexes(t *testing.T) {
 		args    []any
 		indexes []string
 	}{
-		{"a slice of the window", plans.Slice, []any{int64(1), int64(200_000), 10_000, []string{"nats", "orders"}}, []string{"integration_outbox_pkey", "integration_idempotency_pkey"}},
+		{"a slice of the window", plans.Slice, []any{int64(1), int64(200_000), 10_000, []string{"nats", "orders"}, true}, []string{"integration_outbox_pkey", "integration_idempotency_pkey"}},
 		{"a probe of the bisection", plans.FirstAfter, []any{int64(100_000)}, []string{"integration_outbox_pkey"}},
 		{"a slice of the ledger for orphans", plans.OrphansNext, []any{"k-5", "nats", 10_000, time.Now().Add(-time.Hour), nil},
 			[]string{"integration_idempotency_pkey", "integration_outbox_event_key_key"}},

@@ -49,6 +49,7 @@ import (
 	"time"
 
 	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/celfilter"
 	"go.yaml.in/yaml/v3"
 )
 
@@ -214,6 +215,10 @@ type SinkConfig struct {
 	URL string `yaml:"url"`
 	// Events lists path.Match globs over the event type.
 	Events []string `yaml:"events"`
+	// Filter is a CEL expression over the event, true for the events the
+	// sink takes among those Events match (docs/sinks.md, "Filters");
+	// empty takes them all.
+	Filter string `yaml:"filter"`
 	// Format is what a request or message carries: the envelope (or, for
 	// a webhook, the nudge of body: nudge), or a CloudEvent in the binary
 	// content mode (docs/ecosystem.md).
@@ -939,4 +944,17 @@ func (s *SinkConfig) CloudEventsSource(database string, outbox relay.QualifiedNa
 		return s.CloudEvents.Source
 	}
 	return "/" + url.PathEscape(database) + "/" + url.PathEscape(outbox.Schema) + "/" + url.PathEscape(outbox.Name)
+}
+
+// CompiledFilter returns the sink's compiled filter, nil when it has none
+// or when it does not compile (Validate reports that).
+func (s *SinkConfig) CompiledFilter() relay.Filter {
+	if s.Filter == "" {
+		return nil
+	}
+	f, err := celfilter.Compile(s.Filter)
+	if err != nil {
+		return nil
+	}
+	return f
 }

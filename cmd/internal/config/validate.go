@@ -18,6 +18,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/celfilter"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 )
 
@@ -282,6 +283,11 @@ func (v *validator) sink(p string, s *SinkConfig, names map[string]string) {
 	for i, g := range s.Events {
 		if _, err := path.Match(g, "x"); err != nil || g == "" {
 			v.fail(fmt.Sprintf("%s.events[%d]", p, i), "%q is not a valid pattern (path.Match syntax: *, ?, [a-z])", g)
+		}
+	}
+	if s.Filter != "" {
+		if _, err := celfilter.Compile(s.Filter); err != nil {
+			v.fail(p+".filter", "%q: %v (docs/sinks.md, \"Filters\")", s.Filter, err)
 		}
 	}
 	v.tls(p, s)

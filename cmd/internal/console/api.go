@@ -78,7 +78,7 @@ func (s *Server) handleDeadLetters(w http.ResponseWriter, r *http.Request) error
 				if err != nil {
 					return errorf(http.StatusBadRequest, "sink: %v", err)
 				}
-				sel.Routes, sel.NotDeliveredTo = sink.Events, sink.Name
+				sel.Routes, sel.Filter, sel.NotDeliveredTo = sink.Events, sink.Filter, sink.Name
 			}
 			page, err := admin.ListPage(ctx, b.DB, b.Tables, sel)
 			resp.Page = page
@@ -168,7 +168,7 @@ func (s *Server) handleChange(a admin.Action) handlerFunc {
 				if err != nil {
 					return errorf(http.StatusBadRequest, "sink: %v", err)
 				}
-				sel.Routes, sinks = sink.Events, []string{sink.Name}
+				sel.Routes, sel.Filter, sinks = sink.Events, sink.Filter, []string{sink.Name}
 				if dead {
 					sel.NotDeliveredTo = sink.Name
 				}
