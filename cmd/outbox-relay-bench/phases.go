@@ -22,7 +22,7 @@ import (
 )
 
 // allPhases are the phases in the order they run.
-var allPhases = []string{"ceiling", "drain-js", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated", "verify", "payload-sizes"}
+var allPhases = []string{"ceiling", "drain-js", "drain-both", "drain-both-batched", "floor", "steady-js", "steady", "steady-after-drain", "write-back", "poller", "pollmode", "rss-queued", "rss-bigtx", "drain-claim", "slot-recreated", "verify", "payload-sizes", "filter"}
 
 // extraPhases run only when -phases names them.
 var extraPhases = []string{"partitions", "standby", "floor-pair", "large-payloads"}
@@ -59,6 +59,7 @@ var phaseFuncs = map[string]func(context.Context, *env, *report) error{
 	"verify":             phaseVerify,        // verify.go
 	"payload-sizes":      phasePayloadSizes,  // payloads.go
 	"large-payloads":     phaseLargePayloads, // largepayloads.go
+	"filter":             phaseFilter,        // filter.go
 }
 
 // quiet waits for a quiet machine before a measured window and says so.
