@@ -3,6 +3,7 @@ package nats
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"text/template"
 	"text/template/parse"
@@ -10,6 +11,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/outbox-relay/outbox-relay/relay"
+	"github.com/outbox-relay/outbox-relay/relay/celfilter"
 )
 
 // DefaultSubject is the subject template used when Config.Subject is empty.
@@ -24,12 +26,16 @@ const maxSubjectLen = 3072
 
 // SubjectFields is what a subject template sees: the event's type and
 // aggregate columns and its key, each already sanitised into one valid
-// subject token ("" and NULL become "_"). The payload is deliberately absent.
+// subject token ("" and NULL become "_"). The payload reaches a subject
+// only through a CEL action ({{ payload.region }}, docs/sinks.md, "Routing
+// by field"), whose values, sanitised as well, are in exprs.
 type SubjectFields struct {
 	EventType     string
 	AggregateType string
 	AggregateID   string
 	EventKey      string
+
+	exprs []string // the values of subjectTemplate.exprs, in order
 }
 
 // subjectTemplate renders a Config.Subject for events.
@@ -41,12 +47,20 @@ type subjectTemplate struct {
 	// it by concatenation: text/template's reflection cost about 6% of the
 	// relay's CPU per event. nil: execute the template.
 	parts []subjectPart
+	// exprs are the template's CEL actions, when it has any: then parts
+	// renders it (text, bare fields and expressions only) and tmpl is nil.
+	exprs []*celfilter.Value
 }
 
 // subjectPart is literal text, or (field set) one of SubjectFields.
 type subjectPart struct {
 	text  string
 	field func(*SubjectFields) string
+}
+
+// exprPart is the part of the i-th CEL action of a template.
+func exprPart(i int) subjectPart {
+	return subjectPart{field: func(f *SubjectFields) string { return f.exprs[i] }}
 }
 
 // subjectFields are the fields a template may name bare.
@@ -88,15 +102,28 @@ func simpleParts(tmpl *template.Template) []subjectPart {
 // computed: a control character, so it cannot come out of a sanitised value.
 const wildcardProbe = "\x01"
 
+// CheckSubject reports whether text is a usable subject template: it
+// parses, its CEL actions compile, and a sample renders a valid subject.
+func CheckSubject(text string) error {
+	_, err := parseSubjectTemplate(text)
+	return err
+}
+
 func parseSubjectTemplate(text string) (*subjectTemplate, error) {
-	tmpl, err := template.New("subject").Option("missingkey=error").Parse(text)
+	st, err := exprSubjectTemplate(text)
 	if err != nil {
-		return nil, fmt.Errorf("subject template %q: %w", text, err)
+		return nil, err
 	}
-	st := &subjectTemplate{text: text, tmpl: tmpl, parts: simpleParts(tmpl)}
+	if st == nil {
+		tmpl, err := template.New("subject").Option("missingkey=error").Parse(text)
+		if err != nil {
+			return nil, fmt.Errorf("subject template %q: %w", text, err)
+		}
+		st = &subjectTemplate{text: text, tmpl: tmpl, parts: simpleParts(tmpl)}
+	}
 	// Render a sample so an unknown field ({{.Payload}}) or a literal part
 	// that is not a valid subject fails at start, not per event.
-	sample := SubjectFields{EventType: "type", AggregateType: "aggregate", AggregateID: "id", EventKey: "key"}
+	sample := SubjectFields{EventType: "type", AggregateType: "aggregate", AggregateID: "id", EventKey: "key", exprs: repeat("value", len(st.exprs))}
 	subject, err := st.execute(sample)
 	if err != nil {
 		return nil, err
@@ -105,6 +132,43 @@ func parseSubjectTemplate(text string) (*subjectTemplate, error) {
 		return nil, fmt.Errorf("subject template %q renders %q: %w", text, subject, err)
 	}
 	return st, nil
+}
+
+// exprSubjectTemplate returns the template of text when it holds CEL
+// actions ({{ payload.region }}), nil when it holds none. Beside them it
+// takes literal text and bare fields ({{.EventType}}) only.
+func exprSubjectTemplate(text string) (*subjectTemplate, error) {
+	segs, err := celfilter.Segments(text)
+	if err != nil || !slices.ContainsFunc(segs, func(s celfilter.Segment) bool { return celfilter.IsExpr(s.Action) }) {
+		return nil, nil // text/template reports a malformed one
+	}
+	st := &subjectTemplate{text: text}
+	for _, s := range segs {
+		switch {
+		case s.Action == "":
+			st.parts = append(st.parts, subjectPart{text: s.Text})
+		case celfilter.IsExpr(s.Action):
+			v, err := celfilter.CompileValue(s.Action)
+			if err != nil {
+				return nil, fmt.Errorf("subject template %q: %w", text, err)
+			}
+			st.parts = append(st.parts, exprPart(len(st.exprs)))
+			st.exprs = append(st.exprs, v)
+		case strings.HasPrefix(s.Action, ".") && subjectFields[s.Action[1:]] != nil:
+			st.parts = append(st.parts, subjectPart{field: subjectFields[s.Action[1:]]})
+		default:
+			return nil, fmt.Errorf("subject template %q: {{ %s }}: beside expressions a subject holds only text and bare fields ({{.EventType}}, {{.AggregateType}}, {{.AggregateID}}, {{.EventKey}})", text, s.Action)
+		}
+	}
+	return st, nil
+}
+
+func repeat(s string, n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = s
+	}
+	return out
 }
 
 func (st *subjectTemplate) execute(f SubjectFields) (string, error) {
@@ -135,12 +199,23 @@ func (st *subjectTemplate) execute(f SubjectFields) (string, error) {
 }
 
 // render returns e's subject. The same event always gets the same subject.
+// An expression that fails on e ({{ payload.region }} without the field)
+// is an error naming it: the event's own.
 func (st *subjectTemplate) render(e *relay.Event) (string, error) {
+	var exprs []string
+	for _, v := range st.exprs {
+		s, err := v.Render(e)
+		if err != nil {
+			return "", err
+		}
+		exprs = append(exprs, sanitizeSubjectToken(s))
+	}
 	return st.execute(SubjectFields{
 		EventType:     sanitizeSubjectToken(deref(e.EventType)),
 		AggregateType: sanitizeSubjectToken(deref(e.AggregateType)),
 		AggregateID:   sanitizeSubjectToken(deref(e.AggregateID)),
 		EventKey:      sanitizeSubjectToken(e.EventKey),
+		exprs:         exprs,
 	})
 }
 
@@ -148,7 +223,8 @@ func (st *subjectTemplate) render(e *relay.Event) (string, error) {
 // every token that holds a field becomes "*" ("outbox.*.*"). A stream
 // captures every rendered subject when one of its subjects covers it.
 func (st *subjectTemplate) pattern() (string, error) {
-	probe := SubjectFields{EventType: wildcardProbe, AggregateType: wildcardProbe, AggregateID: wildcardProbe, EventKey: wildcardProbe}
+	probe := SubjectFields{EventType: wildcardProbe, AggregateType: wildcardProbe, AggregateID: wildcardProbe, EventKey: wildcardProbe,
+		exprs: repeat(wildcardProbe, len(st.exprs))}
 	s, err := st.execute(probe)
 	if err != nil {
 		return "", err

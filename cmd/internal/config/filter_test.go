@@ -43,3 +43,12 @@ func TestFilter_Compiled(t *testing.T) {
 		}
 	}
 }
+
+// TestSubject_ByFieldErrors: a subject's CEL action that does not compile
+// fails the configuration, naming the key and the line.
+func TestSubject_ByFieldErrors(t *testing.T) {
+	_, err := load(t, "source:\n  mode: poll\nsinks:\n  - name: n\n    type: nats\n    subject: 'orders.{{ payload.region + }}'\n")
+	requireErrorContains(t, err, "relay.yaml:6: sinks[0].subject:")
+	requireErrorContains(t, err, "{{ payload.region + }}")
+	MustLoad(t, "source:\n  mode: poll\nsinks:\n  - name: n\n    type: nats\n    subject: 'orders.{{ payload.region }}.{{.EventType}}'\n")
+}

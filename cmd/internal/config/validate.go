@@ -13,7 +13,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"text/template"
 	"unicode"
 	"unicode/utf8"
 
@@ -493,7 +492,7 @@ func (v *validator) nats(p string, s *SinkConfig) {
 	}
 	if n.Subject == "" {
 		v.fail(p+".subject", "must not be empty")
-	} else if _, err := template.New("subject").Parse(n.Subject); err != nil {
+	} else if err := natssink.CheckSubject(n.Subject); err != nil {
 		v.fail(p+".subject", "invalid template: %v", err)
 	}
 	sp := p + ".stream"
