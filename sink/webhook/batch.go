@@ -303,7 +303,7 @@ func (s *Sink) postBatch(batch []batchItem) []error {
 		return errs
 	}
 
-	req, trace, err := s.newRequest(s.reqCtx, body)
+	req, trace, err := s.newRequest(s.reqCtx, s.url, body)
 	if err != nil {
 		return all(err)
 	}

@@ -8,7 +8,6 @@ import (
 	"maps"
 	"net"
 	"net/http"
-	"net/url"
 	"slices"
 	"strings"
 	"time"
@@ -136,10 +135,12 @@ func New(cfg Config) (*Sink, error) {
 	fail := func(format string, args ...any) (*Sink, error) {
 		return nil, fmt.Errorf("webhook sink %q: "+format, append([]any{cfg.Name}, args...)...)
 	}
-	u, err := url.Parse(cfg.URL)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		// Not err's text: it would print the URL's password.
-		return fail("url is not an absolute http:// or https:// URL")
+	if err := CheckURL(cfg.URL); err != nil {
+		return fail("%v", err)
+	}
+	urlTmpl, _ := parseURLTemplate(cfg.URL)
+	if urlTmpl != nil && cfg.Batch.MaxEvents > 0 {
+		return fail("a url with {{ }} cannot batch: a batch is one request, to one URL")
 	}
 	if cfg.Timeout < 0 || cfg.Concurrency < 0 || cfg.MaxBody < 0 {
 		return fail("timeout, concurrency and max_body must not be negative")
@@ -186,6 +187,7 @@ func New(cfg Config) (*Sink, error) {
 	s := &Sink{
 		name:      cfg.Name,
 		url:       cfg.URL,
+		urlTmpl:   urlTmpl,
 		ceSource:  cfg.CloudEventsSource,
 		maxBody:   cfg.MaxBody,
 		permanent: make(map[int]bool, len(cfg.PermanentStatuses)),

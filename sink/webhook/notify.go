@@ -67,6 +67,9 @@ func NewNotifier(cfg NotifierConfig) (*Notifier, error) {
 	if err != nil {
 		return nil, err
 	}
+	if s.urlTmpl != nil {
+		return nil, errors.New("notify: the url cannot hold {{ }}: a summary is about no one event")
+	}
 	return &Notifier{s: s, format: cfg.Format}, nil
 }
 
@@ -82,7 +85,7 @@ func (n *Notifier) Send(ctx context.Context, s notify.Summary) error {
 	}
 	id := IdempotencyKey("notify:"+s.ID(), 0)
 	now := time.Now()
-	req, trace, err := n.s.newRequest(ctx, body)
+	req, trace, err := n.s.newRequest(ctx, n.s.url, body)
 	if err != nil {
 		return err
 	}

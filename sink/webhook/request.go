@@ -24,7 +24,14 @@ func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
 	key := d.Event.EventKey
 	id := IdempotencyKey(key, d.Replay)
 	now := time.Now()
-	req, trace, err := s.newRequest(s.reqCtx, body)
+	target := s.url
+	if s.urlTmpl != nil {
+		var err error
+		if target, err = s.urlTmpl.render(d.Event); err != nil {
+			return relay.PermanentError(fmt.Errorf("webhook %s: event %q: %w", s.name, key, err))
+		}
+	}
+	req, trace, err := s.newRequest(s.reqCtx, target, body)
 	if err != nil {
 		return err
 	}
@@ -55,11 +62,11 @@ func (s *Sink) post(d *relay.Delivery, body []byte, ce []relay.Header) error {
 	return s.outcome(label, resp, now)
 }
 
-// newRequest builds a POST of body to the sink's URL with the headers every
+// newRequest builds a POST of body to target (the sink's URL) with the headers every
 // request carries, and the trace that tells whether it was written. The
 // request ends with parent (the sink's own requests: reqCtx, which Close
 // cancels).
-func (s *Sink) newRequest(parent context.Context, body []byte) (*http.Request, *writeTrace, error) {
+func (s *Sink) newRequest(parent context.Context, target string, body []byte) (*http.Request, *writeTrace, error) {
 	trace := &writeTrace{}
 	ctx := httptrace.WithClientTrace(parent, &httptrace.ClientTrace{
 		ConnectStart: trace.connectStart,
@@ -70,7 +77,7 @@ func (s *Sink) newRequest(parent context.Context, body []byte) (*http.Request, *
 	// A *bytes.Reader: net/http knows it is in memory and writes the
 	// headers and the body in one write (another reader type costs a
 	// second write system call per request).
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, target, bytes.NewReader(body))
 	if err != nil {
 		return nil, nil, relay.SinkDownError(fmt.Errorf("webhook %s: build request: %w", s.name, err), 0)
 	}

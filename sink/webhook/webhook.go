@@ -42,7 +42,8 @@ const (
 type Sink struct {
 	name      string
 	url       string
-	ceSource  string // ce-source; "" unless the format is cloudevents
+	urlTmpl   *urlTemplate // url's {{ }} actions, rendered per event; nil: url as is
+	ceSource  string       // ce-source; "" unless the format is cloudevents
 	maxBody   int64
 	permanent map[int]bool
 	treat409  bool

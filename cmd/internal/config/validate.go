@@ -19,6 +19,7 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 	"github.com/outbox-relay/outbox-relay/relay/celfilter"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
+	"github.com/outbox-relay/outbox-relay/sink/webhook"
 )
 
 // Validate checks every value and returns all problems joined with
@@ -364,6 +365,12 @@ func (v *validator) webhook(p string, s *SinkConfig) {
 	w := s.Webhook
 	if s.URL == "" {
 		v.fail(p+".url", "is required for a webhook sink")
+	} else if strings.Contains(s.URL, "{{") {
+		if err := webhook.CheckURL(s.URL); err != nil {
+			v.fail(p+".url", "%s: %v (docs/sinks.md, \"Routing by field\")", redactURL(s.URL), err)
+		} else if w.Batch.MaxEvents > 0 {
+			v.fail(p+".url", "with {{ }} cannot be combined with batch.max_events: a batch is one request, to one URL")
+		}
 	} else if u, err := url.Parse(s.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		// Not err's text: it would print the URL's password.
 		v.fail(p+".url", "%s is not an absolute http:// or https:// URL", redactURL(s.URL))
