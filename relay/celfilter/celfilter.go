@@ -123,8 +123,7 @@ func eval(prog cel.Program, ev *relay.Event) (ref.Val, error) {
 // only when the expression reads it, and once per event
 // (relay.Event.PayloadValue).
 type activation struct {
-	ev  *relay.Event
-	err error
+	ev *relay.Event
 }
 
 var _ interpreter.Activation = (*activation)(nil)
