@@ -126,4 +126,28 @@ func TestRelay_FilterByPayload(t *testing.T) {
 	if code != exitOK || !strings.Contains(out, `"bad-0"`) {
 		t.Fatalf("dlq list --sink hook: exit %d\n%s", code, out)
 	}
+
+	// The filter fixed (guarded), the dead letter retried: the claim path
+	// routes it by the new filter, which refuses it; it ends done, and
+	// nothing reaches the webhook or NATS again.
+	fixed := s.configFile(t, `    filter: 'has(payload.amount) && payload.amount > 100'`)
+	bad := s.scalar(t, `SELECT id FROM integration_outbox WHERE event_key = 'bad-0'`)
+	if code, out, errOut := execute(t, "dlq", "retry", "--ids", fmt.Sprint(bad), "--yes", "--config", fixed); code != exitOK {
+		t.Fatalf("dlq retry: exit %d\n%s%s", code, out, errOut)
+	}
+	stop = s.startInProcess(t, fixed)
+	eventually(t, 30*time.Second, "bad-0 done", func() bool {
+		return s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE event_key = 'bad-0' AND status = 'done'`) == 1
+	})
+	stop()
+	if n := len(byKey(s.hook.deliveries())["bad-0"]); n != 0 {
+		t.Fatalf("bad-0 reached the webhook %d times after the retry, want none", n)
+	}
+	if n := len(byKey(streamMessages(t, s.nats.URL()))["bad-0"]); n != 1 {
+		t.Fatalf("bad-0 is in the stream %d times, want once", n)
+	}
+	code, out, errOut = execute(t, "verify", "--config", fixed, "--since", "1h", "--json")
+	if v := parseVerify(t, out); code != exitOK || !v.Clean || v.tally("hook").DeadLettered != 0 {
+		t.Fatalf("verify after the retry: exit %d, clean %v, gaps %v\n%s", code, v.Clean, v.gaps(), errOut)
+	}
 }
