@@ -629,6 +629,7 @@ func (e *Engine) route(p Path, ev *Event) *Work {
 			w.lanes = append(w.lanes, l)
 		}
 	}
+	ev.payload = nil // decoded for the filters only (PayloadValue)
 	return w
 }
 

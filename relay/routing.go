@@ -43,21 +43,32 @@ type Filter interface {
 	Match(ev *Event) (bool, error)
 }
 
-// PayloadValue returns ev's payload decoded from JSON (objects as
-// map[string]any, numbers as float64), nil for a NULL payload. It decodes
-// once per Event however many sinks' filters ask; it is not safe for
-// concurrent use, as an event is routed on one goroutine.
+// PayloadValue returns ev's payload decoded (DecodePayload). It decodes
+// once per Event however many sinks' filters ask, while the event is
+// routed; it is not safe for concurrent use, as an event is routed on one
+// goroutine. The engine forgets the decoded value once the event is routed
+// (route): the byte budget counts the payload's text only. A sink, which
+// may run beside another on the same event, calls DecodePayload.
 func (ev *Event) PayloadValue() (any, error) {
 	if ev.payload == nil {
 		p := &decodedPayload{}
-		if ev.Payload != nil {
-			if err := json.Unmarshal(ev.Payload, &p.v); err != nil {
-				p.err = fmt.Errorf("payload is not JSON: %w", err)
-			}
-		}
+		p.v, p.err = DecodePayload(ev.Payload)
 		ev.payload = p
 	}
 	return ev.payload.v, ev.payload.err
+}
+
+// DecodePayload decodes a payload's JSON text: objects as map[string]any,
+// numbers as float64; nil for a NULL payload.
+func DecodePayload(raw []byte) (any, error) {
+	if raw == nil {
+		return nil, nil
+	}
+	var v any
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return nil, fmt.Errorf("payload is not JSON: %w", err)
+	}
+	return v, nil
 }
 
 // decodedPayload is an Event's payload once decoded (PayloadValue).

@@ -68,7 +68,7 @@ func (f *Filter) String() string { return f.src }
 
 // Match evaluates f on ev.
 func (f *Filter) Match(ev *relay.Event) (bool, error) {
-	v, err := eval(f.prog, ev)
+	v, err := eval(f.prog, &activation{ev: ev, cached: true})
 	if err != nil {
 		return false, err
 	}
@@ -107,9 +107,9 @@ func issues(iss *cel.Issues) string {
 	return strings.Join(parts, "; ")
 }
 
-// eval runs prog on ev.
-func eval(prog cel.Program, ev *relay.Event) (ref.Val, error) {
-	v, _, err := prog.Eval(&activation{ev: ev})
+// eval runs prog on a.
+func eval(prog cel.Program, a *activation) (ref.Val, error) {
+	v, _, err := prog.Eval(a)
 	if err != nil {
 		return nil, err
 	}
@@ -120,10 +120,12 @@ func eval(prog cel.Program, ev *relay.Event) (ref.Val, error) {
 }
 
 // activation resolves the variables from an event, decoding its payload
-// only when the expression reads it, and once per event
-// (relay.Event.PayloadValue).
+// only when the expression reads it: once per event while it is routed
+// (cached: relay.Event.PayloadValue), on each call otherwise (a sink's
+// subject or URL, rendered beside other sinks on the same event).
 type activation struct {
-	ev *relay.Event
+	ev     *relay.Event
+	cached bool
 }
 
 var _ interpreter.Activation = (*activation)(nil)
@@ -142,7 +144,13 @@ func (a *activation) ResolveName(name string) (any, bool) {
 	case "aggregate_id":
 		return orEmpty(ev.AggregateID), true
 	case "payload":
-		v, err := ev.PayloadValue()
+		var v any
+		var err error
+		if a.cached {
+			v, err = ev.PayloadValue()
+		} else {
+			v, err = relay.DecodePayload(ev.Payload)
+		}
 		if err != nil {
 			return types.NewErr("%v", err), true
 		}

@@ -78,7 +78,7 @@ func CompileValue(expr string) (*Value, error) {
 // in its usual form. Any other value (null, a list, a map) or an
 // evaluation error is an error naming the expression: the event's own.
 func (v *Value) Render(ev *relay.Event) (string, error) {
-	val, err := eval(v.prog, ev)
+	val, err := eval(v.prog, &activation{ev: ev})
 	if err != nil {
 		return "", fmt.Errorf("{{ %s }}: %w", v.src, err)
 	}
