@@ -1,9 +1,6 @@
 package relay
 
-import (
-	"encoding/json"
-	"fmt"
-)
+import "fmt"
 
 // Takes reports whether r's sink takes ev: the one routing rule
 // (docs/configuration.md, "sinks"; docs/sinks.md, "Filters"). The engine
@@ -56,19 +53,6 @@ func (ev *Event) PayloadValue() (any, error) {
 		ev.payload = p
 	}
 	return ev.payload.v, ev.payload.err
-}
-
-// DecodePayload decodes a payload's JSON text: objects as map[string]any,
-// numbers as float64; nil for a NULL payload.
-func DecodePayload(raw []byte) (any, error) {
-	if raw == nil {
-		return nil, nil
-	}
-	var v any
-	if err := json.Unmarshal(raw, &v); err != nil {
-		return nil, fmt.Errorf("payload is not JSON: %w", err)
-	}
-	return v, nil
 }
 
 // decodedPayload is an Event's payload once decoded (PayloadValue).
