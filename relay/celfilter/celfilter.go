@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	"github.com/google/cel-go/cel"
+	"github.com/google/cel-go/checker"
 	"github.com/google/cel-go/common/types"
 	"github.com/google/cel-go/common/types/ref"
 	"github.com/google/cel-go/interpreter"
@@ -93,7 +94,26 @@ func compile(expr string, want *cel.Type) (cel.Program, error) {
 	if out := ast.OutputType(); want != nil && !out.IsExactType(want) && !out.IsExactType(cel.DynType) {
 		return nil, fmt.Errorf("gives %s; it must give %s", out, want)
 	}
-	return env.Program(ast, cel.CostLimit(CostLimit), cel.EvalOptions(cel.OptOptimize))
+	// An expression whose cost is bounded by its shape (no comprehension,
+	// no string or list function over a value of unknown size) cannot
+	// exceed CostLimit, and runs without tracking its cost, which would
+	// triple the time of a small one; any other runs under the limit.
+	opts := []cel.ProgramOption{cel.EvalOptions(cel.OptOptimize)}
+	if est, err := env.EstimateCost(ast, unknownSizes{}); err != nil || est.Max > CostLimit {
+		opts = append(opts, cel.CostLimit(CostLimit))
+	}
+	return env.Program(ast, opts...)
+}
+
+// unknownSizes is the cost estimator of EstimateCost: it knows no size
+// (the payload's strings and lists have any), so the estimate's Max is
+// bounded only for an expression whose cost its shape bounds.
+type unknownSizes struct{}
+
+func (unknownSizes) EstimateSize(checker.AstNode) *checker.SizeEstimate { return nil }
+
+func (unknownSizes) EstimateCallCost(string, string, *checker.AstNode, []checker.AstNode) *checker.CallEstimate {
+	return nil
 }
 
 // issues renders iss as "line L, column C: message", one per problem,
