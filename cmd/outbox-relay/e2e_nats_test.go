@@ -112,3 +112,31 @@ func TestRelay_NATSDownAtStart(t *testing.T) {
 		t.Fatal("the log does not say the nats sink became ready")
 	}
 }
+
+// TestRelay_WebhookDownInReadyz: a webhook whose receiver answers 404 (a
+// URL that is not there) is named by /readyz, which stays 200, for as long
+// as its receiver is down; once it answers 204 the line goes and the
+// events that waited are delivered (docs/sinks.md, "A server down at
+// start").
+func TestRelay_WebhookDownInReadyz(t *testing.T) {
+	s := newSetup(t, pgtest.NewDatabase(t))
+	s.hook.setReply(func(delivery) int { return http.StatusNotFound })
+	cfg := s.configFileWith(t, "", biSource("replication"))
+	r := s.biRun(t, cfg)
+	s.waitSlot(t)
+	s.biPublish(t, "order.placed", "order", "1", "hook-down-1", `{}`)
+	down := regexp.MustCompile(`(?m)^ready\nsink hook is down: sink-down: webhook hook: .*404`)
+	var code int
+	var body string
+	eventually(t, 30*time.Second, "/readyz naming the webhook down", func() bool {
+		r.alive(t)
+		code, body = biReadyz(t, r.addr(t))
+		return code == http.StatusOK && down.MatchString(body)
+	})
+	s.hook.setReply(nil)
+	s.biWaitDelivered(t, "hook", "hook-down-1")
+	eventually(t, 10*time.Second, "/readyz without the webhook's line", func() bool {
+		code, body = biReadyz(t, r.addr(t))
+		return code == http.StatusOK && body == "ready\n"
+	})
+}

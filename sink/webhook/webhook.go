@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -92,6 +93,11 @@ type Sink struct {
 	// closed and it is zero.
 	inflight int
 	drained  chan struct{}
+
+	// lastDown is why the last request that learnt anything about the
+	// receiver found it down; nil once one got an answer that was not
+	// (Down).
+	lastDown atomic.Pointer[error]
 }
 
 // Name returns the sink's configured name.
@@ -177,6 +183,38 @@ func (s *Sink) Send(ctx context.Context, d *relay.Delivery, done func(error)) {
 	s.startWorkerLocked()
 	s.jobs <- job{ctx: ctx, d: d, body: body, ce: ce, done: done}
 	s.mu.Unlock()
+}
+
+// Down reports why the sink is down now, or nil: it is closed, its workers
+// failed, or the last request that reached a verdict on the receiver found
+// it down (no connection, TLS refused, 401/403, the URL or the n8n workflow
+// not there). An answer that is the event's own (a 400, a 500) is an
+// answer: the sink is up. /readyz names a sink that is down (docs/sinks.md,
+// "A server down at start").
+func (s *Sink) Down() error {
+	if err := s.down(); err != nil {
+		return err
+	}
+	if p := s.lastDown.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// note records what a request's outcome says of the receiver for Down: a
+// sink-down failure makes it down, a success or any answer up; an outcome
+// without an answer (not sent, in doubt) says nothing.
+func (s *Sink) note(err error) {
+	var de *relay.DeliveryError
+	switch {
+	case err == nil:
+		s.lastDown.Store(nil)
+	case !errors.As(err, &de):
+	case de.Class == relay.SinkDown && !errors.Is(err, ErrClosed):
+		s.lastDown.Store(&err)
+	case de.Status != 0:
+		s.lastDown.Store(nil)
+	}
 }
 
 // down returns why the sink takes no more Sends — it is closed, or its
@@ -267,6 +305,9 @@ func (s *Sink) work(ctx context.Context) error {
 			var errs []error
 			if len(live) > 0 {
 				errs = s.postBatch(live)
+				for _, err := range errs {
+					s.note(err)
+				}
 			}
 			<-s.slots
 			for i, it := range live {
@@ -280,6 +321,7 @@ func (s *Sink) work(ctx context.Context) error {
 			err = s.notSent(j.ctx)
 		} else {
 			err = s.post(j.d, j.body, j.ce)
+			s.note(err)
 		}
 		<-s.slots
 		j.done(err)
