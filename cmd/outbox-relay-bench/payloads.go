@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -69,7 +70,62 @@ func phasePayloadSizes(ctx context.Context, e *env, r *report) error {
 				thousands(int(rate)), mbs, d.elapsed.Seconds(), mb(d.peak), cpuPerEvent(d.usage, ps.rows)),
 			target, verdict, d.usage)
 		r.addCPU(name, d.usage, "")
+		if err := e.payloadSteady(ctx, r, name, ps); err != nil {
+			return err
+		}
 	}
+	return nil
+}
+
+// steadyRate is the steady load of a payload size: 1,000 events/s up to
+// 4 KB, 500/s of 64 KB (33 MB/s), 20/s of 1 MB.
+func steadyRate(bytes int) float64 {
+	switch {
+	case bytes >= 1_000_000:
+		return 20
+	case bytes >= 65536:
+		return 500
+	}
+	return 1000
+}
+
+// payloadSteady runs a steady load of ps's payloads, one event per
+// transaction, into a fresh relay → JetStream for up to 20 s: commit→NATS
+// p50/p99 and the relay's peak RSS at that size.
+func (e *env) payloadSteady(ctx context.Context, r *report, name string, ps payloadSize) error {
+	savedRate, savedDur := e.o.rate, e.o.duration
+	defer func() { e.o.rate, e.o.duration = savedRate, savedDur }()
+	e.o.rate, e.o.duration = steadyRate(ps.bytes), min(e.o.duration, 20*time.Second)
+	phase := name + "-steady"
+	s := relaySetup{name: phase}
+	cfg, done, err := e.setUpRelay(ctx, strings.ToLower("bench_"+strings.ReplaceAll(phase, "-", "_")), &s)
+	if err != nil {
+		return err
+	}
+	defer done()
+	rp, err := e.startRelay(s, cfg)
+	if err != nil {
+		return err
+	}
+	defer rp.Stop(30 * time.Second)
+	if err := e.waitSlotActive(ctx, s, rp, 60*time.Second); err != nil {
+		return err
+	}
+	t := newTracker("ps-", int(e.o.rate*e.o.duration.Seconds()))
+	sub, err := e.subscribe(s, t)
+	if err != nil {
+		return err
+	}
+	defer sub.Unsubscribe()
+	o, err := e.measureLoad(ctx, r, loadPlan{name: phase, url: s.url, t: t, relay: rp, nats: true, warmup: false,
+		duration: e.o.duration, settle: 30 * time.Second})
+	if err != nil {
+		return err
+	}
+	r.add(phase, fmt.Sprintf("steady load of %s payloads → JetStream, %.0f events/s × %s", sizeName(ps.bytes), e.o.rate, e.o.duration),
+		fmt.Sprintf("commit→NATS p50 %s, p99 %s (%d of %d arrived); relay peak RSS %s",
+			fmtMS(percentile(o.nats, 0.5)), fmtMS(percentile(o.nats, 0.99)), len(o.nats), o.load.sent, mb(o.peak)),
+		"", "info", o.usage)
 	return nil
 }
 
