@@ -26,11 +26,10 @@ const (
 	// streamSettleLinger is the stream path's: its settlement waits for
 	// nothing but the acknowledgement of the slot, and each write is a
 	// transaction the walsender decodes before the events committed after
-	// it. Once the batch statements stopped scanning the ledger (about
-	// 0.2 ms a write at 1,000 events/s instead of 30), 5 ms made 280
-	// transactions a second of about 4 events (docs/performance.md, "The
-	// stream's settlement linger"). The claim path keeps settleLinger: its
-	// next claim waits for the settlement.
+	// it, so fewer, larger writes cost the server less while adding
+	// nothing to delivery latency (docs/performance.md, "The stream's
+	// settlement linger", has the figures). The claim path keeps
+	// settleLinger: its next claim waits for the settlement.
 	streamSettleLinger = 20 * time.Millisecond
 	// writeTimeout bounds one write. A write cut off when the engine stops
 	// (after its drain) is harmless: every write is conditional and safe
