@@ -225,12 +225,12 @@ func TestPollClaimMakesRowsTheClaimPaths(t *testing.T) {
 	if got := claimIDs(t, db, ledger.NewOwner(), 2)["a"]; !slices.Equal(got, ids[:2]) {
 		t.Fatalf("claimed %v, want %v", got, ids[:2])
 	}
-	var handedOff int
-	if err := db.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL AND status = 'processing'`).Scan(&handedOff); err != nil {
+	var withHandoffAt int
+	if err := db.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL AND status = 'processing'`).Scan(&withHandoffAt); err != nil {
 		t.Fatal(err)
 	}
-	if handedOff != 2 {
-		t.Fatalf("%d claimed rows with handoff_at set, want 2", handedOff)
+	if withHandoffAt != 2 {
+		t.Fatalf("%d claimed rows with handoff_at set, want 2", withHandoffAt)
 	}
 	diverted, err := db.store.Diverted(ctx)
 	if err != nil {
