@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/outbox-relay/outbox-relay/ledger"
 )
 
 // Mode is how the relay is running, as far as the database can tell.
@@ -225,7 +223,7 @@ func ReadRelays(ctx context.Context, db DB, t Tables, w Where) (*Status, error) 
 	}
 
 	var cp CheckpointStatus
-	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT confirmed_lsn::text, updated_at FROM %s WHERE slot_name = $1`, t.Checkpoint.Quoted()), slot).
+	err = db.QueryRow(ctx, t.sql("StatusCheckpoint"), slot).
 		Scan(&cp.ConfirmedLSN, &cp.UpdatedAt)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -243,7 +241,7 @@ func (st *Status) readCounts(ctx context.Context, db DB, t Tables) error {
 	for _, s := range Statuses {
 		st.Rows[s] = 0
 	}
-	rows, err := db.Query(ctx, fmt.Sprintf(`SELECT %s, count(*) FROM %s AS o GROUP BY 1`, statusOf("o"), t.Outbox.Quoted()))
+	rows, err := db.Query(ctx, t.sql("StatusCountRows"))
 	if err != nil {
 		return fmt.Errorf("count outbox rows: %w", err)
 	}
@@ -256,16 +254,12 @@ func (st *Status) readCounts(ctx context.Context, db DB, t Tables) error {
 	}
 	st.Held, st.Failed = st.Rows["held"], st.Rows["failed"]
 
-	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - min(o.created_at))::float8 FROM %s AS o WHERE %s`,
-		t.Outbox.Quoted(), ledger.Pending("o"))).Scan(&st.OldestPendingSeconds)
+	err = db.QueryRow(ctx, t.sql("StatusOldestPending")).Scan(&st.OldestPendingSeconds)
 	if err != nil {
 		return fmt.Errorf("oldest pending row: %w", err)
 	}
 
-	rows, err = db.Query(ctx, fmt.Sprintf(`
-SELECT action, count(*) FROM %s
- WHERE state = 'delivered' AND delivered_at >= now() - interval '1 hour'
- GROUP BY action`, t.Ledger.Quoted()))
+	rows, err = db.Query(ctx, t.sql("StatusDeliveredLastHour"))
 	if err != nil {
 		return fmt.Errorf("count deliveries: %w", err)
 	}
@@ -294,15 +288,7 @@ func sinksDown(ctx context.Context, db DB, t Tables) (map[string]SinkDown, error
 	for i, s := range t.Sinks {
 		names[i] = s.Name
 	}
-	rows, err := db.Query(ctx, fmt.Sprintf(`
-WITH down AS (
-SELECT s.name, count(*) AS waiting, max(o.id) AS newest
-  FROM %[1]s AS o, unnest($1::text[]) AS s(name)
- WHERE o.status = 'pending' AND o.last_error IS NOT NULL
-   AND (position('sink ' || s.name || ': sink-down: ' IN o.last_error) > 0
-        OR position('sink ' || s.name || ': circuit open: sink is down' IN o.last_error) > 0)
- GROUP BY s.name)
-SELECT down.name, down.waiting, coalesce(o.last_error, '') FROM down JOIN %[1]s AS o ON o.id = down.newest`, t.Outbox.Quoted()), names)
+	rows, err := db.Query(ctx, t.sql("StatusSinksDown"), names)
 	if err != nil {
 		return nil, fmt.Errorf("read the rows waiting on a sink that was down: %w", err)
 	}
@@ -333,9 +319,6 @@ func ReadSlot(ctx context.Context, db DB, w Where) (SlotStatus, error) {
 			return st, nil
 		}
 	}
-	// The retained WAL is measured up to the server's current position; on
-	// a standby the last replayed one. to_jsonb(s) ->> 'invalidation_reason'
-	// is NULL before 17, which lacks the column.
 	var (
 		pid      int32
 		retained *int64
@@ -344,15 +327,7 @@ func ReadSlot(ctx context.Context, db DB, w Where) (SlotStatus, error) {
 		reason   *string
 		flushLSN *string
 	)
-	err := on.QueryRow(ctx, `
-SELECT coalesce(active_pid, 0), coalesce(wal_status, ''), to_jsonb(s) ->> 'invalidation_reason', confirmed_flush_lsn::text,
-       CASE WHEN wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL THEN
-       pg_wal_lsn_diff(w.lsn, restart_lsn)::bigint END,
-       CASE WHEN wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL THEN
-       greatest(pg_wal_lsn_diff(w.lsn, confirmed_flush_lsn), 0)::bigint END
-  FROM pg_replication_slots s,
-       (SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END AS lsn) AS w
- WHERE slot_name = $1`, w.Slot).Scan(&pid, &walStat, &reason, &flushLSN, &retained, &lag)
+	err := on.QueryRow(ctx, catalogSQL("StatusSlot"), w.Slot).Scan(&pid, &walStat, &reason, &flushLSN, &retained, &lag)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return st, nil
@@ -413,9 +388,8 @@ func countRelays(sessions []Session, slot string) int {
 	return owners
 }
 
-// sessionColumns reads a Session from pg_stat_activity (alias a).
-const sessionColumns = `a.pid, coalesce(a.application_name, ''), a.backend_start, coalesce(host(a.client_addr), '')`
-
+// scanSession reads a Session from the columns of StatusSession,
+// StatusRelaySessions and StatusLockHolder.
 func scanSession(row pgx.Row) (Session, error) {
 	var s Session
 	err := row.Scan(&s.PID, &s.ApplicationName, &s.BackendStart, &s.ClientAddr)
@@ -425,7 +399,7 @@ func scanSession(row pgx.Row) (Session, error) {
 // session returns pid's session; a process that has just exited is
 // returned with its pid only.
 func session(ctx context.Context, db DB, pid int32) (Session, error) {
-	s, err := scanSession(db.QueryRow(ctx, `SELECT `+sessionColumns+` FROM pg_stat_activity a WHERE a.pid = $1`, pid))
+	s, err := scanSession(db.QueryRow(ctx, catalogSQL("StatusSession"), pid))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Session{PID: pid}, nil
 	}
@@ -439,12 +413,7 @@ func session(ctx context.Context, db DB, pid int32) (Session, error) {
 // walsender of a logical slot is connected to its database too). The
 // operator commands and this session are not relays.
 func relaySessions(ctx context.Context, db DB) ([]Session, error) {
-	rows, err := db.Query(ctx, `
-SELECT `+sessionColumns+`
-  FROM pg_stat_activity a
- WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
-   AND a.application_name LIKE 'outbox-relay%' AND a.application_name NOT LIKE $1 || '%'
- ORDER BY a.backend_start, a.pid`, CLIApplicationName)
+	rows, err := db.Query(ctx, catalogSQL("StatusRelaySessions"), CLIApplicationName)
 	if err != nil {
 		return nil, fmt.Errorf("list relay sessions: %w", err)
 	}
@@ -459,13 +428,7 @@ SELECT `+sessionColumns+`
 // this database, or nil.
 func lockHolder(ctx context.Context, db DB, key int64) (*Session, error) {
 	classid, objid := lockIDs(key)
-	s, err := scanSession(db.QueryRow(ctx, `
-SELECT `+sessionColumns+`
-  FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
- WHERE l.locktype = 'advisory' AND l.granted
-   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-   AND l.classid::bigint = $1 AND l.objid::bigint = $2 AND l.objsubid = 1
- LIMIT 1`, int64(classid), int64(objid)))
+	s, err := scanSession(db.QueryRow(ctx, catalogSQL("StatusLockHolder"), int64(classid), int64(objid)))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
 	}
@@ -528,33 +491,17 @@ func ReadProgress(ctx context.Context, db DB, t Tables, slotStatus SlotStatus, s
 	p := &Progress{StallAfterSeconds: stallAfter.Seconds()}
 	after := stallAfter.Seconds()
 	slot, slotExists := slotStatus.Name, slotStatus.Exists
-	// Without a slot (or with one that cannot be read: a standby that is
-	// down, whose rows auto mode delivers from the primary) every pending
-	// row is the claim path's.
-	err := db.QueryRow(ctx, fmt.Sprintf(`
-SELECT count(*) FILTER (WHERE stream AND created_at < now() - make_interval(secs => $1)),
-       extract(epoch FROM now() - min(created_at) FILTER (WHERE stream AND created_at < now() - make_interval(secs => $1)))::float8,
-       count(*) FILTER (WHERE NOT stream AND due < now() - make_interval(secs => $1)),
-       extract(epoch FROM now() - min(due) FILTER (WHERE NOT stream AND due < now() - make_interval(secs => $1)))::float8
-  FROM (SELECT o.created_at, coalesce(o.available_at, o.created_at) AS due, $2 AND o.handoff_at IS NULL AS stream
-          FROM %s AS o
-         WHERE %s
-           AND NOT %s) AS w`,
-		t.Outbox.Quoted(), ledger.Pending("o"), t.waitsForEarlier("o")), after, slotExists).
+	err := db.QueryRow(ctx, t.sql("StatusRowsWaiting"), after, slotExists).
 		Scan(&p.StreamWaiting, &p.OldestStreamWaitingSeconds, &p.ClaimWaiting, &p.OldestClaimWaitingSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("rows waiting: %w", err)
 	}
-	err = db.QueryRow(ctx, fmt.Sprintf(`SELECT extract(epoch FROM now() - updated_at)::float8 FROM %s WHERE slot_name = $1`, t.Checkpoint.Quoted()), slot).
+	err = db.QueryRow(ctx, t.sql("StatusCheckpointAge"), slot).
 		Scan(&p.CheckpointAgeSeconds)
 	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 		return nil, fmt.Errorf("read checkpoint: %w", err)
 	}
-	err = db.QueryRow(ctx, fmt.Sprintf(`
-SELECT extract(epoch FROM now() - greatest(
-         (SELECT greatest(max(locked_at), max(processed_at)) FROM %s),
-         (SELECT greatest(max(claimed_at), max(delivered_at)) FROM %s)))::float8`,
-		t.Outbox.Quoted(), t.Ledger.Quoted())).Scan(&p.ClaimActivityAgeSeconds)
+	err = db.QueryRow(ctx, t.sql("StatusClaimActivity")).Scan(&p.ClaimActivityAgeSeconds)
 	if err != nil {
 		return nil, fmt.Errorf("claim path activity: %w", err)
 	}
