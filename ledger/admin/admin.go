@@ -19,7 +19,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -70,25 +69,6 @@ func (t Tables) filtered() bool {
 	return false
 }
 
-// waitsForEarlier is the SQL condition "the row aliased o waits behind an
-// earlier event of its aggregate": a lower id of the same aggregate that
-// is unsettled (ledger.Unsettled) — the claim query's ordering check
-// (docs/architecture.md, "the claim path"), which a row blocked so cannot
-// pass: it is not a row the claim path could take.
-func (t Tables) waitsForEarlier(o string) string {
-	return fmt.Sprintf(`(%[1]s.aggregate_type IS NOT NULL AND %[1]s.aggregate_id IS NOT NULL AND EXISTS (
-           SELECT FROM %[2]s AS p
-            WHERE p.aggregate_type = %[1]s.aggregate_type AND p.aggregate_id = %[1]s.aggregate_id AND p.id < %[1]s.id
-              AND %[3]s))`, o, t.Outbox.Quoted(), ledger.Unsettled("p"))
-}
-
-// statusOf is the SQL expression of the row aliased o's status, a NULL status
-// read as pending (ledger.Pending): the row's one state (docs/schema.md,
-// "A row's states").
-func statusOf(o string) string {
-	return fmt.Sprintf("CASE WHEN %s THEN 'pending' ELSE %s.status END", ledger.Pending(o), o)
-}
-
 // DB is what the operations need of a database handle; *pgx.Conn,
 // *pgxpool.Pool and pgx.Tx have it.
 type DB interface {
@@ -106,8 +86,7 @@ func Resolve(ctx context.Context, db DB, t Tables) (Tables, error) {
 			continue
 		}
 		var schema string
-		err := db.QueryRow(ctx, `SELECT ns.nspname FROM pg_class c JOIN pg_namespace ns ON ns.oid = c.relnamespace
-			WHERE c.oid = to_regclass($1)`, n.Quoted()).Scan(&schema)
+		err := db.QueryRow(ctx, catalogSQL("TableSchema"), n.Quoted()).Scan(&schema)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 		case err != nil:

@@ -79,24 +79,14 @@ func SelectIDs(ctx context.Context, db DB, t Tables, sel Selection) ([]int64, er
 	if len(sel.Statuses) == 0 {
 		return nil, fmt.Errorf("select rows: no statuses given")
 	}
-	// Only pending is read otherwise than the status column says (statusOf:
-	// a NULL status is pending); a selection without it reads the column,
-	// through the status index: a page of dead letters reads the dead
-	// letters, not the table.
-	status := statusOf("o")
-	if !slices.Contains(sel.Statuses, "pending") {
-		status = "o.status"
+	// Only pending is read otherwise than the status column says (a NULL
+	// status is pending); a selection without it reads the column, through
+	// the status index: a page of dead letters reads the dead letters, not
+	// the table.
+	q := t.sql("DlqSelectIDs")
+	if slices.Contains(sel.Statuses, "pending") {
+		q = t.sql("DlqSelectIDsWithPending")
 	}
-	q := fmt.Sprintf(`
-SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, CASE WHEN $7 THEN o.payload::text END
-  FROM %s AS o
- WHERE o.id > $1 AND %s = ANY($2::text[])
-   AND ($3::bigint[] IS NULL OR o.id = ANY($3::bigint[]))
-   AND ($4::timestamptz IS NULL OR o.created_at >= $4)
-   AND ($5::text IS NULL OR NOT EXISTS (
-        SELECT 1 FROM %s AS l WHERE l.event_key = o.event_key AND l.action = $5 AND l.state = 'delivered'))
- ORDER BY o.id
- LIMIT $6`, t.Outbox.Quoted(), status, t.Ledger.Quoted())
 
 	var ids, since, sink any
 	if sel.IDs != nil {
@@ -177,11 +167,7 @@ type LedgerRow struct {
 func List(ctx context.Context, db DB, t Tables, ids []int64) ([]Entry, error) {
 	var out []Entry
 	for _, batch := range Batches(ids, BatchSize) {
-		rows, err := db.Query(ctx, fmt.Sprintf(`
-SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, coalesce(o.status, ''),
-       coalesce(o.attempts, 0)::int4, coalesce(o.replays, 0)::int4, o.last_error,
-       o.created_at, o.available_at, o.processed_at, CASE WHEN $2 THEN o.payload::text END
-  FROM %s AS o WHERE o.id = ANY($1::bigint[]) ORDER BY o.id`, t.Outbox.Quoted()), batch, t.filtered())
+		rows, err := db.Query(ctx, t.sql("DlqListRows"), batch, t.filtered())
 		if err != nil {
 			return nil, fmt.Errorf("list rows: %w", err)
 		}
@@ -201,9 +187,7 @@ SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, coales
 			byKey[entries[i].EventKey] = &entries[i]
 			keys[i] = entries[i].EventKey
 		}
-		rows, err = db.Query(ctx, fmt.Sprintf(`
-SELECT event_key, action, state, attempts, delivered_at, detail
-  FROM %s WHERE event_key = ANY($1::text[]) ORDER BY event_key, action`, t.Ledger.Quoted()), keys)
+		rows, err = db.Query(ctx, t.sql("DlqListLedgerRows"), keys)
 		if err != nil {
 			return nil, fmt.Errorf("list ledger rows: %w", err)
 		}
@@ -247,20 +231,7 @@ type Changed struct {
 // ids (BatchSize).
 func Retry(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (Changed, error) {
 	var c Changed
-	err := db.QueryRow(ctx, fmt.Sprintf(`
-WITH reset AS (
-    UPDATE %s AS o
-       SET status = 'pending', attempts = 0, available_at = now(), handoff_at = now(),
-           last_error = NULL, processed_at = NULL, locked_at = NULL, locked_by = NULL
-     WHERE o.id = ANY($1::bigint[]) AND o.status IN ('failed', 'held', 'discarded')
-    RETURNING o.event_key),
-cleared AS (
-    DELETE FROM %s AS l USING reset AS r
-     WHERE l.event_key = r.event_key AND l.state <> 'delivered'
-       AND ($2::text[] IS NULL OR l.action = ANY($2::text[]))
-    RETURNING 1)
-SELECT (SELECT count(*) FROM reset), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted()),
-		ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
+	err := db.QueryRow(ctx, t.sql("DlqRetry"), ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
 	if err != nil {
 		return Changed{}, fmt.Errorf("retry %d rows: %w", len(ids), err)
 	}
@@ -275,10 +246,7 @@ SELECT (SELECT count(*) FROM reset), (SELECT count(*) FROM cleared)`, t.Outbox.Q
 // states"). The ledger is left as it is (the record of what happened).
 // Only rows still failed or held change: Discard is safe to repeat.
 func Discard(ctx context.Context, db DB, t Tables, ids []int64) (Changed, error) {
-	tag, err := db.Exec(ctx, fmt.Sprintf(`
-UPDATE %s
-   SET status = 'discarded', processed_at = now(), locked_at = NULL, locked_by = NULL
- WHERE id = ANY($1::bigint[]) AND status IN ('failed', 'held')`, t.Outbox.Quoted()), ids)
+	tag, err := db.Exec(ctx, t.sql("DlqDiscard"), ids)
 	if err != nil {
 		return Changed{}, fmt.Errorf("discard %d rows: %w", len(ids), err)
 	}
