@@ -11,7 +11,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -132,20 +131,15 @@ type EventLedgerRow struct {
 // when the ledger still has rows for it. It only reads.
 func LookupEvent(ctx context.Context, db DB, t Tables, ref EventRef) (EventReport, error) {
 	var r EventReport
-	where, arg := "o.id = $1", any(ref.ID)
+	query, arg := t.sql("EventByID"), any(ref.ID)
 	if ref.Key != "" {
 		if !utf8.ValidString(ref.Key) || strings.ContainsRune(ref.Key, 0) {
 			return r, notFound(ref, 0)
 		}
-		where, arg = "o.event_key = $1", ref.Key
+		query, arg = t.sql("EventByKey"), ref.Key
 	}
 	var status *string
-	err := db.QueryRow(ctx, fmt.Sprintf(`
-SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.status,
-       coalesce(o.attempts, 0)::int4, coalesce(o.replays, 0)::int4, o.last_error,
-       o.created_at, o.available_at, o.handoff_at, o.locked_at, o.locked_by, o.processed_at,
-       octet_length(o.payload::text)::int8, CASE WHEN $2 THEN o.payload::text END
-  FROM %s AS o WHERE %s`, t.Outbox.Quoted(), where), arg, t.filtered()).Scan(
+	err := db.QueryRow(ctx, query, arg, t.filtered()).Scan(
 		&r.ID, &r.EventKey, &r.EventType, &r.AggregateType, &r.AggregateID, &status,
 		&r.Attempts, &r.Replays, &r.LastError,
 		&r.CreatedAt, &r.AvailableAt, &r.HandoffAt, &r.LockedAt, &r.LockedBy, &r.ProcessedAt,
@@ -153,7 +147,7 @@ SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.stat
 	if errors.Is(err, pgx.ErrNoRows) {
 		var left int64
 		if ref.Key != "" {
-			if err := db.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM %s WHERE event_key = $1`, t.Ledger.Quoted()), ref.Key).Scan(&left); err != nil {
+			if err := db.QueryRow(ctx, t.sql("EventLedgerRowsLeft"), ref.Key).Scan(&left); err != nil {
 				return r, fmt.Errorf("look up event %s: %w", describeRef(ref), err)
 			}
 		}
@@ -181,9 +175,7 @@ SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.stat
 // eventSinks returns the configured sinks, routed by Sink.Takes, with
 // their ledger rows, then the ledger rows of sinks not configured.
 func eventSinks(ctx context.Context, db DB, t Tables, r EventReport) ([]EventSink, error) {
-	rows, err := db.Query(ctx, fmt.Sprintf(`
-SELECT action, state, attempts, owner, claimed_at, delivered_at, next_attempt_at, detail
-  FROM %s WHERE event_key = $1 ORDER BY action`, t.Ledger.Quoted()), r.EventKey)
+	rows, err := db.Query(ctx, t.sql("EventLedgerRows"), r.EventKey)
 	if err != nil {
 		return nil, fmt.Errorf("read the ledger rows of event %d: %w", r.ID, err)
 	}
@@ -253,11 +245,7 @@ func waitsBehind(ctx context.Context, db DB, t Tables, r EventReport) (*EventBri
 		return nil, nil
 	}
 	var b EventBrief
-	err := db.QueryRow(ctx, fmt.Sprintf(`
-SELECT p.id, p.event_key, p.status FROM %s AS p
- WHERE p.aggregate_type = $1 AND p.aggregate_id = $2 AND p.id < $3
-   AND %s
- ORDER BY p.id LIMIT 1`, t.Outbox.Quoted(), ledger.Unsettled("p")), *r.AggregateType, *r.AggregateID, r.ID).Scan(&b.ID, &b.EventKey, &b.Status)
+	err := db.QueryRow(ctx, t.sql("EventWaitsBehind"), *r.AggregateType, *r.AggregateID, r.ID).Scan(&b.ID, &b.EventKey, &b.Status)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return nil, nil
