@@ -26,27 +26,7 @@ var InFlightStatuses = []string{"pending", "processing"}
 // Replay twice replays twice.
 func Replay(ctx context.Context, db DB, t Tables, ids []int64, sinks []string) (Changed, error) {
 	var c Changed
-	err := db.QueryRow(ctx, fmt.Sprintf(`
-WITH was AS (
-    SELECT o.id
-      FROM %[1]s AS o
-     WHERE o.id = ANY($1::bigint[]) AND o.status IN ('done', 'failed', 'held', 'discarded')
-       FOR UPDATE),
-replayed AS (
-    UPDATE %[1]s AS o
-       SET status = 'pending', attempts = 0, available_at = now(), handoff_at = now(),
-           last_error = NULL, processed_at = NULL, locked_at = NULL, locked_by = NULL,
-           replays = coalesce(o.replays, 0) + 1
-      FROM was
-     WHERE o.id = was.id
-    RETURNING o.id, o.event_key),
-cleared AS (
-    DELETE FROM %[2]s AS l USING replayed AS r
-     WHERE l.event_key = r.event_key
-       AND ($2::text[] IS NULL OR l.action = ANY($2::text[]))
-    RETURNING 1)
-SELECT (SELECT count(*) FROM replayed), (SELECT count(*) FROM cleared)`, t.Outbox.Quoted(), t.Ledger.Quoted()),
-		ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
+	err := db.QueryRow(ctx, t.sql("Replay"), ids, nilIfEmpty(sinks)).Scan(&c.Rows, &c.LedgerRows)
 	if err != nil {
 		return Changed{}, fmt.Errorf("replay %d rows: %w", len(ids), err)
 	}
