@@ -26,7 +26,7 @@ type Identity struct {
 // identifier.
 func ReadIdentity(ctx context.Context, db DB) (Identity, error) {
 	var id Identity
-	err := db.QueryRow(ctx, `SELECT system_identifier::text, current_database() FROM pg_control_system()`).
+	err := db.QueryRow(ctx, catalogSQL("Identity")).
 		Scan(&id.SystemIdentifier, &id.Database)
 	if err != nil {
 		return id, fmt.Errorf("read the database cluster's system identifier (pg_control_system()): %w", err)
@@ -42,7 +42,7 @@ func ReadIdentity(ctx context.Context, db DB) (Identity, error) {
 func ReadMsgIDScope(ctx context.Context, db DB, outbox relay.QualifiedName) (int64, error) {
 	scope := migrations.MsgIDScopeTable(outbox)
 	var scopedFrom int64
-	err := db.QueryRow(ctx, "SELECT scoped_from FROM "+scope.Quoted()).Scan(&scopedFrom)
+	err := db.QueryRow(ctx, outboxSQL(outbox, "MsgIDScope")).Scan(&scopedFrom)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return 0, fmt.Errorf("%s has no row: restore it (docs/schema.md, \"Upgrading\"): INSERT INTO %s (scoped_from) SELECT coalesce(max(id), 0) + 1 FROM %s",

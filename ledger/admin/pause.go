@@ -22,27 +22,6 @@ type Pause struct {
 	PausedBy string    `json:"paused_by,omitempty"`
 }
 
-// pauseSQL are the pauses table's statements, rendered once for its name.
-type pauseSQL struct {
-	pause, resume, list string
-}
-
-func newPauseSQL(outbox relay.QualifiedName) pauseSQL {
-	p := migrations.SinkPausesTable(outbox).Quoted()
-	return pauseSQL{
-		// A second pause keeps the first one's time, reason and author:
-		// the sink has been paused since then.
-		pause: fmt.Sprintf(`
-INSERT INTO %s AS p (sink, reason, paused_by) VALUES ($1, $2, $3)
-ON CONFLICT (sink) DO UPDATE SET sink = p.sink
-RETURNING paused_at, reason, paused_by, xmax <> 0`, p),
-
-		resume: fmt.Sprintf(`DELETE FROM %s WHERE sink = $1 RETURNING paused_at`, p),
-
-		list: fmt.Sprintf(`SELECT sink, paused_at, reason, paused_by FROM %s ORDER BY sink`, p),
-	}
-}
-
 // PauseSink pauses the configured sink name: from now on no relay on the
 // outbox sends to it (each notices within relay.PausePoll), its events wait
 // with the claim path without an attempt, and the pause holds across
@@ -55,7 +34,7 @@ func PauseSink(ctx context.Context, db DB, t Tables, name, reason, by string) (p
 		return Pause{}, false, err
 	}
 	p.Sink = name
-	err = db.QueryRow(ctx, newPauseSQL(t.Outbox).pause, name, reason, by).Scan(&p.PausedAt, &p.Reason, &p.PausedBy, &already)
+	err = db.QueryRow(ctx, outboxSQL(t.Outbox, "PauseSink"), name, reason, by).Scan(&p.PausedAt, &p.Reason, &p.PausedBy, &already)
 	if err != nil {
 		return Pause{}, false, fmt.Errorf("pause sink %s: %w", name, pauseTableError(t.Outbox, err))
 	}
@@ -72,7 +51,7 @@ func ResumeSink(ctx context.Context, db DB, t Tables, name string) (since time.T
 	if _, err := t.Sink(name); err != nil {
 		return time.Time{}, false, err
 	}
-	err = db.QueryRow(ctx, newPauseSQL(t.Outbox).resume, name).Scan(&since)
+	err = db.QueryRow(ctx, outboxSQL(t.Outbox, "ResumeSink"), name).Scan(&since)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return time.Time{}, false, nil
@@ -86,7 +65,7 @@ func ResumeSink(ctx context.Context, db DB, t Tables, name string) (since time.T
 // no longer has is listed too: it pauses nothing until a sink of that name
 // comes back.
 func Pauses(ctx context.Context, db DB, outbox relay.QualifiedName) ([]Pause, error) {
-	rows, err := db.Query(ctx, newPauseSQL(outbox).list)
+	rows, err := db.Query(ctx, outboxSQL(outbox, "ListPauses"))
 	if err != nil {
 		return nil, pauseTableError(outbox, err)
 	}
@@ -122,7 +101,7 @@ var _ relay.PauseStore = (*PauseReader)(nil)
 // NewPauseReader returns the engine's reader of the paused sinks of outbox
 // (schema-qualified, as Resolve returns it).
 func NewPauseReader(db DB, outbox relay.QualifiedName) *PauseReader {
-	return &PauseReader{db: db, list: fmt.Sprintf(`SELECT sink FROM %s`, migrations.SinkPausesTable(outbox).Quoted())}
+	return &PauseReader{db: db, list: outboxSQL(outbox, "PausedSinks")}
 }
 
 // PausedSinks returns the paused sinks' names (relay.PauseStore).
