@@ -82,7 +82,7 @@ type horizonBounds struct {
 func (h *Horizon) advance(ctx context.Context, db DB) (horizonBounds, error) {
 	var s horizonSample
 	var xmin int64
-	if err := db.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text, pg_snapshot_xmin(pg_current_snapshot())::text::bigint`).
+	if err := db.QueryRow(ctx, catalogSQL("RetentionSample")).
 		Scan(&s.wal, &xmin); err != nil {
 		return horizonBounds{}, fmt.Errorf("sample the WAL position and the oldest transaction: %w", err)
 	}
@@ -92,7 +92,7 @@ func (h *Horizon) advance(ctx context.Context, db DB) (horizonBounds, error) {
 	if h.slotDB != nil {
 		slotDB = h.slotDB
 	}
-	err := slotDB.QueryRow(ctx, `SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1`, h.slot).Scan(&confirmed)
+	err := slotDB.QueryRow(ctx, catalogSQL("RetentionSlotConfirmed"), h.slot).Scan(&confirmed)
 	if errors.Is(err, pgx.ErrNoRows) {
 		h.samples = nil
 		return horizonBounds{all: true}, nil
@@ -163,12 +163,8 @@ func Prune(ctx context.Context, db DB, t Tables, cfg RetentionConfig) (doneRows,
 			return 0, 0, fmt.Errorf("prune: %w", err)
 		}
 	}
-	// $3: the rows' inserting transactions must be older than this xid
-	// (NULL: no bound); age() compares xids across wraparound, and a frozen
-	// xmin is older than any.
-	behindSlot := func(o string) string {
-		return fmt.Sprintf("($3::bigint IS NULL OR age(%s.xmin) > age($3::bigint::text::xid))", o)
-	}
+	// xmin bounds the rows RetentionPruneDone deletes: their inserting
+	// transactions must be older than it (nil: no bound).
 	var xmin any
 	switch {
 	case bounds.none:
@@ -178,71 +174,10 @@ func Prune(ctx context.Context, db DB, t Tables, cfg RetentionConfig) (doneRows,
 		xmin = int64(bounds.xmin)
 	}
 
-	// Ages go to the server in microseconds: the cut-off is computed from
-	// the server's clock, like processed_at and delivered_at.
-	// An event's ledger rows go with its row (docs/guarantees.md, "a key
-	// published again"): a key published again after its row was pruned is
-	// a new event on either path, never skipped as delivered.
-	pruneDone := fmt.Sprintf(`
-WITH gone AS (
-DELETE FROM %[1]s AS o
- WHERE o.id IN (
-       SELECT x.id FROM %[1]s AS x
-        WHERE x.id > $4 AND x.id <= $5
-          AND x.status IN ('done', 'discarded') AND coalesce(x.processed_at, x.created_at) < now() - $1 * interval '1 microsecond'
-          AND %[3]s
-        ORDER BY x.id
-        LIMIT $2
-          FOR UPDATE SKIP LOCKED)
-   AND o.status IN ('done', 'discarded')
-RETURNING o.event_key),
-ledger AS (
-DELETE FROM %[2]s AS l USING gone WHERE l.event_key = gone.event_key RETURNING 1)
-SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM ledger)`, t.Outbox.Quoted(), t.Ledger.Quoted(), behindSlot("x"))
-
-	// An event's ledger rows are its record of delivery: they go with its
-	// row (pruneDone, above), never before it (docs/guarantees.md,
-	// "Retention"). This pass takes only the ledger rows whose outbox row
-	// is gone — deleted by someone else, or pruned before a ledger row of a
-	// late claim was written — once they are old, or at once when they
-	// carry no time. The NOT EXISTS probes the outbox's unique index on
-	// event_key per ledger row of the slice (OFFSET 0 keeps it from
-	// becoming an anti-join that reads the whole outbox).
-	// $3, $4 .. $5, $6: the slice of keys, its lower end included in the
-	// first slice (from) and excluded after it.
-	pruneLedger := func(from string) string {
-		return fmt.Sprintf(`
-DELETE FROM %[1]s
- WHERE ctid = ANY (ARRAY(
-       SELECT l.ctid FROM %[1]s AS l
-        WHERE (l.event_key, l.action) %[3]s ($3, $4) AND (l.event_key, l.action) <= ($5, $6)
-          AND (coalesce(l.delivered_at, l.claimed_at) < now() - $1 * interval '1 microsecond'
-               OR (l.delivered_at IS NULL AND l.claimed_at IS NULL))
-          AND NOT EXISTS (SELECT 1 FROM %[2]s AS o WHERE o.event_key = l.event_key OFFSET 0)
-        ORDER BY l.event_key, l.action
-        LIMIT $2
-          FOR UPDATE SKIP LOCKED))`, t.Ledger.Quoted(), t.Outbox.Quoted(), from)
-	}
-	pruneLedgerFirst, pruneLedgerNext := pruneLedger(">="), pruneLedger(">")
-
-	// Where a slice ends: the Scan-th row after its start, or the table's
-	// last row (the last slice; rows added since wait for the next pass).
-	// NULL: nothing after the start.
-	outboxSlice := fmt.Sprintf(`
-SELECT coalesce(n.id, m.id), n.id IS NULL
-  FROM (SELECT 1) AS one
-  LEFT JOIN LATERAL (SELECT id FROM %[1]s WHERE id > $1 ORDER BY id OFFSET $2 - 1 LIMIT 1) AS n ON true
-  LEFT JOIN LATERAL (SELECT id FROM %[1]s WHERE id > $1 ORDER BY id DESC LIMIT 1) AS m ON true`, t.Outbox.Quoted())
-	ledgerSlice := func(from string) string {
-		return fmt.Sprintf(`
-SELECT coalesce(n.event_key, m.event_key), coalesce(n.action, m.action), n.event_key IS NULL
-  FROM (SELECT 1) AS one
-  LEFT JOIN LATERAL (SELECT event_key, action FROM %[1]s WHERE (event_key, action) %[2]s ($1, $2)
-                      ORDER BY event_key, action OFFSET $3 - 1 LIMIT 1) AS n ON true
-  LEFT JOIN LATERAL (SELECT event_key, action FROM %[1]s WHERE (event_key, action) %[2]s ($1, $2)
-                      ORDER BY event_key DESC, action DESC LIMIT 1) AS m ON true`, t.Ledger.Quoted(), from)
-	}
-	ledgerSliceFirst, ledgerSliceNext := ledgerSlice(">="), ledgerSlice(">")
+	pruneDone := t.sql("RetentionPruneDone")
+	pruneLedgerFirst, pruneLedgerNext := t.sql("RetentionPruneLedgerFirst"), t.sql("RetentionPruneLedgerNext")
+	outboxSlice := t.sql("RetentionOutboxSlice")
+	ledgerSliceFirst, ledgerSliceNext := t.sql("RetentionLedgerSliceFirst"), t.sql("RetentionLedgerSliceNext")
 
 	prunes := []string{pruneDone}
 	if bounds.none {
