@@ -1,7 +1,6 @@
 package admin
 
 import (
-	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -19,5 +18,5 @@ func VerifyStatementsForTest(t Tables) VerifyStatements {
 // NotifyReadSQL is the dead-letter notifier's read on outbox, for the plan
 // test.
 func NotifyReadSQL(outbox relay.QualifiedName) string {
-	return newNotifySQL(outbox, migrations.NotifyStateTable(outbox)).read
+	return newNotifySQL(outbox).read
 }

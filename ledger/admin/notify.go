@@ -31,70 +31,14 @@ type notifySQL struct {
 	horizon, marks, read, claim, record, pass string
 }
 
-// notifyHorizon is the notifier's horizon: the start of the oldest
-// transaction of the relay's role open in this database, or now. A row is
-// dead-lettered or held by the relay with processed_at = now(), its
-// transaction's start, and commits later: a row settled before the horizon
-// belongs to a transaction that has ended, and a statement run after this
-// one sees it. Only the relay's role settles rows, so the applications'
-// transactions (however long) do not hold the horizon back; walsenders and
-// autovacuum are not client backends.
-const notifyHorizon = `
-SELECT coalesce(min(a.xact_start), now()) AS at
-  FROM pg_stat_activity AS a
- WHERE a.datname = current_database() AND a.usename = current_user
-   AND a.backend_type = 'client backend' AND a.xact_start IS NOT NULL`
-
-func newNotifySQL(outbox, state relay.QualifiedName) notifySQL {
-	o, s := outbox.Quoted(), state.Quoted()
+func newNotifySQL(outbox relay.QualifiedName) notifySQL {
 	return notifySQL{
-		horizon: notifyHorizon,
-
-		// A channel seen for the first time starts at the horizon. The
-		// insert's rows are not visible to the statement's own SELECT, so
-		// each channel comes from one side of the UNION.
-		marks: fmt.Sprintf(`
-WITH h AS (%[2]s),
-added AS (
-INSERT INTO %[1]s AS s (channel, notified_at, notified_id)
-SELECT c, h.at, 0 FROM unnest($1::text[]) AS c, h
-    ON CONFLICT (channel) DO NOTHING
-RETURNING s.channel, s.notified_at, s.notified_id)
-SELECT channel, notified_at, notified_id FROM added
-UNION ALL
-SELECT channel, notified_at, notified_id FROM %[1]s WHERE channel = ANY($1::text[])`, s, notifyHorizon),
-
-		// The status list and the order repeat the dead-letter index's
-		// predicate and columns (migration 015).
-		read: fmt.Sprintf(`
-SELECT o.id, o.processed_at, o.event_key, o.status, coalesce(o.last_error, '')
-  FROM %s AS o
- WHERE o.status IN ('failed', 'held')
-   AND (o.processed_at, o.id) > ($1::timestamptz, $2::bigint)
-   AND o.processed_at < $3::timestamptz
- ORDER BY o.processed_at, o.id
- LIMIT $4`, o),
-
-		// Only while the mark is the one the caller read, and no relay
-		// attempted a notification of the channel in the last interval.
-		claim: fmt.Sprintf(`
-UPDATE %s
-   SET attempted_at = now(), attempted_by = $5
- WHERE channel = $1 AND notified_at = $2 AND notified_id = $3
-   AND (attempted_at IS NULL OR attempted_at <= now() - $4::bigint * interval '1 microsecond')
-RETURNING attempted_at`, s),
-
-		// A mark never moves back.
-		record: fmt.Sprintf(`
-UPDATE %s
-   SET notified_at = CASE WHEN (notified_at, notified_id) < ($4::timestamptz, $5::bigint) THEN $4 ELSE notified_at END,
-       notified_id = CASE WHEN (notified_at, notified_id) < ($4::timestamptz, $5::bigint) THEN $5 ELSE notified_id END,
-       sent_at = now()
- WHERE channel = $1 AND attempted_by = $2 AND attempted_at = $3`, s),
-
-		pass: fmt.Sprintf(`
-UPDATE %s SET notified_at = $2, notified_id = $3
- WHERE channel = ANY($1::text[]) AND (notified_at, notified_id) < ($2::timestamptz, $3::bigint)`, s),
+		horizon: outboxSQL(outbox, "NotifyHorizon"),
+		marks:   outboxSQL(outbox, "NotifyMarks"),
+		read:    outboxSQL(outbox, "NotifyRead"),
+		claim:   outboxSQL(outbox, "NotifyClaim"),
+		record:  outboxSQL(outbox, "NotifyRecord"),
+		pass:    outboxSQL(outbox, "NotifyPass"),
 	}
 }
 
@@ -106,10 +50,7 @@ func NewNotifyStore(ctx context.Context, db DB, outbox relay.QualifiedName, owne
 	state := migrations.NotifyStateTable(outbox)
 	var exists, allowed bool
 	var role string
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL, current_user,
-		coalesce(has_table_privilege(to_regclass($1), 'SELECT')
-		     AND has_table_privilege(to_regclass($1), 'INSERT')
-		     AND has_table_privilege(to_regclass($1), 'UPDATE'), false)`, state.Quoted()).Scan(&exists, &role, &allowed)
+	err := db.QueryRow(ctx, catalogSQL("NotifyTableAccess"), state.Quoted()).Scan(&exists, &role, &allowed)
 	if err != nil {
 		return nil, fmt.Errorf("notify: look up %s: %w", state, err)
 	}
@@ -120,7 +61,7 @@ func NewNotifyStore(ctx context.Context, db DB, outbox relay.QualifiedName, owne
 		return nil, &PrivilegeError{Role: role, Lacks: []string{"SELECT, INSERT, UPDATE on " + state.String() + " (for notify)"},
 			Fix: []string{fmt.Sprintf("GRANT SELECT, INSERT, UPDATE ON %s TO %s;", state.Quoted(), relay.QuoteIdentifier(role))}}
 	}
-	return &NotifyStore{db: db, owner: owner, q: newNotifySQL(outbox, state)}, nil
+	return &NotifyStore{db: db, owner: owner, q: newNotifySQL(outbox)}, nil
 }
 
 // Marks returns each channel's mark, creating the missing ones at the
