@@ -33,15 +33,7 @@ func (d *diagnosis) failover(ctx context.Context) {
 		return
 	}
 	// Physical slots, and physical walsenders (no database) without one.
-	rows, err := d.conn.Query(ctx, `
-SELECT s.slot_name, s.active, (s.xmin IS NOT NULL OR r.backend_xmin IS NOT NULL), coalesce(r.application_name, '')
-  FROM pg_replication_slots s LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
- WHERE s.slot_type = 'physical'
-UNION ALL
-SELECT '', true, r.backend_xmin IS NOT NULL, coalesce(r.application_name, '')
-  FROM pg_stat_replication r JOIN pg_stat_activity a USING (pid)
- WHERE a.datname IS NULL AND NOT EXISTS (SELECT FROM pg_replication_slots s WHERE s.active_pid = r.pid)
- ORDER BY 1`)
+	rows, err := d.conn.Query(ctx, catalogSQL("FailoverPhysicalStandbys"))
 	if err != nil {
 		d.add(Fail, "failover", fmt.Sprintf("read the physical standbys: %v", err), "")
 		return
@@ -112,7 +104,7 @@ SELECT '', true, r.backend_xmin IS NOT NULL, coalesce(r.application_name, '')
 // failoverSlot checks the relay's slot's failover property (17+).
 func (d *diagnosis) failoverSlot(ctx context.Context) {
 	var failover bool
-	err := d.conn.QueryRow(ctx, `SELECT coalesce((to_jsonb(s) ->> 'failover')::bool, false) FROM pg_replication_slots s WHERE slot_name = $1`, d.cfg.Slot).Scan(&failover)
+	err := d.conn.QueryRow(ctx, catalogSQL("FailoverSlotEnabled"), d.cfg.Slot).Scan(&failover)
 	switch {
 	case err != nil:
 		// No slot yet: run creates it with failover enabled.
@@ -129,7 +121,7 @@ func (d *diagnosis) failoverSlot(ctx context.Context) {
 // walsenders until the standbys have the WAL (17+).
 func (d *diagnosis) synchronizedStandbySlots(ctx context.Context, standbys []physicalStandby, slotNames []string, summary string) {
 	var setting string
-	if err := d.conn.QueryRow(ctx, `SELECT coalesce(current_setting('synchronized_standby_slots', true), '')`).Scan(&setting); err != nil {
+	if err := d.conn.QueryRow(ctx, catalogSQL("SynchronizedStandbySlots")).Scan(&setting); err != nil {
 		d.add(Fail, "synchronized_standby_slots", fmt.Sprintf("read setting: %v", err), "")
 		return
 	}
@@ -175,7 +167,7 @@ func (d *diagnosis) synchronizedStandbySlots(ctx context.Context, standbys []phy
 // primary_conninfo.
 func (d *diagnosis) dbName(ctx context.Context) string {
 	var db string
-	if err := d.conn.QueryRow(ctx, "SELECT current_database()").Scan(&db); err != nil {
+	if err := d.conn.QueryRow(ctx, catalogSQL("CurrentDatabase")).Scan(&db); err != nil {
 		return "<database>"
 	}
 	return db
