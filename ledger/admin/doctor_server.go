@@ -77,8 +77,7 @@ func (d *diagnosis) server(ctx context.Context) bool {
 		num               int
 		standby           bool
 	)
-	err := d.conn.QueryRow(ctx, `SELECT current_user, current_database(), current_setting('server_version'),
-		current_setting('server_version_num')::int, pg_is_in_recovery()`).Scan(&user, &db, &version, &num, &standby)
+	err := d.conn.QueryRow(ctx, catalogSQL("DoctorServer")).Scan(&user, &db, &version, &num, &standby)
 	if err != nil {
 		d.add(Fail, "connection", fmt.Sprintf("connected, but reading the server settings failed: %v", err), "")
 		return false
@@ -102,8 +101,7 @@ func (d *diagnosis) server(ctx context.Context) bool {
 
 func (d *diagnosis) walLevel(ctx context.Context) {
 	var slots, senders int
-	err := d.conn.QueryRow(ctx, `SELECT current_setting('wal_level'), current_setting('max_replication_slots')::int,
-		current_setting('max_wal_senders')::int`).Scan(&d.walLevelSetting, &slots, &senders)
+	err := d.conn.QueryRow(ctx, catalogSQL("DoctorWALLevel")).Scan(&d.walLevelSetting, &slots, &senders)
 	if err != nil {
 		d.add(Fail, "wal_level", fmt.Sprintf("read wal_level: %v", err), "")
 		return
@@ -134,9 +132,7 @@ func (d *diagnosis) walLevel(ctx context.Context) {
 
 func (d *diagnosis) readRole(ctx context.Context) bool {
 	r := &d.role
-	err := d.conn.QueryRow(ctx, `SELECT rolname, rolsuper, rolreplication, rolcreaterole, rolcreatedb, rolbypassrls,
-		coalesce((SELECT pg_has_role(current_user, g.oid, 'MEMBER') FROM pg_roles g WHERE g.rolname = 'rds_replication'), false)
-		FROM pg_roles WHERE rolname = current_user`).Scan(&r.name, &r.super, &r.replication, &r.createRole, &r.createDB, &r.bypass, &r.rdsReplication)
+	err := d.conn.QueryRow(ctx, catalogSQL("DoctorRole")).Scan(&r.name, &r.super, &r.replication, &r.createRole, &r.createDB, &r.bypass, &r.rdsReplication)
 	if err != nil {
 		d.add(Fail, "role", fmt.Sprintf("read the role's attributes: %v", err), "")
 		return false
@@ -187,8 +183,7 @@ func (d *diagnosis) notifyTrigger(ctx context.Context) {
 	}
 	trigger := migrations.NotifyTriggerName(d.tables.Outbox)
 	var installed bool
-	if err := d.conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = $2)`,
-		d.tables.Outbox.Quoted(), trigger).Scan(&installed); err != nil {
+	if err := d.conn.QueryRow(ctx, catalogSQL("DoctorTriggerExists"), d.tables.Outbox.Quoted(), trigger).Scan(&installed); err != nil {
 		d.add(Fail, "notify_trigger", fmt.Sprintf("look up trigger %s: %v", trigger, err), "")
 		return
 	}
@@ -256,7 +251,7 @@ func (d *diagnosis) schema(ctx context.Context) bool {
 	var missing []string
 	for _, n := range []relay.QualifiedName{t.Outbox, t.Ledger, t.Checkpoint} {
 		var ok bool
-		if err := d.conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", n.Quoted()).Scan(&ok); err != nil {
+		if err := d.conn.QueryRow(ctx, catalogSQL("DoctorTableExists"), n.Quoted()).Scan(&ok); err != nil {
 			d.add(Fail, "schema", fmt.Sprintf("look up %s: %v", n, err), "")
 			return false
 		}
@@ -277,15 +272,14 @@ func (d *diagnosis) schema(ctx context.Context) bool {
 	latest := migrations.Latest()
 	vt := migrations.VersionTable(t.Outbox)
 	var version int32
-	err = d.conn.QueryRow(ctx, "SELECT version FROM "+vt.Quoted()).Scan(&version)
+	err = d.conn.QueryRow(ctx, t.sql("DoctorSchemaVersion")).Scan(&version)
 	pgErr, _ := errors.AsType[*pgconn.PgError](err)
 	switch {
 	case pgErr != nil && pgErr.Code == "42P01": // undefined_table
 		d.add(Fail, "schema", fmt.Sprintf("%s has no version table %s: migrate has not run", t.Outbox, vt), migrate)
 	case pgErr != nil && pgErr.Code == "42501": // insufficient_privilege: look at the catalog instead
 		var replays bool
-		if err := d.conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1)
-			AND attname = 'replays' AND NOT attisdropped)`, t.Outbox.Quoted()).Scan(&replays); err != nil {
+		if err := d.conn.QueryRow(ctx, catalogSQL("DoctorHasReplaysColumn"), t.Outbox.Quoted()).Scan(&replays); err != nil {
 			d.add(Fail, "schema", fmt.Sprintf("read the columns of %s: %v", t.Outbox, err), "")
 			return true
 		}

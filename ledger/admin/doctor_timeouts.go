@@ -48,7 +48,7 @@ const (
 func (d *diagnosis) readDuration(ctx context.Context, name string) (value time.Duration, missing bool, err error) {
 	var setting int64
 	var unit string
-	err = d.conn.QueryRow(ctx, `SELECT setting::bigint, coalesce(unit, '') FROM pg_settings WHERE name = $1`, name).Scan(&setting, &unit)
+	err = d.conn.QueryRow(ctx, catalogSQL("DoctorDurationSetting"), name).Scan(&setting, &unit)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return 0, true, nil
 	}
@@ -113,9 +113,7 @@ func (d *diagnosis) walSenderTimeout(ctx context.Context) {
 // host vanished, with a description; tcp is false on a Unix socket.
 func (d *diagnosis) keepalives(ctx context.Context) (detect time.Duration, detail string, tcp bool, err error) {
 	var idle, interval, count, userTimeout int64
-	err = d.conn.QueryRow(ctx, `SELECT inet_server_addr() IS NOT NULL,
-		current_setting('tcp_keepalives_idle')::bigint, current_setting('tcp_keepalives_interval')::bigint,
-		current_setting('tcp_keepalives_count')::bigint, coalesce((SELECT setting::bigint FROM pg_settings WHERE name = 'tcp_user_timeout'), 0)`).
+	err = d.conn.QueryRow(ctx, catalogSQL("DoctorKeepalives")).
 		Scan(&tcp, &idle, &interval, &count, &userTimeout)
 	if err != nil || !tcp {
 		return 0, "", tcp, err
