@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/outbox-relay/outbox-relay/ledger"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -29,10 +28,7 @@ func (d *diagnosis) publication(ctx context.Context) {
 	}
 	pub := relay.QuoteIdentifier(d.cfg.Publication)
 	var covers, all, inserts, others bool
-	err := d.conn.QueryRow(ctx, `
-SELECT EXISTS (SELECT 1 FROM pg_publication_rel r WHERE r.prpubid = p.oid AND r.prrelid = to_regclass($2)),
-       p.puballtables, p.pubinsert, p.pubupdate OR p.pubdelete OR p.pubtruncate
-  FROM pg_publication p WHERE p.pubname = $1`, d.cfg.Publication, outbox.Quoted()).Scan(&covers, &all, &inserts, &others)
+	err := d.conn.QueryRow(ctx, catalogSQL("SlotPublication"), d.cfg.Publication, outbox.Quoted()).Scan(&covers, &all, &inserts, &others)
 	name := "publication " + d.cfg.Publication
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -64,18 +60,7 @@ func (d *diagnosis) slot(ctx context.Context) {
 		backendStart                                       *time.Time
 		replyAge                                           *float64
 	)
-	err := d.conn.QueryRow(ctx, `
-SELECT s.slot_type, coalesce(s.plugin, ''), coalesce(s.database, ''), coalesce(s.database = current_database(), false),
-       coalesce(s.wal_status, ''), coalesce(to_jsonb(s) ->> 'invalidation_reason', ''), s.active, coalesce(s.active_pid, 0),
-       -- an invalidated slot retains nothing, whatever restart_lsn says (18 keeps it)
-       CASE WHEN s.wal_status <> 'lost' AND to_jsonb(s) ->> 'invalidation_reason' IS NULL
-            THEN pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint END,
-       coalesce(a.application_name, ''), a.backend_start, coalesce(host(a.client_addr), ''),
-       extract(epoch FROM now() - r.reply_time)::float8
-  FROM pg_replication_slots s
-  LEFT JOIN pg_stat_activity a ON a.pid = s.active_pid
-  LEFT JOIN pg_stat_replication r ON r.pid = s.active_pid
- WHERE s.slot_name = $1`, d.cfg.Slot).Scan(&slotType, &plugin, &database, &sameDB, &walStatus, &invalidation, &active, &pid,
+	err := d.conn.QueryRow(ctx, catalogSQL("SlotState"), d.cfg.Slot).Scan(&slotType, &plugin, &database, &sameDB, &walStatus, &invalidation, &active, &pid,
 		&retained, &app, &backendStart, &client, &replyAge)
 	name := "slot " + d.cfg.Slot
 	drop := fmt.Sprintf("SELECT pg_drop_replication_slot(%s);", relay.QuoteLiteral(d.cfg.Slot))
@@ -160,8 +145,7 @@ func (d *diagnosis) handOver(ctx context.Context) {
 	}
 	const name = "slot hand-over"
 	var recorded bool
-	err := d.conn.QueryRow(ctx, fmt.Sprintf(`SELECT EXISTS (SELECT FROM %s WHERE slot_name = $1 AND handover_lsn IS NOT NULL)`, t.Checkpoint.Quoted()),
-		d.cfg.Slot).Scan(&recorded)
+	err := d.conn.QueryRow(ctx, t.sql("SlotHandOverRecorded"), d.cfg.Slot).Scan(&recorded)
 	if err != nil {
 		d.add(Fail, name, fmt.Sprintf("read %s: %v", t.Checkpoint, err), "")
 		return
@@ -171,7 +155,7 @@ func (d *diagnosis) handOver(ctx context.Context) {
 		return
 	}
 	var pending int64
-	if err := d.conn.QueryRow(ctx, fmt.Sprintf(`SELECT count(*) FROM %s AS o WHERE %s`, t.Outbox.Quoted(), ledger.StreamOwned("o"))).Scan(&pending); err != nil {
+	if err := d.conn.QueryRow(ctx, t.sql("SlotStreamOwnedRows")).Scan(&pending); err != nil {
 		d.add(Fail, name, fmt.Sprintf("count the pending rows of %s: %v", t.Outbox, err), "")
 		return
 	}
@@ -229,7 +213,7 @@ func (d *diagnosis) maxSlotWALKeepSize(ctx context.Context) {
 // prefixed "on the standby: ") the standby the relay's slot lives on.
 func (d *diagnosis) keepSize(ctx context.Context, conn *pgx.Conn, name, on string) {
 	var mb int64
-	if err := conn.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'max_slot_wal_keep_size'`).Scan(&mb); err != nil {
+	if err := conn.QueryRow(ctx, catalogSQL("SlotMaxWALKeepSize")).Scan(&mb); err != nil {
 		d.add(Fail, name, fmt.Sprintf("read setting: %v", err), "")
 		return
 	}
@@ -266,7 +250,7 @@ func (d *diagnosis) idleSlotTimeout(ctx context.Context) {
 		return
 	}
 	var seconds int64
-	err := d.conn.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'idle_replication_slot_timeout'`).Scan(&seconds)
+	err := d.conn.QueryRow(ctx, catalogSQL("SlotIdleTimeout")).Scan(&seconds)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		return
