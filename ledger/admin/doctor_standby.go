@@ -58,15 +58,13 @@ func (d *diagnosis) standby(ctx context.Context) {
 		walLevel, slotName  string
 		systemID, primaryID string
 	)
-	err = conn.QueryRow(ctx, `SELECT current_setting('server_version_num')::int, pg_is_in_recovery(),
-	       current_setting('wal_level'), current_setting('hot_standby_feedback')::bool,
-	       current_setting('primary_slot_name'), (SELECT system_identifier FROM pg_control_system())::text`).
+	err = conn.QueryRow(ctx, catalogSQL("StandbySettings")).
 		Scan(&version, &recovery, &walLevel, &feedback, &slotName, &systemID)
 	if err != nil {
 		d.add(Fail, "standby connection", fmt.Sprintf("read the standby's settings: %v", err), "")
 		return
 	}
-	if err := d.conn.QueryRow(ctx, `SELECT (SELECT system_identifier FROM pg_control_system())::text`).Scan(&primaryID); err != nil {
+	if err := d.conn.QueryRow(ctx, catalogSQL("StandbySystemIdentifier")).Scan(&primaryID); err != nil {
 		d.add(Fail, "standby", fmt.Sprintf("read the primary's system identifier: %v", err), "")
 		return
 	}
@@ -112,8 +110,7 @@ func (d *diagnosis) standby(ctx context.Context) {
 func (d *diagnosis) primaryLeftoverSlot(ctx context.Context) {
 	var active bool
 	var retained *int64
-	err := d.conn.QueryRow(ctx, `SELECT active, pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint
-	  FROM pg_replication_slots WHERE slot_name = $1`, d.cfg.Slot).Scan(&active, &retained)
+	err := d.conn.QueryRow(ctx, catalogSQL("StandbyPrimaryLeftoverSlot"), d.cfg.Slot).Scan(&active, &retained)
 	name := "slot " + d.cfg.Slot + " on the primary"
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -170,8 +167,7 @@ func (d *diagnosis) standbyFeedback(ctx context.Context, feedback bool, slotName
 		return
 	}
 	var active, holdsXmin bool
-	err := d.conn.QueryRow(ctx, `SELECT active, xmin IS NOT NULL OR catalog_xmin IS NOT NULL
-	  FROM pg_replication_slots WHERE slot_name = $1 AND slot_type = 'physical'`, slotName).Scan(&active, &holdsXmin)
+	err := d.conn.QueryRow(ctx, catalogSQL("StandbyPhysicalSlot"), slotName).Scan(&active, &holdsXmin)
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 		d.add(Fail, "standby physical slot", fmt.Sprintf("the standby's primary_slot_name is %q, and the primary has no physical slot of that name: the standby cannot stream", slotName),
@@ -193,7 +189,7 @@ func (d *diagnosis) standbyFeedback(ctx context.Context, feedback bool, slotName
 // most every 15 s and only while busy.
 func (d *diagnosis) standbySnapshotPrivilege(ctx context.Context) {
 	var may bool
-	err := d.conn.QueryRow(ctx, `SELECT has_function_privilege('pg_log_standby_snapshot()', 'EXECUTE')`).Scan(&may)
+	err := d.conn.QueryRow(ctx, catalogSQL("StandbyMayLogSnapshot")).Scan(&may)
 	switch {
 	case err != nil:
 		d.add(Warn, "pg_log_standby_snapshot", fmt.Sprintf("check the privilege on the primary: %v", err), "")
@@ -212,11 +208,7 @@ func (d *diagnosis) standbySlot(ctx context.Context, conn *pgx.Conn) {
 		walStatus, reason   string
 		retained            *int64
 	)
-	err := conn.QueryRow(ctx, `
-SELECT s.active, coalesce(s.wal_status, ''), coalesce((to_jsonb(s) ->> 'conflicting')::bool, false),
-       coalesce(to_jsonb(s) ->> 'invalidation_reason', ''),
-       pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END, s.restart_lsn)::bigint
-  FROM pg_replication_slots s WHERE s.slot_name = $1`, d.cfg.Slot).Scan(&active, &walStatus, &conflicting, &reason, &retained)
+	err := conn.QueryRow(ctx, catalogSQL("StandbySlot"), d.cfg.Slot).Scan(&active, &walStatus, &conflicting, &reason, &retained)
 	name := "slot " + d.cfg.Slot + " on the standby"
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
@@ -246,7 +238,7 @@ func firstNonEmpty(s ...string) string {
 // flushed position, read now, up to source.standby_max_lag.
 func (d *diagnosis) standbyLag(ctx context.Context, conn *pgx.Conn) {
 	var target relay.LSN
-	if err := d.conn.QueryRow(ctx, `SELECT pg_current_wal_flush_lsn()::text`).Scan(&target); err != nil {
+	if err := d.conn.QueryRow(ctx, catalogSQL("StandbyPrimaryFlushLSN")).Scan(&target); err != nil {
 		d.add(Warn, "standby lag", fmt.Sprintf("read the primary's position: %v", err), "")
 		return
 	}
@@ -257,7 +249,7 @@ func (d *diagnosis) standbyLag(ctx context.Context, conn *pgx.Conn) {
 	began := time.Now()
 	for {
 		var replayed relay.LSN
-		if err := conn.QueryRow(ctx, `SELECT pg_last_wal_replay_lsn()::text`).Scan(&replayed); err != nil {
+		if err := conn.QueryRow(ctx, catalogSQL("StandbyReplayedLSN")).Scan(&replayed); err != nil {
 			d.add(Warn, "standby lag", fmt.Sprintf("read the standby's replayed position: %v", err), "")
 			return
 		}
