@@ -40,7 +40,7 @@ func (e *PrivilegeError) Error() string {
 func CheckRunPrivileges(ctx context.Context, db DB, t Tables, replication bool) error {
 	var role string
 	var super, repl bool
-	if err := db.QueryRow(ctx, `SELECT rolname, rolsuper, rolreplication FROM pg_roles WHERE rolname = current_user`).
+	if err := db.QueryRow(ctx, catalogSQL("PrivilegesRole")).
 		Scan(&role, &super, &repl); err != nil {
 		return fmt.Errorf("read the role's attributes: %w", err)
 	}
@@ -55,16 +55,11 @@ func CheckRunPrivileges(ctx context.Context, db DB, t Tables, replication bool) 
 	}
 	var schemas []string
 	for _, g := range NeededPrivileges(t, false) {
-		var usage bool
-		have := make([]bool, len(g.Privileges))
-		dest := []any{&usage}
-		cols := make([]string, len(g.Privileges))
-		for i, p := range g.Privileges {
-			cols[i] = fmt.Sprintf("has_table_privilege(c.oid, '%s')", p)
-			dest = append(dest, &have[i])
-		}
-		err := db.QueryRow(ctx, `SELECT has_schema_privilege(c.relnamespace, 'USAGE'), `+strings.Join(cols, ", ")+`
-			FROM pg_class c WHERE c.oid = to_regclass($1)`, g.Table.Quoted()).Scan(dest...)
+		var (
+			usage bool
+			have  []bool
+		)
+		err := db.QueryRow(ctx, catalogSQL("PrivilegesOnTable"), g.Table.Quoted(), g.Privileges).Scan(&usage, &have)
 		if errors.Is(err, pgx.ErrNoRows) {
 			continue // no such table: run reports it (migrate first)
 		}
@@ -158,19 +153,9 @@ func (d *diagnosis) privileges(ctx context.Context) {
 			continue // reported by schema
 		}
 		p := tablePrivileges{table: g.Table, need: g.Privileges, have: map[string]bool{}}
-		cols := make([]string, len(allTablePrivileges))
-		dest := []any{&p.schemaUse, &p.owner, &p.owns}
-		vals := make([]bool, len(allTablePrivileges))
-		for i, priv := range allTablePrivileges {
-			cols[i] = fmt.Sprintf("has_table_privilege(c.oid, '%s')", priv)
-			dest = append(dest, &vals[i])
-		}
-		err := d.conn.QueryRow(ctx, `
-SELECT has_schema_privilege(c.relnamespace, 'USAGE'), pg_get_userbyid(c.relowner),
-       -- a superuser is a member of every role; it owns only what it owns
-       CASE WHEN r.rolsuper THEN c.relowner = r.oid ELSE pg_has_role(c.relowner, 'MEMBER') END, `+
-			strings.Join(cols, ", ")+`
-  FROM pg_class c, pg_roles r WHERE c.oid = to_regclass($1) AND r.rolname = current_user`, g.Table.Quoted()).Scan(dest...)
+		var vals []bool
+		err := d.conn.QueryRow(ctx, catalogSQL("PrivilegesOnTableOwned"), g.Table.Quoted(), allTablePrivileges).
+			Scan(&p.schemaUse, &p.owner, &p.owns, &vals)
 		name := "privileges on " + g.Table.String()
 		if err != nil {
 			d.add(Fail, name, fmt.Sprintf("read privileges: %v", err), "")
