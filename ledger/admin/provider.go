@@ -123,13 +123,9 @@ func readMarkers(ctx context.Context, conn *pgx.Conn, host string) ServerMarkers
 	for _, p := range markerSettingPrefixes {
 		patterns = append(patterns, p+"%")
 	}
-	_ = conn.QueryRow(ctx, `
-SELECT coalesce(array_agg(name ORDER BY name), '{}') FROM (
-  SELECT name FROM pg_settings WHERE name LIKE ANY ($1)
-  UNION
-  SELECT n FROM unnest($2::text[]) AS n WHERE current_setting(n, true) IS NOT NULL) AS s`, patterns, markerSettings).Scan(&m.Settings)
-	_ = conn.QueryRow(ctx, `SELECT coalesce(array_agg(rolname::text ORDER BY rolname), '{}') FROM pg_roles WHERE rolname = ANY ($1)`, markerRoles).Scan(&m.Roles)
-	_ = conn.QueryRow(ctx, `SELECT to_regproc('aurora_version') IS NOT NULL`).Scan(&m.AuroraVersion)
+	_ = conn.QueryRow(ctx, catalogSQL("ProviderSettings"), patterns, markerSettings).Scan(&m.Settings)
+	_ = conn.QueryRow(ctx, catalogSQL("ProviderRoles"), markerRoles).Scan(&m.Roles)
+	_ = conn.QueryRow(ctx, catalogSQL("ProviderAuroraVersion")).Scan(&m.AuroraVersion)
 	return m
 }
 
