@@ -163,65 +163,13 @@ type verifySQL struct {
 
 func newVerifySQL(t Tables) verifySQL {
 	return verifySQL{
-		// A row and its ledger rows in one statement: one snapshot. The
-		// LATERAL aggregate probes the ledger's primary key once per row
-		// (TestVerify_PlansUseIndexes) and sums the row's ledger rows up
-		// as bitmasks over the configured sinks' names ($4), cheap to
-		// decode a million times; a sink not configured is named.
-		slice: fmt.Sprintf(`
-SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, CASE WHEN $5 THEN o.payload::text END,
-       o.status, o.last_error, o.created_at,
-       GREATEST(o.created_at, coalesce(o.available_at, o.created_at)),
-       l.delivered, l.pending, l.unknown
-  FROM %[1]s AS o
- CROSS JOIN LATERAL (
-       SELECT coalesce(bit_or(1::int8 << (array_position($4::text[], x.action) - 1)) FILTER (WHERE x.state = 'delivered'), 0) AS delivered,
-              coalesce(bit_or(1::int8 << (array_position($4::text[], x.action) - 1)) FILTER (WHERE x.state <> 'delivered'), 0) AS pending,
-              array_agg(x.action) FILTER (WHERE x.action <> ALL ($4::text[])) AS unknown
-         FROM %[2]s AS x
-        WHERE x.event_key = o.event_key) AS l
- WHERE o.id >= $1 AND o.id <= $2
- ORDER BY o.id
- LIMIT $3`, t.Outbox.Quoted(), t.Ledger.Quoted()),
-		firstAfter: fmt.Sprintf(`SELECT id, created_at FROM %s WHERE id >= $1 ORDER BY id LIMIT 1`, t.Outbox.Quoted()),
-		bounds:     fmt.Sprintf(`SELECT min(id), max(id), clock_timestamp() FROM %s`, t.Outbox.Quoted()),
-		// The ledger by key, a slice at a time: the ledger rows of the
-		// slice written since $4 whose key no outbox row has (one probe of
-		// the outbox's unique index per such row: OFFSET 0 keeps the NOT
-		// EXISTS from becoming an anti-join that reads the whole outbox),
-		// then the slice's last key, the walk's next cursor.
-		orphansFirst: orphansSQL(t, ">="),
-		orphansNext:  orphansSQL(t, ">"),
-		// The copies at a sink whose row is outside the window: each key's
-		// row (a probe of the unique index on event_key) and whether the
-		// ledger shows it delivered to the sink (a probe of its primary
-		// key). OFFSET 0 keeps each probe a probe: without it the planner
-		// joins a few thousand keys by hashing the whole outbox, and the
-		// whole ledger.
-		unrecorded: fmt.Sprintf(`
-SELECT k.key, o.id, o.status, o.last_error,
-       EXISTS (SELECT FROM %[2]s AS l WHERE l.event_key = k.key AND l.action = $2 AND l.state = 'delivered' OFFSET 0)
-  FROM unnest($1::text[]) AS k(key)
-  LEFT JOIN LATERAL (SELECT x.id, x.status, x.last_error FROM %[1]s AS x WHERE x.event_key = k.key OFFSET 0) AS o ON true`,
-			t.Outbox.Quoted(), t.Ledger.Quoted()),
+		slice:        t.sql("VerifySlice"),
+		firstAfter:   t.sql("VerifyFirstAfter"),
+		bounds:       t.sql("VerifyBounds"),
+		orphansFirst: t.sql("VerifyOrphansFirst"),
+		orphansNext:  t.sql("VerifyOrphansNext"),
+		unrecorded:   t.sql("VerifyUnrecorded"),
 	}
-}
-
-func orphansSQL(t Tables, from string) string {
-	return fmt.Sprintf(`
-WITH slice AS MATERIALIZED (
-     SELECT l.event_key, l.action, coalesce(l.delivered_at, l.claimed_at) AS at
-       FROM %[1]s AS l
-      WHERE (l.event_key, l.action) %[3]s ($1::text, $2::text)
-      ORDER BY l.event_key, l.action
-      LIMIT $3)
-SELECT s.event_key, s.action, s.at, false
-  FROM slice AS s
- WHERE s.at >= $4 AND ($5::text IS NULL OR s.action = $5)
-   AND NOT EXISTS (SELECT FROM %[2]s AS o WHERE o.event_key = s.event_key OFFSET 0)
-UNION ALL
-(SELECT event_key, action, NULL::timestamptz, true FROM slice ORDER BY event_key DESC, action DESC LIMIT 1)`,
-		t.Ledger.Quoted(), t.Outbox.Quoted(), from)
 }
 
 // Verify checks the window o describes and returns what it found; an error
@@ -587,7 +535,7 @@ func orText(s pgtype.Text, null string) string {
 // begin, for a window of ids.
 func WindowStart(ctx context.Context, db DB, t Tables, ranges []IDRange) (time.Time, error) {
 	var start time.Time
-	q := fmt.Sprintf(`SELECT min(created_at) FROM %s WHERE id >= $1 AND id <= $2`, t.Outbox.Quoted())
+	q := t.sql("VerifyWindowStart")
 	for _, rg := range MergeRanges(ranges) {
 		var at *time.Time
 		if err := db.QueryRow(ctx, q, rg.From, rg.To).Scan(&at); err != nil {
