@@ -20,3 +20,6 @@ func VerifyStatementsForTest(t Tables) VerifyStatements {
 func NotifyReadSQL(outbox relay.QualifiedName) string {
 	return newNotifySQL(outbox).read
 }
+
+// StatementsForTest returns the package's statements rendered for t.
+func StatementsForTest(t Tables) map[string]string { return statements(t) }
