@@ -3,8 +3,10 @@
 // dead-letter queue (dlq list, retry, discard), replay, and retention
 // (pruning old rows).
 //
-// Every name comes from the configuration and is rendered with
-// relay.QualifiedName.Quoted, so no name is ever read as SQL. Every status
+// Its statements are named, in sql/*.sql (docs/architecture.md, "SQL as
+// named statements"). Every name comes from the configuration and is
+// rendered with relay.QualifiedName.Quoted, so no name is ever read as SQL;
+// every value is a parameter. Every status
 // change is conditional on the status the operator saw (docs/operations.md): a row that
 // moved on in the meantime is left alone and not counted. Changes that touch
 // the outbox and the ledger together (retry, replay) are one statement per
