@@ -535,8 +535,8 @@ func TestDocs_CommandLines(t *testing.T) {
 	t.Logf("%d outbox-relay command lines parsed", n)
 }
 
-// goFiles returns the repository's Go files and its Makefile (whose comments
-// cite docs pages too), relative to the root.
+// goFiles returns the repository's Go files, its embedded SQL files and its
+// Makefile (whose comments cite docs pages too), relative to the root.
 func goFiles(t *testing.T) []string {
 	t.Helper()
 	var out []string
@@ -547,7 +547,7 @@ func goFiles(t *testing.T) []string {
 		if d.IsDir() && (d.Name() == "testdata" || strings.HasPrefix(d.Name(), ".") && p != repoRoot) {
 			return filepath.SkipDir
 		}
-		if strings.HasSuffix(p, ".go") || p == filepath.Join(repoRoot, "Makefile") {
+		if strings.HasSuffix(p, ".go") || strings.HasSuffix(p, ".sql") || p == filepath.Join(repoRoot, "Makefile") {
 			out = append(out, filepath.ToSlash(strings.TrimPrefix(p, repoRoot+"/")))
 		}
 		return nil
@@ -559,12 +559,13 @@ func goFiles(t *testing.T) []string {
 }
 
 var (
-	// commentBreak is where a comment continues on the next line.
-	commentBreak = regexp.MustCompile(`\n[ \t]*//[ \t]?`)
+	// commentBreak is where a comment (Go's // or SQL's --) continues on
+	// the next line.
+	commentBreak = regexp.MustCompile(`\n[ \t]*(?://|--)[ \t]?`)
 	// docsCitation is "docs/<page>.md", optionally followed by
 	// `, "section"` (a heading's text, or part of it); both may wrap to
 	// the comment's next line.
-	docsCitation = regexp.MustCompile(`docs/([a-z0-9-]+\.md)(?:,(?:[ \t]|\n[ \t]*//)*"((?:[^"\n]|\n[ \t]*//[ \t]?)+)")?`)
+	docsCitation = regexp.MustCompile(`docs/([a-z0-9-]+\.md)(?:,(?:[ \t]|\n[ \t]*(?://|--))*"((?:[^"\n]|\n[ \t]*(?://|--)[ \t]?)+)")?`)
 )
 
 // TestDocs_CodeCitations: every docs page the code cites exists, and a
