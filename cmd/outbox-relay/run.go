@@ -21,9 +21,6 @@ import (
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
 	"github.com/outbox-relay/outbox-relay/relay"
-	"github.com/outbox-relay/outbox-relay/relay/claim"
-	"github.com/outbox-relay/outbox-relay/relay/replication"
-	"github.com/outbox-relay/outbox-relay/relay/supervisor"
 	natssink "github.com/outbox-relay/outbox-relay/sink/nats"
 	"github.com/outbox-relay/outbox-relay/sink/webhook"
 )
@@ -208,7 +205,7 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 
 	// The stall detector follows the supervisor's terms (stall.go).
 	stall := newStallWatch(time.Duration(cfg.HTTP.StallAfter), r.health, log)
-	sup, err := supervisor.New(stall.watch(r.supervisorConfig()))
+	sup, err := newSupervisor(r, stall)
 	if err != nil {
 		return err
 	}
@@ -252,159 +249,6 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 // statsRefresher is refreshStats; a test replaces it to see that the relay
 // waits for it.
 var statsRefresher = (*relayRun).refreshStats
-
-// supervisorConfig turns the configuration into the supervisor's
-// constructors.
-func (r *relayRun) supervisorConfig() supervisor.Config {
-	cfg, log := r.cfg, r.log
-	sc := supervisor.Config{
-		Mode: supervisor.Mode(cfg.Source.Mode),
-		Leader: func(ctx context.Context) (supervisor.Leadership, error) {
-			l, err := ledger.AcquireLeader(ctx, cfg.DatabaseURL.Reveal(), cfg.Source.Slot, log)
-			if err != nil {
-				return nil, err
-			}
-			log.Info().Str("slot", cfg.Source.Slot).Str("owner", r.owner).Msg("leader for the slot")
-			return l, nil
-		},
-		Engine: func() (*relay.Engine, error) {
-			// A term's stream writes its outcomes to one server only
-			// (docs/failover.md).
-			r.store.BeginTerm()
-			return relay.NewEngine(relay.EngineConfig{
-				Routes: r.routes,
-				Policy: relay.Policy{
-					InlineAttempts: cfg.Delivery.InlineAttempts,
-					MaxAttempts:    cfg.Delivery.MaxAttempts,
-					Backoff:        durations(cfg.Delivery.Backoff),
-					LaneBlockMax:   time.Duration(cfg.Delivery.LaneBlockMax),
-				},
-				Unordered:        cfg.Delivery.Ordering == config.OrderingNone,
-				MaxInFlightBytes: int64(cfg.Delivery.MaxInFlightBytes),
-				Stream:           r.store,
-				Claim:            r.store,
-				Owner:            r.owner, // the claim path holds this owner's lock
-				ClaimLease:       time.Duration(cfg.Source.LockTimeout),
-				// A replication session's wait for settlement ends when
-				// the stall detector would call the stream stalled.
-				StallAfter: time.Duration(cfg.HTTP.StallAfter),
-				Logger:     log,
-				Feed:       r.feed,
-				// The pauses live on the primary, beside the outbox
-				// (docs/sinks.md, "Pause and resume").
-				Pauses: admin.NewPauseReader(r.pool, r.tables.Outbox),
-			})
-		},
-		Stream: func(e *relay.Engine) (supervisor.Runner, error) {
-			log.Info().Str("slot", cfg.Source.Slot).Str("outbox", r.tables.Outbox.String()).Int("sinks", len(r.routes)).Msg("relay running")
-			streamURL := cfg.DatabaseURL.Reveal()
-			var primary replication.Primary
-			if r.standbyPool != nil {
-				streamURL, primary = cfg.Source.StandbyURL.Reveal(), r.store
-			}
-			return replication.New(replication.Config{
-				ConnString: streamURL,
-				Primary:    primary,
-				// The session waits this long for the standby to replay
-				// the primary's position before making a slot there.
-				StandbyCatchUp: time.Duration(cfg.Source.StandbyMaxLag),
-				Slot:           cfg.Source.Slot,
-				Publication:    cfg.Source.Publication,
-				Outbox:         r.tables.Outbox,
-				Consumer:       e.Stream(),
-				Checkpoint:     r.store,
-				HandOver:       r.store,
-				StreamFrom:     r.store.StreamFrom,
-				WaitSettled:    e.WaitSettled,
-				StallAfter:     time.Duration(cfg.HTTP.StallAfter), // bounds a slot's creation
-				Logger:         log,
-			})
-		},
-		Claim: func(e *relay.Engine, all bool) (supervisor.Runner, error) {
-			cc := claim.Config{
-				Engine:       e,
-				Store:        r.store,
-				All:          all,
-				BatchSize:    cfg.Source.BatchSize,
-				PollInterval: time.Duration(cfg.Source.PollInterval),
-				LockTimeout:  time.Duration(cfg.Source.LockTimeout),
-				SweepAfter:   time.Duration(cfg.Source.SweepAfter),
-				Owner:        r.owner,
-				Logger:       log,
-			}
-			if cfg.Source.NotifyTrigger {
-				cc.Notify = migrations.NotifyChannel(r.tables.Outbox)
-			}
-			return claim.New(cc)
-		},
-		Slots:             ledger.NewSlots(r.pool, cfg.DatabaseURL.Reveal(), cfg.Source.Slot),
-		ReplicationRetry:  time.Duration(cfg.Source.ReplicationRetry),
-		SlotMaxUnconsumed: time.Duration(cfg.Source.SlotMaxUnconsumed),
-		SlotMaxRetained:   int64(cfg.Source.SlotMaxRetained),
-		ShutdownTimeout:   time.Duration(cfg.ShutdownTimeout),
-		OnMode: func(mode string) {
-			relay.SetMode(mode)
-			if r.standbyPool == nil {
-				return
-			}
-			onStandby := 0.0
-			if mode == "replication" {
-				onStandby = 1
-			}
-			replication.DecodingOnStandby.Set(onStandby)
-		},
-		// The lock connection failed: the pool's connections may be as
-		// dead (a network that swallows packets keeps them open).
-		OnLeadershipLost: r.pool.Reset,
-		OnLeader: func(leader bool) {
-			if leader {
-				relay.LeaderGauge.Set(1)
-			} else {
-				relay.LeaderGauge.Set(0)
-			}
-		},
-		Logger: log,
-	}
-	if r.standbyPool != nil {
-		r.standbyConfig(&sc)
-	}
-	return sc
-}
-
-// standbyConfig adds to sc what decoding on a standby needs
-// (docs/standby.md): the standby watch, the slot's watchdog there, and the
-// metrics and the log of each move.
-func (r *relayRun) standbyConfig(sc *supervisor.Config) {
-	cfg, log := r.cfg, r.log
-	url := cfg.Source.StandbyURL.Reveal()
-	watch, err := replication.NewStandbyWatch(replication.StandbyWatchConfig{
-		ConnString: url,
-		Primary:    r.store,
-		MaxLag:     time.Duration(cfg.Source.StandbyMaxLag),
-		// Delivery leaves the standby: its slot no longer carries it, and
-		// is made again through the hand-over on the way back, even after
-		// a restart of the relay.
-		Void:   func(ctx context.Context) error { return r.store.BeginSlot(ctx, cfg.Source.Slot) },
-		Logger: log,
-	})
-	if err != nil {
-		// Config validation has parsed the URL; keep the stream without
-		// the watch rather than refuse to start.
-		log.Error().Err(err).Msg("source.standby_url: no standby watch")
-		return
-	}
-	sc.Standby = watch
-	sc.StandbySlots = ledger.NewSlots(r.standbyPool, url, cfg.Source.Slot)
-	sc.OnStandbyMove = func(to string, err error) {
-		reason := "healthy"
-		if gone, ok := errors.AsType[*replication.StandbyUnavailableError](err); ok {
-			reason = gone.Kind
-		} else if err != nil {
-			reason = "unavailable"
-		}
-		replication.StandbyMoves.WithLabelValues(to, reason).Inc()
-	}
-}
 
 // newPool opens the relay's connection pool. pgxpool's default (4, or the
 // CPU count) is too small for the loops that share it — settlement,

@@ -71,47 +71,62 @@ func newStallWatch(after time.Duration, h *health, log zerolog.Logger) *stallWat
 	}}
 }
 
-// watch returns cfg with its constructors and callbacks wrapped so that the
+// watch returns cfg with its Terms and Observer wrapped so that the
 // detector follows the terms: each term's engine and stream source are
 // watched from their start; a term's end, or a fall-back to polling,
 // forgets them.
 func (w *stallWatch) watch(cfg supervisor.Config) supervisor.Config {
-	newEngine, newStream, onMode, onLeader := cfg.Engine, cfg.Stream, cfg.OnMode, cfg.OnLeader
-	cfg.Engine = func() (*relay.Engine, error) {
-		e, err := newEngine()
-		if err == nil {
-			w.set(e, nil)
-		}
-		return e, err
+	if cfg.Observer == nil {
+		cfg.Observer = supervisor.NopObserver{}
 	}
-	if newStream != nil {
-		cfg.Stream = func(e *relay.Engine) (supervisor.Runner, error) {
-			src, err := newStream(e)
-			if p, ok := src.(streamProgress); ok && err == nil {
-				w.set(e, p)
-			}
-			return src, err
-		}
-	}
-	cfg.OnMode = func(mode string) {
-		if onMode != nil {
-			onMode(mode)
-		}
-		if mode == "poll" {
-			w.mu.Lock()
-			w.stream = nil
-			w.mu.Unlock()
-		}
-	}
-	cfg.OnLeader = func(leader bool) {
-		if onLeader != nil {
-			onLeader(leader)
-		}
-		if !leader {
-			w.set(nil, nil)
-		}
-	}
+	cfg.Terms = watchedTerms{Terms: cfg.Terms, w: w}
+	cfg.Observer = watchedObserver{Observer: cfg.Observer, w: w}
 	return cfg
+}
+
+// watchedTerms watches each engine and stream source its Terms builds.
+type watchedTerms struct {
+	supervisor.Terms
+	w *stallWatch
+}
+
+func (t watchedTerms) Engine() (*relay.Engine, error) {
+	e, err := t.Terms.Engine()
+	if err == nil {
+		t.w.set(e, nil)
+	}
+	return e, err
+}
+
+func (t watchedTerms) Stream(e *relay.Engine) (supervisor.Runner, error) {
+	src, err := t.Terms.Stream(e)
+	if p, ok := src.(streamProgress); ok && err == nil {
+		t.w.set(e, p)
+	}
+	return src, err
+}
+
+// watchedObserver forgets the stream when a phase polls, and the term when
+// leadership ends.
+type watchedObserver struct {
+	supervisor.Observer
+	w *stallWatch
+}
+
+func (o watchedObserver) Mode(mode string) {
+	o.Observer.Mode(mode)
+	if mode == "poll" {
+		o.w.mu.Lock()
+		o.w.stream = nil
+		o.w.mu.Unlock()
+	}
+}
+
+func (o watchedObserver) Leading(leader bool) {
+	o.Observer.Leading(leader)
+	if !leader {
+		o.w.set(nil, nil)
+	}
 }
 
 // set watches engine e and stream source s (either may be nil), starting

@@ -130,18 +130,14 @@ func TestStallWatch(t *testing.T) {
 func TestStallWatch_FollowsTerms(t *testing.T) {
 	c := newStallClock(time.Minute)
 	s, e := &fakeStream{received: 2, acked: 1}, newFakeEngine()
-	var modes []string
-	var leader []bool
-	cfg := c.w.watch(supervisor.Config{
-		OnMode:   func(m string) { modes = append(modes, m) },
-		OnLeader: func(l bool) { leader = append(leader, l) },
-	})
+	obs := &recordingObserver{}
+	cfg := c.w.watch(supervisor.Config{Observer: obs})
 	c.w.set(e, s)
 	c.step(0)
 	if got := c.step(2 * time.Minute); !strings.Contains(got, "stream") {
 		t.Fatalf("stalled %q, want the stream", got)
 	}
-	cfg.OnMode("poll")
+	cfg.Observer.Mode("poll")
 	if got := c.step(time.Second); got != "" {
 		t.Fatalf("after the fall-back to polling: stalled %q", got)
 	}
@@ -150,14 +146,24 @@ func TestStallWatch_FollowsTerms(t *testing.T) {
 	if got := c.step(2 * time.Minute); !strings.Contains(got, "claim path") {
 		t.Fatalf("stalled %q, want the claim path", got)
 	}
-	cfg.OnLeader(false)
+	cfg.Observer.Leading(false)
 	if got := c.step(time.Hour); got != "" {
 		t.Fatalf("between terms: stalled %q", got)
 	}
-	if len(modes) != 1 || len(leader) != 1 {
-		t.Errorf("the wrapped callbacks were not called: modes %v, leader %v", modes, leader)
+	if len(obs.modes) != 1 || len(obs.leader) != 1 {
+		t.Errorf("the wrapped observer was not told: modes %v, leader %v", obs.modes, obs.leader)
 	}
 }
+
+// recordingObserver records the modes and leadership it is told of.
+type recordingObserver struct {
+	supervisor.NopObserver
+	modes  []string
+	leader []bool
+}
+
+func (o *recordingObserver) Mode(m string)  { o.modes = append(o.modes, m) }
+func (o *recordingObserver) Leading(l bool) { o.leader = append(o.leader, l) }
 
 // TestHealthEndpoints_Stalled: /healthz and /readyz answer 503 with the
 // reason while the relay is stalled, and 200 again after.

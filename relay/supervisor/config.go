@@ -66,20 +66,56 @@ type Standby interface {
 	WaitHealthy(ctx context.Context) error
 }
 
+// Terms builds the parts of each leadership term: the lock, and for each
+// phase a fresh engine and the sources feeding it. It is implemented where
+// the database and the ledger are (cmd/outbox-relay, supervise.go): the
+// supervisor only decides when each part starts and stops.
+type Terms interface {
+	// Leader blocks until this relay holds the slot's leader lock, or ctx
+	// ends. Not called in poll mode.
+	Leader(ctx context.Context) (Leadership, error)
+	// Engine builds a fresh engine for a phase.
+	Engine() (*relay.Engine, error)
+	// Stream builds the replication source feeding e. Not called in poll
+	// mode.
+	Stream(e *relay.Engine) (Runner, error)
+	// Claim builds the claim source feeding e; all takes every due row
+	// (poll mode), otherwise only rows handed to the claim path.
+	Claim(e *relay.Engine, all bool) (Runner, error)
+}
+
+// Observer is told of the supervisor's moves, for the relay's metrics and
+// health. Its methods are called on the supervisor's goroutines and must
+// return promptly.
+type Observer interface {
+	// Mode is told the mode a phase runs in ("replication", "poll").
+	Mode(mode string)
+	// Leading is told whether this relay leads.
+	Leading(leader bool)
+	// LeadershipLost is called when the lock is lost: this process's link
+	// to the database is suspect (the relay resets its pool there).
+	LeadershipLost()
+	// StandbyMove is told each move of delivery off the standby (to
+	// "primary", with the watch's error) and back (to "standby", err nil).
+	StandbyMove(to string, err error)
+}
+
+// NopObserver is an Observer that ignores everything; embed it to observe
+// only some moves.
+type NopObserver struct{}
+
+func (NopObserver) Mode(string)               {}
+func (NopObserver) Leading(bool)              {}
+func (NopObserver) LeadershipLost()           {}
+func (NopObserver) StandbyMove(string, error) {}
+
 // Config configures a Supervisor. Zero durations take the defaults in
 // brackets.
 type Config struct {
 	Mode Mode
-	// Leader blocks until this relay holds the slot's leader lock, or ctx
-	// ends. Not used in poll mode.
-	Leader func(ctx context.Context) (Leadership, error)
-	// Engine builds a fresh engine for a term.
-	Engine func() (*relay.Engine, error)
-	// Stream builds the replication source feeding e.
-	Stream func(e *relay.Engine) (Runner, error)
-	// Claim builds the claim source feeding e; all takes every due row
-	// (poll mode), otherwise only rows handed to the claim path.
-	Claim func(e *relay.Engine, all bool) (Runner, error)
+	// Terms builds each term's lock, engines and sources; its methods are
+	// called as the Config's own (s.cfg.Engine()).
+	Terms
 	// Slots watches the relay's slot.
 	Slots Slots
 	// Standby, when set, watches the standby the stream decodes on
@@ -95,9 +131,8 @@ type Config struct {
 	// drops it there. Slots then watches the relay's slot of the same name
 	// on the primary, a leftover of decoding there.
 	StandbySlots Slots
-	// OnStandbyMove is told each move of delivery off the standby (to
-	// "primary", with the watch's error) and back (to "standby", err nil).
-	OnStandbyMove func(to string, err error)
+	// Observer is told of the supervisor's moves [NopObserver].
+	Observer Observer
 	// ReplicationRetry is how often auto mode, while polling, tries to
 	// return to replication [1m].
 	ReplicationRetry time.Duration
@@ -111,12 +146,5 @@ type Config struct {
 	// StandBy is the pause after a lost leadership before trying to lead
 	// again, giving a healthy standby the first chance [3s].
 	StandBy time.Duration
-	// OnMode is told the mode a term runs in ("replication", "poll"), and
-	// OnLeader whether this relay leads. OnLeadershipLost is called when the
-	// lock is lost (this process's link to the database is suspect: the
-	// relay resets its pool there).
-	OnMode           func(mode string)
-	OnLeader         func(leader bool)
-	OnLeadershipLost func()
-	Logger           zerolog.Logger
+	Logger  zerolog.Logger
 }

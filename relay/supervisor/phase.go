@@ -145,7 +145,7 @@ func (s *Supervisor) pollPhase(d time.Duration) func(e *relay.Engine) ([]worker,
 		if err != nil {
 			return nil, err
 		}
-		s.cfg.OnMode("poll")
+		s.cfg.Observer.Mode("poll")
 		l := s.log.Info()
 		if d > 0 {
 			l = l.Dur("for", d)
@@ -173,7 +173,7 @@ func (s *Supervisor) streamPhase(e *relay.Engine) ([]worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	s.cfg.OnMode("replication")
+	s.cfg.Observer.Mode("replication")
 	ws := []worker{{name: "stream", run: source.Run}, {name: "claim path", run: claim.Run}}
 	if s.cfg.Standby != nil {
 		ws = append(ws, worker{name: "standby watch", run: s.watchStandby})

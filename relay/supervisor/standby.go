@@ -55,7 +55,7 @@ func (s *Supervisor) offStandby(ctx context.Context, lost <-chan struct{}, gone 
 		reason = u.UnavailableReason()
 	}
 	s.log.Warn().Str("reason", reason).Msg("the standby the stream decodes on is unavailable: delivery moves to the primary (the claim path takes every due row) until the standby is back")
-	s.cfg.OnStandbyMove("primary", gone.err)
+	s.cfg.Observer.StandbyMove("primary", gone.err)
 	err := s.phase(ctx, lost, func(e *relay.Engine) ([]worker, error) {
 		ws, err := s.pollPhase(0)(e)
 		if err != nil {
@@ -73,7 +73,7 @@ func (s *Supervisor) offStandby(ctx context.Context, lost <-chan struct{}, gone 
 		return nil
 	case errors.Is(err, errStandbyBack):
 		s.log.Info().Msg("the standby the stream decodes on is back within source.standby_max_lag: delivery returns to it (a new slot there, through the hand-over)")
-		s.cfg.OnStandbyMove("standby", nil)
+		s.cfg.Observer.StandbyMove("standby", nil)
 		return nil
 	case err == nil, errors.Is(err, relay.ErrLeaseLost):
 		return nil

@@ -56,13 +56,14 @@ func (f *fakeStandby) WaitHealthy(ctx context.Context) error {
 	}
 }
 
-// moves records OnStandbyMove.
+// moves records the standby moves the Observer is told of.
 type moves struct {
+	supervisor.NopObserver
 	mu  sync.Mutex
 	tos []string
 }
 
-func (m *moves) add(to string, _ error) {
+func (m *moves) StandbyMove(to string, _ error) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.tos = append(m.tos, to)
@@ -91,12 +92,12 @@ func TestStandbyUnavailableMovesDeliveryToThePrimaryAndBack(t *testing.T) {
 	sb := newFakeStandby()
 	cfg.Standby = sb
 	var mv moves
-	cfg.OnStandbyMove = mv.add
-	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+	cfg.Observer = &mv
+	fake(cfg).stream = func(*relay.Engine) (supervisor.Runner, error) {
 		streams.Add(1)
 		return runner{untilDone}, nil
 	}
-	cfg.Claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
+	fake(cfg).claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
 		if all {
 			polls.Add(1)
 		}
@@ -135,11 +136,11 @@ func TestStandbyUnavailableInReplicationModeKeepsStreaming(t *testing.T) {
 	close(sb.down)
 	cfg.Standby = sb
 	var polls, streams atomic.Int32
-	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(*relay.Engine) (supervisor.Runner, error) {
 		streams.Add(1)
 		return runner{untilDone}, nil
 	}
-	cfg.Claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
+	fake(cfg).claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
 		if all {
 			polls.Add(1)
 		}

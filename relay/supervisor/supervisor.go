@@ -46,10 +46,8 @@ type Supervisor struct {
 // New validates cfg and fills in defaults.
 func New(cfg Config) (*Supervisor, error) {
 	switch {
-	case cfg.Engine == nil || cfg.Claim == nil:
-		return nil, errors.New("supervisor: Engine and Claim are required")
-	case cfg.Mode != ModePoll && (cfg.Stream == nil || cfg.Leader == nil):
-		return nil, fmt.Errorf("supervisor: mode %s needs Stream and Leader", cfg.Mode)
+	case cfg.Terms == nil:
+		return nil, errors.New("supervisor: Terms is required")
 	case cfg.Mode != ModeAuto && cfg.Mode != ModeReplication && cfg.Mode != ModePoll:
 		return nil, fmt.Errorf("supervisor: unknown mode %q", cfg.Mode)
 	}
@@ -68,17 +66,8 @@ func New(cfg Config) (*Supervisor, error) {
 	if cfg.StandBy <= 0 {
 		cfg.StandBy = 3 * time.Second
 	}
-	if cfg.OnMode == nil {
-		cfg.OnMode = func(string) {}
-	}
-	if cfg.OnLeader == nil {
-		cfg.OnLeader = func(bool) {}
-	}
-	if cfg.OnLeadershipLost == nil {
-		cfg.OnLeadershipLost = func() {}
-	}
-	if cfg.OnStandbyMove == nil {
-		cfg.OnStandbyMove = func(string, error) {}
+	if cfg.Observer == nil {
+		cfg.Observer = NopObserver{}
 	}
 	return &Supervisor{cfg: cfg, log: cfg.Logger}, nil
 }
@@ -118,14 +107,14 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			}
 			return err
 		}
-		s.cfg.OnLeader(true)
+		s.cfg.Observer.Leading(true)
 		// A lost lock ends the term: the watch returns, which fails the
 		// term's group and so cancels its context.
 		term, termCtx := relay.NewGroup(ctx)
 		term.Go("leadership watch", func(ctx context.Context) error {
 			select {
 			case <-leader.Lost():
-				s.cfg.OnLeadershipLost()
+				s.cfg.Observer.LeadershipLost()
 				return errLeadershipLost
 			case <-ctx.Done():
 				return nil
@@ -136,7 +125,7 @@ func (s *Supervisor) Run(ctx context.Context) error {
 			err = werr
 		}
 		leader.Release()
-		s.cfg.OnLeader(false)
+		s.cfg.Observer.Leading(false)
 		if ctx.Err() != nil {
 			return nil
 		}

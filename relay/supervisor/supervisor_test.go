@@ -99,13 +99,33 @@ type unavailable struct{}
 func (unavailable) Error() string             { return "replication unavailable: test" }
 func (unavailable) UnavailableReason() string { return "test" }
 
+// terms is a fake supervisor.Terms: each method calls its function.
+type terms struct {
+	leader func(ctx context.Context) (supervisor.Leadership, error)
+	engine func() (*relay.Engine, error)
+	stream func(e *relay.Engine) (supervisor.Runner, error)
+	claim  func(e *relay.Engine, all bool) (supervisor.Runner, error)
+}
+
+func (t *terms) Leader(ctx context.Context) (supervisor.Leadership, error) { return t.leader(ctx) }
+func (t *terms) Engine() (*relay.Engine, error)                            { return t.engine() }
+func (t *terms) Stream(e *relay.Engine) (supervisor.Runner, error)         { return t.stream(e) }
+func (t *terms) Claim(e *relay.Engine, all bool) (supervisor.Runner, error) {
+	return t.claim(e, all)
+}
+
+// fake returns cfg's fake Terms, for a test to replace one of its functions.
+func fake(cfg supervisor.Config) *terms { return cfg.Terms.(*terms) }
+
 func baseConfig(mode supervisor.Mode, s *slots) supervisor.Config {
 	return supervisor.Config{
-		Mode:              mode,
-		Leader:            alwaysLeader,
-		Engine:            newEngine,
-		Stream:            func(*relay.Engine) (supervisor.Runner, error) { return runner{untilDone}, nil },
-		Claim:             func(*relay.Engine, bool) (supervisor.Runner, error) { return runner{untilDone}, nil },
+		Mode: mode,
+		Terms: &terms{
+			leader: alwaysLeader,
+			engine: newEngine,
+			stream: func(*relay.Engine) (supervisor.Runner, error) { return runner{untilDone}, nil },
+			claim:  func(*relay.Engine, bool) (supervisor.Runner, error) { return runner{untilDone}, nil },
+		},
 		Slots:             s,
 		SlotMaxUnconsumed: 300 * time.Millisecond,
 		ShutdownTimeout:   time.Second,
@@ -194,7 +214,7 @@ func TestAutoFallsBackToPollingAndReturns(t *testing.T) {
 	cfg := baseConfig(supervisor.ModeAuto, s)
 	cfg.SlotMaxUnconsumed = time.Hour
 	cfg.ReplicationRetry = 200 * time.Millisecond
-	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(*relay.Engine) (supervisor.Runner, error) {
 		return runner{func(ctx context.Context) error {
 			if streams.Add(1) == 1 {
 				return unavailable{}
@@ -202,7 +222,7 @@ func TestAutoFallsBackToPollingAndReturns(t *testing.T) {
 			return untilDone(ctx)
 		}}, nil
 	}
-	cfg.Claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
+	fake(cfg).claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
 		if all {
 			polls.Add(1)
 		}
@@ -222,7 +242,7 @@ func TestAutoFallsBackToPollingAndReturns(t *testing.T) {
 // unavailable replication stops the relay with the reason.
 func TestReplicationModeFailsWhenUnavailable(t *testing.T) {
 	cfg := baseConfig(supervisor.ModeReplication, &slots{})
-	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(*relay.Engine) (supervisor.Runner, error) {
 		return runner{func(context.Context) error { return unavailable{} }}, nil
 	}
 	sup, err := supervisor.New(cfg)
@@ -243,13 +263,13 @@ func TestLostLeadershipEndsTheTerm(t *testing.T) {
 	first := &leadership{lost: make(chan struct{})}
 	cfg := baseConfig(supervisor.ModeReplication, &slots{})
 	var stopped atomic.Int32
-	cfg.Leader = func(ctx context.Context) (supervisor.Leadership, error) {
+	fake(cfg).leader = func(ctx context.Context) (supervisor.Leadership, error) {
 		if terms.Add(1) == 1 {
 			return first, nil
 		}
 		return alwaysLeader(ctx)
 	}
-	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(*relay.Engine) (supervisor.Runner, error) {
 		return runner{func(ctx context.Context) error {
 			<-ctx.Done()
 			stopped.Add(1)
@@ -288,7 +308,7 @@ func TestServerChangeStartsNewTerm(t *testing.T) {
 	var mu sync.Mutex
 	cfg := baseConfig(supervisor.ModeReplication, &slots{})
 	cfg.StandBy = time.Hour // a failover does not wait to lead again
-	cfg.Leader = func(ctx context.Context) (supervisor.Leadership, error) {
+	fake(cfg).leader = func(ctx context.Context) (supervisor.Leadership, error) {
 		leads.Add(1)
 		l := &leadership{lost: make(chan struct{})}
 		mu.Lock()
@@ -296,11 +316,11 @@ func TestServerChangeStartsNewTerm(t *testing.T) {
 		mu.Unlock()
 		return l, nil
 	}
-	cfg.Engine = func() (*relay.Engine, error) {
+	fake(cfg).engine = func() (*relay.Engine, error) {
 		terms.Add(1)
 		return newEngine()
 	}
-	cfg.Stream = func(*relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(*relay.Engine) (supervisor.Runner, error) {
 		return runner{func(ctx context.Context) error {
 			if terms.Load() == 1 {
 				return fmt.Errorf("stream: %w", relay.ErrServerChanged)
@@ -351,7 +371,7 @@ func TestFallbackToPollingWaitsForTheStreamsDeliveries(t *testing.T) {
 	var mu sync.Mutex
 	cfg := baseConfig(supervisor.ModeAuto, &slots{})
 	cfg.ReplicationRetry = time.Hour
-	cfg.Engine = func() (*relay.Engine, error) {
+	fake(cfg).engine = func() (*relay.Engine, error) {
 		e, err := relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: sink}}})
 		mu.Lock()
 		engines = append(engines, e)
@@ -359,7 +379,7 @@ func TestFallbackToPollingWaitsForTheStreamsDeliveries(t *testing.T) {
 		return e, err
 	}
 	streamEngine := make(chan *relay.Engine, 1)
-	cfg.Stream = func(e *relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(e *relay.Engine) (supervisor.Runner, error) {
 		return runner{func(ctx context.Context) error {
 			ev := &relay.Event{ID: 1, EventKey: "k1", CreatedAt: time.Now()}
 			if err := e.Stream().Submit(ctx, []*relay.Event{ev}); err != nil {
@@ -373,7 +393,7 @@ func TestFallbackToPollingWaitsForTheStreamsDeliveries(t *testing.T) {
 		}}, nil
 	}
 	pollStarted := make(chan int, 1) // the stream's unsettled events when the claim path started
-	cfg.Claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
+	fake(cfg).claim = func(_ *relay.Engine, all bool) (supervisor.Runner, error) {
 		return runner{func(ctx context.Context) error {
 			if all {
 				e := <-streamEngine
@@ -408,10 +428,10 @@ func (panickySink) Close(context.Context) error                        { return 
 // it; before, the goroutine died and the relay went on waiting.
 func TestWorkerFailureStopsTheRelay(t *testing.T) {
 	cfg := baseConfig(supervisor.ModeReplication, &slots{})
-	cfg.Engine = func() (*relay.Engine, error) {
+	fake(cfg).engine = func() (*relay.Engine, error) {
 		return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: panickySink{}}}})
 	}
-	cfg.Stream = func(e *relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(e *relay.Engine) (supervisor.Runner, error) {
 		return runner{func(ctx context.Context) error {
 			if err := e.Stream().Submit(ctx, []*relay.Event{{ID: 1, EventKey: "k1"}}); err != nil {
 				return err
@@ -468,17 +488,17 @@ func TestLostLockStopsDeliveryAtOnce(t *testing.T) {
 	var terms atomic.Int32
 	cfg := baseConfig(supervisor.ModeReplication, &slots{})
 	cfg.StandBy = time.Hour
-	cfg.Leader = func(ctx context.Context) (supervisor.Leadership, error) {
+	fake(cfg).leader = func(ctx context.Context) (supervisor.Leadership, error) {
 		if terms.Add(1) == 1 {
 			return first, nil
 		}
 		<-ctx.Done()
 		return nil, ctx.Err()
 	}
-	cfg.Engine = func() (*relay.Engine, error) {
+	fake(cfg).engine = func() (*relay.Engine, error) {
 		return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: sink}}})
 	}
-	cfg.Stream = func(e *relay.Engine) (supervisor.Runner, error) {
+	fake(cfg).stream = func(e *relay.Engine) (supervisor.Runner, error) {
 		return runner{func(ctx context.Context) error {
 			var evs []*relay.Event
 			for i := int64(1); i <= 40; i++ {
@@ -534,10 +554,10 @@ func TestLostOwnerLockHaltsThePhase(t *testing.T) {
 	var phases atomic.Int32
 	cfg := baseConfig(supervisor.ModePoll, nil)
 	cfg.Slots = nil
-	cfg.Engine = func() (*relay.Engine, error) {
+	fake(cfg).engine = func() (*relay.Engine, error) {
 		return relay.NewEngine(relay.EngineConfig{Stream: nopStore{}, Claim: claimStore{}, Owner: "outbox-relay:test", Routes: []relay.Route{{Sink: sink}}})
 	}
-	cfg.Claim = func(e *relay.Engine, all bool) (supervisor.Runner, error) {
+	fake(cfg).claim = func(e *relay.Engine, all bool) (supervisor.Runner, error) {
 		n := phases.Add(1)
 		return runner{func(ctx context.Context) error {
 			if n > 1 {
