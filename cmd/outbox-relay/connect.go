@@ -6,12 +6,15 @@ import (
 	"fmt"
 	"net"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/migrations"
+	"github.com/outbox-relay/outbox-relay/relay"
 )
 
 // dbTarget names the role, server and database a connection string reaches,
@@ -134,4 +137,38 @@ func requireMigrated(ctx context.Context, db admin.DB, t admin.Tables, target st
 			target, strings.Join(missing, ", "))
 	}
 	return migrations.CheckSchema(ctx, db, migrations.Names{Outbox: t.Outbox, Checkpoint: t.Checkpoint})
+}
+
+// newPool opens the relay's connection pool. pgxpool's default (4, or the
+// CPU count) is too small for the loops that share it — settlement,
+// checkpoints, the claim path, stats — and a checkpoint waiting
+// for a connection stalls the stream; pool_max_conns in the URL still wins.
+func newPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	pcfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("database: %w", err)
+	}
+	if !strings.Contains(url, "pool_max_conns") {
+		pcfg.MaxConns = 12
+	}
+	pcfg.ConnConfig.DialFunc = relay.Dial
+	if pcfg.ConnConfig.ConnectTimeout == 0 {
+		pcfg.ConnConfig.ConnectTimeout = relay.ConnectTimeout
+	}
+	// A connection idle for a second is pinged before use; one that does
+	// not answer within 2 s is dropped and another used, instead of a
+	// statement waiting on a dead connection for its whole timeout.
+	pcfg.PingTimeout = 2 * time.Second
+	// The relay's statements are short and frequent; a plan that crosses
+	// jit_above_cost (a batch of thousands of ids, the start-up pass over a
+	// large backlog) spends half a second compiling, on the delivery path.
+	// A jit setting in the URL (options=-cjit=on, or jit=on) still wins.
+	if _, set := pcfg.ConnConfig.RuntimeParams["jit"]; !set && !strings.Contains(pcfg.ConnConfig.RuntimeParams["options"], "jit") {
+		pcfg.ConnConfig.RuntimeParams["jit"] = "off"
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		return nil, fmt.Errorf("database: %w", err)
+	}
+	return pool, nil
 }
