@@ -17,6 +17,8 @@ import (
 
 	"github.com/outbox-relay/outbox-relay/cmd/internal/config"
 	"github.com/outbox-relay/outbox-relay/cmd/internal/console"
+	"github.com/outbox-relay/outbox-relay/ledger"
+	"github.com/outbox-relay/outbox-relay/ledger/admin"
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
@@ -193,4 +195,20 @@ func newConsole(ctx context.Context, cfg *config.Config, log zerolog.Logger) (*r
 			Msg("the admin API and the console are on, behind http.admin_token: /api/v1 and /console/")
 	}
 	return feed, con
+}
+
+// consoleBackend is what the admin API reads and acts on: the primary's
+// tables, the sinks, where the slot and the leader lock are, and the
+// relay's health.
+func (r *relayRun) consoleBackend() console.Backend {
+	where := admin.Where{Slot: r.cfg.Source.Slot, LeaderKey: ledger.LeaderLockKey(r.cfg.Source.Slot)}
+	if r.standbyPool != nil {
+		where.Standby = r.standbyPool // the slot lives there (docs/standby.md)
+	}
+	var sinks []admin.Sink
+	for _, rt := range r.routes {
+		sinks = append(sinks, admin.Sink{Name: rt.Sink.Name(), Events: rt.Events, Filter: rt.Filter})
+	}
+	return console.Backend{DB: r.pool, Tables: admin.Tables{Outbox: r.tables.Outbox, Ledger: r.tables.Ledger, Checkpoint: r.tables.Checkpoint, Sinks: sinks},
+		Where: where, Health: r.health.view}
 }

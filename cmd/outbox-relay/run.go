@@ -162,25 +162,12 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	if err != nil {
 		return err
 	}
-	lcfg := ledger.DefaultConfig()
-	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = r.tables.Outbox, r.tables.Ledger, r.tables.Checkpoint
-	lcfg.Unordered = cfg.Delivery.Ordering == config.OrderingNone
-	lcfg.MaxInFlightBytes = int64(cfg.Delivery.MaxInFlightBytes)
-	if r.store, err = ledger.New(pool, lcfg); err != nil {
+	if r.store, err = newStore(pool, r.tables, cfg); err != nil {
 		return err
 	}
 	relay.InitMetrics(r.routes)
 	r.health.setSinksDown(sinksDown(r.routes))
-	where := admin.Where{Slot: cfg.Source.Slot, LeaderKey: ledger.LeaderLockKey(cfg.Source.Slot)}
-	if r.standbyPool != nil {
-		where.Standby = r.standbyPool // the slot lives there (docs/standby.md)
-	}
-	var sinks []admin.Sink
-	for _, rt := range r.routes {
-		sinks = append(sinks, admin.Sink{Name: rt.Sink.Name(), Events: rt.Events, Filter: rt.Filter})
-	}
-	con.Attach(console.Backend{DB: pool, Tables: admin.Tables{Outbox: r.tables.Outbox, Ledger: r.tables.Ledger, Checkpoint: r.tables.Checkpoint, Sinks: sinks},
-		Where: where, Health: r.health.view})
+	con.Attach(r.consoleBackend())
 
 	routes, stopTracing, err := traceDeliveries(ctx, r.routes, log)
 	if err != nil {
@@ -238,6 +225,15 @@ func runRelay(ctx context.Context, cfg *config.Config, log zerolog.Logger) error
 	}
 	log.Info().Msg("relay stopped")
 	return err
+}
+
+// newStore opens the ledger's store over pool for the resolved tables.
+func newStore(pool *pgxpool.Pool, t config.Tables, cfg *config.Config) (*ledger.Store, error) {
+	lcfg := ledger.DefaultConfig()
+	lcfg.Outbox, lcfg.Ledger, lcfg.Checkpoint = t.Outbox, t.Ledger, t.Checkpoint
+	lcfg.Unordered = cfg.Delivery.Ordering == config.OrderingNone
+	lcfg.MaxInFlightBytes = int64(cfg.Delivery.MaxInFlightBytes)
+	return ledger.New(pool, lcfg)
 }
 
 // resolveTables schema-qualifies the outbox (the replication stream names
