@@ -68,8 +68,9 @@ type Standby interface {
 
 // Terms builds the parts of each leadership term: the lock, and for each
 // phase a fresh engine and the sources feeding it. It is implemented where
-// the database and the ledger are (cmd/outbox-relay, supervise.go): the
-// supervisor only decides when each part starts and stops.
+// the database and the ledger are, in cmd/outbox-relay: the supervisor only
+// decides when each part starts and stops (docs/architecture.md, "Who
+// builds the supervisor").
 type Terms interface {
 	// Leader blocks until this relay holds the slot's leader lock, or ctx
 	// ends. Not called in poll mode.
