@@ -1,6 +1,31 @@
 package relay
 
-import "fmt"
+import (
+	"fmt"
+
+	"golang.org/x/time/rate"
+)
+
+// Route connects a sink to the engine.
+type Route struct {
+	Sink Sink
+	// Events lists the event_type globs (path.Match syntax) the sink takes;
+	// empty means all. A NULL event_type matches only "*".
+	Events []string
+	// Nudge sends {"id","event_key","event_type"} instead of the envelope.
+	Nudge bool
+	// RateLimit, when set, bounds the events sent to the sink per second
+	// (NewRateLimit; docs/sinks.md, "Rate limits"); share one per sink
+	// across the process's engines.
+	RateLimit *rate.Limiter
+	// Hold (on_unknown: hold) claims each event in the ledger before sending
+	// and holds it for a person when the outcome is unknown, instead of
+	// sending it again.
+	Hold bool
+	// Filter, when set, is the sink's sinks[].filter: the sink takes only
+	// the events it accepts (Takes).
+	Filter Filter
+}
 
 // Takes reports whether r's sink takes ev: the one routing rule
 // (docs/configuration.md, "sinks"; docs/sinks.md, "Filters"). The engine
