@@ -62,6 +62,13 @@ type EngineConfig struct {
 // with the Policy, writes the decisions through the path's store in
 // batches, and only then counts the events as settled (and the stream may
 // acknowledge them).
+//
+// Its owner runs it as a worker of its Group (Run) and stops it in one of
+// two ways (docs/architecture.md, "Goroutines and their owners"). A
+// graceful stop: the sources stop taking events, Drain waits (bounded by
+// its context) until every event taken is settled, then Halt, then the
+// owner stops its group. An immediate halt, when the lease under which the
+// engine delivers is lost: Halt, and nothing more is sent.
 type Engine struct {
 	cfg   EngineConfig
 	log   zerolog.Logger
@@ -212,11 +219,12 @@ func (e *Engine) StreamLag() (lag time.Duration, at time.Time) {
 }
 
 // Run loads the diverted aggregates, then runs the lanes and the writers
-// until ctx is done. Call Drain first for a graceful stop, and Halt when
-// nothing more may be sent (a lost lease). Every goroutine it starts has
-// ended when it returns, and Done is closed then. A worker that fails — a
-// lane whose sink panics, say — ends Run with its error, naming it
-// (relay.Group).
+// until ctx is done: it is a worker of its owner's Group, and the engine's
+// life is Run's. Every goroutine it starts has ended when it returns, and
+// nothing is sent or settled after: the waits for settlement still waiting
+// return ErrEngineStopped. A worker that fails — a lane whose sink panics,
+// say — ends Run with its error, naming it (relay.Group). Before its owner
+// ends ctx, it stops the engine in one of the two ways on Engine.
 func (e *Engine) Run(ctx context.Context) error {
 	defer func() {
 		close(e.done)
@@ -259,8 +267,18 @@ func (e *Engine) Run(ctx context.Context) error {
 	return nil
 }
 
-// Done is closed once Run has returned: nothing is sent or settled after.
-func (e *Engine) Done() <-chan struct{} { return e.done }
+// Drain is a graceful stop's wait, called once the sources feeding the
+// engine have stopped taking events: from its call on, failed attempts are
+// handed to the claim path instead of retried in memory, and it waits until
+// every work taken is settled (its outcome written). It returns ctx's error
+// if ctx ends first (ctx is its bound: shutdown_timeout), and
+// ErrEngineStopped if Run returns first. It sends nothing itself and does
+// not stop sending: the owner halts the engine (Halt) and stops its group
+// after it. Safe to call more than once, and concurrently.
+func (e *Engine) Drain(ctx context.Context) error {
+	e.draining.Store(true)
+	return e.waitInFlight(ctx, settleWait{what: "events", count: func() int { return len(e.inflight[PathStream]) + len(e.inflight[PathClaim]) }})
+}
 
 // Halt stops sending at once: the lease under which this engine delivers
 // is gone, and another relay may already be delivering the same events
@@ -305,21 +323,9 @@ func (e *Engine) waitStarted(ctx context.Context) error {
 	}
 }
 
-// BeginDrain makes failed attempts go to the claim path from now on instead
-// of being retried in memory; Drain calls it. Safe to call more than once.
-func (e *Engine) BeginDrain() { e.draining.Store(true) }
-
 // DefaultStallAfter is EngineConfig.StallAfter's default, and
 // http.stall_after's.
 const DefaultStallAfter = 5 * time.Minute
-
-// Drain waits until every work taken is settled; from now on, failed
-// attempts are handed off instead of retried in memory. It returns ctx's
-// error if that comes first: ctx is its bound (shutdown_timeout).
-func (e *Engine) Drain(ctx context.Context) error {
-	e.draining.Store(true)
-	return e.waitInFlight(ctx, settleWait{what: "events", count: func() int { return len(e.inflight[PathStream]) + len(e.inflight[PathClaim]) }})
-}
 
 // retry runs f until it succeeds or ctx ends, waiting RetryDelay between
 // attempts and telling warn each time.

@@ -68,9 +68,6 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 	case <-gctx.Done():
 	case <-coreCtx.Done():
 	}
-	// From the moment the phase ends, failed attempts go to the claim path
-	// instead of waiting in memory for an inline retry.
-	engine.BeginDrain()
 	failed := g.Failed()
 	g.Cancel() // 1. the sources stop taking events
 	drain := s.cfg.ShutdownTimeout
@@ -102,8 +99,9 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 			Msgf("stopping: %d in flight, up to %s (%s): their outcomes are written first", n, drain, bound)
 	}
 	if !engineStopped {
-		// 2. the engine drains, within the engine's group: a failed engine
-		// ends the wait too.
+		// 2. the engine drains: from now on failed attempts go to the claim
+		// path instead of waiting in memory for an inline retry. It drains
+		// within the engine's group: a failed engine ends the wait too.
 		drainCtx, cancel := context.WithTimeout(coreCtx, drain)
 		if err := engine.Drain(drainCtx); err != nil {
 			s.log.Warn().Err(err).Msg("the drain's time passed with events in flight; the stream sends them again at the next start and the ledger keeps them from being delivered twice")
