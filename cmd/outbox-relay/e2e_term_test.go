@@ -14,19 +14,26 @@ import (
 // aggregate queued in its webhook lane (200 ms each) and a claim-path row
 // in flight (an 8 s answer) when its lock session is terminated; B takes
 // over and streams the same events again. A stops sending the moment it
-// knows the lock is gone (its next ping, within a second): no request of
-// A's arrives after that — the queue is not worked off during its drain,
-// nor while its claim path waits for the row in flight. The window in
-// which A could not know yet, from the cut to its log line, is measured.
-// Before, A kept sending queued events for seconds while B sent the same.
+// knows the lock is gone (its next ping, within a second): A begins no
+// request after it has halted — the queue is not worked off during its
+// drain, nor while its claim path waits for the row in flight. The moment
+// it halted is A's own record (its log line, written once Halt returned);
+// A's requests of the one aggregate go one at a time, each begun only after
+// the one before was answered, so a request whose predecessor was answered
+// after that moment was begun after it: no tolerance for load is needed.
+// The window in which A could not know yet, from the cut to its log line,
+// is measured. Before, A kept sending queued events for seconds while B
+// sent the same.
 func TestLostLock_NothingSentOnceTheLeaderKnows(t *testing.T) {
 	s := newSetup(t, pgtest.NewDatabase(t))
+	// A hot event is answered no sooner than hotAnswer after it arrived.
+	const hotAnswer = 200 * time.Millisecond
 	s.hook.setReply(func(d delivery) int {
 		switch {
 		case d.EventKey == "claim-slow":
 			time.Sleep(8 * time.Second)
 		case strings.HasPrefix(d.EventKey, "hot-"):
-			time.Sleep(200 * time.Millisecond)
+			time.Sleep(hotAnswer)
 		}
 		return 204
 	})
@@ -65,6 +72,15 @@ func TestLostLock_NothingSentOnceTheLeaderKnows(t *testing.T) {
 	if knew.IsZero() {
 		t.Fatal("no time on A's log line of the lost lock")
 	}
+	const haltedMsg = "the engine is halted, nothing more is sent"
+	eventually(t, 10*time.Second, "A to log its halt", func() bool { return strings.Contains(logA.String(), haltedMsg) })
+	halted := logTime(t, logA.String(), haltedMsg)
+	if halted.IsZero() {
+		t.Fatal("no time on A's log line of its halt")
+	}
+	// The log's time is truncated to the millisecond: A had halted by the
+	// end of that millisecond.
+	halted = halted.Add(time.Millisecond)
 
 	keys := map[string]bool{"claim-slow": true}
 	for i := 1; i <= 40; i++ {
@@ -74,17 +90,23 @@ func TestLostLock_NothingSentOnceTheLeaderKnows(t *testing.T) {
 	var lastA time.Time
 	byBoth := 0
 	sentBy := map[string]map[string]bool{}
+	var prevA *delivery // A's previous request of the hot aggregate
 	for _, d := range s.hook.deliveries() {
 		if sentBy[d.EventKey] == nil {
 			sentBy[d.EventKey] = map[string]bool{}
 		}
 		sentBy[d.EventKey][d.From] = true
-		if d.From == "A" && d.At.After(lastA) && d.EventKey != "claim-slow" {
-			lastA = d.At
+		if d.From != "A" || !strings.HasPrefix(d.EventKey, "hot-") {
+			continue
 		}
-		if d.From == "A" && d.At.After(knew.Add(50*time.Millisecond)) {
-			t.Errorf("A sent %s at %s, %v after it logged the lost lock", d.EventKey, d.At.Format("15:04:05.000"), d.At.Sub(knew).Round(time.Millisecond))
+		lastA = d.At
+		// d was begun after prevA's answer, which came no sooner than
+		// hotAnswer after prevA arrived.
+		if prevA != nil && prevA.At.Add(hotAnswer).After(halted) {
+			t.Errorf("A sent %s (arrived %s) after it halted at %s: the request before it, %s, was answered %v after the halt at the earliest",
+				d.EventKey, d.At.Format("15:04:05.000"), halted.Format("15:04:05.000"), prevA.EventKey, prevA.At.Add(hotAnswer).Sub(halted).Round(time.Millisecond))
 		}
+		prevA = &d
 	}
 	// B reads the ledger for the whole queue when it takes it from the
 	// stream, once it holds the lock; A does not know yet and goes on for

@@ -44,10 +44,13 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 	defer core.Stop()
 	core.Go("engine", engine.Run)
 	core.Go("lock watch", func(ctx context.Context) error {
-		// A lost leader lock halts the engine the moment it is known.
+		// A lost leader lock halts the engine the moment it is known. The
+		// line is logged once Halt has returned: its time is the moment
+		// from which nothing more is sent.
 		select {
 		case <-lost:
 			engine.Halt()
+			s.log.Warn().Msg("the leader lock is lost: the engine is halted, nothing more is sent")
 			<-ctx.Done()
 		case <-ctx.Done():
 		}
