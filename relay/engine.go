@@ -223,8 +223,8 @@ func (e *Engine) StreamLag() (lag time.Duration, at time.Time) {
 // life is Run's. Every goroutine it starts has ended when it returns, and
 // nothing is sent or settled after: the waits for settlement still waiting
 // return ErrEngineStopped. A worker that fails — a lane whose sink panics,
-// say — ends Run with its error, naming it (relay.Group). Before its owner
-// ends ctx, it stops the engine in one of the two ways on Engine.
+// say — ends Run with its error, naming it (relay.Group). The owner ends
+// ctx once it has stopped the engine in one of its two ways (Engine).
 func (e *Engine) Run(ctx context.Context) error {
 	defer func() {
 		close(e.done)
@@ -287,7 +287,9 @@ func (e *Engine) Drain(ctx context.Context) error {
 // event not sent yet — queued behind its aggregate, waiting for an inline
 // retry, or handed to a lane from now on — settles as handed to the claim
 // path without being sent, which counts no attempt. Drain then finishes
-// quickly. Safe to call more than once, before or after Run starts.
+// quickly. A graceful stop ends with it too, after Drain: what the drain
+// left unsettled is not sent. Safe to call more than once, before or after
+// Run starts.
 func (e *Engine) Halt() {
 	e.draining.Store(true)
 	e.halted.Store(true)
