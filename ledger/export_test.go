@@ -16,15 +16,14 @@ func SetHandOverSlice(n int) (restore func()) {
 	return func() { handOverSlice = old }
 }
 
-// ClaimStatement returns the claim query (for an outbox with the replays
-// and trace_context columns) and its arguments, for EXPLAIN.
+// ClaimStatement returns the claim query and its arguments, for EXPLAIN.
 func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any, error) {
 	i := 0
 	if all {
 		i = 1
 	}
 	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
-	return s.sql.claim.claim[i][2], []any{limit, owner, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, nil
+	return s.sql.claim.claim[i], []any{limit, owner, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, nil
 }
 
 // ClaimNewestStatement returns the claim of the newest due hand-offs
@@ -32,7 +31,7 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 // arguments, for EXPLAIN.
 func (s *Store) ClaimNewestStatement(limit int, owner string) (string, []any, error) {
 	cursor := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
-	return s.sql.claim.newest[2], []any{limit, owner, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, nil
+	return s.sql.claim.newest, []any{limit, owner, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, nil
 }
 
 // LedgerPairsStatement returns the read of the ledger's pairs of some event
@@ -71,7 +70,7 @@ func (s *Store) BatchStatements(ids []int64, keys, aggregates []string, action, 
 	return []BatchStatement{
 		{"stream deliveredNew", st.deliveredNew, []any{keys, actions}, true},
 		{"stream delivered", st.delivered, []any{keys, actions}, true},
-		{"stream handOffs", st.handOffs, []any{ids, avail, texts, zeros}, true},
+		{"stream divert", st.divert, []any{ids, avail, texts, zeros}, true},
 		{"stream deadLetter", st.deadLetter, []any{ids, texts, zeros}, true},
 		{"stream held", st.held, []any{ids, texts, zeros}, true},
 		{"stream unknown", st.unknown, []any{keys, actions, texts}, true},

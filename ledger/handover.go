@@ -154,11 +154,7 @@ func (h *handOverRows) NewestUnblocked(ctx context.Context) ([]*relay.Event, []r
 	if ok, err := h.recordEarly(ids); !ok || err != nil {
 		return nil, nil, err
 	}
-	readSQL, err := h.s.handOverReadStatement(ctx)
-	if err != nil {
-		return nil, nil, err
-	}
-	events, err := h.readSlice(ctx, readSQL, ids)
+	events, err := h.readSlice(ctx, h.s.sql.handOverRead, ids)
 	if err != nil {
 		return nil, nil, fmt.Errorf("read the %d newest rows of snapshot %s to deliver: %w", len(ids), h.snapshot, err)
 	}
@@ -246,7 +242,7 @@ func (h *handOverRows) sliceBytes(ctx context.Context, ids []int64) (int, error)
 	return fitBytes(ids, sizes, h.s.readBytes), nil
 }
 
-// payloadSizes returns the payload bytes of the rows ids (payloadBytes); a
+// payloadSizes returns the payload bytes of the rows ids (PayloadBytes); a
 // row gone is left out.
 func (s *Store) payloadSizes(ctx context.Context, ids []int64) (map[int64]int64, error) {
 	dbCtx, cancel := context.WithTimeout(ctx, dbTimeout)
@@ -261,15 +257,6 @@ func (s *Store) payloadSizes(ctx context.Context, ids []int64) (map[int64]int64,
 		return nil, fmt.Errorf("read the payloads' sizes: %w", err)
 	}
 	return sizes, nil
-}
-
-// payloadBytes is the SQL of the bytes, about, that row o's payload takes
-// once read: the size of its jsonb uncompressed, which its text follows
-// closely. The concatenation detoasts the value without printing it
-// (octet_length(payload::text) would print it, a cost like the read's own
-// on a large payload); '{}' adds nothing to an object.
-func payloadBytes(o string) string {
-	return fmt.Sprintf(`COALESCE(pg_column_size(%s.payload || '{}'::jsonb), 0)::bigint`, o)
 }
 
 // read reads, once, in the imported snapshot, the rows pending there and
@@ -433,10 +420,7 @@ func (h *handOverRows) Deliver(ctx context.Context, slot string, consistent rela
 	if len(early) > 0 { // fed by NewestUnblocked
 		h.rows = slices.DeleteFunc(h.rows, func(r pendingRow) bool { return early[r.id] })
 	}
-	readSQL, err := h.s.handOverReadStatement(ctx)
-	if err != nil {
-		return 0, err
-	}
+	readSQL := h.s.sql.handOverRead
 	count := make([]int, len(h.aggs))
 	for _, r := range h.rows {
 		if r.agg >= 0 {
@@ -547,22 +531,6 @@ func (h *handOverRows) readSlice(ctx context.Context, readSQL string, ids []int6
 	return out, nil
 }
 
-// handOverReadStatement returns the read of a slice of the hand-over's rows
-// for the outbox's shape (with or without trace_context).
-func (s *Store) handOverReadStatement(ctx context.Context) (string, error) {
-	s.claimMu.Lock()
-	defer s.claimMu.Unlock()
-	if !s.claimKnown {
-		if err := s.inspectClaimShape(ctx); err != nil {
-			return "", err
-		}
-	}
-	if s.claimShape == 2 {
-		return s.sql.handOverRead[1], nil
-	}
-	return s.sql.handOverRead[0], nil
-}
-
 // Close implements relay.HandOverRows: it lets the rows go, and the
 // pending scan resume.
 func (h *handOverRows) Close() {
@@ -614,7 +582,7 @@ func (s *Store) markSnapshotIDs(ctx context.Context, db beginner, slot, snapshot
 	var marked int64
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		for chunk := range chunks(ids) {
-			tag, err := tx.Exec(ctx, s.sql.markForClaimByID, chunk)
+			tag, err := tx.Exec(ctx, s.sql.divertByID, chunk)
 			if err != nil {
 				return err
 			}

@@ -19,7 +19,6 @@ import (
 	"fmt"
 	"iter"
 	"slices"
-	"sync"
 	"sync/atomic"
 
 	"errors"
@@ -92,10 +91,6 @@ type Store struct {
 	// (relay.ReadBytes).
 	readBytes int64
 
-	// claimSQL is the claim query for the table's shape, chosen once.
-	claimMu    sync.Mutex
-	claimKnown bool
-	claimShape int // 0: no replays column; 1: replays; 2: replays and trace_context
 	// claimCursor is where the claim's second window starts (Claim): a
 	// hint, never a fact.
 	claimCursor claimCursor
@@ -110,7 +105,7 @@ type statements struct {
 	claim  claimStatements
 
 	scanStart, scanTop, scanRange, scanRecheck string
-	statsHanded, statsStatuses                 string
+	statsDiverted, statsStatuses               string
 
 	loadCheckpoint string
 	saveCheckpoint string
@@ -122,8 +117,8 @@ type statements struct {
 	snapshotPendingAmong string
 	snapshotEarly        string
 	maxID                string
-	markForClaimByID     string
-	handOverRead         [2]string // without, with trace_context
+	divertByID           string
+	handOverRead         string
 	payloadSizes         string
 	setAsyncCommit       string
 	setSynchronousCommit string
@@ -157,6 +152,23 @@ const planTx = `set_config('enable_seqscan', 'off', true), set_config('jit', 'of
 // alternative and are planned as before.
 const planClaimTx = planTx + `, set_config('enable_sort', 'off', true), set_config('enable_incremental_sort', 'off', true)`
 
+// Every transaction inTx runs (settlements, claims, ledger claims,
+// checkpoints) starts with one of these statements. Each also turns
+// sequential scans and JIT off for the transaction (planTx): its
+// statements find their rows by key. The hand-over's own transactions (a
+// whole-table pass) do not.
+const (
+	setAsyncCommit = `SELECT set_config('synchronous_commit', 'off', true), ` + planTx
+	// Explicitly synchronous even where the role or database default is
+	// off; a stricter server setting (remote_apply) is kept.
+	setSynchronousCommit = `SELECT ` + planTx + `,
+       CASE WHEN current_setting('synchronous_commit') <> 'remote_apply'
+            THEN set_config('synchronous_commit', 'on', true) END`
+	setPlanning = `SELECT ` + planTx
+	// A claim commits without waiting for its WAL (Claim).
+	setClaim = `SELECT set_config('synchronous_commit', 'off', true), ` + planClaimTx
+)
+
 // New returns a Store on pool. Empty names in cfg take the defaults; the
 // names are quoted here, once, so no name is ever read as SQL.
 func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
@@ -187,114 +199,6 @@ func New(pool *pgxpool.Pool, cfg Config) (*Store, error) {
 // tables are the relay's tables, quoted.
 type tables struct {
 	outbox, ledger, checkpoint string
-}
-
-func render(t tables, claim claimOptions) statements {
-	outbox, checkpoint := t.outbox, t.checkpoint
-	scanStart, scanTop, scanRange, scanRecheck := scanStatements(t)
-	return statements{
-		scanStart: scanStart, scanTop: scanTop, scanRange: scanRange, scanRecheck: scanRecheck,
-		stream: renderStream(t),
-		claim:  renderClaim(t, claim),
-
-		statsHanded: fmt.Sprintf(`
-SELECT (SELECT count(*) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NOT NULL),
-       coalesce((SELECT extract(epoch FROM now() - min(created_at)) FROM %[1]s WHERE status = 'pending' AND handoff_at IS NOT NULL), 0)::float8,
-       greatest((SELECT reltuples FROM pg_class WHERE oid = to_regclass(%[2]s)), 0)::float8`, outbox, relay.QuoteLiteral(outbox)),
-		statsStatuses: fmt.Sprintf(`
-SELECT status, count(*) FROM %s WHERE status IN ('processing', 'failed', 'held', 'discarded') GROUP BY status`, outbox),
-
-		loadCheckpoint: fmt.Sprintf(`SELECT confirmed_lsn::text FROM %s WHERE slot_name = $1`, checkpoint),
-
-		// GREATEST: a checkpoint never moves backwards, so a late or
-		// reordered save (two relays racing during a takeover, a retry of an
-		// older position) cannot make the relay re-ack an older position.
-		saveCheckpoint: fmt.Sprintf(`
-INSERT INTO %s AS c (slot_name, confirmed_lsn, updated_at, handover_lsn)
-VALUES ($1, $2::text::pg_lsn, now(), $2::text::pg_lsn)
-    ON CONFLICT (slot_name) DO UPDATE
-   SET confirmed_lsn = GREATEST(c.confirmed_lsn, EXCLUDED.confirmed_lsn), updated_at = now()`, checkpoint),
-
-		// The hand-over record (docs/architecture.md, "slot creation").
-		beginSlot: fmt.Sprintf(`
-INSERT INTO %s AS c (slot_name, confirmed_lsn, updated_at, handover_lsn)
-VALUES ($1, '0/0', now(), NULL)
-    ON CONFLICT (slot_name) DO UPDATE SET handover_lsn = NULL, updated_at = now()`, checkpoint),
-		handedOver: fmt.Sprintf(`
-UPDATE %s SET handover_lsn = $2::text::pg_lsn, confirmed_lsn = GREATEST(confirmed_lsn, $2::text::pg_lsn), updated_at = now()
- WHERE slot_name = $1`, checkpoint),
-		handoverDone: fmt.Sprintf(`SELECT handover_lsn IS NOT NULL FROM %s WHERE slot_name = $1`, checkpoint),
-
-		// A slice of a hand-over's rows, read again to be delivered: those
-		// still the stream's (pending, not handed off).
-		handOverRead: [2]string{handOverRead(t, "NULL::text"), handOverRead(t, "o.trace_context::text")},
-		// The payload bytes of the rows $1, which a hand-over's slices are
-		// cut by before their payloads are read.
-		payloadSizes: fmt.Sprintf(`SELECT o.id, %s FROM %s AS o WHERE o.id = ANY($1::bigint[])`, payloadBytes("o"), outbox),
-		// The rows pending in a new slot's snapshot, not handed off: the
-		// rows the slot will never stream, to deliver (or, on a standby,
-		// to mark for the claim path).
-		snapshotPending: fmt.Sprintf(`
-SELECT o.id, o.aggregate_type, o.aggregate_id FROM %s AS o
- WHERE %s`, outbox, StreamOwned("o")),
-		// Which of the aggregates $1, $2 (in pairs) have rows in a new
-		// slot's snapshot, asked by the stream while snapshotPending runs:
-		// the order index (aggregate_type, aggregate_id, id) answers, and
-		// the index of rows with a NULL status (migration 013) adds those.
-		snapshotPendingAmong: fmt.Sprintf(`
-SELECT DISTINCT o.aggregate_type, o.aggregate_id FROM %s AS o
- WHERE (o.aggregate_type, o.aggregate_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
-   AND %s`, outbox, StreamOwned("o")),
-		maxID: fmt.Sprintf(`SELECT COALESCE(max(id), 0) FROM %s`, outbox),
-		// The rows pending in a new slot's snapshot with an id in ($1, $2]
-		// (the newest ids), of those whose aggregate has no other row
-		// pending there (or none): what NewestUnblocked feeds before the whole read
-		// ends. The ids are a range of the primary key, whatever the
-		// backlog: ORDER BY id DESC LIMIT was planned as a scan of every
-		// pending row and a sort, and a range open above with the claim
-		// index's predicate as a scan of that whole index (0.1 s behind
-		// 200,000 rows in make bench) or, without statistics (a backlog
-		// just written), of the table. A range closed on both sides is
-		// planned on the primary key either way, and the status is tested
-		// as IS TRUE, which no partial index's predicate matches. An
-		// aggregate's count stops one past its rows among them.
-		snapshotEarly: fmt.Sprintf(`
-WITH newest AS MATERIALIZED (
-SELECT o.id, o.aggregate_type, o.aggregate_id FROM %[1]s AS o
- WHERE o.id > $1 AND o.id <= $2 AND %[2]s IS TRUE),
-counts AS (
-SELECT aggregate_type, aggregate_id, count(*) AS n FROM newest
- WHERE aggregate_type IS NOT NULL AND aggregate_id IS NOT NULL
- GROUP BY aggregate_type, aggregate_id),
-complete AS (
-SELECT c.aggregate_type, c.aggregate_id FROM counts AS c
- WHERE (SELECT count(*) FROM (SELECT FROM %[1]s AS o
-         WHERE o.aggregate_type = c.aggregate_type AND o.aggregate_id = c.aggregate_id
-           AND %[2]s
-         LIMIT c.n + 1) AS r) = c.n)
-SELECT n.id, n.aggregate_type, n.aggregate_id FROM newest AS n
- WHERE n.aggregate_type IS NULL OR n.aggregate_id IS NULL
-    OR (n.aggregate_type, n.aggregate_id) IN (SELECT aggregate_type, aggregate_id FROM complete)
- ORDER BY n.id`, outbox, StreamOwned("o")),
-		markForClaimByID: fmt.Sprintf(`
-UPDATE %s AS o SET status = 'pending', handoff_at = now(), available_at = COALESCE(o.available_at, now())
- WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE`, outbox, StreamOwned("o")),
-
-		// Every transaction inTx runs (settlements, claims, ledger claims,
-		// checkpoints) starts with one of these statements.
-		// Each also turns sequential scans and JIT off for the transaction
-		// (planTx): its statements find their rows by key. The hand-over's
-		// own transactions (a whole-table pass) do not.
-		setAsyncCommit: `SELECT set_config('synchronous_commit', 'off', true), ` + planTx,
-		// Explicitly synchronous even where the role or database default is
-		// off; a stricter server setting (remote_apply) is kept.
-		setSynchronousCommit: `SELECT ` + planTx + `,
-       CASE WHEN current_setting('synchronous_commit') <> 'remote_apply'
-            THEN set_config('synchronous_commit', 'on', true) END`,
-		setPlanning: `SELECT ` + planTx,
-		// A claim commits without waiting for its WAL (Claim).
-		setClaim: `SELECT set_config('synchronous_commit', 'off', true), ` + planClaimTx,
-	}
 }
 
 // inTx runs, in one transaction, the statement that sets the commit mode
@@ -436,12 +340,4 @@ func rowDataError(err error) error {
 		}
 	}
 	return err
-}
-
-func handOverRead(t tables, trace string) string {
-	return fmt.Sprintf(`
-SELECT o.id, o.event_key, o.event_type, o.aggregate_type, o.aggregate_id, o.payload::text,
-       o.created_at, COALESCE(o.attempts, 0), o.available_at, %s
-  FROM %s AS o
- WHERE o.id = ANY($1::bigint[]) AND %s IS TRUE`, trace, t.outbox, StreamOwned("o"))
 }

@@ -153,33 +153,3 @@ func (s *Store) collectPending(ctx context.Context, sql string, into map[int64]w
 	}
 	return nil
 }
-
-// scanStatements are the pending scan's SQL texts.
-func scanStatements(t tables) (start, top, rng, recheck string) {
-	// due: the later of created_at and available_at (a NULL available_at
-	// counts as created_at), so a scheduled row is not stuck before it is
-	// due.
-	const due = "GREATEST(o.created_at, COALESCE(o.available_at, o.created_at))"
-	pending, isPending := StreamOwned("o"), Pending("o")
-	// A claimed row stays watched: the claim path may put it back.
-	watchedStatus := fmt.Sprintf("(%s OR o.status = 'processing') AND o.handoff_at IS NULL", isPending)
-	start = fmt.Sprintf(`SELECT min(o.id) FROM %s AS o WHERE %s`, t.outbox, pending)
-	top = fmt.Sprintf(`SELECT max(id) FROM %s`, t.outbox)
-	// Both reads find their rows by id alone: the status test is wrapped
-	// in "(…) IS TRUE", which no index serves, or the
-	// planner (before the outbox's first ANALYZE) combined the ids with the
-	// status index's entries for every pending row, the claim path's
-	// backlog included (TestPendingScanReadsItsIdsBeforeStatistics).
-	rng = fmt.Sprintf(`SELECT o.id, %s, true FROM %s AS o WHERE o.id > $1 AND o.id <= $2 AND (%s) IS TRUE`,
-		due, t.outbox, pending)
-	// The watch list's ids may lie far apart (a row stuck for hours among
-	// the last second's): a probe of the primary key each, whatever the
-	// statistics (as "o.id = ANY($1)" the planner scanned the whole outbox
-	// for 2,000 ids before its first ANALYZE).
-	recheck = fmt.Sprintf(`
-SELECT o.id, %s, %s
-  FROM (SELECT DISTINCT id FROM unnest($1::bigint[]) AS u(id)) AS t
- CROSS JOIN LATERAL (SELECT * FROM %s AS o WHERE o.id = t.id OFFSET 0) AS o
- WHERE (%s) IS TRUE`, due, isPending, t.outbox, watchedStatus)
-	return start, top, rng, recheck
-}

@@ -46,7 +46,7 @@ func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration
 	var total float64
 	var handed int64
 	var handedOldest float64
-	err = s.pool.QueryRow(ctx, s.sql.statsHanded).Scan(&handed, &handedOldest, &total)
+	err = s.pool.QueryRow(ctx, s.sql.statsDiverted).Scan(&handed, &handedOldest, &total)
 	if err != nil {
 		return st, fmt.Errorf("outbox stats: %w", err)
 	}

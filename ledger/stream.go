@@ -12,7 +12,8 @@ import (
 	"github.com/outbox-relay/outbox-relay/relay"
 )
 
-// streamStatements are the stream path's SQL texts.
+// streamStatements are the stream path's SQL texts (sql/stream.sql,
+// sql/ledger.sql).
 type streamStatements struct {
 	// deliveredNew inserts delivered pairs with no delivered row yet
 	// (plain INSERT); delivered upserts them (ON CONFLICT), for pairs this
@@ -20,7 +21,7 @@ type streamStatements struct {
 	deliveredNew string
 	delivered    string
 	done         string
-	handOffs     string
+	divert       string
 	deadLetter   string
 	held         string
 	unknown      string
@@ -30,212 +31,6 @@ type streamStatements struct {
 	gone         string
 	claimPairs   string
 	diverted     string
-}
-
-func renderStream(t tables) streamStatements {
-	outbox, ledger := t.outbox, t.ledger
-	// Each row change reports, from its own snapshot, the ids it could not
-	// see at all: the walsender may send a transaction before the
-	// committing backend has left the proc array (with synchronous
-	// replication, until a standby confirms it), so a fast delivery can
-	// settle a row no other session sees yet. A separate check would run in
-	// a later snapshot and could see the row then, hiding the miss.
-	//
-	// Batch statements find their rows by key whatever the statistics say
-	// (docs/performance.md, "Plans that do not depend on statistics"): an
-	// outbox row by its id (the transaction turns sequential scans off, so
-	// the join with the batch probes the primary key per row), a ledger
-	// pair by (event_key, action), and every NOT EXISTS probes per row (OFFSET 0
-	// keeps it a subplan instead of an anti-join, which on a table grown
-	// since its last ANALYZE, or with a plan cached while it was small,
-	// hashed or sorted the whole table for each batch).
-	invisible := func(update string) string {
-		return update + fmt.Sprintf(`
-SELECT t.id FROM t WHERE NOT EXISTS (SELECT FROM %s v WHERE v.id = t.id OFFSET 0)`, outbox)
-	}
-	return streamStatements{
-		// The stream's usual write: a pair it delivered and did not claim
-		// has no ledger row. A plain INSERT of the pairs the ledger lacks
-		// costs about 40% less per row than ON CONFLICT's speculative
-		// insertion, and half the WAL records for the walsender to decode
-		// (docs/performance.md). A pair with another row than a delivered
-		// one (a claim) raises a unique violation, and SettleStream writes
-		// the batch again with delivered.
-		deliveredNew: fmt.Sprintf(`
-INSERT INTO %[1]s (event_key, action, state, attempts, claimed_at, delivered_at)
-SELECT t.k, t.a, 'delivered', 1, now(), now()
-  FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
- WHERE NOT EXISTS (SELECT FROM %[1]s AS l WHERE l.event_key = t.k AND l.action = t.a AND l.state = 'delivered' OFFSET 0)`, ledger),
-		delivered: deliveredSQL(ledger, false),
-
-		// Delivered to every sink it is routed to (or routed to none): the
-		// row's status is done, written in the transaction of its delivered
-		// ledger rows, so that no reader ever asks the ledger whether a row
-		// is delivered (docs/schema.md, "A row's states").
-		done: invisible(fmt.Sprintf(`
-WITH t AS (SELECT * FROM unnest($1::bigint[]) AS t(id)),
-changed AS (
-UPDATE %s AS o
-   SET status = 'done', processed_at = now()
-  FROM t
- WHERE o.id = t.id AND %s IS TRUE
-RETURNING o.id)`, outbox, StreamOwned("o"))),
-
-		// A hand-off: the row becomes the claim path's, due at available_at,
-		// its status written pending (pending.go).
-		handOffs: invisible(fmt.Sprintf(`
-WITH t AS (SELECT * FROM unnest($1::bigint[], $2::timestamptz[], $3::text[], $4::int[]) AS t(id, avail, err, n)),
-changed AS (
-UPDATE %s AS o
-   SET status = 'pending',
-       handoff_at = now(),
-       available_at = COALESCE(t.avail, now()),
-       last_error = COALESCE(NULLIF(t.err, ''), o.last_error),
-       attempts = GREATEST(COALESCE(o.attempts, 0), t.n)
-  FROM t
- WHERE o.id = t.id AND %s IS TRUE
-RETURNING o.id)`, outbox, StreamOwned("o"))),
-
-		deadLetter: invisible(fmt.Sprintf(`
-WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)),
-changed AS (
-UPDATE %s AS o
-   SET status = 'failed', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n),
-       processed_at = now(), locked_at = NULL, locked_by = NULL
-  FROM t
- WHERE o.id = t.id AND %s IS TRUE
-RETURNING o.id)`, outbox, StreamOwned("o"))),
-
-		held: invisible(fmt.Sprintf(`
-WITH t AS (SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[]) AS t(id, err, n)),
-changed AS (
-UPDATE %s AS o
-   SET status = 'held', last_error = t.err, attempts = GREATEST(COALESCE(o.attempts, 0), t.n),
-       processed_at = now()
-  FROM t
- WHERE o.id = t.id AND %s IS TRUE
-RETURNING o.id)`, outbox, StreamOwned("o"))),
-
-		// A pair whose outcome is unknown at a sink that holds such events:
-		// 'unknown' (never claimed again but by dlq retry). A pair the
-		// ledger shows delivered has a known outcome and is left alone.
-		unknown: fmt.Sprintf(`
-INSERT INTO %s AS l (event_key, action, state, attempts, detail)
-SELECT t.k, t.a, 'unknown', 1, t.d
-  FROM (SELECT DISTINCT ON (k, a) k, a, d FROM unnest($1::text[], $2::text[], $3::text[]) AS u(k, a, d) ORDER BY k, a) AS t
-    ON CONFLICT (event_key, action) DO UPDATE
-   SET state = 'unknown', detail = EXCLUDED.detail
- WHERE l.state <> 'delivered'`, ledger),
-
-		release: releaseSQL(ledger),
-
-		// A row is still the stream's while it is pending and not handed
-		// off. One probe of the outbox's primary key per id, and one of
-		// the ledger's by its prefix event_key per row, whatever the
-		// statistics (as `o.id = ANY($1)` the planner scanned the outbox
-		// for a few hundred ids). Planned at each call (see restreamed).
-		restreamed: fmt.Sprintf(`
-SELECT o.id,
-       %s IS TRUE,
-       d.actions
-  FROM (SELECT DISTINCT id FROM unnest($1::bigint[]) AS u(id)) AS t
- CROSS JOIN LATERAL (SELECT o.id, o.status, o.handoff_at, o.event_key FROM %s AS o WHERE o.id = t.id OFFSET 0) AS o
-  LEFT JOIN LATERAL (
-       SELECT array_agg(l.action ORDER BY l.action) AS actions
-         FROM %s AS l
-        WHERE l.event_key = o.event_key AND l.state = 'delivered') AS d ON true`, StreamOwned("o"), outbox, ledger),
-
-		ledgerOf: ledgerPairsSQL(ledger),
-
-		// The ids among $1 whose row does not exist although its insert is
-		// visible: the row was deleted, not waiting to become visible. A
-		// row read from the table (xid 0: a hand-over's, a claimed one)
-		// was visible when read; a streamed row's inserting transaction
-		// ($2, a 32-bit xid widened with the snapshot's epoch) is asked of
-		// the snapshot.
-		gone: fmt.Sprintf(`
-WITH s AS (SELECT pg_current_snapshot() AS snap),
-e AS (SELECT snap, pg_snapshot_xmax(snap)::text::bigint AS xmax FROM s)
-SELECT t.id
-  FROM unnest($1::bigint[], $2::bigint[]) AS t(id, xid), e
- WHERE NOT EXISTS (SELECT FROM %s AS o WHERE o.id = t.id)
-   AND (t.xid = 0 OR pg_visible_in_snapshot(
-         (((e.xmax >> 32) - CASE WHEN t.xid > (e.xmax & 4294967295) THEN 1 ELSE 0 END) << 32 | t.xid)::text::xid8,
-         e.snap))`, outbox),
-
-		// The claim before sending is the insert itself (never
-		// check-then-insert). Only an 'unknown' pair — held, then released
-		// by dlq retry — may be claimed again.
-		claimPairs: fmt.Sprintf(`
-INSERT INTO %s AS l (event_key, action, state, attempts, owner, claimed_at)
-SELECT t.k, t.a, 'sending', 1, $3, now()
-  FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
-    ON CONFLICT (event_key, action) DO UPDATE
-   SET state = 'sending', owner = EXCLUDED.owner, claimed_at = now(), attempts = l.attempts + 1
- WHERE l.state = 'unknown'
-RETURNING l.event_key, l.action`, ledger),
-
-		// Read at every stream session's start, before its first event.
-		// Pending rows may be a large backlog the stream owns (a slot
-		// recreated behind 200,000 rows: scanning them all took 0.75 s
-		// there, and every fresh event waited): the handed-off ones are
-		// read through the hand-off index (its predicate repeated), the
-		// claimed and held ones through the status index.
-		diverted: fmt.Sprintf(`
-SELECT aggregate_type, aggregate_id
-  FROM %[1]s
- WHERE status = 'pending' AND handoff_at IS NOT NULL
-   AND aggregate_type IS NOT NULL AND aggregate_id IS NOT NULL
-UNION
-SELECT aggregate_type, aggregate_id
-  FROM %[1]s
- WHERE status IN ('processing', 'held') AND (handoff_at IS NOT NULL OR status = 'held')
-   AND aggregate_type IS NOT NULL AND aggregate_id IS NOT NULL`, outbox),
-	}
-}
-
-// deliveredSQL inserts delivered ledger pairs. ON CONFLICT DO UPDATE may
-// touch a row only once per statement, so the pairs are made distinct
-// first; the order makes concurrent settlements lock ledger rows in one
-// order. A pair already delivered is left exactly as it is (insert-only); a
-// claim ('sending', 'unknown') becomes delivered — on the claim path only
-// the owner's own.
-func deliveredSQL(ledger string, owned bool) string {
-	owner, cond := "NULL::text", ""
-	if owned {
-		owner, cond = "$3", " AND (l.state <> 'sending' OR l.owner = EXCLUDED.owner)"
-	}
-	return fmt.Sprintf(`
-INSERT INTO %s AS l (event_key, action, state, attempts, owner, claimed_at, delivered_at)
-SELECT t.k, t.a, 'delivered', 1, %s, now(), now()
-  FROM (SELECT DISTINCT k, a FROM unnest($1::text[], $2::text[]) AS u(k, a) ORDER BY k, a) AS t
-    ON CONFLICT (event_key, action) DO UPDATE
-   SET state = 'delivered', delivered_at = now()
- WHERE l.state <> 'delivered'%s`, ledger, owner, cond)
-}
-
-// releaseSQL withdraws the owner's claims whose send is known not to have
-// reached the sink, so whoever delivers next claims afresh.
-func releaseSQL(ledger string) string {
-	return fmt.Sprintf(`
-DELETE FROM %s AS l
- USING unnest($1::text[], $2::text[]) AS t(k, a)
- WHERE l.event_key = t.k AND l.action = t.a AND l.owner = $3 AND l.state = 'sending'`, ledger)
-}
-
-// ledgerPairsSQL reads the ledger's pairs of some event keys: one prefix
-// probe of the primary key (event_key, action) per key. Written as a
-// lateral subquery that is not pulled up (OFFSET 0), so the plan does not
-// depend on the ledger's statistics: as `event_key = ANY($1)` the planner,
-// knowing nothing of event_key alone on a ledger grown since its last
-// ANALYZE, counted 0.5% of the table per key and scanned all of it for a
-// batch of 50 keys (docs/performance.md, "Plans that do not depend on
-// statistics").
-func ledgerPairsSQL(ledger string) string {
-	return fmt.Sprintf(`
-SELECT p.event_key, p.action, p.state, p.owner
-  FROM (SELECT DISTINCT k FROM unnest($1::text[]) AS u(k)) AS t
- CROSS JOIN LATERAL (SELECT event_key, action, state, owner FROM %s WHERE event_key = t.k OFFSET 0) AS p`, ledger)
 }
 
 // ledgerEntry is a pair as the ledger shows it.
@@ -535,7 +330,7 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 			steps = append(steps, ids(fmt.Sprintf("mark %d rows done", len(r.doneIDs)), st.done, r.doneIDs))
 		}
 		if len(r.handIDs) > 0 {
-			steps = append(steps, ids(fmt.Sprintf("hand off %d rows", len(r.handIDs)), st.handOffs, r.handIDs, r.handAt, r.handErrs, r.handN))
+			steps = append(steps, ids(fmt.Sprintf("hand off %d rows", len(r.handIDs)), st.divert, r.handIDs, r.handAt, r.handErrs, r.handN))
 		}
 		if len(r.deadIDs) > 0 {
 			steps = append(steps, ids(fmt.Sprintf("dead-letter %d rows", len(r.deadIDs)), st.deadLetter, r.deadIDs, r.deadErrs, r.deadN))

@@ -242,19 +242,7 @@ func (s *Store) Reconcile(ctx context.Context, olderThan time.Duration) (int64, 
 	if olderThan <= 0 {
 		return 0, errors.New("reconcile: older-than must be positive")
 	}
-	lock := fmt.Sprintf(`LOCK TABLE %s IN SHARE MODE`, s.tables.checkpoint)
-	unfinished := fmt.Sprintf(`SELECT slot_name FROM %s WHERE handover_lsn IS NULL ORDER BY slot_name`, s.tables.checkpoint)
-	sql := fmt.Sprintf(`
-WITH batch AS (
-    SELECT o.id FROM %[1]s AS o
-     WHERE %[2]s
-       AND o.created_at < now() - $1::bigint * interval '1 millisecond'
-     ORDER BY o.id
-     LIMIT $2
-       FOR UPDATE)
-UPDATE %[1]s AS o SET status = 'pending', handoff_at = now(), available_at = COALESCE(o.available_at, now())
-  FROM batch
- WHERE o.id = batch.id AND %[2]s IS TRUE`, s.outbox, StreamOwned("o"))
+	lock, unfinished, divert := s.sql.claim.reconcileLock, s.sql.claim.reconcileUnfinished, s.sql.claim.reconcileDivert
 	var marked int64
 	for {
 		var n int64
@@ -274,7 +262,7 @@ UPDATE %[1]s AS o SET status = 'pending', handoff_at = now(), available_at = COA
 				return fmt.Errorf("%w: slot %s: the relay delivers the rows pending before it (or, if it is not running, hands them over again when it starts), each aggregate's before its new events; run reconcile once the hand-over is recorded (the relay logs \"hand-over done\"), or, if no relay will use that slot again, delete its row from %s",
 					ErrHandOverUnfinished, strings.Join(slots, ", "), s.tables.checkpoint)
 			}
-			tag, err := tx.Exec(ctx, sql, olderThan.Milliseconds(), reconcileBatch)
+			tag, err := tx.Exec(ctx, divert, olderThan.Milliseconds(), reconcileBatch)
 			n = tag.RowsAffected()
 			return err
 		})

@@ -189,7 +189,6 @@ func TestMaxAttemptsFails(t *testing.T) {
 // with Delivery.Replay, so sinks derive a fresh idempotency id.
 func TestReplayReachesTheSink(t *testing.T) {
 	f := MustFixture(t)
-	f.MustExec(t, `ALTER TABLE integration_outbox ADD COLUMN IF NOT EXISTS replays int`)
 	f.MustInsert(t, event{Key: "again", HandedOff: true}, event{Key: "first", HandedOff: true})
 	f.MustExec(t, `UPDATE integration_outbox SET replays = 2 WHERE event_key = 'again'`)
 	a := newFakeSink("a", nil)
@@ -199,19 +198,6 @@ func TestReplayReachesTheSink(t *testing.T) {
 		if want := map[string]int{"again": 2, "first": 0}[c.Key]; c.Replay != want {
 			t.Errorf("%s sent with Replay %d, want %d", c.Key, c.Replay, want)
 		}
-	}
-}
-
-// An outbox without the replays column (before migration 006) works too.
-func TestWithoutReplaysColumn(t *testing.T) {
-	f := MustFixture(t)
-	f.MustExec(t, `ALTER TABLE integration_outbox DROP COLUMN IF EXISTS replays`)
-	f.MustInsert(t, event{Key: "k", HandedOff: true})
-	a := newFakeSink("a", nil)
-	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
-	waitFor(t, 10*time.Second, "row done", func() bool { return f.MustStatusCount(t, "done") == 1 })
-	if calls := a.Calls(); len(calls) != 1 || calls[0].Replay != 0 {
-		t.Errorf("calls %+v, want one with Replay 0", calls)
 	}
 }
 
