@@ -55,11 +55,7 @@ func (s *Store) SaveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) 
 func (s *Store) saveCheckpoint(ctx context.Context, slot string, lsn relay.LSN) (standbys string, err error) {
 	_, err = s.runStreamSteps(ctx, s.sql.setSynchronousCommit, []step{
 		exec("save the checkpoint", s.sql.saveCheckpoint, slot, lsn),
-		{kind: "read synchronized_standby_slots", sql: standbySlotsSQL, check: func(row pgx.Row) error { return row.Scan(&standbys) }},
+		{kind: "read synchronized_standby_slots", sql: catalog.Get("StandbySlots"), check: func(row pgx.Row) error { return row.Scan(&standbys) }},
 	})
 	return standbys, err
 }
-
-// standbySlotsSQL reads synchronized_standby_slots ("" before PostgreSQL 17,
-// which lacks it).
-const standbySlotsSQL = `SELECT coalesce(current_setting('synchronized_standby_slots', true), '')`

@@ -79,10 +79,10 @@ func AcquireLeader(ctx context.Context, connString, slot string, log zerolog.Log
 		if err == nil {
 			var got bool
 			for err == nil && !got {
-				if err = conn.QueryRow(ctx, "SELECT pg_try_advisory_lock($1)", key).Scan(&got); err != nil || got {
+				if err = conn.QueryRow(ctx, catalog.Get("TryLeaderLock"), key).Scan(&got); err != nil || got {
 					break
 				}
-				if ended, ferr := fenceStaleHolder(ctx, conn, leaderLockMatch, []any{key}, LeaderStaleAfter, log.With().Str("lock", "leader "+slot).Logger()); ferr != nil {
+				if ended, ferr := fenceStaleHolder(ctx, conn, catalog.Get("LeaderLockHolder"), []any{key}, LeaderStaleAfter, log.With().Str("lock", "leader "+slot).Logger()); ferr != nil {
 					log.Warn().Err(ferr).Msg("look at the leader lock's holder")
 				} else if ended {
 					continue
@@ -149,10 +149,7 @@ func (l *Leader) ping(ctx context.Context) error {
 		}
 		pctx, cancel := context.WithTimeout(ctx, leaderPingTimeout)
 		var held bool
-		// The lock is ours only while this session lives; checking pg_locks
-		// also catches a session that was reset.
-		err := l.conn.QueryRow(pctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()
-			AND granted AND ((classid::bigint << 32) | objid::bigint) = $1)`, l.key).Scan(&held)
+		err := l.conn.QueryRow(pctx, catalog.Get("LeaderLockHeld"), l.key).Scan(&held)
 		cancel()
 		if ctx.Err() != nil {
 			return nil
@@ -193,7 +190,7 @@ func TerminateStaleWalsender(ctx context.Context, connString, slot string) (int3
 	}
 	defer conn.Close(context.Background())
 	var pid *int32
-	if err := conn.QueryRow(ctx, `SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active`, slot).Scan(&pid); err != nil {
+	if err := conn.QueryRow(ctx, catalog.Get("SlotWalsender"), slot).Scan(&pid); err != nil {
 		if errors.Is(err, pgx.ErrNoRows) {
 			return 0, nil
 		}
@@ -202,7 +199,7 @@ func TerminateStaleWalsender(ctx context.Context, connString, slot string) (int3
 	if pid == nil {
 		return 0, nil
 	}
-	if _, err := conn.Exec(ctx, `SELECT pg_terminate_backend($1)`, *pid); err != nil {
+	if _, err := conn.Exec(ctx, catalog.Get("TerminateBackend"), *pid); err != nil {
 		return 0, fmt.Errorf("end walsender %d on slot %s: %w", *pid, slot, err)
 	}
 	return *pid, nil
@@ -227,10 +224,7 @@ func NewSlots(pool *pgxpool.Pool, connString, slot string) *Slots {
 // position, on a standby (the slot the stream decodes from there,
 // docs/standby.md) its replayed one.
 func (s *Slots) Slot(ctx context.Context) (exists, active bool, retained int64, err error) {
-	err = s.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(bool_or(active), false),
-		coalesce(max(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn() ELSE pg_current_wal_lsn() END - restart_lsn), 0)::bigint
-		  FROM pg_replication_slots WHERE slot_name = $1`,
-		s.slot).Scan(&exists, &active, &retained)
+	err = s.pool.QueryRow(ctx, catalog.Get("SlotState"), s.slot).Scan(&exists, &active, &retained)
 	if err != nil {
 		return false, false, 0, fmt.Errorf("look up slot %s: %w", s.slot, err)
 	}
@@ -240,7 +234,7 @@ func (s *Slots) Slot(ctx context.Context) (exists, active bool, retained int64, 
 // DropSlot drops the slot if it exists and nobody streams from it, and
 // reports whether it did.
 func (s *Slots) DropSlot(ctx context.Context) (bool, error) {
-	tag, err := s.pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, s.slot)
+	tag, err := s.pool.Exec(ctx, catalog.Get("DropIdleSlot"), s.slot)
 	if err != nil {
 		return false, fmt.Errorf("drop slot %s: %w", s.slot, err)
 	}
@@ -252,9 +246,6 @@ func (s *Slots) DropSlot(ctx context.Context) (bool, error) {
 func (s *Slots) EndStaleWalsender(ctx context.Context) (int32, error) {
 	return TerminateStaleWalsender(ctx, s.url, s.slot)
 }
-
-// leaderLockMatch finds the single-bigint advisory lock $1 in pg_locks.
-const leaderLockMatch = `k.objsubid = 1 AND ((k.classid::bigint << 32) | k.objid::bigint) = $1`
 
 // lost holds the backend pids of lock sessions this process has lost: it
 // closed its side, but the server may keep them (and their locks) until TCP
@@ -286,19 +277,15 @@ func isLostSession(pid uint32) bool {
 	return ok
 }
 
-// fenceStaleHolder looks at the session holding the advisory lock key (the
-// single-bigint form when classid is 0 for a two-key lock, see lockMatch):
-// one this process lost is ended at once; with staleAfter > 0, one that has
-// been idle that long is ended too. It reports whether it ended one.
-func fenceStaleHolder(ctx context.Context, conn *pgx.Conn, lockMatch string, lockArgs []any, staleAfter time.Duration, log zerolog.Logger) (bool, error) {
+// fenceStaleHolder looks at the session holding an advisory lock, found by
+// holderSQL with lockArgs (LeaderLockHolder or OwnerLockHolder): one this
+// process lost is ended at once; with staleAfter > 0, one that has been
+// idle that long is ended too. It reports whether it ended one.
+func fenceStaleHolder(ctx context.Context, conn *pgx.Conn, holderSQL string, lockArgs []any, staleAfter time.Duration, log zerolog.Logger) (bool, error) {
 	var pid uint32
 	var idle float64
 	var state string
-	err := conn.QueryRow(ctx, `SELECT a.pid, coalesce(a.state, ''), coalesce(extract(epoch FROM now() - a.state_change), 0)::float8
-  FROM pg_locks AS k JOIN pg_stat_activity AS a USING (pid)
- WHERE k.locktype = 'advisory' AND k.granted AND k.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-   AND `+lockMatch+`
- LIMIT 1`, lockArgs...).Scan(&pid, &state, &idle)
+	err := conn.QueryRow(ctx, holderSQL, lockArgs...).Scan(&pid, &state, &idle)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, nil
 	}
@@ -316,14 +303,14 @@ func fenceStaleHolder(ctx context.Context, conn *pgx.Conn, lockMatch string, loc
 		return false, nil
 	}
 	var ended bool
-	if err := conn.QueryRow(ctx, `SELECT pg_terminate_backend($1)`, int32(pid)).Scan(&ended); err != nil {
+	if err := conn.QueryRow(ctx, catalog.Get("TerminateBackend"), int32(pid)).Scan(&ended); err != nil {
 		return false, fmt.Errorf("end session %d: %w", pid, err)
 	}
 	if ended {
 		// pg_terminate_backend only signals: wait for the lock to go.
 		for i := 0; i < 50; i++ {
 			var alive bool
-			if err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)`, int32(pid)).Scan(&alive); err != nil || !alive {
+			if err := conn.QueryRow(ctx, catalog.Get("BackendAlive"), int32(pid)).Scan(&alive); err != nil || !alive {
 				break
 			}
 			time.Sleep(20 * time.Millisecond)

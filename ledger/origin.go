@@ -38,15 +38,6 @@ type originState struct {
 	termBound bool // bound by a StreamFrom of the current term
 }
 
-// timelineSQL reads the server's system identifier (pg_control_system(),
-// which every role may call) and the timeline it writes WAL on: the first
-// eight hex digits of the current WAL file's name — unlike
-// pg_control_checkpoint(), right from the moment a promoted standby accepts
-// writes. Both: a different cluster behind the same host name may well be
-// on the same timeline number.
-const timelineSQL = `SELECT (SELECT system_identifier FROM pg_control_system())::text,
-       ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int`
-
 // BeginTerm starts a leadership term (docs/architecture.md): the first
 // StreamFrom of the term may bind the stream to a new server; a later one
 // on another server fails with relay.ErrServerChanged, so that the events
@@ -87,7 +78,7 @@ func (s *Store) originGuard() (step, bool) {
 		return step{}, false
 	}
 	want, systemID := s.origin.timeline, s.origin.systemID
-	return step{kind: "check the server's timeline", sql: timelineSQL, check: func(row pgx.Row) error {
+	return step{kind: "check the server's timeline", sql: catalog.Get("ServerTimeline"), check: func(row pgx.Row) error {
 		var gotSystem string
 		var got int32
 		if err := row.Scan(&gotSystem, &got); err != nil {
@@ -143,17 +134,14 @@ func (s *Store) waitStandbys(ctx context.Context, setting string) error {
 		return nil
 	}
 	var flushed string
-	if err := s.pool.QueryRow(ctx, `SELECT pg_current_wal_flush_lsn()::text`).Scan(&flushed); err != nil {
+	if err := s.pool.QueryRow(ctx, catalog.Get("WALFlushPosition")).Scan(&flushed); err != nil {
 		return fmt.Errorf("read the flushed WAL position: %w", err)
 	}
 	var behind []string
 	slots := strings.Join(names, ", ")
 	for {
 		behind = behind[:0]
-		err := s.pool.QueryRow(ctx, `
-SELECT coalesce(array_agg(slot_name ORDER BY slot_name), '{}')
-  FROM pg_replication_slots
- WHERE slot_name = ANY($1) AND slot_type = 'physical' AND (restart_lsn IS NULL OR restart_lsn < $2::pg_lsn)`, names, flushed).Scan(&behind)
+		err := s.pool.QueryRow(ctx, catalog.Get("StandbysBehind"), names, flushed).Scan(&behind)
 		if err != nil && ctx.Err() == nil {
 			return fmt.Errorf("read the standbys' positions: %w", err)
 		}

@@ -13,6 +13,11 @@ import (
 //go:embed sql/*.sql
 var sqlFiles embed.FS
 
+// catalog are the statements on the server's catalogs and functions
+// (sql/catalog.sql), which name none of the relay's tables: the same for
+// every store, and for the leader lock, which has none.
+var catalog = MustLoadStatements(sqlFiles, "sql/catalog.sql", sqlData{OwnerLockClass: OwnerLockClass})
+
 // sqlData is what the statements are rendered with: the tables, quoted
 // once, and the switches that choose an index, an order or a column list
 // (claim_runs.sql). Its methods write the conditions several statements

@@ -20,7 +20,7 @@ import (
 // writes WAL on: what IDENTIFY_SYSTEM on a standby that replays this
 // primary's WAL reports as well. It only reads.
 func (s *Store) Identify(ctx context.Context) (systemID string, timeline int32, err error) {
-	if err := s.pool.QueryRow(ctx, timelineSQL).Scan(&systemID, &timeline); err != nil {
+	if err := s.pool.QueryRow(ctx, catalog.Get("ServerTimeline")).Scan(&systemID, &timeline); err != nil {
 		return "", 0, fmt.Errorf("identify the primary: %w", err)
 	}
 	return systemID, timeline, nil
@@ -33,7 +33,7 @@ func (s *Store) Identify(ctx context.Context) (systemID string, timeline int32, 
 // It only reads.
 func (s *Store) WALFlushPosition(ctx context.Context) (relay.LSN, error) {
 	var lsn relay.LSN
-	if err := s.pool.QueryRow(ctx, `SELECT pg_current_wal_flush_lsn()::text`).Scan(&lsn); err != nil {
+	if err := s.pool.QueryRow(ctx, catalog.Get("WALFlushPosition")).Scan(&lsn); err != nil {
 		return 0, fmt.Errorf("read the primary's flushed WAL position: %w", err)
 	}
 	return lsn, nil
@@ -46,7 +46,7 @@ func (s *Store) WALFlushPosition(ctx context.Context) (relay.LSN, error) {
 // ErrNoStandbySnapshotPrivilege when the role may not call the function.
 // Safe to repeat.
 func (s *Store) LogStandbySnapshot(ctx context.Context) error {
-	_, err := s.pool.Exec(ctx, `SELECT pg_log_standby_snapshot()`)
+	_, err := s.pool.Exec(ctx, catalog.Get("LogStandbySnapshot"))
 	if hasSQLState(err, "42501") {
 		return fmt.Errorf("%w: %w", ErrNoStandbySnapshotPrivilege, err)
 	}
@@ -94,7 +94,7 @@ func (s *Store) MarkForClaimFromStandby(ctx context.Context, standby *pgx.Conn, 
 // events, and the standby slot's hand-over gives the claim path what that
 // slot had not delivered.
 func (s *Store) DropSlot(ctx context.Context, slot string) (bool, error) {
-	tag, err := s.pool.Exec(ctx, `SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active`, slot)
+	tag, err := s.pool.Exec(ctx, catalog.Get("DropIdleSlot"), slot)
 	if err != nil {
 		return false, fmt.Errorf("drop slot %s on the primary: %w", slot, err)
 	}

@@ -64,8 +64,7 @@ func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration
 	}
 	st.Rows["pending"] = handed + int64(len(watch))
 	st.Rows["done"] = max(int64(total)-st.Rows["pending"]-st.Rows["processing"]-st.Rows["failed"]-st.Rows["held"]-st.Rows["discarded"], 0)
-	err = s.pool.QueryRow(ctx, `SELECT count(*) > 0, coalesce(max(pg_current_wal_lsn() - restart_lsn), 0)::bigint
-		FROM pg_replication_slots WHERE slot_name = $1`, slot).Scan(&st.SlotExists, &st.RetainedWAL)
+	err = s.pool.QueryRow(ctx, catalog.Get("SlotRetained"), slot).Scan(&st.SlotExists, &st.RetainedWAL)
 	if err != nil {
 		return st, fmt.Errorf("slot stats: %w", err)
 	}

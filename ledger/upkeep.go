@@ -125,9 +125,6 @@ type ownerLock struct {
 	pid   uint32
 }
 
-// ownerLockMatch finds the owner lock of owner $1 in pg_locks.
-const ownerLockMatch = `k.objsubid = 2 AND k.classid = 1868724338 AND k.objid = hashtext($1)::oid`
-
 // LockOwner opens a dedicated connection and takes the owner lock on it.
 // It returns an error wrapping relay.ErrLockTaken when another session holds
 // it (or the lock of an id with the same hash).
@@ -149,7 +146,7 @@ func (s *Store) LockOwner(ctx context.Context, owner string) (relay.Lock, error)
 	}
 	if !locked {
 		// A session of this process that it lost may still hold it.
-		ended, err := fenceStaleHolder(lockCtx, conn, ownerLockMatch, []any{owner}, 0, zerolog.Nop())
+		ended, err := fenceStaleHolder(lockCtx, conn, catalog.Get("OwnerLockHolder"), []any{owner}, 0, zerolog.Nop())
 		if err == nil && ended {
 			err = conn.QueryRow(lockCtx, s.sql.claim.lockOwner, owner).Scan(&locked)
 		}
