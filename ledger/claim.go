@@ -37,7 +37,9 @@ const OwnerLockClass = 0x6f627872
 // lease.
 const OwnerPrefix = "outbox-relay:"
 
+// claimOptions are the claim's settings that change its statement.
 type claimOptions struct {
+	// unordered drops the ordering check (ordering: none).
 	unordered bool
 }
 

@@ -98,8 +98,8 @@ type Store struct {
 	claimBacklog atomic.Bool
 }
 
-// statements is every SQL text the Store runs, rendered once with the
-// configured names quoted as identifiers.
+// statements is every SQL text the Store runs, read from sql/*.sql and
+// rendered once with the configured names quoted as identifiers (render).
 type statements struct {
 	stream streamStatements
 	claim  claimStatements
