@@ -45,15 +45,15 @@ func TestRowStateIsReadOneWay(t *testing.T) {
 		// never overwriting a delivery, the re-stream check of which sinks
 		// have an event.
 		"ledger/sql/stream.sql": 3,
-		// dlq --sink: the events not delivered to that sink; retry keeps
-		// the pairs delivered.
-		"ledger/admin/dlq.go": 2,
+		// dlq --sink: the events not delivered to that sink (the list and
+		// its count); retry keeps the pairs delivered.
+		"ledger/admin/sql/dlq.sql": 3,
 		// status: deliveries per sink in the last hour.
-		"ledger/admin/status.go": 1,
+		"ledger/admin/sql/status.sql": 1,
 		// verify checks the record itself: each pair of a row against its
 		// status (the row's ledger rows as bitmasks, delivered or not) and
 		// a sink's copies against their pairs.
-		"ledger/admin/verify.go": 3,
+		"ledger/admin/sql/verify.sql": 3,
 		// The query verify prints for the pairs missing at a sink.
 		"ledger/admin/verify_sql.go": 1,
 	}
