@@ -129,7 +129,7 @@ func (s *Store) Claim(ctx context.Context, q relay.ClaimQuery) ([]*relay.Work, e
 	}
 	// With a backlog at the claim path (the last claim's first window was
 	// full) in replication mode, a share of each claim goes first to the
-	// newest due hand-offs: the fresh events of aggregates the stream
+	// newest due diversions: the fresh events of aggregates the stream
 	// diverts behind the backlog (a slot recreated behind 200,000 rows).
 	// Their runs start at the aggregate's oldest unsettled row wherever it
 	// lies, so the claim path catches up with those aggregates, and gives

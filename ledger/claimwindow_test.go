@@ -14,7 +14,7 @@ import (
 
 // TestClaimWindowFollowsItsIndexBeforeStatistics: a claim's window (the due
 // rows it looks at, oldest first after a cursor) is read through the partial
-// index that holds only claimable rows — in replication mode the hand-off
+// index that holds only claimable rows — in replication mode the diversion
 // index, in poll mode the claim index — whatever the statistics say. make
 // bench's slot-recreated (a slot without the relay's hand-over record behind
 // 50,000 rows, fresh events at 1,000/s) showed 180 claims of 136 ms each,

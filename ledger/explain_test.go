@@ -104,13 +104,13 @@ func explainClaim(tb testing.TB, db *claimDB, sql string, args []any) string {
 }
 
 // TestClaimCostIndependentOfStreamedHistory: the ordering check must not
-// walk an aggregate's history for every handed-off row. With 200
+// walk an aggregate's history for every diverted row. With 200
 // aggregates, each 300 rows the stream delivered (done, written in its
-// settlement, and so out of the order index) followed by 30 handed-off ones
+// settlement, and so out of the order index) followed by 30 diverted ones
 // (an outage diverted them, and the aggregates' later events followed them
-// to the claim path), a claim reads a few dozen buffers per handed-off row.
+// to the claim path), a claim reads a few dozen buffers per diverted row.
 // Walking every earlier row of the aggregate for every row cost about 900
-// per row (make chaos, full profile: a 27 s claim over 53,000 handed-off
+// per row (make chaos, full profile: a 27 s claim over 53,000 diverted
 // rows, the claim path at about 40 events/s, the backlog never drained).
 func TestClaimCostIndependentOfStreamedHistory(t *testing.T) {
 	db := mustClaimDB(t)
@@ -153,9 +153,9 @@ func TestClaimCostIndependentOfStreamedHistory(t *testing.T) {
 		t.Fatal(err)
 	}
 	text := strings.Join(plan, "\n")
-	// Runs: each aggregate's handed-off rows, up to the limit of 500.
+	// Runs: each aggregate's diverted rows, up to the limit of 500.
 	if claimed != 500 {
-		t.Fatalf("claimed %d rows, want 500 (runs of the handed-off rows of the aggregates)\n%s", claimed, text)
+		t.Fatalf("claimed %d rows, want 500 (runs of the diverted rows of the aggregates)\n%s", claimed, text)
 	}
 	m := regexp.MustCompile(`Buffers: shared hit=(\d+)`).FindStringSubmatch(text)
 	if m == nil {
@@ -163,9 +163,9 @@ func TestClaimCostIndependentOfStreamedHistory(t *testing.T) {
 	}
 	hits, _ := strconv.Atoi(m[1])
 	perRow := float64(hits) / (aggs * handed)
-	t.Logf("%d buffer hits for %d handed-off rows behind %d streamed ones: %.1f per row; %s", hits, aggs*handed, aggs*streamed, perRow, plan[len(plan)-1])
+	t.Logf("%d buffer hits for %d diverted rows behind %d streamed ones: %.1f per row; %s", hits, aggs*handed, aggs*streamed, perRow, plan[len(plan)-1])
 	if perRow > 100 {
-		t.Errorf("the claim read %.1f buffers per handed-off row (%d in all), want at most 100: the ordering check walks the streamed history for every row\n%s", perRow, hits, text)
+		t.Errorf("the claim read %.1f buffers per diverted row (%d in all), want at most 100: the ordering check walks the streamed history for every row\n%s", perRow, hits, text)
 	}
 }
 
@@ -197,7 +197,7 @@ func explainBuffers(tb testing.TB, f *fixture, sql string, args ...any) (int, st
 // slot 200,000 rows were pending, the stream's own; the read walked all of
 // them (the order index holds every pending row) and took 0.75 s in make
 // bench's slot-recreated, the fresh events waiting. It must read only the
-// handed-off, claimed and held rows, whatever the pending backlog.
+// diverted, claimed and held rows, whatever the pending backlog.
 func TestDivertedCostIndependentOfTheStreamsBacklog(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
@@ -205,9 +205,9 @@ func TestDivertedCostIndependentOfTheStreamsBacklog(t *testing.T) {
 		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload)
 		SELECT 'e', 'order', (g % 2000)::text, 'backlog-' || g, '{}' FROM generate_series(1, 20000) AS g`)
 	f.MustInsert(t,
-		row{Key: "handed", AggType: ptr("order"), AggID: ptr("handed"), HandedOff: true},
+		row{Key: "handed", AggType: ptr("order"), AggID: ptr("handed"), Diverted: true},
 		row{Key: "held", AggType: ptr("order"), AggID: ptr("held"), Status: "held"},
-		row{Key: "claimed", AggType: ptr("order"), AggID: ptr("claimed"), Status: "processing", HandedOff: true})
+		row{Key: "claimed", AggType: ptr("order"), AggID: ptr("claimed"), Status: "processing", Diverted: true})
 	f.MustExec(t, `VACUUM ANALYZE integration_outbox`)
 	buffers, text := explainBuffers(t, f, f.store.DivertedStatement())
 	t.Logf("the diverted read touched %d buffers behind 20,000 pending rows", buffers)
@@ -219,7 +219,7 @@ func TestDivertedCostIndependentOfTheStreamsBacklog(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(got) != 3 {
-		t.Errorf("Diverted = %v, want the handed-off, held and claimed aggregates", got)
+		t.Errorf("Diverted = %v, want the diverted, held and claimed aggregates", got)
 	}
 }
 

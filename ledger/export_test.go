@@ -26,7 +26,7 @@ func (s *Store) ClaimStatement(limit int, owner string, all bool) (string, []any
 	return s.sql.claim.claim[i], []any{limit, owner, cursor, int64(0), max(limit*claimWindowRows, 1000), relay.ReadBytes(relay.DefaultMaxInFlightBytes)}, nil
 }
 
-// ClaimNewestStatement returns the claim of the newest due hand-offs
+// ClaimNewestStatement returns the claim of the newest due diversions
 // first (Claim's share for the aggregates the stream diverts) and its
 // arguments, for EXPLAIN.
 func (s *Store) ClaimNewestStatement(limit int, owner string) (string, []any, error) {

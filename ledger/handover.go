@@ -260,7 +260,7 @@ func (s *Store) payloadSizes(ctx context.Context, ids []int64) (map[int64]int64,
 }
 
 // read reads, once, in the imported snapshot, the rows pending there and
-// not handed off — exactly the rows committed before the slot's consistent
+// not diverted — exactly the rows committed before the slot's consistent
 // point, which the new slot will never stream: their ids and aggregates,
 // held in memory (16 bytes a row, and each aggregate once), and ends the
 // snapshot's transaction, so that none stays open while they are delivered
@@ -391,7 +391,7 @@ func (h *handOverRows) Aggregates(ctx context.Context) ([]relay.AggregateKey, er
 // payloads take at most the store's readBytes (a row larger than that
 // alone), so that the memory a slice holds before the engine takes it is
 // bounded by bytes (docs/performance.md, "Memory") — keeping only those
-// still pending and not handed off (a poller still running may have
+// still pending and not diverted (a poller still running may have
 // claimed one since the snapshot, the stream may have settled one), and
 // gives them
 // to feed. The aggregates with the fewest rows go first, each in id order:
@@ -551,7 +551,7 @@ func (h *handOverRows) Close() {
 }
 
 // markSnapshotIDs reads on db, in the exported snapshot, the ids of the
-// rows pending there and not handed off, then
+// rows pending there and not diverted, then
 // marks those still so on the primary, by id at READ COMMITTED, in one
 // transaction that also records the hand-over of slot as done at
 // consistent. db is the primary (the fallback of MarkForClaim) or the

@@ -202,7 +202,7 @@ func TestHandOver(t *testing.T) {
 				row{Key: "pending-1", AggType: ptr("order"), AggID: ptr("1")},
 				row{Key: "pending-2", AggType: ptr("order"), AggID: ptr("1")},
 				row{Key: "pending-null-available", NoAvailableAt: true},
-				row{Key: "handed-off", HandedOff: true},
+				row{Key: "diverted", Diverted: true},
 				row{Key: "done", Status: "done"},
 				row{Key: "processing", Status: "processing"},
 			)
@@ -226,7 +226,7 @@ func TestHandOver(t *testing.T) {
 			if err != nil {
 				t.Fatalf("hand-over: %v", err)
 			}
-			// Exactly the rows pending before the slot, not handed off: in
+			// Exactly the rows pending before the slot, not diverted: in
 			// id order within their aggregate, the unordered one first.
 			if got, want := fed.keys(), []string{"pending-null-available", "pending-1", "pending-2"}; !slices.Equal(got, want) {
 				t.Errorf("rows fed %q, want %q", got, want)
@@ -259,7 +259,7 @@ func TestHandOver(t *testing.T) {
 			}
 			// Nothing is marked for the claim path.
 			for _, id := range append(before[:3], after...) {
-				if got := f.MustRow(t, id); got.HandoffAt != nil {
+				if got := f.MustRow(t, id); got.DivertedAt != nil {
 					t.Errorf("row %d marked for the claim path, want untouched", id)
 				}
 			}
@@ -572,13 +572,13 @@ func TestHandOverReadsItsSnapshotWhenAsked(t *testing.T) {
 // TestHandOverPendingAsksTheSnapshot: while the rows are not read yet,
 // Pending answers from the snapshot (the stream's first events ask it);
 // after the read, from the rows read, with the same answer: the aggregates
-// with rows pending and not handed off in the snapshot.
+// with rows pending and not diverted in the snapshot.
 func TestHandOverPendingAsksTheSnapshot(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	f.MustInsert(t,
 		row{Key: "one", AggType: ptr("order"), AggID: ptr("1")},
-		row{Key: "handed", AggType: ptr("order"), AggID: ptr("2"), HandedOff: true})
+		row{Key: "handed", AggType: ptr("order"), AggID: ptr("2"), Diverted: true})
 	_, _, h := f.mustOpenHandOver(t, f.store)
 	defer h.Close()
 	f.MustInsert(t, row{Key: "after", AggType: ptr("order"), AggID: ptr("3")})
@@ -694,13 +694,13 @@ func TestHandOverReportsEachAggregateOnceFed(t *testing.T) {
 }
 
 // TestHandOverLeavesOutRowsSettledSinceTheSnapshot: a row of the snapshot
-// that another relay settled (its status done), handed off or claimed
+// that another relay settled (its status done), diverted or claimed
 // before its slice is read is not fed again.
 func TestHandOverLeavesOutRowsSettledSinceTheSnapshot(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	store := f.store
-	ids := f.MustInsert(t, row{Key: "delivered"}, row{Key: "handed-off"}, row{Key: "claimed"}, row{Key: "kept"})
+	ids := f.MustInsert(t, row{Key: "delivered"}, row{Key: "diverted"}, row{Key: "claimed"}, row{Key: "kept"})
 	slot, created, h := f.mustOpenHandOver(t, store)
 	defer h.Close()
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts) VALUES ('delivered', 'nats', 'delivered', 1)`)

@@ -74,7 +74,7 @@ type row struct {
 	// NullStatus inserts the row with a NULL status (the column is
 	// nullable), which means pending.
 	NullStatus bool
-	HandedOff  bool
+	Diverted   bool
 	LastError  *string
 	Attempts   int
 	// NoAvailableAt inserts the row with a NULL available_at (an
@@ -99,7 +99,7 @@ func (f *fixture) MustInsert(tb testing.TB, rows ...row) []int64 {
 			status = ptr("pending")
 		}
 		var handoff *time.Time
-		if r.HandedOff {
+		if r.Diverted {
 			handoff = ptr(time.Now())
 		}
 		err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
@@ -134,7 +134,7 @@ func (f *fixture) MustInsertPending(tb testing.TB, prefix string, n int) []int64
 // outboxRow is what the tests check of a row.
 type outboxRow struct {
 	Status      string // "<NULL>" when NULL
-	HandoffAt   *time.Time
+	DivertedAt  *time.Time
 	AvailableAt time.Time // zero when NULL
 	LastError   *string
 	Attempts    int
@@ -147,7 +147,7 @@ func (f *fixture) MustRow(tb testing.TB, id int64) outboxRow {
 	var available *time.Time
 	err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
 		SELECT coalesce(status, '<NULL>'), handoff_at, available_at, last_error, attempts, processed_at FROM %s WHERE id = $1`,
-		f.names.Outbox.Quoted()), id).Scan(&r.Status, &r.HandoffAt, &available, &r.LastError, &r.Attempts, &r.ProcessedAt)
+		f.names.Outbox.Quoted()), id).Scan(&r.Status, &r.DivertedAt, &available, &r.LastError, &r.Attempts, &r.ProcessedAt)
 	if err != nil {
 		tb.Fatalf("read row %d: %v", id, err)
 	}
@@ -209,7 +209,7 @@ func (f *fixture) MustCount(tb testing.TB, sql string, args ...any) int {
 // String renders r with its pointers followed, for comparisons and messages.
 func (r outboxRow) String() string {
 	return fmt.Sprintf("{status=%s handoff_at=%s available_at=%s last_error=%s attempts=%d processed_at=%s}",
-		r.Status, deref(r.HandoffAt), r.AvailableAt, deref(r.LastError), r.Attempts, deref(r.ProcessedAt))
+		r.Status, deref(r.DivertedAt), r.AvailableAt, deref(r.LastError), r.Attempts, deref(r.ProcessedAt))
 }
 
 func deref[T any](p *T) string {

@@ -142,7 +142,7 @@ const planTx = `set_config('enable_seqscan', 'off', true), set_config('jit', 'of
 
 // planClaimTx also turns sorts off for a claim's transaction: its window
 // (the due rows after its cursor, oldest or newest first) is read in the
-// order of a partial index that holds only claimable rows (the hand-off
+// order of a partial index that holds only claimable rows (the diversion
 // index, or the claim index in poll mode), where a scan stops after the
 // window's rows. Before the table's first ANALYZE (where a relay attached
 // to a freshly written backlog starts) the planner chose the seed's status
@@ -237,7 +237,7 @@ type querier interface {
 
 // step is one statement of a settlement transaction.
 type step struct {
-	kind string // for errors: "hand off 3 rows"
+	kind string // for errors: "divert 3 rows"
 	sql  string
 	args []any
 	// ids: the statement returns ids of rows it could not see.

@@ -86,19 +86,19 @@ func TestMarkForClaimFromStandbyTakesNullStatusRows(t *testing.T) {
 		t.Fatalf("MarkForClaimFromStandby = %d, %v; want both rows marked", n, err)
 	}
 	for _, id := range ids {
-		if got := f.MustRow(t, id); got.Status != "pending" || got.HandoffAt == nil {
-			t.Errorf("row %d = %v, want pending and handed off", id, got)
+		if got := f.MustRow(t, id); got.Status != "pending" || got.DivertedAt == nil {
+			t.Errorf("row %d = %v, want pending and diverted", id, got)
 		}
 	}
 	mustClaimIDs(t, f.store, ids...)
 }
 
-// TestStreamHandOffOfANullStatusRowReachesTheClaimPath: the stream hands
-// off a row inserted with a NULL status; the hand-off writes status
-// pending, and the claim (of handed-off rows) takes it. Before, the row
+// TestStreamDivertOfANullStatusRowReachesTheClaimPath: the stream hands
+// off a row inserted with a NULL status; the diversion writes status
+// pending, and the claim (of diverted rows) takes it. Before, the row
 // stayed NULL, which the claim's index does not hold, until the sweeper's
 // repair.
-func TestStreamHandOffOfANullStatusRowReachesTheClaimPath(t *testing.T) {
+func TestStreamDivertOfANullStatusRowReachesTheClaimPath(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	ids := f.MustInsert(t, row{Key: "null", NullStatus: true})
@@ -106,8 +106,8 @@ func TestStreamHandOffOfANullStatusRowReachesTheClaimPath(t *testing.T) {
 	if _, err := f.store.SettleStream(ctx, []*relay.Work{w}, "relay-a"); err != nil {
 		t.Fatal(err)
 	}
-	if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.HandoffAt == nil {
-		t.Errorf("row after the hand-off = %v, want pending and handed off", got)
+	if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.DivertedAt == nil {
+		t.Errorf("row after the diversion = %v, want pending and diverted", got)
 	}
 	mustClaimIDs(t, f.store, ids...)
 }
@@ -131,12 +131,12 @@ func TestNullStatusRowsAreTheStreams(t *testing.T) {
 	if n, err := f.store.Reconcile(ctx, 10*time.Minute); err != nil || n != 1 {
 		t.Errorf("Reconcile = %d, %v; want the old row marked", n, err)
 	}
-	if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.HandoffAt == nil {
-		t.Errorf("reconciled row = %v, want pending and handed off", got)
+	if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.DivertedAt == nil {
+		t.Errorf("reconciled row = %v, want pending and diverted", got)
 	}
 }
 
-// mustClaimIDs claims handed-off rows (replication mode) and fails unless
+// mustClaimIDs claims diverted rows (replication mode) and fails unless
 // it took exactly ids.
 func mustClaimIDs(t *testing.T, store *ledger.Store, ids ...int64) {
 	t.Helper()

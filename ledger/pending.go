@@ -8,9 +8,9 @@ import "fmt"
 // status for "pending", "the stream's" and "unsettled": none reads
 // status = 'pending' for those, nor COALESCE(status, …).
 //
-// The relay writes a status on every row it changes: a hand-off to the
+// The relay writes a status on every row it changes: a diversion to the
 // claim path writes pending, so the claim path's rows never have a NULL
-// status, and the claim's window (the claim and hand-off indexes, whose
+// status, and the claim's window (the claim and diversion indexes, whose
 // predicate is status = 'pending') reads them as they are. A row that has
 // never been written by the relay may have one. The order index holds such
 // a row (migration 013), so an aggregate's row with a NULL status holds its
@@ -25,7 +25,7 @@ func Pending(o string) string {
 }
 
 // StreamOwned is the SQL condition "the row aliased o is still the
-// stream's": pending (Pending) and not handed off to the claim path. A
+// stream's": pending (Pending) and not diverted to the claim path. A
 // statement that finds its rows by id tests "StreamOwned(o) IS TRUE",
 // which no index serves: the planner probes the ids, where the condition
 // alone let it combine the status indexes' entries for every pending row

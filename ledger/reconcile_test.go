@@ -11,7 +11,7 @@ import (
 )
 
 // Reconcile marks for the claim path exactly the rows still pending, not
-// handed off, and created more than older-than ago — whatever the ledger
+// diverted, and created more than older-than ago — whatever the ledger
 // shows (the claim path skips delivered pairs) — and is safe to repeat;
 // older-than 0 is refused. Before it, the alarm's query (Stuck) counts
 // those rows and the age of the oldest; after it, none.
@@ -20,7 +20,7 @@ func TestReconcile(t *testing.T) {
 	ctx := context.Background()
 	for _, r := range []struct {
 		key, status string
-		handedOff   bool
+		diverted    bool
 		age         time.Duration
 	}{
 		{"old1", "pending", false, time.Hour},
@@ -36,7 +36,7 @@ func TestReconcile(t *testing.T) {
 			                                created_at, available_at)
 			VALUES ('order.placed', 'order', 'A', $1, '{}', $2, CASE WHEN $3 THEN now() END,
 			        now() - $4::bigint * interval '1 millisecond', now() - $4::bigint * interval '1 millisecond')`,
-			r.key, r.status, r.handedOff, r.age.Milliseconds())
+			r.key, r.status, r.diverted, r.age.Milliseconds())
 	}
 	db.exec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
 		VALUES ('old-delivered', 'a', 'delivered', 1, now())`)
@@ -61,11 +61,11 @@ func TestReconcile(t *testing.T) {
 	status := map[string]string{}
 	for rows.Next() {
 		var key, st string
-		var handedOff bool
-		if err := rows.Scan(&key, &handedOff, &st); err != nil {
+		var diverted bool
+		if err := rows.Scan(&key, &diverted, &st); err != nil {
 			t.Fatal(err)
 		}
-		marked[key], status[key] = handedOff, st
+		marked[key], status[key] = diverted, st
 	}
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
@@ -73,7 +73,7 @@ func TestReconcile(t *testing.T) {
 	for key, want := range map[string]bool{"old1": true, "old2": true, "old-delivered": true, "old-marked": true,
 		"new": false, "old-done": false, "old-failed": false} {
 		if marked[key] != want {
-			t.Errorf("%s: handed off %v, want %v", key, marked[key], want)
+			t.Errorf("%s: diverted %v, want %v", key, marked[key], want)
 		}
 	}
 	for key, st := range status {
@@ -107,7 +107,7 @@ func TestReconcileRefusesWhileAHandOverIsUnfinished(t *testing.T) {
 		t.Fatalf("Reconcile during a hand-over = %d, %v; want ErrHandOverUnfinished naming relay_slot", n, err)
 	}
 	if marked := db.exec(t, `SELECT FROM integration_outbox WHERE handoff_at IS NOT NULL`); marked != 0 {
-		t.Fatalf("%d rows handed off by a refused Reconcile", marked)
+		t.Fatalf("%d rows diverted by a refused Reconcile", marked)
 	}
 	db.exec(t, `UPDATE relay_checkpoint SET handover_lsn = '0/1' WHERE slot_name = 'relay_slot'`) // the hand-over recorded
 	if n, err := db.store.Reconcile(ctx, 10*time.Minute); err != nil || n != 1 {

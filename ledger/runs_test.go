@@ -56,7 +56,7 @@ func insertRows(tb testing.TB, db *claimDB, n int, aggs ...string) map[string][]
 	return ids
 }
 
-// insertBacklogAndRecent inserts n handed-off rows over 100 aggregates, due
+// insertBacklogAndRecent inserts n diverted rows over 100 aggregates, due
 // an hour ago, and aggregate z's run: a row due 10 minutes ago and two due a
 // second ago; it returns z's ids.
 func insertBacklogAndRecent(tb testing.TB, db *claimDB, n int) []int64 {
@@ -191,9 +191,9 @@ func TestClaimRunStartsBelowTheWindow(t *testing.T) {
 }
 
 // A hand-over marks thousands of rows at once, and the planner's
-// statistics of the hand-off index then say it is empty. The claim's lock
+// statistics of the diversion index then say it is empty. The claim's lock
 // step must still reach the chosen rows by id: planned through that index
-// it scanned every handed-off row for each chosen row (make bench's
+// it scanned every diverted row for each chosen row (make bench's
 // slot-recreated: 30 s per claim over 200,000 rows).
 func TestClaimLocksChosenRowsByIDAfterAHandOver(t *testing.T) {
 	db := mustClaimDB(t)
@@ -214,7 +214,7 @@ func TestClaimLocksChosenRowsByIDAfterAHandOver(t *testing.T) {
 }
 
 // A row claimed in poll mode is the claim path's from then on, as a row the
-// stream handed off is (docs/guarantees.md "Claim runs"): its handoff_at is
+// stream diverted is (docs/guarantees.md "Claim runs"): its handoff_at is
 // set, so a relay that streams next — a new leader after the poller was
 // killed with runs in flight — diverts the aggregate's new events behind it
 // instead of streaming them past it, and its re-stream check skips it.
@@ -225,12 +225,12 @@ func TestPollClaimMakesRowsTheClaimPaths(t *testing.T) {
 	if got := claimIDs(t, db, ledger.NewOwner(), 2)["a"]; !slices.Equal(got, ids[:2]) {
 		t.Fatalf("claimed %v, want %v", got, ids[:2])
 	}
-	var withHandoffAt int
-	if err := db.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL AND status = 'processing'`).Scan(&withHandoffAt); err != nil {
+	var withDivertedAt int
+	if err := db.pool.QueryRow(ctx, `SELECT count(*) FROM integration_outbox WHERE handoff_at IS NOT NULL AND status = 'processing'`).Scan(&withDivertedAt); err != nil {
 		t.Fatal(err)
 	}
-	if withHandoffAt != 2 {
-		t.Fatalf("%d claimed rows with handoff_at set, want 2", withHandoffAt)
+	if withDivertedAt != 2 {
+		t.Fatalf("%d claimed rows with handoff_at set, want 2", withDivertedAt)
 	}
 	diverted, err := db.store.Diverted(ctx)
 	if err != nil {
@@ -242,12 +242,12 @@ func TestPollClaimMakesRowsTheClaimPaths(t *testing.T) {
 }
 
 // With a backlog at the claim path in replication mode, each claim gives a
-// share to the newest due hand-offs (docs/guarantees.md "Claim runs"): an
+// share to the newest due diversions (docs/guarantees.md "Claim runs"): an
 // aggregate the stream diverts behind one old row at the back of a large
 // backlog — a slot recreated behind it — gets its run (the old row, then
 // its fresh events) in the next claim, not once the whole backlog is
 // through.
-func TestClaimTakesTheNewestHandOffsDuringABacklog(t *testing.T) {
+func TestClaimTakesTheNewestDiversionsDuringABacklog(t *testing.T) {
 	db := mustClaimDB(t)
 	ctx := context.Background()
 	z := insertBacklogAndRecent(t, db, 5000)

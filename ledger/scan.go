@@ -12,7 +12,7 @@ import (
 )
 
 // The pending scan: the rows still the stream's (StreamOwned: pending, not
-// handed off) — those it is delivering now, and those it will never stream
+// diverted) — those it is delivering now, and those it will never stream
 // (a slot made by someone else while the relay was down) — without reading
 // the whole table every few seconds. No index holds just those rows: the
 // claim index holds the claim path's pending rows too, a backlog of a
@@ -65,7 +65,7 @@ type watched struct {
 }
 
 // scanPending advances the scan and returns the watch list: the rows
-// pending and not handed off.
+// pending and not diverted.
 func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
 	sc := &s.scan
 	sc.mu.Lock()
@@ -78,7 +78,7 @@ func (s *Store) scanPending(ctx context.Context) ([]watched, error) {
 		// the slot: whatever the scan watches now, or would read, is on its
 		// way, and not stuck (docs/architecture.md, "slot creation"). The
 		// scan resumes from its floor afterwards, where those rows read as
-		// settled or handed off.
+		// settled or diverted.
 		clear(sc.watch)
 		return nil, nil
 	}

@@ -16,7 +16,7 @@ import (
 // outbox's first ANALYZE the planner took the seed's status index for
 // "status = 'pending'" as selective and combined it with the ids in a
 // bitmap, which read the status index's entries for all 50,000 backlog rows
-// handed to the claim path, for a watch list of a few thousand ids (205 ms
+// diverted to the claim path, for a watch list of a few thousand ids (205 ms
 // a recheck, 13% of a core through the phase).
 func TestPendingScanReadsItsIdsBeforeStatistics(t *testing.T) {
 	if testing.Short() {
@@ -25,7 +25,7 @@ func TestPendingScanReadsItsIdsBeforeStatistics(t *testing.T) {
 	db := mustClaimDB(t)
 	ctx := context.Background()
 	db.exec(t, `ALTER TABLE integration_outbox SET (autovacuum_enabled = off)`)
-	// 38,000 rows handed to the claim path, then 2,000 of the stream's that
+	// 38,000 rows diverted to the claim path, then 2,000 of the stream's that
 	// no sink has yet: the watch list.
 	db.exec(t, `
 		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, handoff_at)

@@ -18,7 +18,7 @@ func TestDeadLettersAndHoldsRecordWhenTheyWereSettled(t *testing.T) {
 	ctx := context.Background()
 	ids := f.MustInsert(t,
 		row{Key: "stream-failed"}, row{Key: "stream-held"},
-		row{Key: "claim-failed", Status: "processing", HandedOff: true}, row{Key: "claim-held", Status: "processing", HandedOff: true},
+		row{Key: "claim-failed", Status: "processing", Diverted: true}, row{Key: "claim-held", Status: "processing", Diverted: true},
 	)
 	f.MustExec(t, fmt.Sprintf(`UPDATE %s SET locked_by = 'relay-a', locked_at = now() WHERE status = 'processing'`, f.names.Outbox.Quoted()))
 	dead := relay.Decision{Kind: relay.DeadLetter, Reason: "sink erp: 400", Attempts: 1}

@@ -33,7 +33,7 @@ type sqlData struct {
 	// Unordered drops the claim's ordering check (ordering: none).
 	Unordered bool
 	// PollMode: the claim reads every due row (the claim index), not only
-	// the rows diverted to the claim path (the hand-off index).
+	// the rows diverted to the claim path (the diversion index).
 	PollMode bool
 	// Newest: the claim's window is the newest due rows, newest first.
 	Newest bool

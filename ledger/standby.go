@@ -65,10 +65,10 @@ var ErrNoStandbySnapshotPrivilege = errors.New("the role may not call pg_log_sta
 // a standby (docs/standby.md, "the hand-over on a standby"). The standby
 // cannot be written, so it reads on standby, in the snapshot that
 // CREATE_REPLICATION_SLOT … EXPORT_SNAPSHOT exported there, the ids of the
-// rows pending and not handed off: the rows
+// rows pending and not diverted: the rows
 // committed before the slot's consistent point, which it will never stream.
 // Then, on the primary, in one transaction, it marks those of them still
-// pending and not handed off for the claim path, by id, and records the
+// pending and not diverted for the claim path, by id, and records the
 // hand-over of slot as done at consistent. It returns how many rows it
 // marked.
 //

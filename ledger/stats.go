@@ -14,7 +14,7 @@ import (
 type Stats struct {
 	Rows             map[string]int64 // by status; done is an estimate
 	OldestPendingAge time.Duration
-	// Stuck counts rows the stream owns (pending, not handed off) older
+	// Stuck counts rows the stream owns (pending, not diverted) older
 	// than the sweep_after given to Stats.
 	Stuck       int64
 	SlotExists  bool
@@ -22,7 +22,7 @@ type Stats struct {
 }
 
 // Stats reads the outbox's counts and the slot's retained WAL. It never
-// reads the whole table: pending rows are the rows handed to the claim path
+// reads the whole table: pending rows are the rows diverted to the claim path
 // (their own index) and the pending scan's watch list (rows still the
 // stream's, see scan.go); processing, failed, held and discarded rows come
 // from the status index; done is the table's estimated size

@@ -222,7 +222,7 @@ type settlementRows struct {
 	unknownKeys, unknownActions     []string
 	unknownDetails                  []string
 	releaseKeys, releaseActions     []string
-	// row changes by kind: hand-offs, dead letters, held
+	// row changes by kind: diversions, dead letters, held
 	handIDs   []int64
 	handAt    []pgtype.Timestamptz
 	handErrs  []string
@@ -298,7 +298,7 @@ func split(works []*relay.Work) *settlementRows {
 //
 // Every pair the stream delivered gets its delivered ledger row here, the
 // record of each delivery on both paths, and every row its status in the
-// same transaction: done, a hand-off, failed or held (docs/operations.md,
+// same transaction: done, a diversion, failed or held (docs/operations.md,
 // "what the relay writes back"). The pairs are written before the rows
 // (docs/architecture.md, "Lock order").
 func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner string) ([]int64, error) {
@@ -330,7 +330,7 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 			steps = append(steps, ids(fmt.Sprintf("mark %d rows done", len(r.doneIDs)), st.done, r.doneIDs))
 		}
 		if len(r.handIDs) > 0 {
-			steps = append(steps, ids(fmt.Sprintf("hand off %d rows", len(r.handIDs)), st.divert, r.handIDs, r.handAt, r.handErrs, r.handN))
+			steps = append(steps, ids(fmt.Sprintf("divert %d rows", len(r.handIDs)), st.divert, r.handIDs, r.handAt, r.handErrs, r.handN))
 		}
 		if len(r.deadIDs) > 0 {
 			steps = append(steps, ids(fmt.Sprintf("dead-letter %d rows", len(r.deadIDs)), st.deadLetter, r.deadIDs, r.deadErrs, r.deadN))
@@ -356,7 +356,7 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 }
 
 // Diverted implements relay.StreamStore: the distinct aggregates (non-NULL
-// aggregate_type and aggregate_id) with a row handed off to the claim path
+// aggregate_type and aggregate_id) with a row diverted to the claim path
 // and not yet settled, or held. It only reads.
 func (s *Store) Diverted(ctx context.Context) ([]relay.AggregateKey, error) {
 	rows, err := s.pool.Query(ctx, s.sql.stream.diverted)

@@ -75,18 +75,18 @@ func TestSettleDeliveredTakesOverClaims(t *testing.T) {
 	}
 }
 
-func TestSettleHandOff(t *testing.T) {
+func TestSettleDivert(t *testing.T) {
 	f := MustFixture(t)
 	ctx := context.Background()
 	ids := f.MustInsert(t,
 		row{Key: "pending", Attempts: 1},
 		row{Key: "done", Status: "done"},
-		row{Key: "handed-off", HandedOff: true, LastError: ptr("earlier")},
-		row{Key: "processing", Status: "processing", HandedOff: true},
+		row{Key: "diverted", Diverted: true, LastError: ptr("earlier")},
+		row{Key: "processing", Status: "processing", Diverted: true},
 		row{Key: "due-now", LastError: ptr("kept")},
 		row{Key: "more-attempts", Attempts: 5},
 	)
-	pending, done, handedOff, processing, dueNow, moreAttempts := ids[0], ids[1], ids[2], ids[3], ids[4], ids[5]
+	pending, done, diverted, processing, dueNow, moreAttempts := ids[0], ids[1], ids[2], ids[3], ids[4], ids[5]
 	before := map[int64]outboxRow{}
 	for _, id := range ids {
 		before[id] = f.MustRow(t, id)
@@ -94,7 +94,7 @@ func TestSettleHandOff(t *testing.T) {
 
 	later := time.Now().Add(time.Hour).Truncate(time.Microsecond)
 	var works []*relay.Work
-	for i, id := range []int64{pending, done, handedOff, processing, moreAttempts} {
+	for i, id := range []int64{pending, done, diverted, processing, moreAttempts} {
 		works = append(works, streamWork(id, fmt.Sprint("k", i), relay.Decision{Kind: relay.Later, At: later, Reason: "timeout", Attempts: 2}))
 	}
 	// No time and no error: due now, and the previous error is kept.
@@ -106,24 +106,24 @@ func TestSettleHandOff(t *testing.T) {
 
 	// Decision.Attempts is the row's count after this pass (the policy
 	// adds this pass's attempts to Event.Attempts), so it is stored with
-	// GREATEST, never added: the old Settle added HandOff.Attempts (1 + 2
+	// GREATEST, never added: the old Settle added Divert.Attempts (1 + 2
 	// = 3); the same pass now stores 2.
 	got := f.MustRow(t, pending)
-	if got.Status != "pending" || got.HandoffAt == nil || !got.AvailableAt.Equal(later) ||
+	if got.Status != "pending" || got.DivertedAt == nil || !got.AvailableAt.Equal(later) ||
 		got.LastError == nil || *got.LastError != "timeout" || got.Attempts != 2 {
-		t.Errorf("pending row after hand-off = %+v, want pending, handoff_at set, available_at %v, last_error timeout, attempts 2", got, later)
+		t.Errorf("pending row after diversion = %+v, want pending, handoff_at set, available_at %v, last_error timeout, attempts 2", got, later)
 	}
-	if got := f.MustRow(t, moreAttempts); got.HandoffAt == nil || got.Attempts != 5 {
-		t.Errorf("row with 5 attempts after a hand-off of 2 = %+v, want handed off, attempts kept at 5", got)
+	if got := f.MustRow(t, moreAttempts); got.DivertedAt == nil || got.Attempts != 5 {
+		t.Errorf("row with 5 attempts after a diversion of 2 = %+v, want diverted, attempts kept at 5", got)
 	}
 	got = f.MustRow(t, dueNow)
-	if got.HandoffAt == nil || got.AvailableAt.Before(start.Add(-time.Minute)) || got.AvailableAt.After(time.Now().Add(time.Minute)) ||
+	if got.DivertedAt == nil || got.AvailableAt.Before(start.Add(-time.Minute)) || got.AvailableAt.After(time.Now().Add(time.Minute)) ||
 		got.LastError == nil || *got.LastError != "kept" || got.Attempts != 0 {
-		t.Errorf("due-now row after hand-off = %+v, want available now, last_error kept, attempts 0", got)
+		t.Errorf("due-now row after diversion = %+v, want available now, last_error kept, attempts 0", got)
 	}
-	for name, id := range map[string]int64{"done": done, "handed-off": handedOff, "processing": processing} {
+	for name, id := range map[string]int64{"done": done, "diverted": diverted, "processing": processing} {
 		if got := f.MustRow(t, id); got.String() != before[id].String() {
-			t.Errorf("%s row changed by a hand-off: before %v, after %v", name, before[id], got)
+			t.Errorf("%s row changed by a diversion: before %v, after %v", name, before[id], got)
 		}
 	}
 }
@@ -133,7 +133,7 @@ func TestSettleDeadLetter(t *testing.T) {
 	ctx := context.Background()
 	ids := f.MustInsert(t,
 		row{Key: "pending"},
-		row{Key: "handed-off", HandedOff: true},
+		row{Key: "diverted", Diverted: true},
 		row{Key: "done", Status: "done"},
 		row{Key: "processing", Status: "processing"},
 	)
@@ -144,9 +144,9 @@ func TestSettleDeadLetter(t *testing.T) {
 	if _, err := f.store.SettleStream(ctx, dead, "relay-a"); err != nil {
 		t.Fatalf("SettleStream: %v", err)
 	}
-	// The handed-off row stays pending: it is the claim path's, and every
+	// The diverted row stays pending: it is the claim path's, and every
 	// stream row change is now conditional on the row being the stream's
-	// (pending and not handed off). The old Settle dead-lettered any
+	// (pending and not diverted). The old Settle dead-lettered any
 	// pending row, racing the claim path for a row it owned.
 	for i, want := range []string{"failed", "pending", "done", "processing"} {
 		got := f.MustRow(t, ids[i])
@@ -177,7 +177,7 @@ func TestSettleIsAtomic(t *testing.T) {
 	ctx := context.Background()
 	// Attempts are no longer added (GREATEST), so the old overflow of
 	// 2147483647 + 1 cannot happen: a CHECK constraint refuses the
-	// hand-off instead.
+	// diversion instead.
 	f.MustExec(t, `ALTER TABLE integration_outbox ADD CONSTRAINT few_attempts CHECK (attempts < 1000)`)
 	ids := f.MustInsert(t, row{Key: "ok"}, row{Key: "refused"})
 	_, err := f.store.SettleStream(ctx, []*relay.Work{
@@ -185,8 +185,8 @@ func TestSettleIsAtomic(t *testing.T) {
 		streamWork(ids[1], "refused", relay.Decision{Kind: relay.Later, Attempts: 1000}),
 		streamWork(ids[0], "ok", relay.Decision{Kind: relay.DeadLetter, Reason: "x"}),
 	}, "relay-a")
-	if err == nil || !strings.Contains(err.Error(), "hand off 1 rows") {
-		t.Fatalf("SettleStream = %v, want the hand-off's error", err)
+	if err == nil || !strings.Contains(err.Error(), "divert 1 rows") {
+		t.Fatalf("SettleStream = %v, want the diversion's error", err)
 	}
 	if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency"); n != 0 {
 		t.Errorf("%d ledger rows after a failed Settle, want 0", n)
@@ -197,7 +197,7 @@ func TestSettleIsAtomic(t *testing.T) {
 }
 
 // TestSettleOneTransaction settles 5,000 delivered pairs of 100 rows, with
-// hand-offs and dead letters, and checks they were written by one
+// diversions and dead letters, and checks they were written by one
 // transaction (one xmin): the rows' done status with their ledger rows.
 func TestSettleOneTransaction(t *testing.T) {
 	f := MustFixture(t)
@@ -221,7 +221,7 @@ func TestSettleOneTransaction(t *testing.T) {
 	if _, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil {
 		t.Fatalf("SettleStream: %v", err)
 	}
-	t.Logf("SettleStream of 5,000 delivered pairs of 100 rows, 100 hand-offs and 100 dead letters took %v", time.Since(start))
+	t.Logf("SettleStream of 5,000 delivered pairs of 100 rows, 100 diversions and 100 dead letters took %v", time.Since(start))
 
 	n := f.MustCount(t, `SELECT count(DISTINCT x) FROM (
 		SELECT xmin::text AS x FROM integration_idempotency
@@ -266,7 +266,7 @@ func TestRestreamed(t *testing.T) {
 	ctx := context.Background()
 	ids := f.MustInsert(t,
 		row{Key: "owned"},
-		row{Key: "handed-off", HandedOff: true},
+		row{Key: "diverted", Diverted: true},
 		row{Key: "done", Status: "done"},
 		row{Key: "held", Status: "held"},
 		row{Key: "owned-fresh"},
@@ -276,7 +276,7 @@ func TestRestreamed(t *testing.T) {
 		('done', 'webhook', 'delivered', 1)`)
 	missing := int64(999_999)
 
-	keys := []string{"owned", "handed-off", "done", "held", "owned-fresh", "missing"}
+	keys := []string{"owned", "diverted", "done", "held", "owned-fresh", "missing"}
 	var works []*relay.Work
 	for i, id := range append(ids, missing) {
 		// "hold" is not a hold sink here: a 'sending' claim is not a
@@ -305,7 +305,7 @@ func TestRestreamed(t *testing.T) {
 	}
 	want := map[string]string{
 		"owned":       "hold:send nats:delivered webhook:delivered",
-		"handed-off":  "skip hold:send nats:send webhook:send",
+		"diverted":    "skip hold:send nats:send webhook:send",
 		"done":        "skip hold:send nats:send webhook:delivered",
 		"held":        "skip hold:send nats:send webhook:send",
 		"owned-fresh": "hold:send nats:send webhook:send",
@@ -385,7 +385,7 @@ func TestSettleStreamWritesDone(t *testing.T) {
 	ctx := context.Background()
 	ids := f.MustInsert(t,
 		row{Key: "owned"},
-		row{Key: "handed-off", HandedOff: true},
+		row{Key: "diverted", Diverted: true},
 		row{Key: "failed", Status: "failed"},
 		row{Key: "held", Status: "held"},
 		row{Key: "recorded"},
@@ -394,7 +394,7 @@ func TestSettleStreamWritesDone(t *testing.T) {
 	recorded.State = relay.PairDelivered
 	works := []*relay.Work{
 		streamWork(ids[0], "owned", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
-		streamWork(ids[1], "handed-off", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
+		streamWork(ids[1], "diverted", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
 		streamWork(ids[2], "failed", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
 		streamWork(ids[3], "held", relay.Decision{Kind: relay.Done}, outcomePair("webhook", relay.Delivered)),
 		streamWork(ids[4], "recorded", relay.Decision{Kind: relay.Done}, recorded),
@@ -431,15 +431,15 @@ func TestDiverted(t *testing.T) {
 		}
 		rows = append(rows, r)
 	}
-	add(row{Key: "a1", HandedOff: true}, "A")
-	add(row{Key: "a2", HandedOff: true}, "A") // the same aggregate twice
+	add(row{Key: "a1", Diverted: true}, "A")
+	add(row{Key: "a2", Diverted: true}, "A") // the same aggregate twice
 	add(row{Key: "b1", Status: "held"}, "B")
-	add(row{Key: "c1"}, "C")                                        // owned by the stream
-	add(row{Key: "d1", Status: "done", HandedOff: true}, "D")       // settled
-	add(row{Key: "e1", Status: "processing", HandedOff: true}, "E") // claimed
-	add(row{Key: "f1", Status: "failed", HandedOff: true}, "F")     // dead letter
-	add(row{Key: "n1", HandedOff: true}, "")                        // unordered
-	rows = append(rows, row{Key: "t1", AggType: ptr("order"), HandedOff: true})
+	add(row{Key: "c1"}, "C")                                       // owned by the stream
+	add(row{Key: "d1", Status: "done", Diverted: true}, "D")       // settled
+	add(row{Key: "e1", Status: "processing", Diverted: true}, "E") // claimed
+	add(row{Key: "f1", Status: "failed", Diverted: true}, "F")     // dead letter
+	add(row{Key: "n1", Diverted: true}, "")                        // unordered
+	rows = append(rows, row{Key: "t1", AggType: ptr("order"), Diverted: true})
 	f.MustInsert(t, rows...)
 
 	got, err := f.store.Diverted(ctx)
@@ -551,8 +551,8 @@ func TestSettleReportsInvisibleRows(t *testing.T) {
 	if err := tx.QueryRow(ctx, `INSERT INTO integration_outbox (event_key, payload) VALUES ('invisible', '{}') RETURNING id`).Scan(&id); err != nil {
 		t.Fatal(err)
 	}
-	handOff := []*relay.Work{streamWork(id, "invisible", relay.Decision{Kind: relay.Later, Reason: "503"})}
-	invisible, err := f.store.SettleStream(ctx, handOff, "relay-a")
+	divert := []*relay.Work{streamWork(id, "invisible", relay.Decision{Kind: relay.Later, Reason: "503"})}
+	invisible, err := f.store.SettleStream(ctx, divert, "relay-a")
 	if err != nil || len(invisible) != 1 || invisible[0] != id {
 		t.Fatalf("SettleStream reported %v (%v), want [%d]", invisible, err, id)
 	}
@@ -563,7 +563,7 @@ func TestSettleReportsInvisibleRows(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if invisible, err = f.store.SettleStream(ctx, handOff, "relay-a"); err != nil || len(invisible) != 0 {
+	if invisible, err = f.store.SettleStream(ctx, divert, "relay-a"); err != nil || len(invisible) != 0 {
 		t.Fatalf("after commit: %v (%v)", invisible, err)
 	}
 }
@@ -696,7 +696,7 @@ func TestSettleStreamPairs(t *testing.T) {
 }
 
 // TestSettleStreamOnlyStreamRows: every row change of every decision kind
-// is conditional on the row being the stream's (pending, not handed off).
+// is conditional on the row being the stream's (pending, not diverted).
 func TestSettleStreamOnlyStreamRows(t *testing.T) {
 	decisions := map[string]relay.Decision{
 		"later":       {Kind: relay.Later, Reason: "503", Attempts: 4},
@@ -709,8 +709,8 @@ func TestSettleStreamOnlyStreamRows(t *testing.T) {
 			ctx := context.Background()
 			ids := f.MustInsert(t,
 				row{Key: "pending"},
-				row{Key: "handed-off", HandedOff: true},
-				row{Key: "processing", Status: "processing", HandedOff: true},
+				row{Key: "diverted", Diverted: true},
+				row{Key: "processing", Status: "processing", Diverted: true},
 				row{Key: "done", Status: "done"},
 				row{Key: "failed", Status: "failed"},
 				row{Key: "held", Status: "held"},
@@ -770,7 +770,7 @@ func TestSettleStreamRowDataError(t *testing.T) {
 				BEGIN PERFORM pg_terminate_backend(pg_backend_pid()); PERFORM pg_sleep(5); RETURN NEW; END $$;
 				CREATE TRIGGER cut BEFORE UPDATE ON integration_outbox FOR EACH ROW EXECUTE FUNCTION cut()`,
 			d:    relay.Decision{Kind: relay.Later, Reason: "503"},
-			step: "hand off 1 rows",
+			step: "divert 1 rows",
 		},
 	}
 	for _, tt := range tests {
@@ -797,14 +797,14 @@ func TestSettleStreamRowDataError(t *testing.T) {
 			if n := f.MustCount(t, "SELECT count(*) FROM integration_idempotency"); n != 0 {
 				t.Errorf("%d ledger rows after a failed SettleStream, want 0", n)
 			}
-			if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.HandoffAt != nil || got.LastError != nil {
+			if got := f.MustRow(t, ids[0]); got.Status != "pending" || got.DivertedAt != nil || got.LastError != nil {
 				t.Errorf("row after a failed SettleStream = %v, want untouched", got)
 			}
 		})
 	}
 }
 
-// TestSettleStreamReportsInvisibleRowsOfEveryKind: hand-offs, dead letters
+// TestSettleStreamReportsInvisibleRowsOfEveryKind: diversions, dead letters
 // and holds of rows inserted by a transaction not yet committed change
 // nothing and return those ids; once it commits, the same call writes them.
 func TestSettleStreamReportsInvisibleRowsOfEveryKind(t *testing.T) {
@@ -836,8 +836,8 @@ func TestSettleStreamReportsInvisibleRowsOfEveryKind(t *testing.T) {
 	if err != nil || !slices.Equal(invisible, ids) {
 		t.Fatalf("SettleStream = %v, %v; want the uncommitted rows %v", invisible, err, ids)
 	}
-	if got := f.MustRow(t, visible[0]); got.HandoffAt == nil {
-		t.Errorf("visible row = %v, want handed off beside the invisible ones", got)
+	if got := f.MustRow(t, visible[0]); got.DivertedAt == nil {
+		t.Errorf("visible row = %v, want diverted beside the invisible ones", got)
 	}
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
@@ -845,11 +845,11 @@ func TestSettleStreamReportsInvisibleRowsOfEveryKind(t *testing.T) {
 	if invisible, err := f.store.SettleStream(ctx, works, "relay-a"); err != nil || len(invisible) != 0 {
 		t.Fatalf("after commit: SettleStream = %v, %v; want nothing invisible", invisible, err)
 	}
-	for i, want := range []string{"pending handed off", "failed", "held"} {
+	for i, want := range []string{"pending diverted", "failed", "held"} {
 		got := f.MustRow(t, ids[i])
 		status := got.Status
-		if got.HandoffAt != nil {
-			status += " handed off"
+		if got.DivertedAt != nil {
+			status += " diverted"
 		}
 		if status != want || got.Attempts != 1 {
 			t.Errorf("%s row = %v, want %s with 1 attempt", works[i].Event.EventKey, got, want)
@@ -890,7 +890,7 @@ func TestSettleStreamStoresAnyReason(t *testing.T) {
 }
 
 // TestPendingScanSeesOnlyTheStreamsRows: the pending scan (Stuck, Stats)
-// finds the rows pending and not handed off — and only those — among many
+// finds the rows pending and not diverted — and only those — among many
 // the stream settled, by their status alone: a pending row is watched even
 // when the ledger shows it delivered (an earlier version left its status
 // pending; reconcile hands it to the claim path), and a row leaves the
@@ -932,7 +932,7 @@ func TestPendingScanSeesOnlyTheStreamsRows(t *testing.T) {
 		t.Fatal(err)
 	}
 	if st.Rows["pending"] != 6 || st.Stuck != 3 {
-		t.Fatalf("Stats: pending %d, stuck %d; want 6 (3 stuck, 2 handed off, 1 young) and 3", st.Rows["pending"], st.Stuck)
+		t.Fatalf("Stats: pending %d, stuck %d; want 6 (3 stuck, 2 diverted, 1 young) and 3", st.Rows["pending"], st.Stuck)
 	}
 	// Settled at last: no longer watched.
 	exec(`UPDATE integration_outbox SET status = 'done', processed_at = now() WHERE id IN (7, 60001, 119999)`)
@@ -987,7 +987,7 @@ func TestRestreamSeesDeliveriesSettledAsynchronously(t *testing.T) {
 }
 
 // TestPendingScanKeepsARetriedRow: in poll mode every pending row is the
-// claim path's and none is handed off. A row on the scan's watch list that
+// claim path's and none is diverted. A row on the scan's watch list that
 // the claim path takes (processing) and puts back (a retry) must be
 // counted pending again: the walk never revisits ids below its floor, so
 // before, such a row was lost to the gauges — pending 0, done +1, oldest

@@ -57,7 +57,7 @@ func (s *Store) RepairDue(ctx context.Context) (int64, error) {
 
 // Stuck counts the rows pending, not the claim path's, and due longer than
 // after ago, and returns the age of the oldest. It never
-// claims them: only a hand-off, the slot hand-over or `outbox-relay
+// claims them: only a diversion, the slot hand-over or `outbox-relay
 // reconcile` makes a row the claim path's. It reads the pending scan's
 // watch list (scan.go), so its cost follows the write rate.
 func (s *Store) Stuck(ctx context.Context, after time.Duration) (rows int64, oldest time.Duration, err error) {
@@ -213,7 +213,7 @@ func (s *Store) Listen(ctx context.Context, channel string, notified func()) err
 const reconcileBatch = 10_000
 
 // Reconcile marks for the claim path (handoff_at = now()) every row that is
-// still pending, not handed off, and was created more than olderThan ago,
+// still pending, not diverted, and was created more than olderThan ago,
 // and returns how many it marked. It is `outbox-relay reconcile
 // --older-than D`: the repair for rows a slot will never stream (the slot
 // was dropped and recreated by someone else while the relay was down). The

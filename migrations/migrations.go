@@ -457,7 +457,7 @@ func templateData(n Names, lockTimeout time.Duration) map[string]any {
 		"NotifyState":           NotifyStateTable(n.Outbox).Quoted(),
 		"SinkPauses":            SinkPausesTable(n.Outbox).Quoted(),
 		"DeadLetterIndexName":   relay.QuoteIdentifier(deadLetterIndex(n.Outbox).Name),
-		"HandOffIndexName":      relay.QuoteIdentifier(handOffIndex(n.Outbox).Name),
+		"DivertedIndexName":     relay.QuoteIdentifier(divertedIndex(n.Outbox).Name),
 		"UnsettledIndexName":    relay.QuoteIdentifier(unsettledIndex(n.Outbox).Name),
 		"OrderIndex":            orderIndex(n.Outbox).Quoted(),
 		"KeyBoundTrigger":       relay.QuoteIdentifier(keyBound(n.Outbox).Name),
@@ -490,8 +490,8 @@ func claimIndex(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_relay_claim_idx"))
 }
 
-// handOffIndex is the partial index of the rows handed to the claim path.
-func handOffIndex(outbox relay.QualifiedName) relay.QualifiedName {
+// divertedIndex is the partial index of the rows diverted to the claim path.
+func divertedIndex(outbox relay.QualifiedName) relay.QualifiedName {
 	return outbox.Sibling(derivedName(outbox.Name, "_relay_handoff_idx"))
 }
 
@@ -603,7 +603,7 @@ func resolve(ctx context.Context, conn *pgx.Conn, n Names) (Names, error) {
 // dropInvalidIndexes removes the relay's own indexes that a failed
 // CREATE INDEX CONCURRENTLY left INVALID; IF NOT EXISTS would skip them.
 func dropInvalidIndexes(ctx context.Context, conn *pgx.Conn, outbox relay.QualifiedName, data map[string]any, log zerolog.Logger) error {
-	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox), handOffIndex(outbox), unsettledIndex(outbox), deadLetterIndex(outbox)} {
+	for _, idx := range []relay.QualifiedName{orderIndex(outbox), claimIndex(outbox), divertedIndex(outbox), unsettledIndex(outbox), deadLetterIndex(outbox)} {
 		var invalid bool
 		err := conn.QueryRow(ctx, `SELECT NOT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass($1)`, idx.Quoted()).Scan(&invalid)
 		if errors.Is(err, pgx.ErrNoRows) || !invalid {

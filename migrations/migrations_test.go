@@ -778,7 +778,7 @@ func TestMigrate_TraceContextOfAnotherType(t *testing.T) {
 // TestMigrate_FoldsTheOldDeliveredRecord: a database migrated by the
 // version that kept the stream's deliveries in <outbox>_delivered (009)
 // has rows the stream delivered still pending. Migration 011 marks exactly
-// those rows done (pending, not handed off, their id in the record), drops
+// those rows done (pending, not diverted, their id in the record), drops
 // the record, and CheckSchema refuses to run against a database that still
 // has it.
 func TestMigrate_FoldsTheOldDeliveredRecord(t *testing.T) {
@@ -795,7 +795,7 @@ func TestMigrate_FoldsTheOldDeliveredRecord(t *testing.T) {
 	exec(`CREATE TABLE integration_outbox_delivered (id bigint PRIMARY KEY)`)
 	exec(`UPDATE integration_outbox_relay_version SET version = 10`)
 	exec(`INSERT INTO integration_outbox (id, event_key, status, handoff_at) VALUES
-		(1, 'delivered', 'pending', NULL), (2, 'handed-off', 'pending', now()), (3, 'failed', 'failed', NULL),
+		(1, 'delivered', 'pending', NULL), (2, 'diverted', 'pending', now()), (3, 'failed', 'failed', NULL),
 		(4, 'waiting', 'pending', NULL)`)
 	exec(`INSERT INTO integration_outbox_delivered (id) VALUES (1), (2), (3), (99)`)
 	if err := migrations.CheckSchema(ctx, conn, migrations.DefaultNames()); err == nil || !strings.Contains(err.Error(), "run outbox-relay migrate") {

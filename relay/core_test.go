@@ -54,8 +54,8 @@ func TestEngine_NeverSettlesWhatWasNotWritten(t *testing.T) {
 		send    func(*relay.Delivery) error
 		written func(s *fakeStore) bool
 	}{
-		{name: "hand-off", send: func(*relay.Delivery) error { return relay.TransientError(errors.New("503"), 0) },
-			written: func(s *fakeStore) bool { _, ok := s.handOffs[1]; return ok }},
+		{name: "diversion", send: func(*relay.Delivery) error { return relay.TransientError(errors.New("503"), 0) },
+			written: func(s *fakeStore) bool { _, ok := s.diversions[1]; return ok }},
 		{name: "dead letter", send: func(*relay.Delivery) error { return relay.PermanentError(errors.New("400")) },
 			written: func(s *fakeStore) bool { _, ok := s.deadLetters[1]; return ok }},
 		{name: "Hold on an invisible row", hold: true, send: func(*relay.Delivery) error { return relay.UnknownError(errors.New("timeout")) },
@@ -151,15 +151,15 @@ func TestEngine_RowDataErrorIsIsolated(t *testing.T) {
 	c.Commit(100)
 	waitSettledAt(t, c, 100)
 
-	delivered, handOffs, dead := store.snapshot()
+	delivered, diversions, dead := store.snapshot()
 	for i := int64(1); i <= events; i++ {
 		n := delivered[relay.LedgerKey{EventKey: fmt.Sprintf("k%d", i), Action: "s"}]
 		if i == bad && n != 0 || i != bad && n != 1 {
 			t.Errorf("event %d: %d delivered ledger rows written", i, n)
 		}
 	}
-	if len(handOffs) != 0 || len(dead) != 0 {
-		t.Fatalf("hand-offs %v, dead letters %v: want none written", handOffs, dead)
+	if len(diversions) != 0 || len(dead) != 0 {
+		t.Fatalf("diversions %v, dead letters %v: want none written", diversions, dead)
 	}
 	mu.Lock()
 	defer mu.Unlock()
@@ -237,7 +237,7 @@ func TestEngine_BackPressureWhileSettlementFails(t *testing.T) {
 }
 
 // TestEngine_SubmitCutShortOnFullLane: a Submit waiting for room in a full
-// lane returns when its ctx ends; the event it had taken is handed off
+// lane returns when its ctx ends; the event it had taken is diverted
 // ("its source stopped"), nothing stays counted, and the stream's next
 // session works: Restart does not wait for the event still in flight, the
 // slot's copy of that event joins it and is not sent again, WaitSettled
@@ -268,9 +268,9 @@ func TestEngine_SubmitCutShortOnFullLane(t *testing.T) {
 	if err := <-cut; !errors.Is(err, context.Canceled) {
 		t.Fatalf("cut Submit returned %v", err)
 	}
-	waitFor(t, "event 2 handed off", func() bool { _, h, _ := store.snapshot(); _, ok := h[2]; return ok })
+	waitFor(t, "event 2 diverted", func() bool { _, h, _ := store.snapshot(); _, ok := h[2]; return ok })
 	if _, h, _ := store.snapshot(); !strings.Contains(h[2].Reason, "its source stopped") {
-		t.Fatalf("hand-off of event 2: %+v", h[2])
+		t.Fatalf("diversion of event 2: %+v", h[2])
 	}
 
 	// The source reconnects: the slot sends both transactions again.
@@ -315,7 +315,7 @@ func TestEngine_SubmitCutShortOnFullLane(t *testing.T) {
 
 // TestEngine_ScheduledEventDivertsAtDecision: an event whose available_at
 // is in the future goes to the claim path, and its aggregate is diverted at
-// that moment, not when the hand-off is written: the aggregate's next
+// that moment, not when the diversion is written: the aggregate's next
 // event, decoded right after it, follows it and is never sent first.
 func TestEngine_ScheduledEventDivertsAtDecision(t *testing.T) {
 	store := newFakeStore()
@@ -334,15 +334,15 @@ func TestEngine_ScheduledEventDivertsAtDecision(t *testing.T) {
 	if ids := sink.sentIDs(); !slices.Equal(ids, []int64{3}) {
 		t.Fatalf("sent %v, want only event 3", ids)
 	}
-	_, handOffs, _ := store.snapshot()
+	_, diversions, _ := store.snapshot()
 	for _, id := range []int64{1, 4} {
-		if h := handOffs[id]; h.Kind != relay.Later || h.Why != "scheduled" || !h.At.Equal(at) {
-			t.Errorf("scheduled event %d: %+v, want a hand-off due at its available_at", id, h)
+		if h := diversions[id]; h.Kind != relay.Later || h.Why != "scheduled" || !h.At.Equal(at) {
+			t.Errorf("scheduled event %d: %+v, want a diversion due at its available_at", id, h)
 		}
 	}
 	for _, id := range []int64{2, 5} {
-		if h := handOffs[id]; h.Kind != relay.Later || !strings.Contains(h.Reason, "earlier event") {
-			t.Errorf("event %d behind a scheduled one: %+v, want it handed off after it", id, h)
+		if h := diversions[id]; h.Kind != relay.Later || !strings.Contains(h.Reason, "earlier event") {
+			t.Errorf("event %d behind a scheduled one: %+v, want it diverted after it", id, h)
 		}
 	}
 }
@@ -440,12 +440,12 @@ func TestEngine_ClaimAndStreamShareAggregateOrder(t *testing.T) {
 	}
 }
 
-// TestEngine_UnwrittenHandOffDefersClaimWork: while the stream's hand-off
+// TestEngine_UnwrittenDivertDefersClaimWork: while the stream's diversion
 // of an aggregate's event is decided but not yet in the table, the claim
 // query cannot see it, so a claimed later row of that aggregate is put
-// back (ordering) instead of sent; once the hand-off is written, claimed
+// back (ordering) instead of sent; once the diversion is written, claimed
 // rows of the aggregate go out.
-func TestEngine_UnwrittenHandOffDefersClaimWork(t *testing.T) {
+func TestEngine_UnwrittenDivertDefersClaimWork(t *testing.T) {
 	store := newFakeStore()
 	gate, atGate := make(chan struct{}), make(chan struct{})
 	var once sync.Once
@@ -479,11 +479,11 @@ func TestEngine_UnwrittenHandOffDefersClaimWork(t *testing.T) {
 	}
 	waitFor(t, "row 11 settled", func() bool { _, ok := rec.decision(11); return ok })
 	d, _ := rec.decision(11)
-	if d.Kind != relay.Later || d.Why != "ordering" || !strings.Contains(d.Reason, "being handed off") || d.Attempts != 0 {
+	if d.Kind != relay.Later || d.Why != "ordering" || !strings.Contains(d.Reason, "being diverted") || d.Attempts != 0 {
 		t.Fatalf("row 11 settled as %+v, want put back for ordering without an attempt", d)
 	}
 	if slices.Contains(sink.sentIDs(), 11) {
-		t.Fatal("row 11 was sent before the hand-off of event 1 was written")
+		t.Fatal("row 11 was sent before the diversion of event 1 was written")
 	}
 
 	close(gate)
@@ -690,11 +690,11 @@ func TestEngine_SubmitClaimedBatchLargerThanMaxUnsettled(t *testing.T) {
 	}
 }
 
-// TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder: an event of an
+// TestEngine_EarlyDivertKeepsTheInFlightEventsOrder: an event of an
 // aggregate that goes to the claim path as it enters its lane (the sink's
 // circuit is open) must not disturb the aggregate's event already in flight:
 // a claimed row of that aggregate arriving later still waits behind it.
-func TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder(t *testing.T) {
+func TestEngine_EarlyDivertKeepsTheInFlightEventsOrder(t *testing.T) {
 	store := newFakeStore()
 	rec := &claimRecorder{settled: map[int64]relay.Decision{}}
 	claims := &fakeClaimStore{settleClaim: rec.settle}
@@ -716,7 +716,7 @@ func TestEngine_EarlyHandOffKeepsTheInFlightEventsOrder(t *testing.T) {
 	waitFor(t, "event 1 in flight", func() bool { return slices.Contains(sink.sentIDs(), 1) })
 	submit(t, c, event(2, "b")) // opens the circuit
 	waitFor(t, "the circuit open", func() bool { return slices.Contains(sink.sentIDs(), 2) })
-	submit(t, c, event(3, "a")) // handed off as it enters: the circuit is open
+	submit(t, c, event(3, "a")) // diverted as it enters: the circuit is open
 	c.Commit(100)
 	time.Sleep(400 * time.Millisecond) // the circuit closes
 	if _, err := e.SubmitClaimed(context.Background(), []*relay.Work{claimWork(11, "a")}); err != nil {
@@ -770,7 +770,7 @@ func TestEngine_WorkerFailureEndsRun(t *testing.T) {
 // TestEngine_HaltStopsSending: once the relay knows its lease is gone
 // (Halt), nothing more is sent — not the events queued behind an
 // aggregate's event in flight, not an inline retry — and the sends in
-// flight are cancelled; the events not sent settle as hand-offs
+// flight are cancelled; the events not sent settle as diversions
 // ("stopping"), so the term ends at once instead of finishing its queue.
 func TestEngine_HaltStopsSending(t *testing.T) {
 	store := newFakeStore()
@@ -799,9 +799,9 @@ func TestEngine_HaltStopsSending(t *testing.T) {
 	if err := e.WaitSettled(ctx); err != nil {
 		t.Fatalf("the events not sent did not settle after Halt: %v", err)
 	}
-	_, handOffs, _ := store.snapshot()
-	if len(handOffs) < 39 {
-		t.Errorf("%d hand-offs, want the 39 events not sent (at least)", len(handOffs))
+	_, diversions, _ := store.snapshot()
+	if len(diversions) < 39 {
+		t.Errorf("%d diversions, want the 39 events not sent (at least)", len(diversions))
 	}
 }
 
@@ -913,16 +913,16 @@ func TestEngine_UndivertAsksOnlyAboutDivertedAggregates(t *testing.T) {
 	c.Commit(100)
 	waitSettledAt(t, c, 100)
 	if !slices.Contains(sink.sentIDs(), 7) {
-		_, handOffs, _ := store.snapshot()
-		t.Fatalf("event 7 not sent by the stream after its aggregate's run settled (hand-offs %v)", handOffs)
+		_, diversions, _ := store.snapshot()
+		t.Fatalf("event 7 not sent by the stream after its aggregate's run settled (diversions %v)", diversions)
 	}
 }
 
-// TestEngine_StreamHandOffWakesTheClaimPath: once the stream has written a
-// hand-off, the claim path is woken (OnClaimSettled) to take it at once,
+// TestEngine_StreamDivertWakesTheClaimPath: once the stream has written a
+// diversion, the claim path is woken (OnClaimSettled) to take it at once,
 // not at its next poll: a diverted aggregate's fresh events wait on the
 // claim path for one claim, not for poll_interval.
-func TestEngine_StreamHandOffWakesTheClaimPath(t *testing.T) {
+func TestEngine_StreamDivertWakesTheClaimPath(t *testing.T) {
 	store := newFakeStore()
 	sink := newFakeSink("s", nil)
 	e := startEngine(t, relay.EngineConfig{Stream: store, Claim: &fakeClaimStore{}, Owner: "me", Routes: []relay.Route{{Sink: sink}}})
@@ -938,15 +938,15 @@ func TestEngine_StreamHandOffWakesTheClaimPath(t *testing.T) {
 	}
 
 	later := event(2, "a")
-	later.AvailableAt = time.Now().Add(time.Hour) // scheduled: handed off
+	later.AvailableAt = time.Now().Add(time.Hour) // scheduled: diverted
 	submit(t, c, later)
 	c.Commit(200)
 	waitSettledAt(t, c, 200)
-	if _, handOffs, _ := store.snapshot(); len(handOffs) != 1 {
-		t.Fatalf("hand-offs %v, want event 2's", handOffs)
+	if _, diversions, _ := store.snapshot(); len(diversions) != 1 {
+		t.Fatalf("diversions %v, want event 2's", diversions)
 	}
 	if n := woken.Load(); n != 1 {
-		t.Fatalf("the stream's hand-off woke the claim path %d times, want once", n)
+		t.Fatalf("the stream's diversion woke the claim path %d times, want once", n)
 	}
 }
 
@@ -1046,12 +1046,12 @@ func TestEngine_HaltStopsAClaimRun(t *testing.T) {
 // TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents: the rows
 // of a new slot's hand-over (Consumer.HandOver) are delivered through the
 // lanes, their aggregates pinned (Consumer.Divert) until they are queued:
-// a streamed event of a pinned aggregate is handed off (it follows in the
+// a streamed event of a pinned aggregate is diverted (it follows in the
 // claim path, whose ordering check waits for the rows before it), one of an
 // aggregate released after its rows were queued goes out behind them, and
 // the hand-over's rows pass the pin — but not a diversion: a row of an
 // aggregate with an earlier row at the claim path (in the table, or a
-// streamed event handed off while the pin held) follows it there. They
+// streamed event diverted while the pin held) follows it there. They
 // hold back no slot position, and HandOverSettled returns once they are
 // settled. A Restart ends a pin its session left.
 func TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents(t *testing.T) {
@@ -1071,7 +1071,7 @@ func TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents(t *testing.T) 
 	x, y := relay.AggregateKey{Type: "order", ID: "x"}, relay.AggregateKey{Type: "order", ID: "y"}
 	release := c.Divert([]relay.AggregateKey{x, y, z})
 
-	// Streamed before any row is queued: x's event is handed off, the
+	// Streamed before any row is queued: x's event is diverted, the
 	// other aggregate's goes out.
 	submit(t, c, event(100, "x"), event(101, "other"))
 	c.Commit(100)
@@ -1079,8 +1079,8 @@ func TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents(t *testing.T) 
 	if sent := sink.sentIDs(); !slices.Equal(sent, []int64{101}) {
 		t.Fatalf("sent %v: want only 101 (100's aggregate is pinned)", sent)
 	}
-	if _, handOffs, _ := store.snapshot(); handOffs[100].Kind != relay.Later {
-		t.Fatalf("event 100 of a pinned aggregate: hand-offs %v, want it handed to the claim path", handOffs)
+	if _, diversions, _ := store.snapshot(); diversions[100].Kind != relay.Later {
+		t.Fatalf("event 100 of a pinned aggregate: diversions %v, want it diverted to the claim path", diversions)
 	}
 
 	// The hand-over's rows pass the pin (y's); x's follow event 100 and
@@ -1114,10 +1114,10 @@ func TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents(t *testing.T) 
 	if i1, i2, i102 := slices.Index(sent, 1), slices.Index(sent, 2), slices.Index(sent, 102); i1 < 0 || i2 < i1 || i102 < i2 {
 		t.Errorf("sent %v: want 1, 2, then 102", sent)
 	}
-	delivered, handOffs, _ := store.snapshot()
+	delivered, diversions, _ := store.snapshot()
 	for _, id := range []int64{3, 4, 103} {
-		if slices.Contains(sent, id) || handOffs[id].Kind != relay.Later {
-			t.Errorf("%d: sent %v, hand-offs %v; want it handed to the claim path behind the earlier event of its aggregate", id, sent, handOffs)
+		if slices.Contains(sent, id) || diversions[id].Kind != relay.Later {
+			t.Errorf("%d: sent %v, diversions %v; want it diverted to the claim path behind the earlier event of its aggregate", id, sent, diversions)
 		}
 	}
 	for _, id := range []int64{1, 2} {
@@ -1141,7 +1141,7 @@ func TestEngine_HandOverRowsGoBeforeTheirAggregatesStreamedEvents(t *testing.T) 
 }
 
 // TestEngine_HandOverWaitsForItsLane: a hand-over's row waits for room in a
-// full lane, however long, instead of being handed to the claim path after
+// full lane, however long, instead of being diverted to the claim path after
 // lane_block_max as a streamed event is: nothing acknowledges the slot
 // behind it.
 func TestEngine_HandOverWaitsForItsLane(t *testing.T) {
@@ -1163,9 +1163,9 @@ func TestEngine_HandOverWaitsForItsLane(t *testing.T) {
 	if err := c.HandOverSettled(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	delivered, handOffs, _ := store.snapshot()
-	if len(handOffs) != 0 || len(delivered) != 3 {
-		t.Errorf("delivered %v, handed off %v: want all three delivered, none handed off", delivered, handOffs)
+	delivered, diversions, _ := store.snapshot()
+	if len(diversions) != 0 || len(delivered) != 3 {
+		t.Errorf("delivered %v, diverted %v: want all three delivered, none diverted", delivered, diversions)
 	}
 }
 

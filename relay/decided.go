@@ -7,7 +7,7 @@ import "sync/atomic"
 type Decided struct {
 	// Delivered: delivered to every sink they are routed to.
 	Delivered int64
-	// Later: left for the claim path — handed off by the stream, or back
+	// Later: left for the claim path — diverted by the stream, or back
 	// to pending with a backoff on the claim path.
 	Later int64
 	// DeadLettered and Held: status failed and held.

@@ -146,7 +146,7 @@ func (e *Engine) logDecision(w *Work) {
 
 // settled is called once w's decision is written (or needs no write): it
 // frees w's room, lets the stream acknowledge it, and tells the lanes the
-// claim path can now see a hand-off.
+// claim path can now see a diversion.
 func (e *Engine) settled(w *Work) {
 	for i, p := range w.Pairs {
 		if diverts(p.Outcome.Kind) && w.Decision.Kind != Skip {

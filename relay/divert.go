@@ -8,7 +8,7 @@ import (
 )
 
 // loadDiverted marks, in every lane, the aggregates the table shows with a
-// handed-off or held event, so their new events follow them.
+// diverted or held event, so their new events follow them.
 func (e *Engine) loadDiverted(ctx context.Context) error {
 	diverted, err := e.cfg.Stream.Diverted(ctx)
 	if err != nil {
@@ -16,13 +16,13 @@ func (e *Engine) loadDiverted(ctx context.Context) error {
 	}
 	e.divertAll(diverted)
 	if len(diverted) > 0 {
-		e.log.Info().Int("aggregates", len(diverted)).Msg("aggregates with handed-off or held events: their new events go to the claim path until those settle")
+		e.log.Info().Int("aggregates", len(diverted)).Msg("aggregates with diverted or held events: their new events go to the claim path until those settle")
 	}
 	return nil
 }
 
 // divertAll diverts aggs in every lane: their new stream events are
-// handed to the claim path.
+// diverted to the claim path.
 func (e *Engine) divertAll(aggs []AggregateKey) {
 	for _, l := range e.lanes {
 		l.mu.Lock()
@@ -41,7 +41,7 @@ func (e *Engine) divertPinned(aggs []AggregateKey) (release func([]AggregateKey)
 	}
 	// The lanes read the pin for streamed events (pinnedNow): the rows
 	// of the hand-over pass it, and a streamed event that meets it is
-	// handed off, which diverts its aggregate as any hand-off does.
+	// diverted, which diverts its aggregate as any diversion does.
 	// With nothing pinned (or once everything is released) no set is
 	// kept: every streamed event's enqueue reads it.
 	if len(aggs) == 0 {
@@ -60,8 +60,8 @@ func (e *Engine) divertPinned(aggs []AggregateKey) (release func([]AggregateKey)
 }
 
 // pinSet is a hand-over's pinned aggregates, each until its rows are
-// queued. A streamed event it hands off diverts its aggregate in the lanes
-// as any hand-off does, until the claim path has delivered it, which the
+// queued. A streamed event it diverts diverts its aggregate in the lanes
+// as any diversion does, until the claim path has delivered it, which the
 // claim path does only after the hand-over's rows before it (its ordering
 // check waits for them in the table).
 type pinSet struct {
@@ -105,8 +105,8 @@ func (e *Engine) loadDivertedRetrying(ctx context.Context) error {
 func (e *Engine) DivertSeq() uint64 { return e.divertSeq.Load() }
 
 // undiverted lets the stream deliver an aggregate's events again once the
-// claim path has settled its last handed-off or held event. seq is DivertSeq
-// read before the claim path looked at the table: a hand-off decided after
+// claim path has settled its last diverted or held event. seq is DivertSeq
+// read before the claim path looked at the table: a diversion decided after
 // that, or one not yet written, keeps the aggregate diverted, so a later
 // event never overtakes it.
 func (e *Engine) undiverted(a AggregateKey, seq uint64) {

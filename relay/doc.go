@@ -21,7 +21,7 @@
 //	       → acknowledge (Engine.settled: the stream's tracker; the claim
 //	         path's owner lock is released only when its rows are settled)
 //
-// The Policy is the only place that decides retries, hand-offs, holds and
+// The Policy is the only place that decides retries, diversions, holds and
 // dead letters, for both paths. Stores (StreamStore, ClaimStore, implemented
 // by package ledger) hold every SQL statement; this package imports no
 // database driver.

@@ -128,7 +128,7 @@ type Engine struct {
 
 // EngineStats counts outcomes of (event, sink) pairs, and events skipped.
 type EngineStats struct {
-	Delivered, HandedOff, DeadLettered, Held, Retried, Skipped atomic.Int64
+	Delivered, Diverted, DeadLettered, Held, Retried, Skipped atomic.Int64
 }
 
 // NewEngine validates cfg and builds an engine; call Run before feeding it.
@@ -269,7 +269,7 @@ func (e *Engine) Run(ctx context.Context) error {
 
 // Drain is a graceful stop's wait, called once the sources feeding the
 // engine have stopped taking events: from its call on, failed attempts are
-// handed to the claim path instead of retried in memory, and it waits until
+// diverted to the claim path instead of retried in memory, and it waits until
 // every work taken is settled (its outcome written). It returns ctx's error
 // if ctx ends first (ctx is its bound: shutdown_timeout), and
 // ErrEngineStopped if Run returns first. It sends nothing itself and does

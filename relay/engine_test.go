@@ -120,9 +120,9 @@ func TestEngine_SettledReportsPassedEvents(t *testing.T) {
 	}
 }
 
-// TestEngine_TransientThenHandOff: inline attempts, then the claim path; the
+// TestEngine_TransientThenDivert: inline attempts, then the claim path; the
 // aggregate's later events follow it, other aggregates keep flowing.
-func TestEngine_TransientThenHandOff(t *testing.T) {
+func TestEngine_TransientThenDivert(t *testing.T) {
 	store := newFakeStore()
 	sink := newFakeSink("s", func(d *relay.Delivery) error {
 		if *d.Event.AggregateID == "bad" {
@@ -137,15 +137,15 @@ func TestEngine_TransientThenHandOff(t *testing.T) {
 	c.Commit(100)
 	waitSettledAt(t, c, 100)
 
-	delivered, handOffs, _ := store.snapshot()
+	delivered, diversions, _ := store.snapshot()
 	if len(delivered) != 2 || delivered[relay.LedgerKey{EventKey: "k2", Action: "s"}] != 1 {
 		t.Fatalf("delivered %v", delivered)
 	}
-	h1, h3 := handOffs[1], handOffs[3]
+	h1, h3 := diversions[1], diversions[3]
 	if h1.Attempts != 3 || !strings.Contains(h1.Reason, "503") || time.Until(h1.At) < 50*time.Second {
-		t.Fatalf("hand-off of event 1: %+v", h1)
+		t.Fatalf("diversion of event 1: %+v", h1)
 	}
-	if _, ok := handOffs[3]; !ok || h3.Attempts != 0 || !strings.Contains(h3.Reason, "earlier event") {
+	if _, ok := diversions[3]; !ok || h3.Attempts != 0 || !strings.Contains(h3.Reason, "earlier event") {
 		t.Fatalf("event 3 should follow event 1 to the claim path without an attempt: %+v", h3)
 	}
 	tries := 0
@@ -168,16 +168,16 @@ func TestEngine_TransientThenHandOff(t *testing.T) {
 	submit(t, c, event(5, "bad"))
 	c.Commit(200)
 	waitSettledAt(t, c, 200)
-	if _, handOffs, _ = store.snapshot(); handOffs[5].Kind != relay.Later {
-		t.Fatal("a later event of a diverted aggregate was not handed off")
+	if _, diversions, _ = store.snapshot(); diversions[5].Kind != relay.Later {
+		t.Fatal("a later event of a diverted aggregate was not diverted")
 	}
-	stale := e.DivertSeq() - 1 // a check that started before the last hand-off was written
+	stale := e.DivertSeq() - 1 // a check that started before the last diversion was written
 	e.Undiverted(relay.AggregateKey{Type: "order", ID: "bad"}, stale)
 	submit(t, c, event(7, "bad"))
 	c.Commit(250)
 	waitSettledAt(t, c, 250)
-	if _, handOffs, _ = store.snapshot(); handOffs[7].Kind != relay.Later {
-		t.Fatal("Undiverted with a sequence number from before the last hand-off cleared the mark")
+	if _, diversions, _ = store.snapshot(); diversions[7].Kind != relay.Later {
+		t.Fatal("Undiverted with a sequence number from before the last diversion cleared the mark")
 	}
 	e.Undiverted(relay.AggregateKey{Type: "order", ID: "bad"}, e.DivertSeq())
 	sink.setSend(nil)
@@ -202,12 +202,12 @@ func TestEngine_PermanentDeadLettersAndAggregateContinues(t *testing.T) {
 	submit(t, c, event(1, "a"), event(2, "a"))
 	c.Commit(100)
 	waitSettledAt(t, c, 100)
-	delivered, handOffs, dead := store.snapshot()
+	delivered, diversions, dead := store.snapshot()
 	if !strings.Contains(dead[1], "400 Bad Request") || !strings.Contains(dead[1], "sink s") {
 		t.Fatalf("dead letter reason %q", dead[1])
 	}
-	if delivered[relay.LedgerKey{EventKey: "k2", Action: "s"}] != 1 || len(handOffs) != 0 {
-		t.Fatalf("a failed event must not block its aggregate: delivered %v handOffs %v", delivered, handOffs)
+	if delivered[relay.LedgerKey{EventKey: "k2", Action: "s"}] != 1 || len(diversions) != 0 {
+		t.Fatalf("a failed event must not block its aggregate: delivered %v diversions %v", delivered, diversions)
 	}
 }
 
@@ -255,11 +255,11 @@ func TestEngine_SinkDownOpensCircuit(t *testing.T) {
 	c.Commit(200)
 	waitSettledAt(t, c, 200)
 
-	_, handOffs, _ := store.snapshot()
-	if len(handOffs) != 51 {
-		t.Fatalf("%d hand-offs, want 51", len(handOffs))
+	_, diversions, _ := store.snapshot()
+	if len(diversions) != 51 {
+		t.Fatalf("%d diversions, want 51", len(diversions))
 	}
-	for id, h := range handOffs {
+	for id, h := range diversions {
 		if h.Attempts != 0 {
 			t.Fatalf("event %d: a sink-level failure counted %d attempts", id, h.Attempts)
 		}
@@ -292,8 +292,8 @@ func TestEngine_BackPressureThenLaneBlockMax(t *testing.T) {
 	c.Commit(100)
 	close(release)
 	waitSettledAt(t, c, 100)
-	if _, handOffs, _ := store.snapshot(); !strings.Contains(handOffs[5].Reason, "lane_block_max") {
-		t.Fatalf("hand-offs %v", handOffs)
+	if _, diversions, _ := store.snapshot(); !strings.Contains(diversions[5].Reason, "lane_block_max") {
+		t.Fatalf("diversions %v", diversions)
 	}
 }
 
@@ -326,7 +326,7 @@ func TestEngine_Routing(t *testing.T) {
 }
 
 // TestEngine_Restreamed: after a restart, events the database shows settled
-// or handed off are skipped, and sinks the ledger shows delivered are not
+// or diverted are skipped, and sinks the ledger shows delivered are not
 // sent again.
 func TestEngine_Restreamed(t *testing.T) {
 	store := newFakeStore()
@@ -407,11 +407,11 @@ func TestEngine_FutureAvailableAtGoesToClaimPath(t *testing.T) {
 	c.Commit(100)
 	waitSettledAt(t, c, 100)
 	if _, h, _ := store.snapshot(); h[1].Kind != relay.Later || len(sink.sent()) != 0 {
-		t.Fatalf("hand-offs %v, sends %d", h, len(sink.sent()))
+		t.Fatalf("diversions %v, sends %d", h, len(sink.sent()))
 	}
 }
 
-func TestEngine_DrainHandsOffWaitingRetries(t *testing.T) {
+func TestEngine_DrainDivertsWaitingRetries(t *testing.T) {
 	store := newFakeStore()
 	sink := newFakeSink("s", func(*relay.Delivery) error { return relay.TransientError(errors.New("503"), 0) })
 	e := startEngine(t, relay.EngineConfig{Stream: store, Routes: []relay.Route{{Sink: sink}}, Policy: relay.Policy{InlineAttempts: 10}})
@@ -424,7 +424,7 @@ func TestEngine_DrainHandsOffWaitingRetries(t *testing.T) {
 		t.Fatal(err)
 	}
 	if _, h, _ := store.snapshot(); h[1].Kind != relay.Later {
-		t.Fatalf("drain did not hand off the retrying event: %v", h)
+		t.Fatalf("drain did not divert the retrying event: %v", h)
 	}
 }
 
@@ -445,7 +445,7 @@ func TestEngine_SkipsRowsInsertedSettled(t *testing.T) {
 
 // TestEngine_HoldUnknownOutcome: a hold sink claims before sending; an
 // unknown outcome holds the row with no second request, and the aggregate's
-// later events follow it; a transient failure that ends in a hand-off
+// later events follow it; a transient failure that ends in a diversion
 // releases the claim; a claim refused before sending (a crash left it) holds.
 //
 // Changed with the new core: the claims are made by PrepareStream, for the
@@ -485,12 +485,12 @@ func TestEngine_HoldUnknownOutcome(t *testing.T) {
 	if sends[1] != 1 || sends[2] != 0 || sends[9] != 0 || sends[3] != 2 || sends[4] != 1 {
 		t.Fatalf("sends per event %v: want 1 once (no resend), 2 never (behind a held event), 3 twice, 4 once, 9 never", sends)
 	}
-	delivered, handOffs, _ := store.snapshot()
-	if handOffs[2].Kind != relay.Later || handOffs[3].Kind != relay.Later || delivered[relay.LedgerKey{EventKey: "k4", Action: "s"}] != 1 {
-		t.Fatalf("hand-offs %v delivered %v", handOffs, delivered)
+	delivered, diversions, _ := store.snapshot()
+	if diversions[2].Kind != relay.Later || diversions[3].Kind != relay.Later || delivered[relay.LedgerKey{EventKey: "k4", Action: "s"}] != 1 {
+		t.Fatalf("diversions %v delivered %v", diversions, delivered)
 	}
-	if _, ok := handOffs[1]; ok {
-		t.Fatal("a held row must not also be handed off")
+	if _, ok := diversions[1]; ok {
+		t.Fatal("a held row must not also be diverted")
 	}
 	store.mu.Lock()
 	defer store.mu.Unlock()

@@ -28,7 +28,7 @@ type fakeStore struct {
 	claims      map[relay.LedgerKey]string // ledger claims ('sending') of hold sinks: owner
 	unknown     map[relay.LedgerKey]string // pairs written 'unknown': detail
 	released    []relay.LedgerKey          // claims withdrawn
-	handOffs    map[int64]relay.Decision
+	diversions  map[int64]relay.Decision
 	deadLetters map[int64]string
 	held        map[int64]string
 	done        map[int64]bool
@@ -48,7 +48,7 @@ var _ relay.StreamStore = (*fakeStore)(nil)
 func newFakeStore() *fakeStore {
 	s := &fakeStore{
 		delivered: map[relay.LedgerKey]int{}, claims: map[relay.LedgerKey]string{}, unknown: map[relay.LedgerKey]string{},
-		handOffs: map[int64]relay.Decision{}, deadLetters: map[int64]string{}, held: map[int64]string{},
+		diversions: map[int64]relay.Decision{}, deadLetters: map[int64]string{}, held: map[int64]string{},
 		done: map[int64]bool{}, notOwned: map[int64]bool{}, invisibleFor: map[int64]int{},
 	}
 	s.prepareStream, s.settleStream, s.diverted = s.prepare, s.settle, s.divertedRows
@@ -108,7 +108,7 @@ func (s *fakeStore) prepare(_ context.Context, works []*relay.Work, restreamed b
 }
 
 func (s *fakeStore) ownedLocked(id int64) bool {
-	_, h := s.handOffs[id]
+	_, h := s.diversions[id]
 	_, d := s.deadLetters[id]
 	_, held := s.held[id]
 	return !h && !d && !held && !s.done[id] && !s.notOwned[id]
@@ -156,7 +156,7 @@ func (s *fakeStore) settle(_ context.Context, works []*relay.Work, owner string)
 		case relay.Done:
 			s.done[ev.ID] = true
 		case relay.Later:
-			s.handOffs[ev.ID] = d
+			s.diversions[ev.ID] = d
 		case relay.DeadLetter:
 			s.deadLetters[ev.ID] = d.Reason
 		case relay.Hold:
@@ -172,10 +172,10 @@ func (s *fakeStore) divertedRows(context.Context) ([]relay.AggregateKey, error) 
 	return slices.Clone(s.divertedAggs), nil
 }
 
-func (s *fakeStore) snapshot() (delivered map[relay.LedgerKey]int, handOffs map[int64]relay.Decision, dead map[int64]string) {
+func (s *fakeStore) snapshot() (delivered map[relay.LedgerKey]int, diversions map[int64]relay.Decision, dead map[int64]string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return maps.Clone(s.delivered), maps.Clone(s.handOffs), maps.Clone(s.deadLetters)
+	return maps.Clone(s.delivered), maps.Clone(s.diversions), maps.Clone(s.deadLetters)
 }
 
 func (s *fakeStore) heldRows() map[int64]string {

@@ -32,7 +32,7 @@ type FeedItem struct {
 	Path      Path      `json:"path"`
 	// Outcome is delivered, failed (dead-lettered at this sink), held,
 	// retry (a counted attempt failed) or deferred (not attempted, or the
-	// sink is down; handed to the claim path or tried later).
+	// sink is down; diverted to the claim path or tried later).
 	Outcome string `json:"outcome"`
 	// Reason is why a pair was not delivered; "" when it was.
 	Reason string `json:"reason,omitempty"`

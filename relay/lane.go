@@ -127,7 +127,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 			// A hand-over's row passes its own pin, not a diversion: an
 			// earlier row of its aggregate is with the claim path (handed
 			// off before, or by this hand-over), or a streamed event was
-			// handed off while the pin held, and the claim path delivers
+			// diverted while the pin held, and the claim path delivers
 			// them all in id order.
 			l.mu.Unlock()
 			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is with the claim path", Until: now, Why: "ordering"}, true)
@@ -141,7 +141,7 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 			// off and has not written it yet: the table does not show it,
 			// so the claim query could not wait for it. Try again shortly.
 			l.mu.Unlock()
-			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is being handed off", Until: now.Add(100 * time.Millisecond), Why: "ordering"}, true)
+			l.complete(t, Outcome{Kind: Deferred, Reason: "an earlier event of its aggregate is being diverted", Until: now.Add(100 * time.Millisecond), Why: "ordering"}, true)
 			return
 		}
 		if q, ok := l.busy[agg]; ok {
@@ -326,7 +326,7 @@ func (l *lane) result(t *task, err error) {
 }
 
 // haltedOutcome is the outcome of a pair not sent because the engine was
-// halted: handed to the claim path, keeping the attempts this pass counted.
+// halted: diverted to the claim path, keeping the attempts this pass counted.
 func haltedOutcome(t *task) Outcome {
 	if t.counted > 0 {
 		return Outcome{Kind: Retry, Reason: t.last + "; then delivery stopped (lease lost)", Counted: t.counted, Unknown: t.p.Outcome.Unknown}
@@ -349,7 +349,7 @@ func (l *lane) retryOutcome(t *task, retryAfter time.Duration) Outcome {
 // the lane: then the slot is freed. When t is its aggregate's pair in
 // flight, the next pair of the aggregate goes out, unless the outcome
 // leaves the event with the claim path: then the pairs waiting behind it
-// follow it, so none overtakes it. A hand-off decision diverts the
+// follow it, so none overtakes it. A diversion decision diverts the
 // aggregate at once.
 func (l *lane) complete(t *task, o Outcome, held bool) {
 	ev := t.w.Event
@@ -421,12 +421,12 @@ func (l *lane) record(t *task, o Outcome) {
 		m.held.Inc()
 	case Retry, Deferred:
 		if w.path == PathStream {
-			l.e.Stats.HandedOff.Add(1)
+			l.e.Stats.Diverted.Add(1)
 			why := o.Why
 			if o.Kind == Retry {
 				why = "retries"
 			}
-			observeHandedOff(l.name, why)
+			observeDiverted(l.name, why)
 		}
 	}
 	l.e.cfg.Feed.observe(t, o)
@@ -435,7 +435,7 @@ func (l *lane) record(t *task, o Outcome) {
 	}
 }
 
-// written is called once the hand-off of ev is in the table: from now on
+// written is called once the diversion of ev is in the table: from now on
 // the claim path can see it.
 func (l *lane) written(ev *Event) {
 	if !l.ordered(ev) {

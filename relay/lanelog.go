@@ -98,7 +98,7 @@ func (l *lane) logFailure(w *Work, next string, at time.Time, reason string) {
 	case nextInlineRetry:
 		ev.Msg("delivery failed: retrying inline")
 	case nextClaimPath:
-		ev.Msg("delivery failed: handed to the claim path")
+		ev.Msg("delivery failed: diverted to the claim path")
 	case nextDeadLetter:
 		ev.Msg("delivery failed: dead-lettered; see outbox-relay dlq list")
 	case nextHeld:
@@ -107,7 +107,7 @@ func (l *lane) logFailure(w *Work, next string, at time.Time, reason string) {
 }
 
 // logDecided logs what w's decision d makes of the failure o of its pair
-// here: handed to the claim path, dead-lettered or held. A pair that did
+// here: diverted to the claim path, dead-lettered or held. A pair that did
 // not fail logs nothing; once the event is settled for good the lane
 // forgets it (delivered forgets a delivered pair's note).
 func (l *lane) logDecided(w *Work, o Outcome, d Decision) {

@@ -83,9 +83,9 @@ func newWebhook(t *testing.T, url string) *webhook.Sink {
 // TestLogs_DeliveryFailureOncePerEventAndChange: a receiver fails one event
 // several times. The relay logs the event's first failure at the sink with
 // its status and next attempt, then only a change — another status, the
-// hand-off to the claim path, the dead letter — and, once it is delivered,
+// diversion to the claim path, the dead letter — and, once it is delivered,
 // one info line (docs/operations.md, "Logs"). Before, three 500s and a
-// hand-off logged nothing at all.
+// diversion logged nothing at all.
 func TestLogs_DeliveryFailureOncePerEventAndChange(t *testing.T) {
 	t.Parallel()
 	for _, tt := range []struct {
@@ -99,7 +99,7 @@ func TestLogs_DeliveryFailureOncePerEventAndChange(t *testing.T) {
 			want: []string{"warn 500 attempt 1 next inline_retry", "info after 500 attempt 4 delivered"}},
 		{name: "another status is a change", answers: []int{500, 500, 502}, policy: relay.Policy{InlineAttempts: 4},
 			want: []string{"warn 500 attempt 1 next inline_retry", "warn 502 attempt 3 next inline_retry", "info after 502 attempt 4 delivered"}},
-		{name: "the hand-off is a change, the claim path's repeat is not", answers: []int{500, 500, 500, 500}, policy: relay.Policy{InlineAttempts: 3}, claims: 2,
+		{name: "the diversion is a change, the claim path's repeat is not", answers: []int{500, 500, 500, 500}, policy: relay.Policy{InlineAttempts: 3}, claims: 2,
 			want: []string{"warn 500 attempt 1 next inline_retry", "warn 500 attempt 3 next claim_path", "info after 500 attempt 5 delivered"}},
 		{name: "the dead letter is a change", answers: []int{500, 500}, policy: relay.Policy{InlineAttempts: 3, MaxAttempts: 2},
 			want: []string{"warn 500 attempt 1 next inline_retry", "warn 500 attempt 2 next dead_letter"}},
@@ -123,8 +123,8 @@ func TestLogs_DeliveryFailureOncePerEventAndChange(t *testing.T) {
 			c.Commit(100)
 			waitSettledAt(t, c, 100)
 			attempts := 0
-			if _, handOffs, _ := store.snapshot(); len(handOffs) > 0 {
-				attempts = handOffs[1].Attempts
+			if _, diversions, _ := store.snapshot(); len(diversions) > 0 {
+				attempts = diversions[1].Attempts
 			}
 			for range tt.claims {
 				w := claimWork(1, "a")

@@ -26,9 +26,9 @@ var (
 		Namespace: "outbox_relay", Name: "held_total",
 		Help: "Events held for a person after an unknown outcome, per sink and path.",
 	}, []string{"sink", "path"})
-	handedOffTotal = promauto.NewCounterVec(prometheus.CounterOpts{
+	divertedTotal = promauto.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "outbox_relay", Name: "handed_off_total",
-		Help: "Events the stream handed to the claim path, per sink and reason.",
+		Help: "Events the stream diverted to the claim path, per sink and reason.",
 	}, []string{"sink", "reason"})
 	deliveryLatency = promauto.NewHistogramVec(prometheus.HistogramOpts{
 		Namespace: "outbox_relay", Name: "delivery_latency_seconds",
@@ -147,13 +147,13 @@ func SetMode(mode string) {
 	}
 }
 
-// handOffReasons are the reason label values of handed_off_total: why the
-// stream handed an event to the claim path (Outcome.Why; "retries" for a
-// counted failure). TestHandOffReasons holds the list to the code.
-var handOffReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down", "ordering", "stopping", "claimed", "paused", "rate_limited"}
+// divertReasons are the reason label values of handed_off_total: why the
+// stream diverted an event to the claim path (Outcome.Why; "retries" for a
+// counted failure). TestDivertReasons holds the list to the code.
+var divertReasons = []string{"retries", "scheduled", "lane_blocked", "sink_down", "ordering", "stopping", "claimed", "paused", "rate_limited"}
 
 // InitMetrics creates at 0 the labelled series of each route's sink (both
-// paths, every hand-off reason) and of both modes, which would otherwise
+// paths, every diversion reason) and of both modes, which would otherwise
 // appear only at their first event: a dashboard panel then shows 0 rather
 // than no data, and Prometheus's increase() sees a sink's first dead letter
 // as a rise from 0 (a counter series that appears at 1 shows no increase),
@@ -181,14 +181,14 @@ func InitMetrics(routes []Route) {
 			limit = float64(r.RateLimit.Limit())
 		}
 		sinkRateLimit.WithLabelValues(sink).Set(limit)
-		for _, reason := range handOffReasons {
-			handedOffTotal.WithLabelValues(sink, reason)
+		for _, reason := range divertReasons {
+			divertedTotal.WithLabelValues(sink, reason)
 		}
 	}
 }
 
-// observeHandedOff counts a hand-off from the stream.
-func observeHandedOff(sink, reason string) { handedOffTotal.WithLabelValues(sink, reason).Inc() }
+// observeDiverted counts a diversion from the stream.
+func observeDiverted(sink, reason string) { divertedTotal.WithLabelValues(sink, reason).Inc() }
 
 // sinkMetrics are one sink's stream-path series, resolved once: looking a
 // series up by its labels hashes them, which the per-event path should not.

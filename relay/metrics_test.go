@@ -16,12 +16,12 @@ import (
 	dto "github.com/prometheus/client_model/go"
 )
 
-// TestHandOffReasons: handOffReasons, the reasons InitMetrics creates
+// TestDivertReasons: divertReasons, the reasons InitMetrics creates
 // handed_off_total series for, are exactly the reasons the engine uses: every
 // string literal given to an Outcome's or Decision's Why field in this
 // package ("retries" among them). It reads the source, so a rewrite of the
 // engine fails it rather than the build.
-func TestHandOffReasons(t *testing.T) {
+func TestDivertReasons(t *testing.T) {
 	fset := token.NewFileSet()
 	files, err := filepath.Glob("*.go")
 	if err != nil {
@@ -58,10 +58,10 @@ func TestHandOffReasons(t *testing.T) {
 		got = append(got, v)
 	}
 	sort.Strings(got)
-	want := slices.Clone(handOffReasons)
+	want := slices.Clone(divertReasons)
 	sort.Strings(want)
 	if !slices.Equal(got, want) {
-		t.Errorf("the engine hands off with reasons %v; handOffReasons (metrics.go) lists %v", got, want)
+		t.Errorf("the engine diverts with reasons %v; divertReasons (metrics.go) lists %v", got, want)
 	}
 }
 
@@ -119,8 +119,8 @@ func TestInitMetrics(t *testing.T) {
 				t.Errorf("delivery_latency_seconds{sink=%s,path=%s} missing", sink, path)
 			}
 		}
-		handed := series(t, handedOffTotal)
-		for _, reason := range handOffReasons {
+		handed := series(t, divertedTotal)
+		for _, reason := range divertReasons {
 			if _, ok := handed["reason="+reason+",sink="+sink]; !ok {
 				t.Errorf("handed_off_total{sink=%s,reason=%s} missing", sink, reason)
 			}

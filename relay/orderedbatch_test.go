@@ -259,21 +259,21 @@ func TestEngine_OrderedBatchRetryKeepsTheRunsOrder(t *testing.T) {
 	if got := sink.requestsOf(1, 2, 3, 4); !slices.EqualFunc(got, want, slices.Equal) {
 		t.Errorf("requests %v, want %v: event 4 goes again behind event 3, in its request", got, want)
 	}
-	delivered, handOffs, _ := store.snapshot()
+	delivered, diversions, _ := store.snapshot()
 	for id := int64(1); id <= 4; id++ {
 		if n := delivered[relay.LedgerKey{EventKey: fmt.Sprintf("k%d", id), Action: "s"}]; n != 1 {
 			t.Errorf("event %d recorded delivered %d times, want 1", id, n)
 		}
 	}
-	if len(handOffs) > 0 {
-		t.Errorf("handed off %v, want every event delivered by the stream", handOffs)
+	if len(diversions) > 0 {
+		t.Errorf("diverted %v, want every event delivered by the stream", diversions)
 	}
 }
 
-// TestEngine_OrderedBatchHandOffTakesTheRunAlong: the retried event of a run
+// TestEngine_OrderedBatchDivertTakesTheRunAlong: the retried event of a run
 // goes to the claim path (no inline attempts): the event after it, answered
 // retry as the contract wants, follows it there unsent, not counted.
-func TestEngine_OrderedBatchHandOffTakesTheRunAlong(t *testing.T) {
+func TestEngine_OrderedBatchDivertTakesTheRunAlong(t *testing.T) {
 	r := &receiverAnswers{tries: map[int64]int{}, gate: map[int64]chan struct{}{1: make(chan struct{})},
 		byTry: map[int64][]error{3: {answerRetry}, 4: {answerRetry}}}
 	sink := newFakeRunSink("s", 10, r.answer)
@@ -287,12 +287,12 @@ func TestEngine_OrderedBatchHandOffTakesTheRunAlong(t *testing.T) {
 	if got, want := sink.requestsOf(1, 2, 3, 4), [][]int64{{1}, {2, 3, 4}}; !slices.EqualFunc(got, want, slices.Equal) {
 		t.Errorf("requests %v, want %v", got, want)
 	}
-	_, handOffs, _ := store.snapshot()
-	if d := handOffs[3]; d.Kind != relay.Later || d.Attempts != 1 {
-		t.Errorf("event 3 settled %+v, want handed off after 1 counted attempt", d)
+	_, diversions, _ := store.snapshot()
+	if d := diversions[3]; d.Kind != relay.Later || d.Attempts != 1 {
+		t.Errorf("event 3 settled %+v, want diverted after 1 counted attempt", d)
 	}
-	if d := handOffs[4]; d.Kind != relay.Later || d.Attempts != 0 || d.Why != "ordering" {
-		t.Errorf("event 4 settled %+v, want handed off behind event 3 for ordering, no attempt counted", d)
+	if d := diversions[4]; d.Kind != relay.Later || d.Attempts != 0 || d.Why != "ordering" {
+		t.Errorf("event 4 settled %+v, want diverted behind event 3 for ordering, no attempt counted", d)
 	}
 }
 
@@ -348,7 +348,7 @@ func TestEngine_OrderedBatchUnknownAtAHoldSink(t *testing.T) {
 	if got, want := sink.requestsOf(1, 2, 3, 4, 5), [][]int64{{1}, {2, 3, 4, 5}, {3}}; !slices.EqualFunc(got, want, slices.Equal) {
 		t.Errorf("requests %v, want %v", got, want)
 	}
-	delivered, handOffs, _ := store.snapshot()
+	delivered, diversions, _ := store.snapshot()
 	for _, id := range []int64{1, 2, 3} {
 		if n := delivered[relay.LedgerKey{EventKey: fmt.Sprintf("k%d", id), Action: "s"}]; n != 1 {
 			t.Errorf("event %d recorded delivered %d times, want 1", id, n)
@@ -357,8 +357,8 @@ func TestEngine_OrderedBatchUnknownAtAHoldSink(t *testing.T) {
 	if _, ok := store.heldRows()[4]; !ok {
 		t.Errorf("event 4 not held; held rows %v", store.heldRows())
 	}
-	if d := handOffs[5]; d.Kind != relay.Later || d.Why != "ordering" {
-		t.Errorf("event 5 settled %+v, want handed off behind the held event 4", d)
+	if d := diversions[5]; d.Kind != relay.Later || d.Why != "ordering" {
+		t.Errorf("event 5 settled %+v, want diverted behind the held event 4", d)
 	}
 }
 

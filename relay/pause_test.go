@@ -29,7 +29,7 @@ func (p *fakePauses) set(names ...string) {
 }
 
 // TestEngine_PausedSinkDefersWithoutAnAttempt: a sink paused before the
-// engine starts gets nothing; its events are handed to the claim path
+// engine starts gets nothing; its events are diverted to the claim path
 // without an attempt (reason paused) and the stream settles past them,
 // while the other sink gets every event. A claimed row is put back the same
 // way while the pause holds, and once it is lifted (read within
@@ -52,11 +52,11 @@ func TestEngine_PausedSinkDefersWithoutAnAttempt(t *testing.T) {
 	if ids := other.sentIDs(); len(ids) != 3 || slices.Index(ids, 1) > slices.Index(ids, 2) {
 		t.Fatalf("other sink sent %v, want 1, 2, 3 with 1 before 2", ids)
 	}
-	_, handOffs, _ := store.snapshot()
+	_, diversions, _ := store.snapshot()
 	for _, id := range []int64{1, 2, 3} {
-		h := handOffs[id]
+		h := diversions[id]
 		if h.Kind != relay.Later || h.Attempts != 0 || h.Why != "paused" && id != 2 {
-			t.Errorf("event %d: %+v, want a hand-off without an attempt, reason paused", id, h)
+			t.Errorf("event %d: %+v, want a diversion without an attempt, reason paused", id, h)
 		}
 	}
 

@@ -9,7 +9,7 @@ import (
 )
 
 // The delivery policy: what happens to an event after each attempt, on
-// either path. It is the only place that decides retries, hand-offs, holds
+// either path. It is the only place that decides retries, diversions, holds
 // and dead letters (docs/guarantees.md), and the only place with their
 // defaults.
 
@@ -38,7 +38,7 @@ func DefaultBackoff() []time.Duration {
 // value takes the defaults.
 type Policy struct {
 	// InlineAttempts is how many times the stream tries an event in memory
-	// before handing it to the claim path [3]; 0 hands off on the first
+	// before handing it to the claim path [3]; 0 diverts on the first
 	// failure. The claim path makes one attempt per claim.
 	InlineAttempts int
 	// MaxAttempts dead-letters an event after this many counted attempts [10].
@@ -47,7 +47,7 @@ type Policy struct {
 	// by counted attempts [DefaultBackoff]; 0–10% jitter is added.
 	Backoff []time.Duration
 	// LaneBlockMax is how long a full lane may block decoding before the
-	// event is handed off instead [2s].
+	// event is diverted instead [2s].
 	LaneBlockMax time.Duration
 }
 

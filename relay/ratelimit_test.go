@@ -36,18 +36,18 @@ func TestEngine_RateLimitNeverHoldsTheStream(t *testing.T) {
 	if most := 5 + int(50*took.Seconds()) + 11; sent > most || sent < 5 {
 		t.Fatalf("the limited sink got %d events in %s, want 5 to %d", sent, took, most)
 	}
-	_, handOffs, _ := store.snapshot()
+	_, diversions, _ := store.snapshot()
 	limitedOff := 0
-	for id, h := range handOffs {
+	for id, h := range diversions {
 		if h.Why == "rate_limited" {
 			limitedOff++
 			if h.Attempts != 0 || !h.At.After(start) {
-				t.Errorf("event %d: %+v, want a hand-off without an attempt, due later", id, h)
+				t.Errorf("event %d: %+v, want a diversion without an attempt, due later", id, h)
 			}
 		}
 	}
-	if limitedOff == 0 || sent+len(handOffs) < 100 {
-		t.Fatalf("%d sent, %d handed off (%d over the rate limit): want the rest of 100 handed off", sent, len(handOffs), limitedOff)
+	if limitedOff == 0 || sent+len(diversions) < 100 {
+		t.Fatalf("%d sent, %d diverted (%d over the rate limit): want the rest of 100 diverted", sent, len(diversions), limitedOff)
 	}
 }
 
@@ -75,8 +75,8 @@ func TestEngine_RateLimitCountsEventsOfARun(t *testing.T) {
 	if took < 900*time.Millisecond {
 		t.Fatalf("21 events in %d requests took %s at 20 events/s: the limit counted requests, not events", sink.requestCount(), took)
 	}
-	delivered, handOffs, _ := store.snapshot()
-	if len(delivered) != 21 || len(handOffs) != 0 {
-		t.Fatalf("%d delivered, %d handed off, want 21 delivered", len(delivered), len(handOffs))
+	delivered, diversions, _ := store.snapshot()
+	if len(delivered) != 21 || len(diversions) != 0 {
+		t.Fatalf("%d delivered, %d diverted, want 21 delivered", len(delivered), len(diversions))
 	}
 }

@@ -181,7 +181,7 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 	now := time.Now()
 	gone := q.gone(ctx, toWrite, hidden, now)
 	var final []*Work
-	handedOff := false
+	diverted := false
 	for _, w := range toWrite {
 		switch {
 		case w.dataErrors > 2*dataErrorsBeforeFallback:
@@ -198,14 +198,14 @@ func (q *settleQueue) write(ctx context.Context, batch []*Work) {
 		if w.Decision.Kind == Done || w.Decision.Kind == DeadLetter {
 			final = append(final, w)
 		}
-		handedOff = handedOff || q.path == PathStream && w.Decision.Kind == Later
+		diverted = diverted || q.path == PathStream && w.Decision.Kind == Later
 	}
 	q.undivert(ctx, final)
 	// The claim path is woken when its aggregates' next rows may be due
-	// (a run settled) and when the stream has just written hand-offs for
+	// (a run settled) and when the stream has just written diversions for
 	// it: a diverted aggregate's fresh events go out at once, not at the
 	// next poll, and the claim path catches up with the aggregate sooner.
-	if f := e.claimSettled.Load(); f != nil && (q.path == PathClaim && len(final) > 0 || handedOff) {
+	if f := e.claimSettled.Load(); f != nil && (q.path == PathClaim && len(final) > 0 || diverted) {
 		(*f)()
 	}
 }
@@ -347,7 +347,7 @@ func decisionName(k DecisionKind) string {
 // undivert asks the claim store which aggregates of works just settled for
 // good have nothing left at the claim path, and lets the stream deliver
 // their events again. It asks only about aggregates a lane diverts now:
-// in poll mode, or for aggregates the stream never handed off, a
+// in poll mode, or for aggregates the stream never diverted, a
 // settlement costs no round trip, and a diverted aggregate is checked at
 // the settlement of each of its claimed runs, so the stream gets it back
 // as soon as the claim path has caught up with it (docs/guarantees.md

@@ -16,7 +16,7 @@ import (
 // The replication source calls it before it creates a slot, so that the new
 // slot's hand-over does not give the claim path rows the engine is still
 // delivering (they would reach the sinks twice); the claim path's works
-// are rows claimed or handed off, never in a new slot's snapshot.
+// are rows claimed or diverted, never in a new slot's snapshot.
 func (e *Engine) WaitSettled(ctx context.Context) error {
 	return e.waitInFlight(ctx, settleWait{what: "stream events", count: func() int { return len(e.inflight[PathStream]) },
 		match: func(w *Work) bool { return w.path == PathStream }, stall: e.cfg.StallAfter})

@@ -75,7 +75,7 @@ type Work struct {
 	// Pairs has one entry per sink the event is routed to, in route order.
 	Pairs []*Pair
 	// Skip is set by Prepare (stream path) when the row is no longer the
-	// stream's: settled, handed off or claimed before a restart.
+	// stream's: settled, diverted or claimed before a restart.
 	Skip bool
 	// Decision is set by the engine before Settle.
 	Decision Decision
@@ -125,7 +125,7 @@ type StreamStore interface {
 	// PrepareStream reads what the database knows about works before they
 	// are sent, one statement per kind for the batch. When restreamed is
 	// true the slot may be sending them again after a restart: a row that
-	// is no longer pending and not handed off is marked Skip, and pairs the
+	// is no longer pending and not diverted is marked Skip, and pairs the
 	// ledger shows delivered become PairDelivered. Pairs of Hold sinks are
 	// claimed for owner ('sending', committed synchronously): Claimed, or
 	// PairDelivered, or PairUnknown when another claim is there. An error
@@ -135,12 +135,12 @@ type StreamStore interface {
 	// SettleStream writes the works' decisions in one transaction: a
 	// delivered ledger row for each delivered pair (insert-only; the record
 	// of each delivery), and each row's status — Done as status done, Later
-	// as a hand-off to the claim path (handoff_at, available_at, attempts,
+	// as a diversion to the claim path (handoff_at, available_at, attempts,
 	// last_error), DeadLetter as status failed, Hold as status held with the
 	// pair 'unknown'; claims of pairs not sent are withdrawn. The status is
 	// the row's one state: written with the pairs, never after them. Every
 	// row change is conditional on the row still being the stream's
-	// (pending, not handed off); a row no longer the stream's is left to its
+	// (pending, not diverted); a row no longer the stream's is left to its
 	// new owner. It may
 	// commit asynchronously: the synchronous checkpoint written before each
 	// acknowledgement makes it durable. It returns the ids of rows it could
@@ -167,7 +167,7 @@ type StreamStore interface {
 // ClaimQuery says which rows Claim takes.
 type ClaimQuery struct {
 	// All claims every due pending row (poll mode); otherwise only rows
-	// handed to the claim path.
+	// diverted to the claim path.
 	All bool
 	// Limit is the most rows one claim takes.
 	Limit int
@@ -236,7 +236,7 @@ type ClaimStore interface {
 	SettleClaim(ctx context.Context, works []*Work, owner string) (invisible []int64, err error)
 
 	// SettledAggregates returns those of aggs with no row left at the claim
-	// path (handed off and not settled) or held: the stream may deliver
+	// path (diverted and not settled) or held: the stream may deliver
 	// their events again.
 	SettledAggregates(ctx context.Context, aggs []AggregateKey) ([]AggregateKey, error)
 
@@ -280,7 +280,7 @@ type HandOverRows interface {
 	NewestUnblocked(ctx context.Context) ([]*Event, []AggregateKey, error)
 	// Deliver reads the rows again, a slice at a time, and gives them to
 	// feed (Consumer.HandOver), each aggregate's in id order; rows no
-	// longer pending, or handed off, since the snapshot are left out. After each slice it calls fed with the
+	// longer pending, or diverted, since the snapshot are left out. After each slice it calls fed with the
 	// aggregates whose every row is now fed. Once every slice is fed it
 	// waits for settled (Consumer.HandOverSettled), then records the
 	// hand-over of slot as done at consistent, and returns how many rows
@@ -336,7 +336,7 @@ type Consumer interface {
 	Divert(aggs []AggregateKey) (release func([]AggregateKey))
 	// HandOver takes rows of a new slot's hand-over, read from the table:
 	// they are delivered like streamed events — checked against the ledger
-	// first, settled in the stream's batches, handed to the claim path
+	// first, settled in the stream's batches, diverted to the claim path
 	// when they cannot be delivered — but acknowledge no slot position,
 	// and go into their lanes even while their aggregate is diverted by
 	// Divert's pin. Each aggregate's rows come in id order. It blocks
@@ -344,7 +344,7 @@ type Consumer interface {
 	// never queue behind more; it may be called concurrently with Submit.
 	HandOver(ctx context.Context, events []*Event) error
 	// HandOverSettled waits until every row given to HandOver is settled
-	// (delivered and recorded, or handed to the claim path), or ctx ends,
+	// (delivered and recorded, or diverted to the claim path), or ctx ends,
 	// or the engine stops (ErrEngineStopped), or none of them settled for
 	// the engine's StallAfter: then it returns an error naming some.
 	HandOverSettled(ctx context.Context) error

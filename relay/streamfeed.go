@@ -172,11 +172,11 @@ func (f *streamFeed) start(ctx context.Context, works []*Work, prepare, restream
 		}
 	}
 	// From here every work is taken: with ctx ended, a pair that finds its
-	// lane full is handed off rather than dropped, so that a claim Prepare
+	// lane full is diverted rather than dropped, so that a claim Prepare
 	// made is settled.
 	for _, w := range works {
 		if w.Skip {
-			// Settled, handed off or claimed before the restart, or since
+			// Settled, diverted or claimed before the restart, or since
 			// a hand-over's snapshot was read.
 			e.Stats.Skipped.Add(1)
 			release(w)

@@ -3,7 +3,7 @@ package relay
 import "time"
 
 // StuckRow is a row the stuck-rows alarm counts: pending, the stream's (not
-// handed off), and due longer than sweep_after ago.
+// diverted), and due longer than sweep_after ago.
 type StuckRow struct {
 	ID  int64
 	Due time.Time
@@ -24,7 +24,7 @@ type StreamView struct {
 	// that start, so every row committed before it has reached the engine.
 	CaughtUp bool
 	// SinksDown names the sinks whose circuit is open or that failed since
-	// it last closed: their events wait or are handed off.
+	// it last closed: their events wait or are diverted.
 	SinksDown []string
 }
 

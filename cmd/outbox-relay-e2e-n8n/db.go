@@ -106,7 +106,7 @@ type missingRow struct {
 	ID          int64
 	Key         string
 	Status      string
-	HandoffAt   *time.Time
+	DivertedAt  *time.Time
 	AvailableAt time.Time
 	Attempts    int
 	LastError   *string
@@ -128,14 +128,14 @@ SELECT o.id, o.event_key, o.status, o.handoff_at, o.available_at, o.attempts, o.
 	}
 	return pgx.CollectRows(rows, func(r pgx.CollectableRow) (missingRow, error) {
 		var m missingRow
-		err := r.Scan(&m.ID, &m.Key, &m.Status, &m.HandoffAt, &m.AvailableAt, &m.Attempts, &m.LastError, &m.Ledger)
+		err := r.Scan(&m.ID, &m.Key, &m.Status, &m.DivertedAt, &m.AvailableAt, &m.Attempts, &m.LastError, &m.Ledger)
 		return m, err
 	})
 }
 
 // explainMissing turns the rows without an effect into the failure message:
 // which events the relay recorded as delivered although the workflow never
-// applied them (lost), which wait for the claim path (handed off: pending
+// applied them (lost), which wait for the claim path (diverted: pending
 // with handoff_at), which were dead-lettered or held, and which the stream
 // still owns, each group with its ids, first keys and last errors.
 func explainMissing(rows []missingRow, waited time.Duration) string {
@@ -148,7 +148,7 @@ func explainMissing(rows []missingRow, waited time.Duration) string {
 			dead = append(dead, m)
 		case m.Status == "held":
 			held = append(held, m)
-		case m.HandoffAt != nil:
+		case m.DivertedAt != nil:
 			handed = append(handed, m)
 		default:
 			streamed = append(streamed, m)
@@ -167,7 +167,7 @@ func explainMissing(rows []missingRow, waited time.Duration) string {
 	}
 	group(lost, "LOST: the relay's ledger says delivered, but the workflow never applied them "+
 		"(a 2xx that was not the workflow's answer? n8n answers any request with 200 \"n8n is starting up. Please wait\" while it migrates its database at startup)")
-	group(handed, "PENDING WITH handoff_at (handed off to the claim path, which has not delivered them; does this relay build run the claim path?)")
+	group(handed, "PENDING WITH handoff_at (diverted to the claim path, which has not delivered them; does this relay build run the claim path?)")
 	group(dead, "DEAD-LETTERED (status failed)")
 	group(held, "held (outcome unknown, waiting for a person)")
 	group(streamed, "owned by the stream and not delivered (pending, no handoff_at)")

@@ -19,7 +19,7 @@
 //     applies nothing;
 //  3. outage: n8n is stopped (SIGTERM) for 20 s while events are being
 //     published, then started again; every event must end with exactly one
-//     effect. Events the relay handed to the claim path during the outage
+//     effect. Events the relay diverted to the claim path during the outage
 //     are listed by id when nothing delivers them;
 //  4. unpublished: the workflow is unpublished, the relay gets n8n's 404
 //     "not registered", opens the sink's circuit (checked in its log) and
@@ -452,7 +452,7 @@ sinks:
     concurrency: %[7]d
     batch: {max_events: %[8]d, max_wait: 20ms, ordered: %[10]t}
     auth: {type: header, header: %[5]s, value: ${N8N_TOKEN}}
-# Retries of events handed to the claim path come within 30 s (the
+# Retries of events diverted to the claim path come within 30 s (the
 # default schedule reaches 2m at the fourth attempt, past -stall): an event
 # whose requests failed while n8n restarted is retried while the scenario
 # still waits for it.

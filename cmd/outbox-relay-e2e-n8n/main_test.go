@@ -98,9 +98,9 @@ func TestExplainMissing(t *testing.T) {
 	str := func(s string) *string { return &s }
 	now := time.Now()
 	rows := []missingRow{
-		{ID: 7, Key: "a", Status: "pending", HandoffAt: &now, LastError: str(`sink n8n: transient: webhook n8n: event "a": request not written: connection refused`)},
-		{ID: 8, Key: "b", Status: "pending", HandoffAt: &now, LastError: str(`sink n8n: transient: webhook n8n: event "b": request not written: connection refused`)},
-		{ID: 9, Key: "c", Status: "pending", HandoffAt: &now, LastError: str("sink n8n: circuit open: sink is down")},
+		{ID: 7, Key: "a", Status: "pending", DivertedAt: &now, LastError: str(`sink n8n: transient: webhook n8n: event "a": request not written: connection refused`)},
+		{ID: 8, Key: "b", Status: "pending", DivertedAt: &now, LastError: str(`sink n8n: transient: webhook n8n: event "b": request not written: connection refused`)},
+		{ID: 9, Key: "c", Status: "pending", DivertedAt: &now, LastError: str("sink n8n: circuit open: sink is down")},
 		{ID: 12, Key: "d", Status: "failed", LastError: str("permanent: 404 Cannot POST /webhook/outbox")},
 		{ID: 13, Key: "e", Status: "pending", Ledger: str("delivered")},
 	}

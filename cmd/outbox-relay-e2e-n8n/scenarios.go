@@ -415,7 +415,7 @@ func (e *e2e) failingStep(ctx context.Context) error {
 // stopped for opts.outage, or longer when re-importing and publishing the
 // workflow (which needs n8n stopped) takes longer. Every event must end with
 // exactly one effect. Events the relay could not deliver meanwhile are
-// handed off to the claim path (pending with handoff_at); when nothing
+// diverted to the claim path (pending with handoff_at); when nothing
 // delivers them the failure lists them, and says when they were published.
 func (e *e2e) outage(ctx context.Context) result {
 	r := result{Name: "3 n8n outage", Events: e.opts.outageEvents}
@@ -620,7 +620,7 @@ func (e *e2e) unpublished(ctx context.Context) result {
 	}
 	s, werr := e.settle(ctx, prefix, base, allApplied(r.Events))
 	closed := len(e.relay.log.LinesSince(logOff, "circuit closed")) > 0
-	r.Note = fmt.Sprintf("circuit opened on 404 not registered; %d handed off while unpublished; circuit closed again: %t", handed, closed)
+	r.Note = fmt.Sprintf("circuit opened on 404 not registered; %d diverted while unpublished; circuit closed again: %t", handed, closed)
 	e.fill(ctx, &r, prefix, s, werr, started)
 	return r
 }

@@ -318,7 +318,7 @@ func TestBadInput_SubjectCharacters(t *testing.T) {
 // starts, logs an error naming the sink and the authorization failure,
 // /readyz answers 200 with a line naming the sink down and why, the webhook keeps getting every
 // event, and the NATS side of each event waits on the claim path (pending,
-// handed off, no attempt counted, never dead-lettered). Once the credentials
+// diverted, no attempt counted, never dead-lettered). Once the credentials
 // are fixed and the relay restarted, NATS gets every event and the webhook
 // gets no repeat.
 func TestBadInput_NATSAuthFailure(t *testing.T) {
@@ -450,7 +450,7 @@ func TestBadInput_UnresolvableWebhook(t *testing.T) {
 		return len(seen) >= 3
 	})
 	// The stream hands the events behind the first ones off once the
-	// circuit is open; those hand-offs settle a moment later.
+	// circuit is open; those diversions settle a moment later.
 	waiting := func() int64 {
 		return s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE status = 'pending' AND handoff_at IS NOT NULL
 		AND attempts = 0 AND last_error LIKE 'sink hook: %'`)

@@ -168,10 +168,10 @@ func TestDLQRetry(t *testing.T) {
 	if got := d.ledgerStates(t, "k-failed"); got != "nats=delivered" {
 		t.Fatalf("ledger after retry: %q", got)
 	}
-	var handedOff, attempts int
-	d.pool.QueryRow(t.Context(), `SELECT count(*) FILTER (WHERE handoff_at IS NOT NULL AND last_error IS NULL), sum(attempts) FROM integration_outbox`).Scan(&handedOff, &attempts)
-	if handedOff != 2 || attempts != 0 {
-		t.Fatalf("after retry: %d handed off without error, attempts %d", handedOff, attempts)
+	var diverted, attempts int
+	d.pool.QueryRow(t.Context(), `SELECT count(*) FILTER (WHERE handoff_at IS NOT NULL AND last_error IS NULL), sum(attempts) FROM integration_outbox`).Scan(&diverted, &attempts)
+	if diverted != 2 || attempts != 0 {
+		t.Fatalf("after retry: %d diverted without error, attempts %d", diverted, attempts)
 	}
 
 	// Nothing left to retry.

@@ -238,7 +238,7 @@ func TestRelay_FirstStartDeliversExistingRows(t *testing.T) {
 }
 
 // TestRelay_ReceiverOutage: the webhook answers 503 for 10 s. The slot's
-// acknowledgement keeps advancing; the affected rows are handed off
+// acknowledgement keeps advancing; the affected rows are diverted
 // (pending, future available_at, last_error) and later events of their
 // aggregates follow them instead of overtaking; NATS is unaffected.
 func TestRelay_ReceiverOutage(t *testing.T) {
@@ -266,16 +266,16 @@ func TestRelay_ReceiverOutage(t *testing.T) {
 	}
 	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE event_key LIKE 'outage-%' AND status = 'pending'
 		AND handoff_at IS NOT NULL AND available_at > now() AND last_error LIKE '%503%'`); n == 0 {
-		t.Fatal("no row was handed off with a future available_at and the 503 in last_error")
+		t.Fatal("no row was diverted with a future available_at and the 503 in last_error")
 	}
 	if n := s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE event_key LIKE 'outage-%' AND handoff_at IS NOT NULL`); n != 100 {
-		t.Fatalf("%d of 100 rows handed off; every aggregate had a failed event, so all should follow it", n)
+		t.Fatalf("%d of 100 rows diverted; every aggregate had a failed event, so all should follow it", n)
 	}
 	eventually(t, 20*time.Second, "NATS to get every event", func() bool { return len(streamMessages(t, s.nats.URL())) == 100 })
 
 	time.Sleep(time.Until(outageEnds))
 	down.Store(false)
-	// A later event of a diverted aggregate still waits behind its handed-off
+	// A later event of a diverted aggregate still waits behind its diverted
 	// predecessors; a fresh aggregate streams.
 	s.publishWriters(t, 1, 1, 1, "later") // aggregate w0-0: diverted
 	if _, err := s.pool.Exec(context.Background(), `SELECT outbox_publish('order.placed', 'order', 'fresh', 'fresh-1', '{}')`); err != nil {
@@ -285,10 +285,10 @@ func TestRelay_ReceiverOutage(t *testing.T) {
 		return len(byKey(s.hook.deliveries())["fresh-1"]) == 1
 	})
 	if len(byKey(s.hook.deliveries())["later-w0-0"]) != 0 {
-		t.Fatal("a later event overtook its aggregate's handed-off events")
+		t.Fatal("a later event overtook its aggregate's diverted events")
 	}
-	// Its hand-off is written once every sink has an outcome (NATS too).
-	eventually(t, 10*time.Second, "the later event of a diverted aggregate handed off", func() bool {
+	// Its diversion is written once every sink has an outcome (NATS too).
+	eventually(t, 10*time.Second, "the later event of a diverted aggregate diverted", func() bool {
 		return s.scalar(t, `SELECT count(*) FROM integration_outbox WHERE event_key = 'later-w0-0' AND handoff_at IS NOT NULL`) == 1
 	})
 }

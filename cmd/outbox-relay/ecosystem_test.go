@@ -285,7 +285,7 @@ func TestTraceContext_EndToEnd(t *testing.T) {
 	})
 	// The retry was the claim path's: the stream handed the event off.
 	if n := s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE event_key = 'traced' AND handoff_at IS NOT NULL"); n != 1 {
-		t.Fatalf("the traced event was not handed to the claim path (%d)", n)
+		t.Fatalf("the traced event was not diverted to the claim path (%d)", n)
 	}
 	s.replay(t, cfgPath, "traced")
 	eventually(t, 30*time.Second, "the replay at both sinks", func() bool {

@@ -105,8 +105,8 @@ func printEvent(w io.Writer, r admin.EventReport, now time.Time) {
 	line("last error:", "%s", printable(r.LastError))
 	line("created:", "%s", when(r.CreatedAt, now))
 	line("available:", "%s", when(r.AvailableAt, now))
-	if r.HandoffAt != nil {
-		line("handed off:", "%s", when(r.HandoffAt, now))
+	if r.DivertedAt != nil {
+		line("diverted:", "%s", when(r.DivertedAt, now))
 	}
 	if r.LockedBy != nil || r.LockedAt != nil {
 		line("claimed:", "%s by %s", when(r.LockedAt, now), printable(r.LockedBy))

@@ -314,14 +314,14 @@ func replaceInFile(t *testing.T, path, old, new string) {
 	}
 }
 
-// TestNoStall_InvisibleRowHandOffIsNotAcknowledged: with synchronous
+// TestNoStall_InvisibleRowDivertIsNotAcknowledged: with synchronous
 // replication and its standby down, a commit is streamed while its row is
 // still invisible to other sessions. A failed delivery must not be settled
-// (nor the slot acknowledged past it) until its hand-off is written: once the
+// (nor the slot acknowledged past it) until its diversion is written: once the
 // commit becomes visible the claim path delivers it. (Before the fix, after
 // 30 s the event was settled anyway and the row stayed pending, owned by
 // nobody.)
-func TestNoStall_InvisibleRowHandOffIsNotAcknowledged(t *testing.T) {
+func TestNoStall_InvisibleRowDivertIsNotAcknowledged(t *testing.T) {
 	cluster := pgtest.NewCluster(t, pgtest.Options{})
 	ctx := context.Background()
 	if err := cluster.CreateDatabase(ctx, "outbox"); err != nil {

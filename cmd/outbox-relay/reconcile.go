@@ -13,7 +13,7 @@ func newReconcileCommand(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "reconcile --older-than D",
 		Short: "Hand long-pending rows the stream will never deliver to the claim path",
-		Long: `Reconcile marks rows that are still pending, not handed off, and older than --older-than
+		Long: `Reconcile marks rows that are still pending, not diverted, and older than --older-than
 for the claim path. Use it when the sweep_after alarm names rows never streamed: the slot was
 dropped and recreated by someone else while the relay was down, and the rows it skipped are never
 streamed. (Rows the alarm counts in flight or not received yet arrive by themselves.)

@@ -18,7 +18,7 @@ func newReplayCommand(g *globals) *cobra.Command {
 		Short: "Re-deliver events by time or id, optionally to one sink",
 		Long: `Replay delivers settled events again (done, failed or held; pending and processing events
 are on their way and are left alone). In one transaction per 1,000 events each chosen event
-becomes pending, attempts 0, due now and handed to the claim path, its replay count goes up,
+becomes pending, attempts 0, due now and diverted to the claim path, its replay count goes up,
 and its ledger rows are deleted: every sink's, or with --sink only that sink's, so the claim
 path re-delivers to that sink only — the other sinks keep their 'delivered' rows and are
 skipped. (A sink that never got the event, a failed one say, has no such row and gets it too.)

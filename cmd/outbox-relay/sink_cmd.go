@@ -32,7 +32,7 @@ func newSinkPauseCommand(g *globals) *cobra.Command {
 		Short: "Stop delivering to a sink until it is resumed",
 		Long: `Pause records in the database that no relay sends to the sink NAME: every relay on the
 outbox notices within a second, across restarts and leader changes, until ` + "`sink resume NAME`" + `.
-The sink's events are handed to the claim path without an attempt and wait there; the other
+The sink's events are diverted to the claim path without an attempt and wait there; the other
 sinks keep receiving, and the replication slot keeps advancing. After the resume they are
 delivered in per-aggregate order.`,
 		Args: exactArgs(1, "NAME"),

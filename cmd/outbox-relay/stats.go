@@ -11,7 +11,7 @@ var statsRefresher = (*relayRun).refreshStats
 
 // refreshStats publishes the table gauges every 10 s, or less often while
 // counting takes long (statsPause): counting by status reads every row
-// handed to the claim path, so it never runs per scrape
+// diverted to the claim path, so it never runs per scrape
 // (docs/operations.md, "Metrics").
 func (r *relayRun) refreshStats(ctx context.Context) {
 	for {
@@ -33,7 +33,7 @@ func (r *relayRun) refreshStats(ctx context.Context) {
 // statsPause is the wait after a refresh of the table gauges that took
 // took: 10 s from its start, and at least 19 times as long as it took, so
 // that counting occupies at most a twentieth of one connection. Behind a
-// backlog of 200,000 handed-off rows a refresh took 1.8 s, every 10 s
+// backlog of 200,000 diverted rows a refresh took 1.8 s, every 10 s
 // (make bench's slot-recreated, docs/performance.md).
 func statsPause(took time.Duration) time.Duration {
 	return max(10*time.Second-took, 19*took)

@@ -66,7 +66,7 @@ func TestRelay_StopSaysWhatItWaitsFor(t *testing.T) {
 		t.Fatal("the relay did not stop within 30s of the webhook's answers")
 	}
 	l := line("stopped: ")
-	if !strings.Contains(l, `"message":"stopped: 12 delivered, 0 handed to the claim path, in `) || !strings.Contains(l, `"delivered":12`) {
+	if !strings.Contains(l, `"message":"stopped: 12 delivered, 0 diverted to the claim path, in `) || !strings.Contains(l, `"delivered":12`) {
 		t.Fatalf("stopped line: %s\nlog:\n%s", l, log.String())
 	}
 	t.Logf("%s\n%s", line("stopping: "), l)

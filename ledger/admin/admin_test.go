@@ -140,7 +140,7 @@ type outboxRow struct {
 	attempts    int
 	replays     *int
 	lastError   *string
-	handedOff   bool
+	diverted    bool
 	availableIn time.Duration // available_at - now
 }
 
@@ -150,7 +150,7 @@ func (f *fixture) MustRow(tb testing.TB, id int64) outboxRow {
 	var avail float64
 	err := f.pool.QueryRow(context.Background(), fmt.Sprintf(`
 SELECT status, attempts, replays, last_error, handoff_at IS NOT NULL, extract(epoch FROM available_at - now())::float8
-  FROM %s WHERE id = $1`, f.tables.Outbox.Quoted()), id).Scan(&r.status, &r.attempts, &r.replays, &r.lastError, &r.handedOff, &avail)
+  FROM %s WHERE id = $1`, f.tables.Outbox.Quoted()), id).Scan(&r.status, &r.attempts, &r.replays, &r.lastError, &r.diverted, &avail)
 	if err != nil {
 		tb.Fatalf("read row %d: %v", id, err)
 	}

@@ -221,7 +221,7 @@ type Changed struct {
 // Retry makes the dead letters, held and discarded rows among ids
 // deliverable again,
 // in one statement (one transaction): status pending, attempts 0,
-// available_at and handoff_at now (the claim path takes handed-off rows in
+// available_at and handoff_at now (the claim path takes diverted rows in
 // replication mode as in poll mode), last_error, processed_at and the claim
 // cleared. The ledger rows of the chosen sinks (nil: every sink) that are
 // not 'delivered' — 'sending' claims and 'unknown' outcomes — are deleted,

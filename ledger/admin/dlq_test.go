@@ -127,11 +127,11 @@ func TestRetryAndDiscard(t *testing.T) {
 			}
 			for _, id := range []int64{failed, held} {
 				r := f.MustRow(t, id)
-				if r.status != "pending" || r.attempts != 0 || r.lastError != nil || !r.handedOff || r.availableIn > time.Second {
+				if r.status != "pending" || r.attempts != 0 || r.lastError != nil || !r.diverted || r.availableIn > time.Second {
 					t.Fatalf("row %d after retry: %+v", id, r)
 				}
 			}
-			if r := f.MustRow(t, pending); r.attempts != 3 || r.handedOff {
+			if r := f.MustRow(t, pending); r.attempts != 3 || r.diverted {
 				t.Fatalf("pending row changed: %+v", r)
 			}
 			if got := f.MustLedgerStates(t, "failed"); len(got) != 1 || got["nats"] != "delivered" {
@@ -178,13 +178,13 @@ func TestRetryAndDiscard(t *testing.T) {
 			if c, err := admin.Retry(ctx, f.pool, f.tables, []int64{dead}, nil); err != nil || c.Rows != 1 {
 				t.Fatalf("retry of a discarded row: %+v %v", c, err)
 			}
-			if r := f.MustRow(t, dead); r.status != "pending" || !r.handedOff {
+			if r := f.MustRow(t, dead); r.status != "pending" || !r.diverted {
 				t.Fatalf("retried discarded row: %+v", r)
 			}
 			if c, err := admin.Replay(ctx, f.pool, f.tables, []int64{deadNoErr}, nil); err != nil || c.Rows != 1 {
 				t.Fatalf("replay of a discarded row: %+v %v", c, err)
 			}
-			if r := f.MustRow(t, deadNoErr); r.status != "pending" || !r.handedOff {
+			if r := f.MustRow(t, deadNoErr); r.status != "pending" || !r.diverted {
 				t.Fatalf("replayed discarded row: %+v", r)
 			}
 		})

@@ -29,12 +29,12 @@ type EventRef struct {
 type EventState string
 
 // The states of an event: its status column (docs/schema.md, "A row's
-// states") and, for a pending one, its hand-off.
+// states") and, for a pending one, its diversion.
 const (
-	// EventWithStream: pending, and the stream's (not handed off) — on its
+	// EventWithStream: pending, and the stream's (not diverted) — on its
 	// way, or waiting for the slot to send it.
 	EventWithStream EventState = "stream"
-	// EventAtClaimPath: pending and handed off; the claim path takes it once
+	// EventAtClaimPath: pending and diverted; the claim path takes it once
 	// available_at has passed.
 	EventAtClaimPath EventState = "claim_path"
 	// EventProcessing: claimed by the claim path (locked_by), being sent.
@@ -72,7 +72,7 @@ type EventReport struct {
 	LastError   *string    `json:"last_error"`
 	CreatedAt   *time.Time `json:"created_at"`
 	AvailableAt *time.Time `json:"available_at"`
-	HandoffAt   *time.Time `json:"handoff_at"`
+	DivertedAt  *time.Time `json:"handoff_at"`
 	LockedAt    *time.Time `json:"locked_at"`
 	LockedBy    *string    `json:"locked_by"`
 	ProcessedAt *time.Time `json:"processed_at"`
@@ -142,7 +142,7 @@ func LookupEvent(ctx context.Context, db DB, t Tables, ref EventRef) (EventRepor
 	err := db.QueryRow(ctx, query, arg, t.filtered()).Scan(
 		&r.ID, &r.EventKey, &r.EventType, &r.AggregateType, &r.AggregateID, &status,
 		&r.Attempts, &r.Replays, &r.LastError,
-		&r.CreatedAt, &r.AvailableAt, &r.HandoffAt, &r.LockedAt, &r.LockedBy, &r.ProcessedAt,
+		&r.CreatedAt, &r.AvailableAt, &r.DivertedAt, &r.LockedAt, &r.LockedBy, &r.ProcessedAt,
 		&r.PayloadBytes, &r.payload)
 	if errors.Is(err, pgx.ErrNoRows) {
 		var left int64
@@ -211,12 +211,12 @@ func eventSinks(ctx context.Context, db DB, t Tables, r EventReport) ([]EventSin
 }
 
 // eventState is what the relay makes of r: its status and, when pending,
-// its hand-off. A row an earlier version discarded is done with last_error
+// its diversion. A row an earlier version discarded is done with last_error
 // prefixed legacyDiscardPrefix.
 func eventState(r EventReport) EventState {
 	switch r.Status {
 	case "", "pending":
-		if r.HandoffAt != nil {
+		if r.DivertedAt != nil {
 			return EventAtClaimPath
 		}
 		return EventWithStream

@@ -50,7 +50,7 @@ func TestLookupEvent(t *testing.T) {
 	}
 	if r.ID != id || r.EventKey != "order-123" || deref(r.EventType) != "order.created" || deref(r.AggregateType) != "order" ||
 		deref(r.AggregateID) != "A1" || r.Status != "pending" || r.State != admin.EventAtClaimPath || r.Attempts != 3 || r.Replays != 2 ||
-		deref(r.LastError) != "sink n8n: HTTP 503: busy" || r.HandoffAt == nil || r.AvailableAt == nil || r.CreatedAt == nil ||
+		deref(r.LastError) != "sink n8n: HTTP 503: busy" || r.DivertedAt == nil || r.AvailableAt == nil || r.CreatedAt == nil ||
 		r.PayloadBytes == nil || *r.PayloadBytes != int64(len(`{"n": 1}`)) {
 		t.Fatalf("report: %+v", r)
 	}
@@ -93,7 +93,7 @@ func deref(s *string) string {
 }
 
 // TestLookupEvent_States: what the relay makes of a row, from its status
-// and its hand-off alone (docs/schema.md, "A row's states"): a pending row
+// and its diversion alone (docs/schema.md, "A row's states"): a pending row
 // the ledger shows delivered everywhere is still the stream's.
 func TestLookupEvent_States(t *testing.T) {
 	f := MustFixture(t)

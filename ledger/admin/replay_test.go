@@ -34,7 +34,7 @@ func TestReplay(t *testing.T) {
 			}
 			for _, id := range []int64{done, failed} {
 				r := f.MustRow(t, id)
-				if r.status != "pending" || r.attempts != 0 || r.lastError != nil || !r.handedOff || r.replays == nil || *r.replays != 1 || r.availableIn > time.Second {
+				if r.status != "pending" || r.attempts != 0 || r.lastError != nil || !r.diverted || r.replays == nil || *r.replays != 1 || r.availableIn > time.Second {
 					t.Fatalf("row %d after replay: %+v", id, r)
 				}
 			}
@@ -93,8 +93,8 @@ func TestReplayRightAfterAStreamDelivery(t *testing.T) {
 	if err != nil || c.Rows != 1 || c.LedgerRows != 1 {
 		t.Fatalf("replay of the delivered row: %+v %v; want the row and its ledger row", c, err)
 	}
-	if r := f.MustRow(t, id); r.status != "pending" || !r.handedOff {
-		t.Fatalf("the replayed row: %+v, want pending and handed to the claim path", r)
+	if r := f.MustRow(t, id); r.status != "pending" || !r.diverted {
+		t.Fatalf("the replayed row: %+v, want pending and diverted to the claim path", r)
 	}
 	works, err := store.Claim(ctx, relay.ClaimQuery{Limit: 10, Owner: "outbox-relay:test"})
 	if err != nil || len(works) != 1 {

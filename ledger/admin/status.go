@@ -455,7 +455,7 @@ func deref[T any](p *T) T {
 type Progress struct {
 	// StallAfter is the age beyond which a waiting row counts.
 	StallAfterSeconds float64 `json:"stall_after_seconds"`
-	// StreamWaiting counts rows the stream owns (pending, not handed off)
+	// StreamWaiting counts rows the stream owns (pending, not diverted)
 	// created more than StallAfter ago, while
 	// the slot exists; OldestStreamWaitingSeconds is the oldest one's age.
 	StreamWaiting              int64    `json:"stream_waiting"`
@@ -463,7 +463,7 @@ type Progress struct {
 	// CheckpointAgeSeconds is how long ago the stream last wrote its
 	// checkpoint; nil when it never did.
 	CheckpointAgeSeconds *float64 `json:"checkpoint_age_seconds,omitempty"`
-	// ClaimWaiting counts rows of the claim path (handed off; every
+	// ClaimWaiting counts rows of the claim path (diverted; every
 	// pending row when there is no slot) due more than StallAfter ago and
 	// not claimed; OldestClaimWaitingSeconds is how long the oldest has
 	// been due.

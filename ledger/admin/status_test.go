@@ -294,7 +294,7 @@ func TestReadProgress(t *testing.T) {
 		t.Fatalf("a ledger delivery a second ago: %+v", p)
 	}
 
-	// A slot: the row not handed off is the stream's, and the stream has
+	// A slot: the row not diverted is the stream's, and the stream has
 	// never written its checkpoint.
 	MustExec(t, f.pool, "SELECT pg_create_logical_replication_slot('outbox_relay', 'pgoutput')")
 	p = read()
@@ -317,12 +317,12 @@ func TestReadProgress(t *testing.T) {
 	if p := read(); p.StreamWaiting != 0 || p.Stalled != "" || p.Note != "" {
 		t.Fatalf("the old row delivered: %+v", p)
 	}
-	// Handed off instead, it is the claim path's, whose last sign of life
+	// Diverted instead, it is the claim path's, whose last sign of life
 	// is the settlement above.
 	MustExec(t, f.pool, "DELETE FROM "+f.tables.Ledger.Quoted()+" WHERE event_key = 'old'")
 	MustExec(t, f.pool, "UPDATE "+outbox+" SET status = 'pending', handoff_at = now() WHERE event_key = 'old'")
 	if p := read(); p.StreamWaiting != 0 || p.ClaimWaiting != 1 || p.Stalled != "" {
-		t.Fatalf("handed off: %+v", p)
+		t.Fatalf("diverted: %+v", p)
 	}
 	MustExec(t, f.pool, "SELECT pg_drop_replication_slot('outbox_relay')")
 }

@@ -3,7 +3,7 @@
 -- oldest first; the same window newest first (Claim's share for the
 -- aggregates the stream diverts behind a backlog); and poll mode's window
 -- of every due row. Each reads its window through its own partial index
--- (the hand-off index, or the claim index in poll mode) in the index's
+-- (the diversion index, or the claim index in poll mode) in the index's
 -- order, so the switches stay in the text: a parameter could not pick the
 -- index nor the order.
 
@@ -27,7 +27,7 @@
 --
 -- win: up to $5 due rows, oldest first (newest first in the newest
 -- window), after the cursor ($3, $4), through the claim index (poll mode)
--- or the hand-off index. No lock and no ordering check per row, so the
+-- or the diversion index. No lock and no ordering check per row, so the
 -- scan costs one index entry a row however many of them wait behind their
 -- aggregate. With ordering: none the rows have no aggregate.
 -- aggs: the window's aggregates, oldest first (newest first in the newest

@@ -138,7 +138,7 @@ RETURNING l.event_key, l.action
 -- Read at every stream session's start, before its first event. Pending
 -- rows may be a large backlog the stream owns (a slot recreated behind it:
 -- every fresh event waits for this read): the diverted ones are read
--- through the hand-off index (its predicate repeated), the claimed and
+-- through the diversion index (its predicate repeated), the claimed and
 -- held ones through the status index.
 SELECT aggregate_type, aggregate_id
   FROM {{.Outbox}}

@@ -6,6 +6,6 @@
 -- and stays small. Built CONCURRENTLY, like 003.
 SET lock_timeout = {{.LockTimeout}};
 
-CREATE INDEX CONCURRENTLY IF NOT EXISTS {{.HandOffIndexName}}
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {{.DivertedIndexName}}
     ON {{.Outbox}} (available_at, id)
     WHERE status = 'pending' AND handoff_at IS NOT NULL;

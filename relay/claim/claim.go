@@ -1,5 +1,5 @@
 // Package claim is the claim path's source (docs/architecture.md): the
-// durable path that delivers the rows the stream handed off, the rows
+// durable path that delivers the rows the stream diverted, the rows
 // marked when a slot was created, and — in poll mode — every due pending
 // row.
 //
@@ -70,7 +70,7 @@ type Config struct {
 	Engine *relay.Engine
 	Store  Store
 	// All claims every due pending row (poll mode); otherwise only rows
-	// handed to the claim path (handoff_at IS NOT NULL).
+	// diverted to the claim path (handoff_at IS NOT NULL).
 	All bool
 	// BatchSize is the most rows one claim takes [500].
 	BatchSize int

@@ -89,41 +89,41 @@ func TestPollModeDeliversEveryEventOnceToEverySink(t *testing.T) {
 	}
 }
 
-// Replication mode: only rows handed to the claim path are claimed; the
-// stream's rows are left alone, and handed-off rows keep their mark.
+// Replication mode: only rows diverted to the claim path are claimed; the
+// stream's rows are left alone, and diverted rows keep their mark.
 //
 // New with the core: the sweeper makes pending rows with a NULL
-// available_at due in every mode, not only in poll mode, so a handed-off
+// available_at due in every mode, not only in poll mode, so a diverted
 // row without one is delivered, and a stream's row without one is given
 // one but stays the stream's.
-func TestReplicationModeClaimsOnlyHandedOffRows(t *testing.T) {
+func TestReplicationModeClaimsOnlyDivertedRows(t *testing.T) {
 	f := MustFixture(t)
 	var events []event
 	for i := range 20 {
 		// Distinct aggregates: a stream row of the same aggregate with a
-		// lower id would (rightly) hold a handed-off row back.
-		events = append(events, event{Key: fmt.Sprintf("k%02d", i), AggType: "order", AggID: fmt.Sprintf("%d-%d", i%3, i%2), HandedOff: i%2 == 1})
+		// lower id would (rightly) hold a diverted row back.
+		events = append(events, event{Key: fmt.Sprintf("k%02d", i), AggType: "order", AggID: fmt.Sprintf("%d-%d", i%3, i%2), Diverted: i%2 == 1})
 	}
 	f.MustInsert(t, events...)
 	f.MustExec(t, `UPDATE integration_outbox SET available_at = NULL WHERE event_key IN ('k00', 'k01')`)
 	a := newFakeSink("a", nil)
 	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
 
-	waitFor(t, 10*time.Second, "handed-off rows done", func() bool { return f.MustStatusCount(t, "done") == 10 })
+	waitFor(t, 10*time.Second, "diverted rows done", func() bool { return f.MustStatusCount(t, "done") == 10 })
 	if n := f.MustInt(t, `SELECT count(*) FROM integration_outbox WHERE available_at IS NULL`); n != 0 {
 		t.Errorf("%d rows still have a NULL available_at", n)
 	}
 	time.Sleep(300 * time.Millisecond) // a few more polls
 	for key, r := range f.MustRows(t) {
 		switch {
-		case r.HandedOff && r.Status != "done":
-			t.Errorf("%s: handed off, status %s, want done", key, r.Status)
-		case !r.HandedOff && r.Status != "pending":
+		case r.Diverted && r.Status != "done":
+			t.Errorf("%s: diverted, status %s, want done", key, r.Status)
+		case !r.Diverted && r.Status != "pending":
 			t.Errorf("%s: the stream's row, status %s, want pending", key, r.Status)
 		}
 	}
 	for key := range a.Delivered() {
-		if !f.MustRow(t, key).HandedOff {
+		if !f.MustRow(t, key).Diverted {
 			t.Errorf("the claim path delivered the stream's row %s", key)
 		}
 	}
@@ -136,7 +136,7 @@ func TestReplicationModeClaimsOnlyHandedOffRows(t *testing.T) {
 // last_error, and releases the ledger claim.
 func TestPermanentErrorFailsAtOnce(t *testing.T) {
 	f := MustFixture(t)
-	f.MustInsert(t, event{Key: "bad", AggType: "order", AggID: "1", HandedOff: true})
+	f.MustInsert(t, event{Key: "bad", AggType: "order", AggID: "1", Diverted: true})
 	a := newFakeSink("a", func(*relay.Delivery) error {
 		return relay.PermanentError(fmt.Errorf("HTTP 422: payload rejected"))
 	})
@@ -164,7 +164,7 @@ func TestPermanentErrorFailsAtOnce(t *testing.T) {
 // Transient errors up to max_attempts fail the row with the last reason.
 func TestMaxAttemptsFails(t *testing.T) {
 	f := MustFixture(t)
-	f.MustInsert(t, event{Key: "flaky", HandedOff: true})
+	f.MustInsert(t, event{Key: "flaky", Diverted: true})
 	a := newFakeSink("a", func(*relay.Delivery) error { return relay.TransientError(fmt.Errorf("HTTP 503"), 0) })
 	MustStart(t, f, options{Routes: routes(a), PollInterval: 20 * time.Millisecond, MaxAttempts: 3,
 		Backoff: []time.Duration{10 * time.Millisecond}})
@@ -189,7 +189,7 @@ func TestMaxAttemptsFails(t *testing.T) {
 // with Delivery.Replay, so sinks derive a fresh idempotency id.
 func TestReplayReachesTheSink(t *testing.T) {
 	f := MustFixture(t)
-	f.MustInsert(t, event{Key: "again", HandedOff: true}, event{Key: "first", HandedOff: true})
+	f.MustInsert(t, event{Key: "again", Diverted: true}, event{Key: "first", Diverted: true})
 	f.MustExec(t, `UPDATE integration_outbox SET replays = 2 WHERE event_key = 'again'`)
 	a := newFakeSink("a", nil)
 	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})

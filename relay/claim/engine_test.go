@@ -12,11 +12,11 @@ import (
 )
 
 // The stream hands an event off; while it is with the claim path the
-// stream hands off the aggregate's later events too; the claim path
+// stream diverts the aggregate's later events too; the claim path
 // delivers them in order and, once the last one settles, the engine lets
 // the stream deliver the aggregate's events itself again. Both paths send
 // the same body.
-func TestEngineHandOffAndUndivert(t *testing.T) {
+func TestEngineDivertAndUndivert(t *testing.T) {
 	f := MustFixture(t)
 	var (
 		mu       sync.Mutex
@@ -35,21 +35,21 @@ func TestEngineHandOffAndUndivert(t *testing.T) {
 		return nil
 	})
 	// One engine and one policy for both paths: a failure at the stream is
-	// handed off at once and due after 300 ms.
+	// diverted at once and due after 300 ms.
 	c := MustStart(t, f, options{Routes: routes(s), PollInterval: 50 * time.Millisecond,
 		InlineAttempts: 0, Backoff: []time.Duration{300 * time.Millisecond}})
 
-	// e1 fails at the stream and is handed off (due in 300 ms); e2, submitted
+	// e1 fails at the stream and is diverted (due in 300 ms); e2, submitted
 	// meanwhile, follows it to the claim path.
 	c.MustStream(t, f, "A", "e1")
-	waitFor(t, 5*time.Second, "e1 handed off", func() bool { return f.MustRow(t, "e1").HandedOff })
+	waitFor(t, 5*time.Second, "e1 diverted", func() bool { return f.MustRow(t, "e1").Diverted })
 	c.MustStream(t, f, "A", "e2")
-	waitFor(t, 5*time.Second, "e2 handed off", func() bool { return f.MustRow(t, "e2").HandedOff })
+	waitFor(t, 5*time.Second, "e2 diverted", func() bool { return f.MustRow(t, "e2").Diverted })
 	waitFor(t, 10*time.Second, "e1 and e2 done by the claim path", func() bool {
 		rows := f.MustRows(t)
 		return rows["e1"].Status == "done" && rows["e2"].Status == "done"
 	})
-	// The claim path settled the aggregate's last hand-off: the stream
+	// The claim path settled the aggregate's last diversion: the stream
 	// delivers e3 itself.
 	time.Sleep(100 * time.Millisecond)
 	c.MustStream(t, f, "A", "e3")
@@ -59,8 +59,8 @@ func TestEngineHandOffAndUndivert(t *testing.T) {
 		return len(order) == 3
 	})
 	time.Sleep(200 * time.Millisecond) // the engine's settlement
-	if r := f.MustRow(t, "e3"); r.HandedOff {
-		t.Errorf("e3 was handed off; the aggregate should no longer be diverted")
+	if r := f.MustRow(t, "e3"); r.Diverted {
+		t.Errorf("e3 was diverted; the aggregate should no longer be diverted")
 	}
 	mu.Lock()
 	defer mu.Unlock()
@@ -170,13 +170,13 @@ func TestClaimedRowGoesBeforeItsStreamSuccessor(t *testing.T) {
 				if order[0] != "c1" || order[1] != "s2" {
 					t.Errorf("delivered in order %v, want [c1 s2]", order)
 				}
-				if row := f.MustRow(t, "s2"); row.HandedOff {
-					t.Errorf("s2 was handed off; it should have waited in memory behind c1")
+				if row := f.MustRow(t, "s2"); row.Diverted {
+					t.Errorf("s2 was diverted; it should have waited in memory behind c1")
 				}
 				return
 			}
-			waitFor(t, 10*time.Second, "c1 back to pending and s2 handed off", func() bool {
-				return f.MustRow(t, "c1").Status == "pending" && f.MustRow(t, "s2").HandedOff
+			waitFor(t, 10*time.Second, "c1 back to pending and s2 diverted", func() bool {
+				return f.MustRow(t, "c1").Status == "pending" && f.MustRow(t, "s2").Diverted
 			})
 			if row := f.MustRow(t, "c1"); row.Attempts != 1 {
 				t.Errorf("c1: attempts %d, want 1", row.Attempts)

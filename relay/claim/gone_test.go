@@ -40,8 +40,8 @@ func goneRows(t *testing.T, path relay.Path) float64 {
 func TestClaimedRowDeletedBeforeItsOutcome(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
-		event{Key: "doomed", AggType: "order", AggID: "A", HandedOff: true, Age: time.Minute},
-		event{Key: "after", AggType: "order", AggID: "A", HandedOff: true, Age: time.Minute},
+		event{Key: "doomed", AggType: "order", AggID: "A", Diverted: true, Age: time.Minute},
+		event{Key: "after", AggType: "order", AggID: "A", Diverted: true, Age: time.Minute},
 	)
 	sink := newFakeSink("a", func(d *relay.Delivery) error {
 		if d.Event.EventKey != "doomed" {

@@ -81,17 +81,17 @@ func (f *fixture) MustInt(tb testing.TB, sql string, args ...any) int64 {
 }
 
 // event is an outbox row to insert. Empty fields take these defaults:
-// event_type 'order.placed', payload '{}', status pending, not handed off.
+// event_type 'order.placed', payload '{}', status pending, not diverted.
 type event struct {
-	Key       string
-	Type      *string
-	NullType  bool
-	AggType   string // "" inserts NULL aggregate fields
-	AggID     string
-	Payload   string
-	Status    string
-	HandedOff bool
-	Age       time.Duration // created_at = available_at = now() - Age
+	Key      string
+	Type     *string
+	NullType bool
+	AggType  string // "" inserts NULL aggregate fields
+	AggID    string
+	Payload  string
+	Status   string
+	Diverted bool
+	Age      time.Duration // created_at = available_at = now() - Age
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -122,7 +122,7 @@ func (f *fixture) MustInsert(tb testing.TB, events ...event) []int64 {
 			VALUES ($1, $2, $3, $4, $5::jsonb, $6, CASE WHEN $7 THEN now() END,
 			        now() - $8::bigint * interval '1 millisecond', now() - $8::bigint * interval '1 millisecond')
 			RETURNING id`,
-			typ, aggType, aggID, e.Key, payload, status, e.HandedOff, e.Age.Milliseconds()).Scan(&ids[i])
+			typ, aggType, aggID, e.Key, payload, status, e.Diverted, e.Age.Milliseconds()).Scan(&ids[i])
 		if err != nil {
 			tb.Fatalf("insert %s: %v", e.Key, err)
 		}
@@ -133,7 +133,7 @@ func (f *fixture) MustInsert(tb testing.TB, events ...event) []int64 {
 // MustInsertMany inserts n pending rows keyed prefix-1 … prefix-n over aggs
 // aggregates (row g belongs to aggregate agg-(g % aggs); 0 aggs: NULL
 // aggregate), in one statement.
-func (f *fixture) MustInsertMany(tb testing.TB, prefix string, n, aggs int, handedOff bool) {
+func (f *fixture) MustInsertMany(tb testing.TB, prefix string, n, aggs int, diverted bool) {
 	tb.Helper()
 	f.MustExec(tb, `
 		INSERT INTO integration_outbox (event_type, aggregate_type, aggregate_id, event_key, payload, handoff_at)
@@ -141,7 +141,7 @@ func (f *fixture) MustInsertMany(tb testing.TB, prefix string, n, aggs int, hand
 		       CASE WHEN $3 > 0 THEN 'order' END,
 		       CASE WHEN $3 > 0 THEN 'agg-' || (g % $3) END,
 		       $1 || '-' || g, jsonb_build_object('n', g), CASE WHEN $4 THEN now() END
-		  FROM generate_series(1, $2::int) AS g ORDER BY g`, prefix, n, aggs, handedOff)
+		  FROM generate_series(1, $2::int) AS g ORDER BY g`, prefix, n, aggs, diverted)
 }
 
 // row is what the tests check of an outbox row.
@@ -151,7 +151,7 @@ type row struct {
 	Status    string
 	Attempts  int
 	LastError *string
-	HandedOff bool
+	Diverted  bool
 	LockedBy  *string
 }
 
@@ -165,7 +165,7 @@ func (f *fixture) MustRows(tb testing.TB) map[string]row {
 	}
 	out := map[string]row{}
 	var r row
-	_, err = pgx.ForEachRow(rows, []any{&r.ID, &r.Key, &r.Status, &r.Attempts, &r.LastError, &r.HandedOff, &r.LockedBy}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&r.ID, &r.Key, &r.Status, &r.Attempts, &r.LastError, &r.Diverted, &r.LockedBy}, func() error {
 		out[r.Key] = r
 		return nil
 	})

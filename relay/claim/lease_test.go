@@ -34,8 +34,8 @@ func TestLeaseExpiryTakesOverDeadOwner(t *testing.T) {
 	}{{"retry sink sends again", false}, {"hold sink holds", true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := MustFixture(t)
-			f.MustInsert(t, event{Key: "k1", AggType: "order", AggID: "A", HandedOff: true},
-				event{Key: "k2", AggType: "order", AggID: "B", HandedOff: true})
+			f.MustInsert(t, event{Key: "k1", AggType: "order", AggID: "A", Diverted: true},
+				event{Key: "k2", AggType: "order", AggID: "B", Diverted: true})
 			// 'dead' is not a relay owner id: only the lease frees its rows.
 			strand(t, f, "k1", "dead", "a", 0)
 			f.MustExec(t, `UPDATE integration_outbox SET status = 'processing', locked_by = 'dead', locked_at = now()
@@ -97,9 +97,9 @@ func TestLeaseExpiryTakesOverDeadOwner(t *testing.T) {
 func TestGoneOwnerIsTakenOverBeforeItsLease(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
-		event{Key: "ghost-row", AggType: "order", AggID: "A", HandedOff: true},
-		event{Key: "alive-row", AggType: "order", AggID: "B", HandedOff: true},
-		event{Key: "alive-pair", AggType: "order", AggID: "C", HandedOff: true})
+		event{Key: "ghost-row", AggType: "order", AggID: "A", Diverted: true},
+		event{Key: "alive-row", AggType: "order", AggID: "B", Diverted: true},
+		event{Key: "alive-pair", AggType: "order", AggID: "C", Diverted: true})
 	const ghost, alive = ledger.OwnerPrefix + "ghost", ledger.OwnerPrefix + "alive"
 	strand(t, f, "ghost-row", ghost, "a", 0)
 	strand(t, f, "alive-row", alive, "a", 0)

@@ -25,8 +25,8 @@ func TestUnknownOutcome(t *testing.T) {
 	}{{"retry sink", false}, {"hold sink", true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			f := MustFixture(t)
-			f.MustInsert(t, event{Key: "k", AggType: "order", AggID: "A", HandedOff: true},
-				event{Key: "k2", AggType: "order", AggID: "A", HandedOff: true})
+			f.MustInsert(t, event{Key: "k", AggType: "order", AggID: "A", Diverted: true},
+				event{Key: "k2", AggType: "order", AggID: "A", Diverted: true})
 			var sends atomic.Int32
 			a := newFakeSink("a", func(d *relay.Delivery) error {
 				if d.Event.EventKey == "k" && sends.Add(1) == 1 {
@@ -183,7 +183,7 @@ func TestRunStopsAfterSettlingInFlight(t *testing.T) {
 // delivered and settled before Run returns.
 func TestPutBackWhenTheEngineCannotTake(t *testing.T) {
 	f := MustFixture(t)
-	f.MustInsert(t, event{Key: "r1", HandedOff: true}, event{Key: "r2", HandedOff: true})
+	f.MustInsert(t, event{Key: "r1", Diverted: true}, event{Key: "r2", Diverted: true})
 	started := make(chan string, 2)
 	release := make(chan struct{})
 	var releaseOnce sync.Once
@@ -217,8 +217,8 @@ func TestPutBackWhenTheEngineCannotTake(t *testing.T) {
 
 	waitFor(t, 10*time.Second, second+" put back", func() bool { return f.MustRow(t, second).Status == "pending" })
 	row := f.MustRow(t, second)
-	if row.Attempts != 0 || row.LockedBy != nil || !row.HandedOff || row.LastError != nil {
-		t.Errorf("%s put back as %+v (locked by %s, last_error %s); want pending, 0 attempts, unlocked, still handed off",
+	if row.Attempts != 0 || row.LockedBy != nil || !row.Diverted || row.LastError != nil {
+		t.Errorf("%s put back as %+v (locked by %s, last_error %s); want pending, 0 attempts, unlocked, still diverted",
 			second, row, deref(row.LockedBy), deref(row.LastError))
 	}
 	if _, ok := f.MustLedger(t)[relay.LedgerKey{EventKey: second, Action: "a"}]; ok {

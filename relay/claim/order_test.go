@@ -85,14 +85,14 @@ func TestOrderingPerAggregate(t *testing.T) {
 func TestFailedRowDoesNotBlockHeldRowDoes(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
-		event{Key: "a1", AggType: "order", AggID: "A", Status: "failed", HandedOff: true},
-		event{Key: "a2", AggType: "order", AggID: "A", HandedOff: true},
-		event{Key: "b1", AggType: "order", AggID: "B", Status: "held", HandedOff: true},
-		event{Key: "b2", AggType: "order", AggID: "B", HandedOff: true},
+		event{Key: "a1", AggType: "order", AggID: "A", Status: "failed", Diverted: true},
+		event{Key: "a2", AggType: "order", AggID: "A", Diverted: true},
+		event{Key: "b1", AggType: "order", AggID: "B", Status: "held", Diverted: true},
+		event{Key: "b2", AggType: "order", AggID: "B", Diverted: true},
 		event{Key: "c1", AggType: "order", AggID: "C"},
-		event{Key: "c2", AggType: "order", AggID: "C", HandedOff: true},
-		event{Key: "d1", AggType: "order", AggID: "D", Status: "done", HandedOff: true},
-		event{Key: "d2", AggType: "order", AggID: "D", HandedOff: true},
+		event{Key: "c2", AggType: "order", AggID: "C", Diverted: true},
+		event{Key: "d1", AggType: "order", AggID: "D", Status: "done", Diverted: true},
+		event{Key: "d2", AggType: "order", AggID: "D", Diverted: true},
 	)
 	a := newFakeSink("a", nil)
 	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})
@@ -114,10 +114,10 @@ func TestFailedRowDoesNotBlockHeldRowDoes(t *testing.T) {
 func TestUnorderedIgnoresAggregates(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
-		event{Key: "b1", AggType: "order", AggID: "B", Status: "held", HandedOff: true},
-		event{Key: "b2", AggType: "order", AggID: "B", HandedOff: true},
+		event{Key: "b1", AggType: "order", AggID: "B", Status: "held", Diverted: true},
+		event{Key: "b2", AggType: "order", AggID: "B", Diverted: true},
 		event{Key: "c1", AggType: "order", AggID: "C"},
-		event{Key: "c2", AggType: "order", AggID: "C", HandedOff: true},
+		event{Key: "c2", AggType: "order", AggID: "C", Diverted: true},
 	)
 	a := newFakeSink("a", nil)
 	MustStart(t, f, options{Routes: routes(a), Unordered: true, PollInterval: 50 * time.Millisecond})
@@ -137,15 +137,15 @@ func TestOrderingCheckReadsTheStatus(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
 		event{Key: "a1", AggType: "order", AggID: "A", Status: "done"},
-		event{Key: "a2", AggType: "order", AggID: "A", HandedOff: true},
+		event{Key: "a2", AggType: "order", AggID: "A", Diverted: true},
 		event{Key: "b1", AggType: "order", AggID: "B"},
-		event{Key: "b2", AggType: "order", AggID: "B", HandedOff: true},
+		event{Key: "b2", AggType: "order", AggID: "B", Diverted: true},
 		event{Key: "c1", AggType: "order", AggID: "C", Status: "discarded"},
-		event{Key: "c2", AggType: "order", AggID: "C", HandedOff: true},
+		event{Key: "c2", AggType: "order", AggID: "C", Diverted: true},
 		event{Key: "d1", AggType: "order", AggID: "D", Status: "failed"},
-		event{Key: "d2", AggType: "order", AggID: "D", HandedOff: true},
+		event{Key: "d2", AggType: "order", AggID: "D", Diverted: true},
 		event{Key: "e1", AggType: "order", AggID: "E", Status: "held"},
-		event{Key: "e2", AggType: "order", AggID: "E", HandedOff: true},
+		event{Key: "e2", AggType: "order", AggID: "E", Diverted: true},
 	)
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)
 		VALUES ('b1', 'all', 'delivered', 1, now())`)
@@ -162,7 +162,7 @@ func TestOrderingCheckReadsTheStatus(t *testing.T) {
 			t.Errorf("%s: status %s, want pending behind an unsettled row", key, rows[key].Status)
 		}
 	}
-	if rows["b1"].Status != "pending" || rows["b1"].HandedOff {
+	if rows["b1"].Status != "pending" || rows["b1"].Diverted {
 		t.Errorf("b1: %+v, want the stream's row left pending", rows["b1"])
 	}
 }

@@ -25,7 +25,7 @@ func TestReconcile(t *testing.T) {
 		event{Key: "old-delivered", Age: time.Hour},
 		event{Key: "old-done", Status: "done", Age: time.Hour},
 		event{Key: "old-failed", Status: "failed", Age: time.Hour},
-		event{Key: "old-marked", HandedOff: true, Age: time.Hour},
+		event{Key: "old-marked", Diverted: true, Age: time.Hour},
 		event{Key: "new", Age: time.Minute},
 	)
 	f.MustExec(t, `INSERT INTO integration_idempotency (event_key, action, state, attempts, delivered_at)

@@ -142,7 +142,7 @@ func TestSinkDownDoesNotCountAttempts(t *testing.T) {
 // The Attempt of a row taken from the stream continues its count.
 func TestAttemptContinuesTheRowsCount(t *testing.T) {
 	f := MustFixture(t)
-	f.MustInsert(t, event{Key: "k", HandedOff: true})
+	f.MustInsert(t, event{Key: "k", Diverted: true})
 	f.MustExec(t, `UPDATE integration_outbox SET attempts = 2`)
 	a := newFakeSink("a", nil)
 	MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond})

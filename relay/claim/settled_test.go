@@ -10,27 +10,27 @@ import (
 )
 
 // The stream delivers an aggregate's events itself again once the claim
-// path has settled the aggregate's last handed-off row — not before, and
+// path has settled the aggregate's last diverted row — not before, and
 // not while a held row remains.
 //
 // The claim path used to tell the engine through a callback
 // (OnAggregateSettled, with the DivertSeq read before its check); the engine
 // now does it itself after each claim-path settlement, so the test watches
-// what the stream does with the aggregate's next event: handed off (still
+// what the stream does with the aggregate's next event: diverted (still
 // diverted) or delivered (no longer). That the divert sequence number is
 // read before the table is checked is the engine's own business now and is
 // not visible from here.
-func TestOnAggregateSettledAfterLastHandedOffRow(t *testing.T) {
+func TestOnAggregateSettledAfterLastDivertedRow(t *testing.T) {
 	f := MustFixture(t)
 	f.MustInsert(t,
-		event{Key: "a1", AggType: "order", AggID: "A", HandedOff: true},
-		event{Key: "a2", AggType: "order", AggID: "A", HandedOff: true},
-		event{Key: "a3", AggType: "order", AggID: "A", HandedOff: true},
-		event{Key: "b1", AggType: "order", AggID: "B", HandedOff: true},
-		event{Key: "b2", AggType: "order", AggID: "B", Status: "held", HandedOff: true},
-		event{Key: "c1", AggType: "order", AggID: "C", HandedOff: true},
+		event{Key: "a1", AggType: "order", AggID: "A", Diverted: true},
+		event{Key: "a2", AggType: "order", AggID: "A", Diverted: true},
+		event{Key: "a3", AggType: "order", AggID: "A", Diverted: true},
+		event{Key: "b1", AggType: "order", AggID: "B", Diverted: true},
+		event{Key: "b2", AggType: "order", AggID: "B", Status: "held", Diverted: true},
+		event{Key: "c1", AggType: "order", AggID: "C", Diverted: true},
 		event{Key: "c2", AggType: "order", AggID: "C"}, // the stream's
-		event{Key: "n1", HandedOff: true},              // no aggregate
+		event{Key: "n1", Diverted: true},               // no aggregate
 	)
 	var failedOnce atomic.Bool
 	a := newFakeSink("a", func(d *relay.Delivery) error {
@@ -40,7 +40,7 @@ func TestOnAggregateSettledAfterLastHandedOffRow(t *testing.T) {
 		return nil
 	})
 	// The engine starts with A, B and C diverted (the table shows their
-	// handed-off or held rows).
+	// diverted or held rows).
 	r := MustStart(t, f, options{Routes: routes(a), PollInterval: 50 * time.Millisecond,
 		Backoff: []time.Duration{time.Second}})
 
@@ -50,7 +50,7 @@ func TestOnAggregateSettledAfterLastHandedOffRow(t *testing.T) {
 		return row.Status == "pending" && row.Attempts == 1
 	})
 	r.MustStream(t, f, "A", "a-mid")
-	waitFor(t, 5*time.Second, "a-mid handed off", func() bool { return f.MustRow(t, "a-mid").HandedOff })
+	waitFor(t, 5*time.Second, "a-mid diverted", func() bool { return f.MustRow(t, "a-mid").Diverted })
 
 	waitFor(t, 10*time.Second, "a3, a-mid, b1, c1 and n1 done", func() bool {
 		rows := f.MustRows(t)
@@ -67,15 +67,15 @@ func TestOnAggregateSettledAfterLastHandedOffRow(t *testing.T) {
 	r.MustStream(t, f, "A", "a4")
 	r.MustStream(t, f, "B", "b3")
 	r.MustStream(t, f, "C", "c3")
-	waitFor(t, 5*time.Second, "a4 and c3 delivered, b3 handed off", func() bool {
+	waitFor(t, 5*time.Second, "a4 and c3 delivered, b3 diverted", func() bool {
 		sent := a.Delivered()
-		return sent["a4"] == 1 && sent["c3"] == 1 && f.MustRow(t, "b3").HandedOff
+		return sent["a4"] == 1 && sent["c3"] == 1 && f.MustRow(t, "b3").Diverted
 	})
 	time.Sleep(300 * time.Millisecond) // more claims
 	rows := f.MustRows(t)
 	for _, key := range []string{"a4", "c3"} {
-		if rows[key].HandedOff || rows[key].Status != "done" {
-			t.Errorf("%s: %+v, want delivered by the stream (done, never handed off)", key, rows[key])
+		if rows[key].Diverted || rows[key].Status != "done" {
+			t.Errorf("%s: %+v, want delivered by the stream (done, never diverted)", key, rows[key])
 		}
 	}
 	if r := rows["b3"]; r.Status != "pending" {

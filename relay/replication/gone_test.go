@@ -58,7 +58,7 @@ func (s *scriptedSink) got(key string) bool {
 // relayRig is the stream as cmd/outbox-relay wires it: an engine over
 // ledger.Store with one sink, fed by a Source whose hand-over is the
 // store's (recorded by claim), and, with claimPath, the claim path over
-// the rows handed off.
+// the rows diverted.
 type relayRig struct {
 	engine *relay.Engine
 	store  *ledger.Store
@@ -67,7 +67,7 @@ type relayRig struct {
 }
 
 // startRelayRig runs an engine with sink and a Source over it until the
-// test ends. Failed attempts are handed off at once (no inline retry).
+// test ends. Failed attempts are diverted at once (no inline retry).
 func startRelayRig(t *testing.T, e *testEnv, sink relay.Sink) *relayRig {
 	t.Helper()
 	return startRelayRigWith(t, e, sink, &claimRecorder{url: e.url}, false)
@@ -146,18 +146,18 @@ func goneRows(t *testing.T, path relay.Path) float64 {
 }
 
 // deletedRowOutcomes are the outcomes that need a write to the row: a
-// hand-off to the claim path and a dead letter.
+// diversion to the claim path and a dead letter.
 var deletedRowOutcomes = []struct {
 	name   string
 	refuse error
 }{
-	{"hand-off", relay.TransientError(errors.New("503 from the test"), 0)},
+	{"diversion", relay.TransientError(errors.New("503 from the test"), 0)},
 	{"dead letter", relay.PermanentError(errors.New("400 from the test"))},
 }
 
 // TestHandOverSettlesARowDeletedBeforeItsOutcome: a row a new slot's
 // hand-over delivers is deleted (by hand, by the application's cleanup)
-// before its outcome — a hand-off or a dead letter, each a write to the
+// before its outcome — a diversion or a dead letter, each a write to the
 // row — is written. The row was visible when the hand-over read it, so
 // not seeing it now means it is gone: the event is settled without its
 // outcome, logged and counted, and the hand-over completes and is

@@ -17,7 +17,7 @@ import (
 
 // TestSlotRecreatedOnlyAfterConsumerSettled: when the slot is dropped while
 // the consumer still holds an event it is delivering, the new slot is
-// created (and its pending rows handed to the claim path) only after
+// created (and its pending rows diverted to the claim path) only after
 // WaitSettled returns, so the claim path does not get that row too and send
 // it a second time. Here WaitSettled stands for the engine: it finishes the
 // delivery, which marks the row done.
@@ -49,11 +49,11 @@ func TestSlotRecreatedOnlyAfterConsumerSettled(t *testing.T) {
 	if snapshots, _ := claim.waitCalls(t, 2); len(snapshots) != 2 || waits.Load() < 2 {
 		t.Fatalf("%d hand-overs, %d waits: want the slot recreated, after a wait", len(snapshots), waits.Load())
 	}
-	var handedOff bool
-	if err := e.conn.QueryRow(ctx, `SELECT handoff_at IS NOT NULL FROM integration_outbox WHERE event_key = 'inflight'`).Scan(&handedOff); err != nil {
+	var diverted bool
+	if err := e.conn.QueryRow(ctx, `SELECT handoff_at IS NOT NULL FROM integration_outbox WHERE event_key = 'inflight'`).Scan(&diverted); err != nil {
 		t.Fatal(err)
 	}
-	if handedOff {
+	if diverted {
 		t.Fatal("the new slot's hand-over gave the claim path a row the consumer was still delivering")
 	}
 }

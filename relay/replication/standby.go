@@ -229,7 +229,7 @@ func (s *Source) noteDecodingStandby(ctx context.Context, qconn *pgx.Conn, onSta
 // received the primary's WAL up to the position flushed now (after a
 // checkpoint): the outcomes of the events the acknowledgement passes are
 // then on the standby, and a promotion of it cannot leave its slot past an
-// event whose hand-off it lacks. When the standby does not receive in time
+// event whose diversion it lacks. When the standby does not receive in time
 // (it is shutting down: its logical walsender waits for this very
 // acknowledgement; or it is cut off, which the standby watch sees), the
 // acknowledgement goes out on the primary's durable record alone, with a

@@ -119,7 +119,7 @@ func (e *standbyEnv) waitReplayed(t *testing.T) {
 	})
 }
 
-func handedOff(t *testing.T, conn *pgx.Conn, key string) bool {
+func diverted(t *testing.T, conn *pgx.Conn, key string) bool {
 	t.Helper()
 	var marked bool
 	if err := conn.QueryRow(context.Background(), "SELECT handoff_at IS NOT NULL FROM integration_outbox WHERE event_key = $1", key).Scan(&marked); err != nil {
@@ -161,8 +161,8 @@ func TestStandby_StreamsFromTheStandby(t *testing.T) {
 	start(t, e.config(t, c, nil))
 	waitStreaming(t, c, 1)
 
-	if !handedOff(t, e.pconn, "pending-at-creation") {
-		t.Error("the row pending at the slot's creation was not handed to the claim path on the primary")
+	if !diverted(t, e.pconn, "pending-at-creation") {
+		t.Error("the row pending at the slot's creation was not diverted to the claim path on the primary")
 	}
 	if n := slotCount(t, e.sconn, e.slot); n != 1 {
 		t.Errorf("the standby holds %d slots named %s, want 1", n, e.slot)
@@ -231,8 +231,8 @@ func TestStandby_HandOverWaitsForTheStandby(t *testing.T) {
 	}
 	e.proxy.Pass()
 	waitStreaming(t, c, 1)
-	if !handedOff(t, e.pconn, "claimed-then-retried") {
-		t.Error("the row pending on the primary when the slot was made is neither handed to the claim path nor streamed: lost")
+	if !diverted(t, e.pconn, "claimed-then-retried") {
+		t.Error("the row pending on the primary when the slot was made is neither diverted to the claim path nor streamed: lost")
 	}
 }
 

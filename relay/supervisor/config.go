@@ -81,7 +81,7 @@ type Terms interface {
 	// mode.
 	Stream(e *relay.Engine) (Runner, error)
 	// Claim builds the claim source feeding e; all takes every due row
-	// (poll mode), otherwise only rows handed to the claim path.
+	// (poll mode), otherwise only rows diverted to the claim path.
 	Claim(e *relay.Engine, all bool) (Runner, error)
 }
 

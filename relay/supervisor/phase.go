@@ -127,7 +127,7 @@ func (s *Supervisor) phase(ctx context.Context, lost <-chan struct{}, build func
 // flight: d, settled while it drained for took, and those it left.
 func (s *Supervisor) logStopped(engine *relay.Engine, d relay.Decided, took time.Duration) {
 	left := engine.InFlight()
-	msg := fmt.Sprintf("stopped: %d delivered, %d handed to the claim path, in %s", d.Delivered, d.Later, took.Round(100*time.Millisecond))
+	msg := fmt.Sprintf("stopped: %d delivered, %d diverted to the claim path, in %s", d.Delivered, d.Later, took.Round(100*time.Millisecond))
 	if d.DeadLettered+d.Held > 0 {
 		msg += fmt.Sprintf("; %d dead-lettered, %d held", d.DeadLettered, d.Held)
 	}
@@ -157,7 +157,7 @@ func (s *Supervisor) pollPhase(d time.Duration) func(e *relay.Engine) ([]worker,
 }
 
 // streamPhase builds the workers of a phase that streams: the stream and,
-// beside it, the claim path over the rows the stream hands off.
+// beside it, the claim path over the rows the stream diverts.
 func (s *Supervisor) streamPhase(e *relay.Engine) ([]worker, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()

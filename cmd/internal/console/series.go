@@ -24,7 +24,7 @@ const (
 
 // sinkCounts are one sink's counters at a sample, both paths summed.
 type sinkCounts struct {
-	delivered, failed, retried, held, handedOff float64
+	delivered, failed, retried, held, diverted float64
 	// rateLimit is the sink's rate limit (0: none), limitWait the seconds
 	// its lane waited on it.
 	rateLimit, limitWait float64
@@ -124,7 +124,7 @@ func gather(g prometheus.Gatherer, now time.Time) (sample, error) {
 				s.sinks[sink] = c
 			case "outbox_relay_handed_off_total":
 				c := s.sinks[sink]
-				c.handedOff += m.GetCounter().GetValue()
+				c.diverted += m.GetCounter().GetValue()
 				s.sinks[sink] = c
 			case "outbox_relay_sink_rate_limit":
 				c := s.sinks[sink]
@@ -229,7 +229,7 @@ type flow struct {
 	Failed    float64 `json:"failed"`
 	Retried   float64 `json:"retried"`
 	Held      float64 `json:"held"`
-	HandedOff float64 `json:"handed_off"`
+	Diverted  float64 `json:"handed_off"`
 	// RateLimitWaitSeconds is the time the sink's lane waited on its rate
 	// limit.
 	RateLimitWaitSeconds float64  `json:"rate_limit_wait_seconds"`
@@ -247,7 +247,7 @@ func flowBetween(a, b sample, sink string) flow {
 		Failed:    nonNegative(y.failed - x.failed),
 		Retried:   nonNegative(y.retried - x.retried),
 		Held:      nonNegative(y.held - x.held),
-		HandedOff: nonNegative(y.handedOff - x.handedOff),
+		Diverted:  nonNegative(y.diverted - x.diverted),
 
 		RateLimitWaitSeconds: nonNegative(y.limitWait - x.limitWait),
 	}

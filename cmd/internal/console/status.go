@@ -69,7 +69,7 @@ type totals struct {
 	Failed    float64 `json:"failed"`
 	Retried   float64 `json:"retried"`
 	Held      float64 `json:"held"`
-	HandedOff float64 `json:"handed_off"`
+	Diverted  float64 `json:"handed_off"`
 	// RateLimitWaitSeconds is the time the lane waited on the rate limit.
 	RateLimitWaitSeconds float64 `json:"rate_limit_wait_seconds"`
 }
@@ -154,7 +154,7 @@ func (s *Server) status(st *admin.Status, b *Backend, now sample, a access) stat
 	for _, sink := range b.Tables.Sinks {
 		c := now.sinks[sink.Name]
 		v := sinkView{Name: sink.Name, Events: sink.Events,
-			SinceStart: totals{Delivered: c.delivered, Failed: c.failed, Retried: c.retried, Held: c.held, HandedOff: c.handedOff, RateLimitWaitSeconds: c.limitWait},
+			SinceStart: totals{Delivered: c.delivered, Failed: c.failed, Retried: c.retried, Held: c.held, Diverted: c.diverted, RateLimitWaitSeconds: c.limitWait},
 			LastMinute: flowBetween(minuteAgo, now, sink.Name), RateLimit: c.rateLimit}
 		if v.Events == nil {
 			v.Events = []string{"*"}
@@ -170,7 +170,7 @@ func (s *Server) status(st *admin.Status, b *Backend, now sample, a access) stat
 		if flowBetween(recent, now, sink.Name).Delivered > 0 {
 			delivering = true
 		}
-		if f := v.LastMinute; f.Failed+f.Retried+f.Held+f.HandedOff > 0 {
+		if f := v.LastMinute; f.Failed+f.Retried+f.Held+f.Diverted > 0 {
 			resp.Errors = append(resp.Errors, fmt.Sprintf("sink %s, last minute: %s", sink.Name, describeTrouble(f)))
 		}
 	}
@@ -245,7 +245,7 @@ func describeTrouble(f flow) string {
 	for _, p := range []struct {
 		n    float64
 		what string
-	}{{f.Failed, "dead-lettered"}, {f.Held, "held"}, {f.Retried, "retried"}, {f.HandedOff, "handed to the claim path"}} {
+	}{{f.Failed, "dead-lettered"}, {f.Held, "held"}, {f.Retried, "retried"}, {f.Diverted, "diverted to the claim path"}} {
 		if p.n > 0 {
 			parts = append(parts, fmt.Sprintf("%.0f %s", p.n, p.what))
 		}

@@ -46,7 +46,7 @@ SELECT event_key, action, state, attempts, delivered_at, detail
 -- name: DlqRetry
 -- Makes the dead letters, held and discarded rows among ids $1 deliverable
 -- again in one statement: status pending, attempts 0, available_at and
--- handoff_at now (the claim path takes handed-off rows in replication mode
+-- handoff_at now (the claim path takes diverted rows in replication mode
 -- as in poll mode), last_error, processed_at and the claim cleared. The
 -- ledger rows of the sinks $2 (NULL: every sink) that are not 'delivered'
 -- — 'sending' claims and 'unknown' outcomes — are deleted, so the claim

@@ -73,7 +73,7 @@ SELECT a.pid, coalesce(a.application_name, ''), a.backend_start, coalesce(host(a
 
 -- name: StatusRowsWaiting
 -- Rows that have waited longer than $1 seconds: the stream's (pending, not
--- handed off, while the slot exists: $2) by their age, the claim path's
+-- diverted, while the slot exists: $2) by their age, the claim path's
 -- by how long they have been due. Without a slot (or with one that cannot
 -- be read: a standby that is down, whose rows auto mode delivers from the
 -- primary) every pending row is the claim path's. A row that waits behind
