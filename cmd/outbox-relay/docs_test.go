@@ -824,3 +824,46 @@ func TestSinkFlagHelp(t *testing.T) {
 		seen[u] = cmd
 	}
 }
+
+var (
+	// codePointer is a source file the manual names, with the names it
+	// points at in that file: `relay/lane.go` (`enqueue`, `complete`).
+	codePointer = regexp.MustCompile("`((?:relay|ledger|sink|cmd|migrations)/[\\w/.-]+\\.(?:go|sql))`(?: \\(([^)]*)\\))?")
+	// pointedName is a Go or SQL name in a pointer's parentheses; a
+	// qualified name (`handOver.read`) is checked by its last part.
+	pointedName = regexp.MustCompile("`([A-Za-z_][A-Za-z0-9_]*(?:\\.[A-Za-z_][A-Za-z0-9_]*)*)`")
+)
+
+// TestDocs_CodePointers: every source file the manual names exists, and
+// every name it points at in that file is in it, so a file split or a
+// rename that leaves the manual behind fails here.
+func TestDocs_CodePointers(t *testing.T) {
+	sources := map[string]string{}
+	for _, p := range markdownFiles(t) {
+		d := readDoc(t, p)
+		src := string(d.src)
+		for _, m := range codePointer.FindAllStringSubmatchIndex(src, -1) {
+			file := src[m[2]:m[3]]
+			where := fmt.Sprintf("%s:%d: %s", p, 1+strings.Count(src[:m[0]], "\n"), file)
+			code, ok := sources[file]
+			if !ok {
+				b, err := os.ReadFile(filepath.Join(repoRoot, file))
+				if err != nil {
+					t.Errorf("%s: no such file", where)
+				}
+				code = string(b)
+				sources[file] = code
+			}
+			if m[4] < 0 || code == "" {
+				continue
+			}
+			for _, n := range pointedName.FindAllStringSubmatch(src[m[4]:m[5]], -1) {
+				parts := strings.Split(n[1], ".")
+				last := parts[len(parts)-1]
+				if !regexp.MustCompile(`\b` + regexp.QuoteMeta(last) + `\b`).MatchString(code) {
+					t.Errorf("%s: points at %s, which the file does not have", where, n[1])
+				}
+			}
+		}
+	}
+}
