@@ -44,13 +44,13 @@ func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration
 		st.OldestPendingAge = max(now.Sub(watch[0].due), 0)
 	}
 	var total float64
-	var handed int64
-	var handedOldest float64
-	err = s.pool.QueryRow(ctx, s.sql.statsDiverted).Scan(&handed, &handedOldest, &total)
+	var diverted int64
+	var divertedOldest float64
+	err = s.pool.QueryRow(ctx, s.sql.statsDiverted).Scan(&diverted, &divertedOldest, &total)
 	if err != nil {
 		return st, fmt.Errorf("outbox stats: %w", err)
 	}
-	if age := time.Duration(handedOldest * float64(time.Second)); age > st.OldestPendingAge {
+	if age := time.Duration(divertedOldest * float64(time.Second)); age > st.OldestPendingAge {
 		st.OldestPendingAge = age
 	}
 	rows, err := s.pool.Query(ctx, s.sql.statsStatuses)
@@ -62,7 +62,7 @@ func (s *Store) Stats(ctx context.Context, slot string, sweepAfter time.Duration
 	if _, err := pgx.ForEachRow(rows, []any{&status, &n}, func() error { st.Rows[status] = n; return nil }); err != nil {
 		return st, fmt.Errorf("outbox stats: %w", err)
 	}
-	st.Rows["pending"] = handed + int64(len(watch))
+	st.Rows["pending"] = diverted + int64(len(watch))
 	st.Rows["done"] = max(int64(total)-st.Rows["pending"]-st.Rows["processing"]-st.Rows["failed"]-st.Rows["held"]-st.Rows["discarded"], 0)
 	err = s.pool.QueryRow(ctx, catalog.Get("SlotRetained"), slot).Scan(&st.SlotExists, &st.RetainedWAL)
 	if err != nil {

@@ -223,21 +223,21 @@ type settlementRows struct {
 	unknownDetails                  []string
 	releaseKeys, releaseActions     []string
 	// row changes by kind: diversions, dead letters, held
-	handIDs   []int64
-	handAt    []pgtype.Timestamptz
-	handErrs  []string
-	handN     []int32
-	deadIDs   []int64
-	deadErrs  []string
-	deadN     []int32
-	heldIDs   []int64
-	heldErrs  []string
-	heldN     []int32
-	doneIDs   []int64
-	retryIDs  []int64
-	retryMS   []int64
-	retryErrs []*string
-	retryN    []int32
+	divertIDs  []int64
+	divertAt   []pgtype.Timestamptz
+	divertErrs []string
+	divertN    []int32
+	deadIDs    []int64
+	deadErrs   []string
+	deadN      []int32
+	heldIDs    []int64
+	heldErrs   []string
+	heldN      []int32
+	doneIDs    []int64
+	retryIDs   []int64
+	retryMS    []int64
+	retryErrs  []*string
+	retryN     []int32
 }
 
 // split sorts the pairs and rows of works into the statements that write
@@ -271,9 +271,9 @@ func split(works []*relay.Work) *settlementRows {
 		case relay.Done:
 			r.doneIDs = append(r.doneIDs, ev.ID)
 		case relay.Later:
-			r.handIDs = append(r.handIDs, ev.ID)
-			r.handAt = append(r.handAt, pgtype.Timestamptz{Time: d.At, Valid: !d.At.IsZero()})
-			r.handErrs, r.handN = append(r.handErrs, reason), append(r.handN, int32(d.Attempts))
+			r.divertIDs = append(r.divertIDs, ev.ID)
+			r.divertAt = append(r.divertAt, pgtype.Timestamptz{Time: d.At, Valid: !d.At.IsZero()})
+			r.divertErrs, r.divertN = append(r.divertErrs, reason), append(r.divertN, int32(d.Attempts))
 			r.retryIDs, r.retryMS = append(r.retryIDs, ev.ID), append(r.retryMS, max(d.At.Sub(now), 0).Milliseconds())
 			var e *string
 			if reason != "" {
@@ -329,8 +329,8 @@ func (s *Store) SettleStream(ctx context.Context, works []*relay.Work, owner str
 		if len(r.doneIDs) > 0 {
 			steps = append(steps, ids(fmt.Sprintf("mark %d rows done", len(r.doneIDs)), st.done, r.doneIDs))
 		}
-		if len(r.handIDs) > 0 {
-			steps = append(steps, ids(fmt.Sprintf("divert %d rows", len(r.handIDs)), st.divert, r.handIDs, r.handAt, r.handErrs, r.handN))
+		if len(r.divertIDs) > 0 {
+			steps = append(steps, ids(fmt.Sprintf("divert %d rows", len(r.divertIDs)), st.divert, r.divertIDs, r.divertAt, r.divertErrs, r.divertN))
 		}
 		if len(r.deadIDs) > 0 {
 			steps = append(steps, ids(fmt.Sprintf("dead-letter %d rows", len(r.deadIDs)), st.deadLetter, r.deadIDs, r.deadErrs, r.deadN))

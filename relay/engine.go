@@ -285,7 +285,7 @@ func (e *Engine) Drain(ctx context.Context) error {
 // (docs/operations-health.md, "a lost lock"). The sends in flight are
 // cancelled (a request already written stays an unknown outcome); every
 // event not sent yet — queued behind its aggregate, waiting for an inline
-// retry, or handed to a lane from now on — settles as handed to the claim
+// retry, or handed to a lane from now on — settles as diverted to the claim
 // path without being sent, which counts no attempt. Drain then finishes
 // quickly. A graceful stop ends with it too, after Drain: what the drain
 // left unsettled is not sent. Safe to call more than once, before or after

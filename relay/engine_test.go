@@ -270,7 +270,7 @@ func TestEngine_SinkDownOpensCircuit(t *testing.T) {
 }
 
 // TestEngine_BackPressureThenLaneBlockMax: a full lane blocks Submit; a lane
-// blocked longer than lane_block_max hands the event off.
+// blocked longer than lane_block_max diverts the event.
 func TestEngine_BackPressureThenLaneBlockMax(t *testing.T) {
 	store := newFakeStore()
 	release := make(chan struct{})

@@ -34,8 +34,8 @@ type lane struct {
 
 	mu   sync.Mutex
 	busy map[AggregateKey]*aggQueue // aggregates with a pair in flight
-	// diverted holds the aggregates with an event at the claim path (handed
-	// off or held) with the divert sequence number of the latest decision;
+	// diverted holds the aggregates with an event at the claim path (diverted
+	// or held) with the divert sequence number of the latest decision;
 	// unwritten counts such decisions not yet written to the table.
 	// undiverted uses both so that the claim path, which learns from the
 	// table, never clears a mark the table does not show yet.
@@ -125,8 +125,8 @@ func (l *lane) enqueue(ctx context.Context, t *task) {
 		switch {
 		case t.w.path == PathStream && (diverted || !t.w.handOver && l.e.pinnedNow(agg)):
 			// A hand-over's row passes its own pin, not a diversion: an
-			// earlier row of its aggregate is with the claim path (handed
-			// off before, or by this hand-over), or a streamed event was
+			// earlier row of its aggregate is with the claim path (diverted
+			// before, or by this hand-over), or a streamed event was
 			// diverted while the pin held, and the claim path delivers
 			// them all in id order.
 			l.mu.Unlock()

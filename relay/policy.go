@@ -194,8 +194,8 @@ const (
 	DeadLetter
 	// Hold: status held, for a person (dlq list).
 	Hold
-	// Later: the claim path tries again at At (the stream hands the event
-	// off). Attempts counts the attempts so far.
+	// Later: the claim path tries again at At (the stream diverts the
+	// event). Attempts counts the attempts so far.
 	Later
 	// Skip: the event is no longer this path's (the stream met a row it
 	// does not own, or one inserted settled): nothing is written.

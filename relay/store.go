@@ -158,8 +158,8 @@ type StreamStore interface {
 	// visible. It only reads.
 	Gone(ctx context.Context, works []*Work) ([]int64, error)
 
-	// Diverted returns the aggregates with a row at the claim path (handed
-	// off and not settled) or held: the stream hands their later events off
+	// Diverted returns the aggregates with a row at the claim path (diverted
+	// and not settled) or held: the stream diverts their later events
 	// too.
 	Diverted(ctx context.Context) ([]AggregateKey, error)
 }

@@ -160,7 +160,7 @@ max_attempts used up; they do not block their aggregate) and held (the outcome o
 unknown and the sink has on_unknown: hold; they block their aggregate until a person decides).
 
   list     show them, with each sink's ledger state
-  retry    make them deliverable again: status pending, attempts 0, due now, handed to the claim
+  retry    make them deliverable again: status pending, attempts 0, due now, diverted to the claim
            path; their ledger rows that are not 'delivered' are cleared (every sink, or --sink)
   discard  settle them without delivery: status discarded, last_error kept
 

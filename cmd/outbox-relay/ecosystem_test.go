@@ -283,7 +283,7 @@ func TestTraceContext_EndToEnd(t *testing.T) {
 			len(hook.requests("five-args")) == 1 && len(messagesOf(t, s.nats, "traced")) == 1 &&
 			len(messagesOf(t, s.nats, "bad-trace")) == 1 && len(messagesOf(t, s.nats, "untraced")) == 1
 	})
-	// The retry was the claim path's: the stream handed the event off.
+	// The retry was the claim path's: the stream diverted the event.
 	if n := s.scalar(t, "SELECT count(*) FROM integration_outbox WHERE event_key = 'traced' AND handoff_at IS NOT NULL"); n != 1 {
 		t.Fatalf("the traced event was not diverted to the claim path (%d)", n)
 	}

@@ -110,7 +110,7 @@ func TestNoStall_ConnectionDropUnderBackPressure(t *testing.T) {
 		return 204
 	})
 	// lane_block_max keeps decoding waiting on the full lane instead of
-	// handing events off after 2 s, so the drop surely lands while it waits.
+	// diverting events after 2 s, so the drop surely lands while it waits.
 	cfg := s.configFileWith(t, "    concurrency: 2", "")
 	replaceInFile(t, cfg, "delivery:\n", "delivery:\n  lane_block_max: 5m\n")
 	s.startInProcess(t, cfg)

@@ -12,7 +12,7 @@ func newReconcileCommand(g *globals) *cobra.Command {
 	var olderThan durationFlag
 	cmd := &cobra.Command{
 		Use:   "reconcile --older-than D",
-		Short: "Hand long-pending rows the stream will never deliver to the claim path",
+		Short: "Divert long-pending rows the stream will never deliver to the claim path",
 		Long: `Reconcile marks rows that are still pending, not diverted, and older than --older-than
 for the claim path. Use it when the sweep_after alarm names rows never streamed: the slot was
 dropped and recreated by someone else while the relay was down, and the rows it skipped are never

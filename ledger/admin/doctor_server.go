@@ -284,10 +284,10 @@ func (d *diagnosis) schema(ctx context.Context) bool {
 			return true
 		}
 		if !replays {
-			d.add(Fail, "schema", fmt.Sprintf("%s lacks the replays column of migration %d", t.Outbox, latest), migrate)
+			d.add(Fail, "schema", fmt.Sprintf("%s lacks the replays column of migration 006: migrate has not run to the end", t.Outbox), migrate)
 			return true
 		}
-		d.add(OK, "schema", fmt.Sprintf("%s has the columns of migration %d (this role cannot read %s)", t.Outbox, latest, vt), "")
+		d.add(OK, "schema", fmt.Sprintf("%s has the replays column of migration 006 (this role cannot read %s, so whether migration %d ran is for run to check)", t.Outbox, vt, latest), "")
 	case err != nil:
 		d.add(Fail, "schema", fmt.Sprintf("read %s: %v", vt, err), "")
 	case version < latest:

@@ -119,7 +119,7 @@ type stuckWait struct {
 	// neverStreamed: committed before the session began, which the stream
 	// has decoded past, and not in flight: the slot was made after them
 	// (dropped and made again while the relay was down). Only reconcile
-	// hands them to the claim path.
+	// diverts them to the claim path.
 	neverStreamed int
 }
 

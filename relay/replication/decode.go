@@ -150,7 +150,7 @@ func (d *decoder) submit(ctx context.Context) error {
 // the payload among them, are slices of that copy) and read by the
 // decoder's tupleReader, where pglogrepl makes two allocations per column:
 // a single-event transaction allocates nothing on its way to the consumer
-// but the event itself (docs/performance.md, "Diversions"). FuzzParseItem
+// but the event itself (docs/performance.md, "Between goroutines"). FuzzParseItem
 // and FuzzDecodeMessages check that they read as pglogrepl reads them.
 func parseItem(data []byte) (streamItem, error) {
 	it := streamItem{size: int64(len(data))}
@@ -433,7 +433,7 @@ func (r *relation) timestamp(t *pglogrepl.TupleData, c int) (time.Time, error) {
 	// data is a slice of the tuple's copy, which nothing writes, and the
 	// string does not outlive this call: read in place rather than copied
 	// into a string that time.Parse's error makes escape
-	// (docs/performance.md, "Diversions").
+	// (docs/performance.md, "Between goroutines").
 	ts, err := parseTimestamptz(unsafe.String(unsafe.SliceData(data), len(data)))
 	if err != nil {
 		return time.Time{}, r.errorf(c, "%v", err)
@@ -468,7 +468,7 @@ func (r *relation) event(t *pglogrepl.TupleData) (*relay.Event, error) {
 
 	// The text columns are copied into one string, and the nullable ones
 	// point into the event's own allocation: two allocations for five
-	// values (docs/performance.md, "Diversions").
+	// values (docs/performance.md, "Between goroutines").
 	var texts [len(textCols)][]byte
 	var nulls [len(textCols)]bool
 	size := 0

@@ -139,7 +139,7 @@ func outboxRow(set map[string]tupleValue) []tupleValue {
 // transaction (Begin, Insert, Commit) goes through the stream's parser and
 // decoder allocating only what the event keeps: the copy of the tuple (its
 // payload is a slice of it), the event and its text values
-// (docs/performance.md, "Diversions"). pglogrepl allocates the Begin, the
+// (docs/performance.md, "Between goroutines"). pglogrepl allocates the Begin, the
 // Commit, the Insert and two objects per column; FuzzParseItem and
 // FuzzDecodeMessages check that both read the same.
 func TestSingleEventTransactionAllocatesOnlyItsEvent(t *testing.T) {
@@ -224,7 +224,7 @@ func TestDecoderBatchesByBytes(t *testing.T) {
 // BenchmarkDecodeEvent: the allocations and time of one single-row
 // transaction's way through the parser and the decoder (Begin, Insert,
 // Commit), as the stream sees it at a steady rate (docs/performance.md,
-// "Diversions").
+// "Between goroutines").
 func BenchmarkDecodeEvent(b *testing.B) {
 	payload := `{"order_id": "` + strings.Repeat("x", 280) + `"}`
 	row := make([]tupleValue, len(outboxColumns))

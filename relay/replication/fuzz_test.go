@@ -405,7 +405,7 @@ func show(s *string) string {
 }
 
 // FuzzParseItem: the stream reads a Begin and a Commit into its own items,
-// not pglogrepl's messages (docs/performance.md, "Diversions"); it must read
+// not pglogrepl's messages (docs/performance.md, "Between goroutines"); it must read
 // the same values as pglogrepl, and refuse what pglogrepl refuses.
 func FuzzParseItem(f *testing.F) {
 	f.Add(beginMessage(finalLSN, commitTime, 7))

@@ -225,6 +225,6 @@ func (s *Source) dropAfterFailedHandOver(rconn *pgconn.PgConn) {
 	}
 	if err != nil {
 		s.log.Error().Err(err).Msg("could not drop the replication slot after a failed hand-over: rows pending at its creation " +
-			"will not be streamed; they raise the sweep_after alarm, and outbox-relay reconcile hands them to the claim path")
+			"will not be streamed; they raise the sweep_after alarm, and outbox-relay reconcile diverts them to the claim path")
 	}
 }

@@ -16,7 +16,7 @@ import (
 // about what the event keeps (its tuple's copy, the event, its texts):
 // not a context watch per message read (pgconn's, three allocations each,
 // about three messages per transaction), nor pglogrepl's Begin, Commit and
-// per-column objects (docs/performance.md, "Diversions").
+// per-column objects (docs/performance.md, "Between goroutines").
 // TestSingleEventTransactionAllocatesOnlyItsEvent counts the decoder's
 // exactly; this one counts the whole process while the session runs.
 func TestStreamAllocatesPerTransactionOnlyItsEvent(t *testing.T) {

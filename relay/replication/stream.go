@@ -33,7 +33,7 @@ import (
 //     included, on the channel: a transaction's messages go together once
 //     its Commit is read (or flushLen of them, in a large one), so that
 //     the decoder wakes once per transaction rather than once per message
-//     (docs/performance.md, "Diversions"). When a status update is due it asks
+//     (docs/performance.md, "Between goroutines"). When a status update is due it asks
 //     Consumer.Settled for the position, writes the checkpoint when the
 //     acknowledgement passes events, and sends the update. When the queue
 //     is full (queueLen messages or queueBytes of pgoutput data) it waits
@@ -371,7 +371,7 @@ func silentLimit(senderTimeout time.Duration) time.Duration {
 // when the session ends, through the connection's read deadline: set once
 // per status period, where a read under a context costs pgconn a context
 // watch per message (an AfterFunc and a channel, three allocations;
-// docs/performance.md, "Diversions"). A read that times out leaves the
+// docs/performance.md, "Between goroutines"). A read that times out leaves the
 // connection intact: pgconn keeps what it had read of a message. The mutex
 // keeps set from undoing interrupt.
 type readDeadline struct {

@@ -340,7 +340,7 @@ func (s *memStores) ExtendLeases(context.Context, []int64, string) error { retur
 // transaction each, to an engine whose only route is s, waits until every
 // event is settled, and returns each event's decision by id. Events i and
 // i+17 share an aggregate, so the engine's per-aggregate order applies. The
-// stream retries a failed event in memory three times before handing it off.
+// stream retries a failed event in memory three times before diverting it.
 func StreamThroughEngine(t *testing.T, s relay.Sink, n int) map[int64]relay.DecisionKind {
 	t.Helper()
 	stores := &memStores{done: map[int64]relay.DecisionKind{}}

@@ -6,8 +6,8 @@
 // A term, in replication and auto modes, begins when this relay takes the
 // slot's leader lock and ends when ctx ends or the lock is lost. It runs
 // phases one after another, each on a fresh engine: the stream
-// (relay/replication) beside the claim path for the rows the stream hands
-// off (relay/claim); in auto mode, while replication is impossible, the
+// (relay/replication) beside the claim path for the rows the stream
+// diverts (relay/claim); in auto mode, while replication is impossible, the
 // claim path over every due row, trying to return to replication every
 // ReplicationRetry. A phase stops in this order: the engine stops retrying
 // in memory; the sources stop taking events (the claim path waits for the

@@ -118,7 +118,7 @@ func (s *Sink) connect(url string, extra []nats.Option, retry bool) error {
 		nats.ReconnectWait(500 * time.Millisecond),
 		nats.RetryOnFailedConnect(retry),
 		// Fail publishes while disconnected instead of buffering them:
-		// Send reports SinkDown and the engine hands the event off.
+		// Send reports SinkDown and the engine diverts the event.
 		nats.ReconnectBufSize(-1),
 		// A connection that went silent (a black-holed route, a dead NAT
 		// entry, a peer that vanished without a RST) stays CONNECTED until

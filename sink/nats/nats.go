@@ -169,7 +169,7 @@ type Sink struct {
 	closing chan struct{}  // closed by Close: stop accepting
 	// pending holds the publishes awaiting their outcome, by message: the
 	// client's ack and error handlers complete them on its own goroutines
-	// (docs/performance.md, "Diversions"); completing counts those taken
+	// (docs/performance.md, "Between goroutines"); completing counts those taken
 	// whose done has not returned. drained is closed once the sink is
 	// closed and neither has any.
 	pending    map[*nats.Msg]inflight

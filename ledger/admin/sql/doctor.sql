@@ -28,8 +28,8 @@ SELECT to_regclass($1) IS NOT NULL;
 SELECT version FROM {{.Versions}};
 
 -- name: DoctorHasReplaysColumn
--- Whether table $1 (a quoted name) has the replays column, the latest
--- migration's, for a role that cannot read the version table.
+-- Whether table $1 (a quoted name) has the replays column (migration 006),
+-- for a role that cannot read the version table.
 SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1)
                AND attname = 'replays' AND NOT attisdropped);
 
