@@ -97,26 +97,9 @@ func openSinks(ctx context.Context, cfg *config.Config, scope msgIDScope, log ze
 			sink = s
 		case config.SinkNATS:
 			n := sc.NATS
-			var opts []nats.Option
-			if n.CredsFile != "" {
-				opts = append(opts, nats.UserCredentials(n.CredsFile))
-			}
-			if n.NkeyFile != "" {
-				opt, err := nats.NkeyOptionFromSeed(n.NkeyFile)
-				if err != nil {
-					return routes, fmt.Errorf("sinks[%d] (%s): nkey_file: %w", i, sc.Name, err)
-				}
-				opts = append(opts, opt)
-			}
-			if tok := n.Token.Reveal(); tok != "" {
-				opts = append(opts, nats.Token(tok))
-			}
-			tlsConfig, err := sc.TLS.ClientConfig()
+			opts, err := natsClientOptions(sc)
 			if err != nil {
-				return routes, fmt.Errorf("sinks[%d] (%s): tls.%w", i, sc.Name, err)
-			}
-			if tlsConfig != nil {
-				opts = append(opts, nats.Secure(tlsConfig))
+				return routes, fmt.Errorf("sinks[%d] (%s): %w", i, sc.Name, err)
 			}
 			dep, err := scope.deployment(i, sc)
 			if err != nil {
@@ -188,4 +171,31 @@ func firstOr(list []string, def string) string {
 		return list[0]
 	}
 	return def
+}
+
+// natsClientOptions are the credentials and TLS a NATS sink connects with.
+func natsClientOptions(sc config.SinkConfig) ([]nats.Option, error) {
+	n := sc.NATS
+	var opts []nats.Option
+	if n.CredsFile != "" {
+		opts = append(opts, nats.UserCredentials(n.CredsFile))
+	}
+	if n.NkeyFile != "" {
+		opt, err := nats.NkeyOptionFromSeed(n.NkeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("nkey_file: %w", err)
+		}
+		opts = append(opts, opt)
+	}
+	if tok := n.Token.Reveal(); tok != "" {
+		opts = append(opts, nats.Token(tok))
+	}
+	tlsConfig, err := sc.TLS.ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("tls.%w", err)
+	}
+	if tlsConfig != nil {
+		opts = append(opts, nats.Secure(tlsConfig))
+	}
+	return opts, nil
 }

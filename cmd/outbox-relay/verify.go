@@ -11,7 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/nats-io/nats.go"
 	"github.com/rs/zerolog"
 	"github.com/spf13/cobra"
 
@@ -290,33 +289,6 @@ func openStreams(ctx context.Context, db admin.DB, t admin.Tables, o *admin.Veri
 		o.Sinks[i].Stream = audit
 	}
 	return closeAll, notes, nil
-}
-
-// natsClientOptions are the credentials and TLS a NATS sink connects with.
-func natsClientOptions(sc config.SinkConfig) ([]nats.Option, error) {
-	n := sc.NATS
-	var opts []nats.Option
-	if n.CredsFile != "" {
-		opts = append(opts, nats.UserCredentials(n.CredsFile))
-	}
-	if n.NkeyFile != "" {
-		opt, err := nats.NkeyOptionFromSeed(n.NkeyFile)
-		if err != nil {
-			return nil, fmt.Errorf("nkey_file: %w", err)
-		}
-		opts = append(opts, opt)
-	}
-	if tok := n.Token.Reveal(); tok != "" {
-		opts = append(opts, nats.Token(tok))
-	}
-	tlsConfig, err := sc.TLS.ClientConfig()
-	if err != nil {
-		return nil, fmt.Errorf("tls.%w", err)
-	}
-	if tlsConfig != nil {
-		opts = append(opts, nats.Secure(tlsConfig))
-	}
-	return opts, nil
 }
 
 // parseIDRanges reads --ids: comma-separated ids and ranges ("5-9").
